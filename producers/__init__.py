@@ -1,0 +1,1 @@
+"""Dataset readers, the prompt producer and the dispatcher."""

@@ -1,0 +1,302 @@
+"""The dispatcher: prompt events in, inference requests out, completions back.
+
+Contract, per prompt read from the prompts topic:
+  * undecodable           -> dead-letter topic
+  * dataset halted        -> ``PromptSkipped`` (checked when its turn comes, right
+                             before the request is sent, and before each retry)
+  * generated             -> ``CompletionEvent`` with the server's own token counts
+  * failed after retries  -> ``PromptFailed`` plus a dead-letter event with the reason
+Its offset is committed only after that outcome is acknowledged by Kafka, so a
+crash re-dispatches unfinished prompts and never loses one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import httpx
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
+
+from producers.halts import BudgetBoard
+from producers.inference import (
+    GenerationRequest,
+    InferenceBackend,
+    RetryPolicy,
+    Timeouts,
+    make_backend,
+)
+from producers.offsets import OffsetTracker
+from sinks import metrics
+from streams import events as ev
+from streams.topics import Topics
+from tokenbudget.config import Config
+from tokenbudget.errors import EventDecodeError, InferenceError
+from tokenbudget.kafka import aiokafka_options
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Dispatched:
+    dataset: str
+    rid: str
+    sent_at: float
+
+
+@dataclass
+class DispatchReport:
+    completed: int = 0
+    skipped: int = 0
+    failed: int = 0
+    dead_lettered: int = 0
+    sent: list[Dispatched] = field(default_factory=list)
+
+
+class _CommitOnRevoke(ConsumerRebalanceListener):  # type: ignore[misc]
+    def __init__(self, dispatcher: Dispatcher) -> None:
+        self.dispatcher = dispatcher
+
+    async def on_partitions_revoked(self, revoked: list[TopicPartition]) -> None:
+        await self.dispatcher.commit()
+        for tp in revoked:
+            self.dispatcher.tracker.forget(tp.topic, tp.partition)
+
+    async def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
+        return None
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        config: Config,
+        bootstrap: str,
+        board: BudgetBoard,
+        *,
+        backend_factory: Callable[[httpx.AsyncClient], InferenceBackend] | None = None,
+        keep_log: bool = False,
+    ) -> None:
+        self.config = config
+        self.bootstrap = bootstrap
+        self.board = board
+        self.topics = Topics(config.kafka.namespace)
+        self.tracker = OffsetTracker()
+        self.report = DispatchReport()
+        self.keep_log = keep_log
+        inference = config.inference
+        self.retry = RetryPolicy(inference.retries, inference.backoff_s, inference.backoff_max_s)
+        self.timeouts = Timeouts(inference.connect_timeout_s, inference.read_timeout_s)
+        self._backend_factory = backend_factory or (
+            lambda client: make_backend(inference.api, client, inference.url, inference.model)
+        )
+        self._consumer: AIOKafkaConsumer | None = None
+        self._producer: AIOKafkaProducer | None = None
+        self._slots = asyncio.Semaphore(inference.concurrency)
+
+    @property
+    def group_id(self) -> str:
+        return f"{self.topics.namespace}-dispatch"
+
+    async def commit(self) -> None:
+        offsets = self.tracker.committable()
+        if self._consumer is None or not offsets:
+            return
+        assigned = self._consumer.assignment()
+        to_commit = {
+            TopicPartition(topic, partition): offset
+            for (topic, partition), offset in offsets.items()
+            if TopicPartition(topic, partition) in assigned
+        }
+        if to_commit:
+            with contextlib.suppress(Exception):  # retried on the next tick
+                await self._consumer.commit(to_commit)
+
+    async def run(self, stop: asyncio.Event) -> DispatchReport:
+        consumer = AIOKafkaConsumer(
+            **aiokafka_options(self.bootstrap),
+            group_id=self.group_id,
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+            max_poll_records=self.config.inference.concurrency,
+            fetch_max_wait_ms=100,
+        )
+        consumer.subscribe([self.topics.prompts], listener=_CommitOnRevoke(self))
+        producer = AIOKafkaProducer(
+            **aiokafka_options(self.bootstrap),
+            acks="all",
+            linger_ms=2,
+            max_request_size=8 * 1024 * 1024,
+        )
+        await producer.start()
+        await consumer.start()
+        self._consumer, self._producer = consumer, producer
+        limits = httpx.Limits(
+            max_connections=self.config.inference.concurrency + 8,
+            max_keepalive_connections=self.config.inference.concurrency + 8,
+        )
+        tasks: set[asyncio.Task[None]] = set()
+        committer = asyncio.create_task(self._commit_every(0.5))
+        try:
+            async with httpx.AsyncClient(timeout=self.timeouts.to_httpx(), limits=limits) as client:
+                backend = self._backend_factory(client)
+                while not stop.is_set():
+                    batches = await consumer.getmany(
+                        timeout_ms=200, max_records=self.config.inference.concurrency
+                    )
+                    for tp, records in batches.items():
+                        for record in records:
+                            self.tracker.started(tp.topic, tp.partition, record.offset)
+                            await self._slots.acquire()
+                            task = asyncio.create_task(self._handle(backend, record))
+                            tasks.add(task)
+                            task.add_done_callback(tasks.discard)
+                # Graceful stop: finish what was started, then commit it.
+                if tasks:
+                    await asyncio.gather(*tasks, return_exceptions=True)
+        finally:
+            committer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await committer
+            await self.commit()
+            await consumer.stop()
+            await producer.stop()
+            self._consumer = self._producer = None
+        return self.report
+
+    async def _commit_every(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            await self.commit()
+
+    async def _handle(self, backend: InferenceBackend, record: object) -> None:
+        topic = record.topic  # type: ignore[attr-defined]
+        partition = record.partition  # type: ignore[attr-defined]
+        offset = record.offset  # type: ignore[attr-defined]
+        try:
+            try:
+                prompt = ev.decode(record.value)  # type: ignore[attr-defined]
+                if not isinstance(prompt, ev.PromptEvent):
+                    raise EventDecodeError(f"expected a prompt, got {type(prompt).__name__}")
+            except EventDecodeError as exc:
+                await self._dead_letter(str(exc), record)
+                return
+            await self._dispatch(backend, prompt)
+        except Exception:
+            # Nothing was published for this prompt: leave its offset uncommitted
+            # so it is dispatched again after a restart, and say so.
+            log.exception("prompt at %s[%d]@%d not settled", topic, partition, offset)
+            return
+        finally:
+            self._slots.release()
+        self.tracker.finished(topic, partition, offset)
+
+    async def _dispatch(self, backend: InferenceBackend, prompt: ev.PromptEvent) -> None:
+        assert self._producer is not None
+        attempts = 0
+        last_error: InferenceError | None = None
+        max_new = prompt.sampling.max_new_tokens or self.config.inference.max_new_tokens
+        while attempts <= self.retry.retries:
+            if self.board.is_halted(prompt.dataset):
+                await self._skip(prompt, "budget reached")
+                return
+            attempts += 1
+            rid = uuid.uuid4().hex
+            request = GenerationRequest(
+                rid=rid,
+                max_new_tokens=max_new,
+                text=prompt.text,
+                messages=prompt.messages,
+                temperature=prompt.sampling.temperature,
+            )
+            sent_at = time.time()
+            if self.keep_log:
+                self.report.sent.append(Dispatched(prompt.dataset, rid, sent_at))
+            metrics.IN_FLIGHT.inc()
+            try:
+                result = await backend.generate(request)
+            except InferenceError as exc:
+                last_error = exc
+                metrics.INFERENCE_ERRORS.labels(kind=type(exc).__name__).inc()
+                log.warning("%s attempt %d failed: %s", prompt.prompt_id, attempts, exc)
+                if not exc.retryable:
+                    break
+                if attempts <= self.retry.retries:
+                    await asyncio.sleep(self.retry.delay(attempts))
+                continue
+            finally:
+                metrics.IN_FLIGHT.dec()
+            finished_at = time.time()
+            metrics.REQUEST_LATENCY.observe(finished_at - sent_at)
+            completion = ev.CompletionEvent(
+                request_id=rid,
+                prompt_id=prompt.prompt_id,
+                dataset=prompt.dataset,
+                prompt_tokens=result.prompt_tokens,
+                completion_tokens=result.completion_tokens,
+                output_ids=result.output_ids,
+                finish_reason=result.finish_reason,
+                max_new_tokens=max_new,
+                text=result.text,
+                attempts=attempts,
+                dispatched_at=sent_at,
+                first_token_at=result.first_token_at,
+                finished_at=finished_at,
+            )
+            await self._producer.send_and_wait(
+                self.topics.completions, key=prompt.dataset.encode(), value=ev.encode(completion)
+            )
+            metrics.EVENTS_PRODUCED.labels(topic="completions").inc()
+            self.report.completed += 1
+            return
+        reason = f"gave up after {attempts} attempt(s): {last_error}"
+        failed = ev.PromptFailed(
+            prompt_id=prompt.prompt_id,
+            dataset=prompt.dataset,
+            reason=reason,
+            attempts=attempts,
+            at=time.time(),
+        )
+        letter = ev.dead_letter(reason, source_topic=self.topics.prompts, payload=ev.encode(prompt))
+        await self._producer.send_and_wait(
+            self.topics.dead_letter, key=prompt.dataset.encode(), value=ev.encode(letter)
+        )
+        await self._producer.send_and_wait(
+            self.topics.outcomes, key=prompt.dataset.encode(), value=ev.encode(failed)
+        )
+        self.report.failed += 1
+        metrics.DEAD_LETTERED.labels(topic="prompts").inc()
+
+    async def _skip(self, prompt: ev.PromptEvent, reason: str) -> None:
+        assert self._producer is not None
+        skipped = ev.PromptSkipped(
+            prompt_id=prompt.prompt_id, dataset=prompt.dataset, reason=reason, at=time.time()
+        )
+        await self._producer.send_and_wait(
+            self.topics.outcomes, key=prompt.dataset.encode(), value=ev.encode(skipped)
+        )
+        self.report.skipped += 1
+        metrics.SKIPPED_PROMPTS.labels(dataset=prompt.dataset).inc()
+
+    async def _dead_letter(self, reason: str, record: object) -> None:
+        assert self._producer is not None
+        letter = ev.dead_letter(
+            reason,
+            source_topic=record.topic,  # type: ignore[attr-defined]
+            payload=record.value,  # type: ignore[attr-defined]
+            partition=record.partition,  # type: ignore[attr-defined]
+            offset=record.offset,  # type: ignore[attr-defined]
+            key=record.key,  # type: ignore[attr-defined]
+        )
+        await self._producer.send_and_wait(
+            self.topics.dead_letter,
+            key=record.key,
+            value=ev.encode(letter),  # type: ignore[attr-defined]
+        )
+        self.report.dead_lettered += 1
+        metrics.DEAD_LETTERED.labels(topic="prompts").inc()
+        log.warning("dead-lettered a prompt event: %s", reason)

@@ -1,0 +1,1 @@
+"""Parquet sink, Prometheus metrics and replay."""

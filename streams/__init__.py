@@ -1,0 +1,1 @@
+"""Topics, event schemas and the Faust budget ledger."""

@@ -1,0 +1,89 @@
+"""Every Kafka topic tokenbudget uses, with its partitions and configs.
+
+Topics are created up front (the broker runs with ``auto.create.topics.enable=false``)
+because Faust does not consume a topic that appears after its worker started, and
+raises PartitionsMismatch when a source topic and its table changelog differ in
+partition count. All keyed topics share ``PARTITIONS`` so the ledger tables are
+co-partitioned with every stream the ledger reads.
+
+Every name hangs off a namespace (``[kafka] namespace``), so several independent
+jobs, or the tests, can share one broker without seeing each other's events.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+PARTITIONS = 4
+DEFAULT_NAMESPACE = "tokenbudget"
+
+LEDGER_TABLE = "ledger"
+OUTCOME_TABLE = "outcomes"
+
+_KEEP_FOREVER = {"retention.ms": "-1", "retention.bytes": "-1"}
+_LARGE_MESSAGES = {"max.message.bytes": "8388608"}
+
+
+@dataclass(frozen=True)
+class TopicSpec:
+    name: str
+    partitions: int = PARTITIONS
+    configs: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Topics:
+    """The topic names of one namespace."""
+
+    namespace: str = DEFAULT_NAMESPACE
+
+    @property
+    def prompts(self) -> str:
+        return f"{self.namespace}.prompts"
+
+    @property
+    def completions(self) -> str:
+        return f"{self.namespace}.completions"
+
+    @property
+    def budgets(self) -> str:
+        """Budget control: set by users, exceeded/raised and snapshots by the ledger."""
+        return f"{self.namespace}.budgets"
+
+    @property
+    def outcomes(self) -> str:
+        """Prompts that ended without a completion (skipped, failed) and producer progress."""
+        return f"{self.namespace}.outcomes"
+
+    @property
+    def dead_letter(self) -> str:
+        return f"{self.namespace}.deadletter"
+
+    @property
+    def ledger_app_id(self) -> str:
+        return f"{self.namespace}-ledger"
+
+    def changelog(self, table: str) -> str:
+        """Faust's name for a table's changelog topic."""
+        return f"{self.ledger_app_id}-{table}-changelog"
+
+    def specs(self, *, prompt_retention_ms: int = 7 * 24 * 3600 * 1000) -> list[TopicSpec]:
+        """The topics to create before any worker starts.
+
+        Completions and budget events are the record of what the GPUs produced and
+        are kept forever so they can be replayed; prompts can be regenerated from
+        the datasets, so they expire.
+        """
+        return [
+            TopicSpec(self.prompts, configs={"retention.ms": str(prompt_retention_ms)}),
+            TopicSpec(self.completions, configs={**_KEEP_FOREVER, **_LARGE_MESSAGES}),
+            TopicSpec(self.budgets, configs=dict(_KEEP_FOREVER)),
+            TopicSpec(self.outcomes, configs=dict(_KEEP_FOREVER)),
+            TopicSpec(self.dead_letter, configs={**_KEEP_FOREVER, **_LARGE_MESSAGES}),
+            TopicSpec(self.changelog(LEDGER_TABLE), configs={"cleanup.policy": "compact"}),
+            TopicSpec(self.changelog(OUTCOME_TABLE), configs={"cleanup.policy": "compact"}),
+        ]
+
+
+def topic_specs(namespace: str = DEFAULT_NAMESPACE) -> list[TopicSpec]:
+    return Topics(namespace).specs()

@@ -1,0 +1,3 @@
+from tokenbudget.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,944 @@
+"""A real Apache Kafka broker for the local pipeline, started from Maven jars (no Docker).
+
+One JVM runs Kafka in KRaft combined mode (broker and controller, ``node.id=1``,
+static quorum) on 127.0.0.1. The jars come from Maven Central through
+``infra/kafka/pom.xml`` and are cached outside the repository; the broker's state
+lives in ``BrokerSettings.home``::
+
+    home/
+      data/                 log.dirs (formatted once by kafka.tools.StorageTool)
+      server.properties     rendered from infra/kafka/server.properties.template
+      log4j2.properties     copied from infra/kafka/log4j2.properties
+      cluster.id            the cluster id the storage was formatted with
+      format.json           ... and the Kafka version that formatted it
+      broker.pid            pid of the running JVM
+      broker.json           what the running JVM was started with (version, ports)
+      broker.log            the JVM's stdout+stderr (broker.log.1 = previous run)
+
+``up`` is idempotent and returns the bootstrap address once a metadata request
+succeeds (an open port is not readiness). The JVM is detached (own session), so it
+outlives the Python process that started it; ``down`` stops it.
+
+    python -m tokenbudget.broker up|status|down|wipe
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import string
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from streams.topics import TopicSpec, topic_specs
+from tokenbudget.errors import BrokerError, ConfigError
+
+log = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_KAFKA_VERSION = "4.1.1"
+
+_PID_FILE = "broker.pid"
+_STATE_FILE = "broker.json"
+_LOG_FILE = "broker.log"
+_PROPS_FILE = "server.properties"
+_LOG4J_FILE = "log4j2.properties"
+_CLUSTER_ID_FILE = "cluster.id"
+_FORMAT_FILE = "format.json"
+_LOCK_FILE = ".lock"
+_DATA_DIR = "data"
+_MARKER_FILE = "complete.json"
+# Everything ``up`` may create in home; ``wipe`` refuses to delete anything else.
+_HOME_ENTRIES = {
+    _PID_FILE,
+    _STATE_FILE,
+    _LOG_FILE,
+    _LOG_FILE + ".1",
+    _PROPS_FILE,
+    _LOG4J_FILE,
+    _CLUSTER_ID_FILE,
+    _FORMAT_FILE,
+    _LOCK_FILE,
+    _DATA_DIR,
+}
+_MAIN_CLASS = "kafka.Kafka"
+_STORAGE_TOOL = "kafka.tools.StorageTool"
+
+# Popen objects of brokers this process started, kept so they are reaped (no zombie,
+# no "subprocess still running" warning) while this process lives.
+_CHILDREN: dict[int, subprocess.Popen[bytes]] = {}
+
+
+def _default_home() -> Path:
+    env = os.environ.get("TOKENBUDGET_HOME")
+    if env:
+        return Path(env).expanduser()
+    return Path.home() / ".cache" / "tokenbudget" / "broker"
+
+
+def _default_jars_root() -> Path:
+    env = os.environ.get("TOKENBUDGET_JARS")
+    if env:
+        return Path(env).expanduser()
+    return Path.home() / ".cache" / "tokenbudget"
+
+
+@dataclass(frozen=True)
+class BrokerSettings:
+    """Where and how the local broker runs.
+
+    ``home`` holds the broker's state (see the module docstring); ``jars_root`` the
+    jar cache shared by all homes (``<jars_root>/kafka-<version>/libs``).
+    """
+
+    home: Path = field(default_factory=_default_home)
+    port: int = 9092
+    controller_port: int = 9093
+    kafka_version: str = DEFAULT_KAFKA_VERSION
+    heap_mb: int = 768
+    jars_root: Path = field(default_factory=_default_jars_root)
+
+    @property
+    def bootstrap(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def libs_dir(self) -> Path:
+        return self.jars_root / f"kafka-{self.kafka_version}" / "libs"
+
+    @property
+    def major_version(self) -> int:
+        try:
+            return int(self.kafka_version.split(".", 1)[0])
+        except ValueError:
+            raise ConfigError(
+                "kafka_version", f"'{self.kafka_version}' is not a Kafka version like 4.1.1"
+            ) from None
+
+    @classmethod
+    def from_env(cls) -> BrokerSettings:
+        """Settings from TOKENBUDGET_HOME, TOKENBUDGET_KAFKA_PORT,
+        TOKENBUDGET_KAFKA_CONTROLLER_PORT, TOKENBUDGET_KAFKA_VERSION (and
+        TOKENBUDGET_JARS for the jar cache); unset variables keep the defaults."""
+        kwargs: dict[str, Any] = {}
+        for env, key in (
+            ("TOKENBUDGET_KAFKA_PORT", "port"),
+            ("TOKENBUDGET_KAFKA_CONTROLLER_PORT", "controller_port"),
+        ):
+            raw = os.environ.get(env)
+            if raw:
+                try:
+                    value = int(raw)
+                except ValueError:
+                    raise ConfigError(env, f"'{raw}' is not a port number", source="env") from None
+                if not 0 < value < 65536:
+                    raise ConfigError(env, f"{value} is not a port number", source="env")
+                kwargs[key] = value
+        version = os.environ.get("TOKENBUDGET_KAFKA_VERSION")
+        if version:
+            kwargs["kafka_version"] = version
+        return cls(**kwargs)
+
+
+@dataclass(frozen=True)
+class BrokerStatus:
+    running: bool
+    pid: int | None
+    bootstrap: str
+    ready: bool
+    kafka_version: str
+
+
+# --------------------------------------------------------------------------- files
+
+
+def _infra_dirs() -> list[Path]:
+    dirs = []
+    env = os.environ.get("TOKENBUDGET_POM")
+    if env:
+        dirs.append(Path(env).expanduser().resolve().parent)
+    dirs.append(REPO_ROOT / "infra" / "kafka")
+    return dirs
+
+
+def pom_path() -> Path:
+    """The pom that lists the broker's jars: $TOKENBUDGET_POM or infra/kafka/pom.xml."""
+    env = os.environ.get("TOKENBUDGET_POM")
+    path = Path(env).expanduser() if env else REPO_ROOT / "infra" / "kafka" / "pom.xml"
+    if not path.is_file():
+        raise BrokerError(
+            f"Kafka pom not found at {path}; set TOKENBUDGET_POM to infra/kafka/pom.xml "
+            "of a tokenbudget checkout"
+        )
+    return path
+
+
+def _infra_file(name: str) -> Path:
+    for directory in _infra_dirs():
+        if (directory / name).is_file():
+            return directory / name
+    where = " or ".join(str(d / name) for d in _infra_dirs())
+    raise BrokerError(f"{name} not found at {where}; set TOKENBUDGET_POM to infra/kafka/pom.xml")
+
+
+def render_properties(settings: BrokerSettings, template: str | None = None) -> str:
+    """The broker's server.properties for ``settings``.
+
+    Share-coordinator settings (KIP-932) exist only from Kafka 4.0 and are emitted
+    only for major version >= 4.
+    """
+    if template is None:
+        template = _infra_file("server.properties.template").read_text()
+    if settings.major_version >= 4:
+        extra = (
+            "# Share groups' state topic (Kafka 4.x), one node.\n"
+            "share.coordinator.state.topic.replication.factor=1\n"
+            "share.coordinator.state.topic.min.isr=1\n"
+        )
+    else:
+        extra = "# Kafka 3.x: no share-coordinator settings.\n"
+    try:
+        return string.Template(template).substitute(
+            port=settings.port,
+            controller_port=settings.controller_port,
+            log_dirs=str(settings.home.resolve() / _DATA_DIR),
+            version_specific=extra,
+        )
+    except (KeyError, ValueError) as exc:
+        raise BrokerError(f"server.properties.template has a bad placeholder: {exc}") from exc
+
+
+def _jvm_logging_flags(settings: BrokerSettings) -> list[str]:
+    return [f"-Dlog4j2.configurationFile={settings.home.resolve() / _LOG4J_FILE}"]
+
+
+def broker_command(settings: BrokerSettings, java: str = "java") -> list[str]:
+    """The command line of the broker JVM (what kafka-server-start.sh would run)."""
+    home = settings.home.resolve()
+    return [
+        java,
+        f"-Xmx{settings.heap_mb}m",
+        f"-Xms{settings.heap_mb}m",
+        "-XX:+UseG1GC",
+        "-XX:MaxGCPauseMillis=20",
+        "-XX:InitiatingHeapOccupancyPercent=35",
+        "-XX:+ExplicitGCInvokesConcurrent",
+        "-Djava.awt.headless=true",
+        *_jvm_logging_flags(settings),
+        "-cp",
+        f"{settings.libs_dir.resolve()}/*",
+        _MAIN_CLASS,
+        str(home / _PROPS_FILE),
+    ]
+
+
+def _tail(path: Path, lines: int = 40) -> str:
+    try:
+        with path.open("rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            size = fh.tell()
+            fh.seek(max(0, size - 64 * 1024))
+            data = fh.read().decode("utf-8", "replace")
+    except OSError:
+        return f"(no {path})"
+    return "\n".join(data.splitlines()[-lines:])
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+# --------------------------------------------------------------------------- jars
+
+
+def _jars_complete(libs: Path, marker: Path, version: str, pom_digest: str) -> bool:
+    try:
+        data = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return False
+    if data.get("kafka_version") != version or data.get("pom_sha256") != pom_digest:
+        return False
+    jars = data.get("jars") or []
+    return bool(jars) and all((libs / name).is_file() for name in jars)
+
+
+def ensure_jars(settings: BrokerSettings) -> Path:
+    """Fetch the broker's jars with Maven unless the cache is complete; return the libs dir.
+
+    The cache (``<jars_root>/kafka-<version>/libs``) is complete when its marker names
+    this Kafka version, this pom's digest and jars that all exist; otherwise the jars
+    are copied into a fresh directory that then replaces the old one.
+    """
+    pom = pom_path()
+    version = settings.kafka_version
+    libs = settings.libs_dir
+    vdir = libs.parent
+    marker = vdir / _MARKER_FILE
+    digest = hashlib.sha256(pom.read_bytes()).hexdigest()
+    if _jars_complete(libs, marker, version, digest):
+        return libs
+    with _locked(vdir / ".lock"):
+        if _jars_complete(libs, marker, version, digest):
+            return libs
+        mvn = shutil.which("mvn")
+        if mvn is None:
+            raise BrokerError(
+                "Maven (mvn) is not on PATH; it fetches the Kafka jars. Install it "
+                "(apt-get install maven) or put mvn on PATH, then retry"
+            )
+        tmp = vdir / f"libs.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        cmd = [
+            mvn,
+            "-q",
+            "-B",
+            "-f",
+            str(pom),
+            "dependency:copy-dependencies",
+            f"-Dkafka.version={version}",
+            f"-DoutputDirectory={tmp}",
+        ]
+        log.info("fetching Kafka %s jars into %s", version, libs)
+        try:
+            proc = subprocess.run(
+                cmd, capture_output=True, text=True, timeout=1800, stdin=subprocess.DEVNULL
+            )
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise BrokerError(f"running Maven to fetch the Kafka jars failed: {exc}") from exc
+        output = "\n".join((proc.stdout + proc.stderr).splitlines()[-30:])
+        main_jar = f"kafka_2.13-{version}.jar"
+        if proc.returncode != 0 or not (tmp / main_jar).is_file():
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise BrokerError(
+                f"Maven could not fetch Kafka {version} (exit {proc.returncode}): is the "
+                f"version on Maven Central and Maven Central reachable (or the jars in "
+                f"~/.m2)? Command: {' '.join(cmd)}\n{output}"
+            )
+        old = vdir / f"libs.old-{os.getpid()}"
+        if libs.exists():
+            os.replace(libs, old)
+        os.replace(tmp, libs)
+        shutil.rmtree(old, ignore_errors=True)
+        jars = sorted(p.name for p in libs.iterdir() if p.suffix == ".jar")
+        _write_atomic(
+            marker,
+            json.dumps({"kafka_version": version, "pom_sha256": digest, "jars": jars}, indent=1),
+        )
+        return libs
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def _reap(pid: int) -> None:
+    child = _CHILDREN.get(pid)
+    if child is not None:
+        if child.poll() is not None:
+            _CHILDREN.pop(pid, None)
+        return
+    with contextlib.suppress(ChildProcessError, OSError):
+        os.waitpid(pid, os.WNOHANG)
+
+
+def _alive(pid: int) -> bool:
+    _reap(pid)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True  # no /proc: trust kill(0)
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
+
+
+def _cmdline(pid: int) -> list[str] | None:
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return None
+    return [part.decode("utf-8", "replace") for part in raw.split(b"\0") if part]
+
+
+def _is_our_broker(pid: int, settings: BrokerSettings) -> bool:
+    if not _alive(pid):
+        return False
+    cmd = _cmdline(pid)
+    if cmd is None:
+        return not Path("/proc").is_dir()  # cannot tell without /proc: trust the pid file
+    props = str(settings.home.resolve() / _PROPS_FILE)
+    return _MAIN_CLASS in cmd and props in cmd
+
+
+def _find_orphan(settings: BrokerSettings) -> int | None:
+    """A broker JVM running on this home whose pid file was lost."""
+    props = str(settings.home.resolve() / _PROPS_FILE)
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return None
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        cmd = _cmdline(int(entry))
+        if cmd and _MAIN_CLASS in cmd and props in cmd and _alive(int(entry)):
+            return int(entry)
+    return None
+
+
+def _running_pid(settings: BrokerSettings) -> int | None:
+    pid_file = settings.home / _PID_FILE
+    try:
+        pid = int(pid_file.read_text().strip())
+    except (OSError, ValueError):
+        pid = None
+    if pid is not None and _is_our_broker(pid, settings):
+        return pid
+    if not settings.home.is_dir():
+        return None
+    orphan = _find_orphan(settings)
+    if orphan is not None:
+        _write_atomic(pid_file, f"{orphan}\n")
+    return orphan
+
+
+def _read_state(settings: BrokerSettings) -> dict[str, Any]:
+    try:
+        return dict(json.loads((settings.home / _STATE_FILE).read_text()))
+    except (OSError, ValueError, TypeError):
+        return {}
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _port_open(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=1.0):
+            return True
+    except OSError:
+        return False
+
+
+def _split_bootstrap(bootstrap: str) -> tuple[str, int]:
+    first = bootstrap.split(",")[0].strip()
+    host, _, port = first.rpartition(":")
+    return host or "127.0.0.1", int(port)
+
+
+def _signal_and_wait(pid: int, timeout: float) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if _alive(pid):
+        log.warning("broker pid %d ignored SIGTERM for %.0fs; killing it", pid, timeout)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    _CHILDREN.pop(pid, None)
+
+
+# --------------------------------------------------------------------------- admin
+
+
+def _admin(bootstrap: str, timeout_ms: int = 10_000) -> Any:
+    from kafka.admin import KafkaAdminClient
+
+    class _Admin(KafkaAdminClient):  # type: ignore[misc]
+        """kafka-python 3.0.12 leaves its IO thread (kafka-io-<client_id>) and socket
+        behind when bootstrapping in ``__init__`` fails; every failed readiness probe
+        would leak one. Stop them before re-raising."""
+
+        def __init__(self, **configs: Any) -> None:
+            try:
+                super().__init__(**configs)
+            except Exception:
+                for attr, method in (("_client", "close"), ("_net", "stop"), ("_metrics", "close")):
+                    stop = getattr(getattr(self, attr, None), method, None)
+                    if stop is not None:
+                        with contextlib.suppress(Exception):
+                            stop()
+                raise
+
+    return _Admin(
+        bootstrap_servers=bootstrap,
+        client_id="tokenbudget-broker",
+        request_timeout_ms=timeout_ms,
+        bootstrap_timeout_ms=timeout_ms,
+    )
+
+
+def _probe(bootstrap: str, timeout: float) -> None:
+    """Raise unless a metadata request to ``bootstrap`` succeeds and lists a broker."""
+    admin = _admin(bootstrap, timeout_ms=max(500, int(timeout * 1000)))
+    try:
+        cluster = admin.describe_cluster()
+    finally:
+        admin.close()
+    if not cluster.get("brokers"):
+        raise BrokerError(f"metadata from {bootstrap} lists no brokers yet")
+
+
+def wait_ready(
+    bootstrap: str,
+    timeout: float,
+    *,
+    pid: int | None = None,
+    log_path: Path | None = None,
+) -> None:
+    """Block until a metadata request to ``bootstrap`` succeeds.
+
+    With ``pid``, fail as soon as that process dies; ``log_path`` (the broker log) is
+    quoted in the error.
+    """
+    host, port = _split_bootstrap(bootstrap)
+    deadline = time.monotonic() + timeout
+    last: Exception | None = None
+    while True:
+        if pid is not None and not _alive(pid):
+            tail = _tail(log_path) if log_path else ""
+            raise BrokerError(
+                f"the Kafka broker (pid {pid}) exited before it was ready at {bootstrap}"
+                + (f"; last lines of {log_path}:\n{tail}" if log_path else "")
+            )
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            tail = _tail(log_path) if log_path else ""
+            raise BrokerError(
+                f"Kafka at {bootstrap} not ready after {timeout:.0f}s (last error: {last!r})"
+                + (f"; last lines of {log_path}:\n{tail}" if log_path else "")
+            )
+        # Only talk Kafka once something listens: keeps kafka-python's connection
+        # errors out of the logs while the JVM boots. The port alone is not readiness.
+        if _port_open(host, port):
+            try:
+                _probe(bootstrap, min(remaining, 5.0))
+                return
+            except Exception as exc:
+                last = exc
+        else:
+            last = ConnectionRefusedError(f"nothing listens on {host}:{port}")
+        time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+
+
+def _partition_counts(admin: Any, names: Sequence[str]) -> dict[str, int]:
+    counts = {}
+    for topic in admin.describe_topics(list(names)):
+        if topic.get("error_code", 0) == 0:
+            counts[topic["name"]] = len(topic.get("partitions") or [])
+    return counts
+
+
+def ensure_topics(bootstrap: str, specs: Sequence[TopicSpec], *, timeout: float = 30) -> None:
+    """Create the missing topics (replication 1, the spec's partitions and configs).
+
+    Existing topics are left as they are, except that a partition count different from
+    the spec raises BrokerError: Faust needs a source topic and its table's changelog
+    to have equal partition counts.
+    """
+    wanted: dict[str, TopicSpec] = {}
+    for spec in specs:
+        if spec.name in wanted and wanted[spec.name] != spec:
+            raise BrokerError(f"topic {spec.name} is specified twice, differently")
+        wanted[spec.name] = spec
+    if not wanted:
+        return
+    from kafka.errors import KafkaError
+
+    timeout_ms = int(timeout * 1000)
+    try:
+        admin = _admin(bootstrap, timeout_ms=timeout_ms)
+    except KafkaError as exc:
+        raise BrokerError(f"cannot reach Kafka at {bootstrap}: {exc}") from exc
+    try:
+        existing = set(admin.list_topics()) & set(wanted)
+        missing = [name for name in wanted if name not in existing]
+        if missing:
+            result = admin.create_topics(
+                {
+                    name: {
+                        "num_partitions": wanted[name].partitions,
+                        "replication_factor": 1,
+                        "configs": {k: str(v) for k, v in wanted[name].configs.items()},
+                    }
+                    for name in missing
+                },
+                timeout_ms=timeout_ms,
+                raise_errors=False,
+            )
+            failed = []
+            for topic in result.get("topics", []):
+                code = topic.get("error_code", 0)
+                if code == 0:
+                    continue
+                if code == 36:  # TOPIC_ALREADY_EXISTS: created concurrently
+                    existing.add(topic["name"])
+                    continue
+                failed.append(f"{topic['name']}: error {code} {topic.get('error_message')}")
+            if failed:
+                raise BrokerError(f"creating topics on {bootstrap} failed: {'; '.join(failed)}")
+            created = [name for name in missing if name not in existing]
+            admin.wait_for_topics(created, timeout_ms=timeout_ms)
+            log.info("created topics %s", ", ".join(created))
+        if existing:
+            counts = _partition_counts(admin, sorted(existing))
+            wrong = [
+                f"{name} has {counts.get(name)} partitions, wants {wanted[name].partitions}"
+                for name in sorted(existing)
+                if counts.get(name) != wanted[name].partitions
+            ]
+            if wrong:
+                raise BrokerError(
+                    "existing topics have the wrong partition count (Faust needs source "
+                    "topics and table changelogs to match): "
+                    + "; ".join(wrong)
+                    + ". Delete those topics or wipe the broker home."
+                )
+    except KafkaError as exc:
+        raise BrokerError(f"managing topics on {bootstrap} failed: {exc!r}") from exc
+    finally:
+        admin.close()
+
+
+def _warm_up_groups(bootstrap: str, timeout: float = 20) -> None:
+    """Have the broker create __consumer_offsets now (FindCoordinator does it).
+
+    Otherwise the first consumer group (a Faust worker) gets
+    GroupCoordinatorNotAvailableError while the topic is being created. Best effort.
+    """
+    from kafka.errors import KafkaError
+
+    deadline = time.monotonic() + timeout
+    try:
+        admin = _admin(bootstrap, timeout_ms=int(timeout * 1000))
+    except KafkaError as exc:
+        log.warning("cannot reach %s to warm up the group coordinator: %r", bootstrap, exc)
+        return
+    try:
+        while True:
+            try:
+                admin.describe_groups(["tokenbudget-broker-warmup"])
+                return
+            except KafkaError as exc:
+                if time.monotonic() > deadline:
+                    log.warning("group coordinator of %s not available yet: %r", bootstrap, exc)
+                    return
+                time.sleep(0.2)
+    finally:
+        admin.close()
+
+
+# --------------------------------------------------------------------------- lifecycle
+
+
+def _new_cluster_id() -> str:
+    """A Kafka Uuid as ``kafka-storage random-uuid`` prints it (url-safe base64, no
+    padding, never starting with '-'), without starting a JVM for it."""
+    while True:
+        text = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        if not text.startswith("-"):
+            return text
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    parts = []
+    for part in version.split(".")[:3]:
+        digits = "".join(ch for ch in part if ch.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+def _format_storage(settings: BrokerSettings, java: str) -> None:
+    home = settings.home.resolve()
+    if (home / _DATA_DIR / "meta.properties").is_file():
+        try:
+            formatted_with = json.loads((home / _FORMAT_FILE).read_text())["kafka_version"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return
+        # Kafka cannot read metadata written by a newer version: say so instead of
+        # quoting "No MetadataVersion with feature level 27" from the broker log.
+        if _version_tuple(formatted_with)[:2] > _version_tuple(settings.kafka_version)[:2]:
+            raise BrokerError(
+                f"the data in {home / _DATA_DIR} was formatted by Kafka {formatted_with}; "
+                f"Kafka {settings.kafka_version} cannot read it. Use Kafka {formatted_with} "
+                "or wipe the broker home (its topics are lost)"
+            )
+        return
+    id_file = home / _CLUSTER_ID_FILE
+    cluster_id = id_file.read_text().strip() if id_file.is_file() else ""
+    if not cluster_id:
+        cluster_id = _new_cluster_id()
+        _write_atomic(id_file, cluster_id + "\n")
+    cmd = [
+        java,
+        "-Xmx256m",
+        *_jvm_logging_flags(settings),
+        "-cp",
+        f"{settings.libs_dir.resolve()}/*",
+        _STORAGE_TOOL,
+        "format",
+        "-t",
+        cluster_id,
+        "-c",
+        str(home / _PROPS_FILE),
+    ]
+    try:
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise BrokerError(f"formatting Kafka storage in {home / _DATA_DIR} failed: {exc}") from exc
+    if proc.returncode != 0:
+        output = "\n".join((proc.stdout + proc.stderr).splitlines()[-30:])
+        raise BrokerError(
+            f"formatting Kafka storage in {home / _DATA_DIR} failed (exit {proc.returncode}):"
+            f"\n{output}"
+        )
+    _write_atomic(
+        home / _FORMAT_FILE,
+        json.dumps({"kafka_version": settings.kafka_version, "cluster_id": cluster_id}),
+    )
+
+
+def _check_ports(settings: BrokerSettings) -> None:
+    for name, port, env in (
+        ("port", settings.port, "TOKENBUDGET_KAFKA_PORT"),
+        ("controller_port", settings.controller_port, "TOKENBUDGET_KAFKA_CONTROLLER_PORT"),
+    ):
+        if not _port_free(port):
+            raise BrokerError(
+                f"127.0.0.1:{port} ({name}) is in use by another process, not the tokenbudget "
+                f"broker of {settings.home}; stop that process or choose another port ({env})"
+            )
+
+
+def _start(settings: BrokerSettings, java: str) -> int:
+    home = settings.home.resolve()
+    log_path = home / _LOG_FILE
+    if log_path.exists():
+        os.replace(log_path, home / (_LOG_FILE + ".1"))
+    with log_path.open("ab") as out:
+        proc = subprocess.Popen(
+            broker_command(settings, java),
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=home,
+            start_new_session=True,
+            close_fds=True,
+        )
+    _CHILDREN[proc.pid] = proc
+    _write_atomic(home / _PID_FILE, f"{proc.pid}\n")
+    state = {
+        "pid": proc.pid,
+        "kafka_version": settings.kafka_version,
+        "port": settings.port,
+        "controller_port": settings.controller_port,
+        "started_at": time.time(),
+    }
+    _write_atomic(home / _STATE_FILE, json.dumps(state, indent=1))
+    return proc.pid
+
+
+def up(
+    settings: BrokerSettings,
+    topics: Sequence[TopicSpec] | None = None,
+    *,
+    timeout: float = 90,
+) -> str:
+    """Make sure the broker of ``settings`` runs and is ready, and the topics exist.
+
+    Idempotent: a broker already running on this home is only waited for. Otherwise
+    fetch the jars, render the properties, format the storage on first use, start the
+    JVM detached, wait for a metadata request to succeed and create ``topics``
+    (default: ``streams.topics.topic_specs()``). Returns the bootstrap address.
+    """
+    specs = topic_specs() if topics is None else list(topics)
+    home = settings.home
+    home.mkdir(parents=True, exist_ok=True)
+    home = home.resolve()
+    with _locked(home / _LOCK_FILE):
+        pid = _running_pid(settings)
+        if pid is not None:
+            state = _read_state(settings)
+            started = (
+                state.get("kafka_version", settings.kafka_version),
+                state.get("port", settings.port),
+                state.get("controller_port", settings.controller_port),
+            )
+            asked = (settings.kafka_version, settings.port, settings.controller_port)
+            if started != asked:
+                raise BrokerError(
+                    f"the broker of {home} (pid {pid}) runs Kafka {started[0]} on ports "
+                    f"{started[1]}/{started[2]}, not Kafka {asked[0]} on {asked[1]}/{asked[2]}; "
+                    "run down first"
+                )
+            wait_ready(settings.bootstrap, timeout, pid=pid, log_path=home / _LOG_FILE)
+        else:
+            _check_ports(settings)
+            java = shutil.which("java")
+            if java is None:
+                raise BrokerError(
+                    "java is not on PATH; Kafka needs a JDK 17+ (apt-get install "
+                    "openjdk-17-jre-headless)"
+                )
+            ensure_jars(settings)
+            _write_atomic(home / _PROPS_FILE, render_properties(settings))
+            shutil.copyfile(_infra_file(_LOG4J_FILE), home / _LOG4J_FILE)
+            _format_storage(settings, java)
+            launched = time.monotonic()
+            pid = _start(settings, java)
+            log.info(
+                "started Kafka %s (pid %d) on %s", settings.kafka_version, pid, settings.bootstrap
+            )
+            try:
+                wait_ready(settings.bootstrap, timeout, pid=pid, log_path=home / _LOG_FILE)
+            except BrokerError:
+                if _alive(pid):  # timed out: do not leave a half-started JVM behind
+                    _signal_and_wait(pid, 10)
+                    (home / _PID_FILE).unlink(missing_ok=True)
+                raise
+            log.info(
+                "Kafka %s ready on %s %.1fs after launch",
+                settings.kafka_version,
+                settings.bootstrap,
+                time.monotonic() - launched,
+            )
+    ensure_topics(settings.bootstrap, specs)
+    _warm_up_groups(settings.bootstrap)
+    return settings.bootstrap
+
+
+def status(settings: BrokerSettings) -> BrokerStatus:
+    """Whether the broker of ``settings.home`` runs, and answers metadata requests."""
+    pid = _running_pid(settings)
+    version = settings.kafka_version
+    ready = False
+    if pid is not None:
+        version = _read_state(settings).get("kafka_version", version)
+        try:
+            _probe(settings.bootstrap, 3.0)
+            ready = True
+        except Exception:
+            ready = False
+    return BrokerStatus(
+        running=pid is not None,
+        pid=pid,
+        bootstrap=settings.bootstrap,
+        ready=ready,
+        kafka_version=version,
+    )
+
+
+def down(settings: BrokerSettings, *, timeout: float = 30) -> bool:
+    """Stop the broker (SIGTERM, SIGKILL after ``timeout``). True if it was running."""
+    if not settings.home.is_dir():
+        return False
+    with _locked(settings.home / _LOCK_FILE):
+        pid = _running_pid(settings)
+        if pid is not None:
+            _signal_and_wait(pid, timeout)
+        (settings.home / _PID_FILE).unlink(missing_ok=True)
+    return pid is not None
+
+
+def wipe(settings: BrokerSettings) -> None:
+    """Stop the broker and delete its home (data included). For tests."""
+    down(settings)
+    home = settings.home
+    if not home.exists():
+        return
+    resolved = home.resolve()
+    if resolved in (Path("/"), Path.home().resolve()):
+        raise BrokerError(f"refusing to delete {resolved}")
+    strangers = sorted(
+        p.name
+        for p in resolved.iterdir()
+        if p.name not in _HOME_ENTRIES and not p.name.startswith(".")
+    )
+    if strangers:
+        raise BrokerError(
+            f"refusing to delete {resolved}: it holds files the broker did not create "
+            f"({', '.join(strangers[:5])})"
+        )
+    shutil.rmtree(resolved)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m tokenbudget.broker",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("command", choices=["up", "status", "down", "wipe", "jars"])
+    parser.add_argument("--timeout", type=float, default=90)
+    parser.add_argument("--no-topics", action="store_true", help="up: create no topics")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("kafka").setLevel(logging.ERROR)
+    settings = BrokerSettings.from_env()
+    try:
+        if args.command == "up":
+            t0 = time.monotonic()
+            bootstrap = up(settings, [] if args.no_topics else None, timeout=args.timeout)
+            print(f"{bootstrap} ready in {time.monotonic() - t0:.1f}s")
+        elif args.command == "status":
+            print(json.dumps(status(settings).__dict__))
+        elif args.command == "down":
+            print("stopped" if down(settings, timeout=args.timeout) else "not running")
+        elif args.command == "wipe":
+            wipe(settings)
+        elif args.command == "jars":
+            print(ensure_jars(settings))
+    except BrokerError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

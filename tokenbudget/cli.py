@@ -1,0 +1,156 @@
+"""The ``tokenbudget`` command. Errors of ours end as one line on stderr, exit 2."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from tokenbudget.errors import TokenBudgetError
+
+
+def _broker(args: argparse.Namespace) -> int:
+    from streams.topics import Topics
+    from tokenbudget import broker
+
+    settings = broker.BrokerSettings.from_env()
+    if args.broker_command == "up":
+        bootstrap = broker.up(settings, Topics(args.namespace).specs())
+        print(json.dumps({"bootstrap": bootstrap}) if args.json else bootstrap)
+    elif args.broker_command == "status":
+        state = broker.status(settings)
+        if args.json:
+            print(json.dumps(state.__dict__, default=str))
+        else:
+            word = "ready" if state.ready else ("starting" if state.running else "stopped")
+            print(f"{word} {state.bootstrap} pid={state.pid} kafka={state.kafka_version}")
+        return 0 if state.ready else 1
+    elif args.broker_command == "down":
+        print("stopped" if broker.down(settings) else "not running")
+    return 0
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from tokenbudget import simulator
+
+    faults = simulator.Faults(
+        http_500=args.fail_500,
+        timeout=args.fail_timeout,
+        reset=args.fail_reset,
+        malformed=args.fail_malformed,
+    )
+    simulator.serve(
+        simulator.SimulatorConfig(
+            host=args.host,
+            port=args.port,
+            profile=args.profile,
+            tokens_per_second=args.tokens_per_second,
+            seed=args.seed,
+            faults=faults,
+            model=args.model,
+        )
+    )
+    return 0
+
+
+def _ledger(args: argparse.Namespace) -> int:
+    from streams.app import LedgerSettings, run_worker
+    from streams.topics import Topics
+
+    if args.config:
+        from tokenbudget import config as config_module
+        from tokenbudget.kafka import resolve_bootstrap
+
+        config = config_module.load(args.config)
+        bootstrap = resolve_bootstrap(config)
+        namespace = config.kafka.namespace
+        interval = config.budget.snapshot_interval_s
+    elif args.bootstrap:
+        bootstrap, namespace, interval = args.bootstrap, args.namespace, args.snapshot_interval
+    else:
+        raise TokenBudgetError("ledger needs --config FILE, or --bootstrap HOST:PORT")
+    sys.argv = [sys.argv[0], "worker"]  # Faust's Worker reads argv
+    run_worker(LedgerSettings(bootstrap, Topics(namespace), snapshot_interval=interval))
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    from tokenbudget import config as config_module
+    from tokenbudget.runner import run
+
+    config = config_module.load(args.config)
+    report = run(config)
+    if args.json:
+        print(json.dumps(report.to_json(), indent=2))
+    else:
+        from tokenbudget.report import print_table
+
+        print_table(report)
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from tokenbudget.demo import run_demo
+
+    return run_demo(Path(args.workdir), json_output=args.json)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tokenbudget", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    broker = sub.add_parser("broker", help="the local Kafka broker (KRaft, from Maven jars)")
+    broker_sub = broker.add_subparsers(dest="broker_command", required=True)
+    for name in ("up", "status", "down"):
+        p = broker_sub.add_parser(name)
+        p.add_argument("--json", action="store_true")
+        p.add_argument("--namespace", default="tokenbudget", help="topics to create")
+    broker.set_defaults(func=_broker)
+
+    simulate = sub.add_parser("simulate", help="a simulated SGLang/OpenAI inference server")
+    simulate.add_argument("--host", default="127.0.0.1")
+    simulate.add_argument("--port", type=int, default=30000)
+    simulate.add_argument("--profile", default="demo")
+    simulate.add_argument("--tokens-per-second", type=float, default=4000.0)
+    simulate.add_argument("--seed", type=int, default=0)
+    simulate.add_argument("--model", default="tokenbudget-sim")
+    for kind in ("500", "timeout", "reset", "malformed"):
+        simulate.add_argument(f"--fail-{kind}", type=float, default=0.0, metavar="SHARE")
+    simulate.set_defaults(func=_simulate)
+
+    ledger = sub.add_parser("ledger", help="the Faust budget ledger worker")
+    ledger.add_argument("--config")
+    ledger.add_argument("--bootstrap")
+    ledger.add_argument("--namespace", default="tokenbudget")
+    ledger.add_argument("--snapshot-interval", type=float, default=0.5)
+    ledger.set_defaults(func=_ledger)
+
+    run = sub.add_parser("run", help="run a job to its budgets")
+    run.add_argument("--config", required=True)
+    run.add_argument("--json", action="store_true")
+    run.set_defaults(func=_run)
+
+    demo = sub.add_parser("demo", help="eight datasets against the simulator")
+    demo.add_argument("--workdir", default="demo-out")
+    demo.add_argument("--json", action="store_true")
+    demo.set_defaults(func=_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(
+        level=os.environ.get("TOKENBUDGET_LOG", "WARNING"),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except TokenBudgetError as exc:
+        print(f"tokenbudget: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

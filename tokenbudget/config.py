@@ -1,0 +1,280 @@
+"""The one configuration object: loaded from TOML and the environment, here only.
+
+Every section is a frozen struct. Unknown keys, missing keys and bad values raise
+:class:`~tokenbudget.errors.ConfigError` naming the key (``datasets[1].budget``) and
+the file, before anything runs.
+
+Environment overrides use ``TOKENBUDGET__SECTION__KEY`` (double underscores), e.g.
+``TOKENBUDGET__INFERENCE__URL=http://gpu-box:30000``. Relative paths resolve against
+the config file's folder.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+
+from tokenbudget.errors import ConfigError
+
+Api = Literal["sglang", "openai-completions", "openai-chat"]
+Unit = Literal["completion_tokens", "total_tokens", "samples"]
+DatasetFormat = Literal["auto", "prompt", "openai"]
+
+ENV_PREFIX = "TOKENBUDGET__"
+
+
+class _Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class KafkaConfig(_Section):
+    bootstrap: str = "local"
+    namespace: str = "tokenbudget"
+    local_port: int = 9092
+    local_controller_port: int = 9093
+
+
+class InferenceConfig(_Section):
+    url: str = "http://127.0.0.1:30000"
+    api: Api = "sglang"
+    model: str = ""
+    concurrency: int = 64
+    max_new_tokens: int = 4096
+    temperature: float | None = None
+    connect_timeout_s: float = 5.0
+    read_timeout_s: float = 600.0
+    retries: int = 3
+    backoff_s: float = 0.5
+    backoff_max_s: float = 10.0
+
+
+class BudgetConfig(_Section):
+    unit: Unit = "completion_tokens"
+    snapshot_interval_s: float = 0.5
+
+
+class SinkConfig(_Section):
+    path: str = "out"
+    rotate_rows: int = 2000
+    rotate_bytes: int = 64 * 1024 * 1024
+    row_group_rows: int = 1000
+    flush_interval_s: float = 5.0
+
+
+class ProducerConfig(_Section):
+    max_queued_per_dataset: int = 0  # 0: twice the dispatcher concurrency
+    on_bad_row: Literal["skip", "fail"] = "skip"
+
+
+class MetricsConfig(_Section):
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: no metrics endpoint
+
+
+class DatasetConfig(_Section):
+    name: str
+    path: str
+    budget: int | str
+    format: DatasetFormat = "auto"
+    max_new_tokens: int | None = None
+    limit: int | None = None
+
+
+class _RawConfig(_Section):
+    kafka: KafkaConfig = KafkaConfig()
+    inference: InferenceConfig = InferenceConfig()
+    budget: BudgetConfig = BudgetConfig()
+    sink: SinkConfig = SinkConfig()
+    producer: ProducerConfig = ProducerConfig()
+    metrics: MetricsConfig = MetricsConfig()
+    datasets: list[DatasetConfig] = []
+
+
+class Dataset(msgspec.Struct, frozen=True, kw_only=True):
+    """A dataset as the rest of the code sees it: budget parsed, path resolved."""
+
+    name: str
+    path: Path
+    budget: int
+    format: DatasetFormat
+    max_new_tokens: int
+    limit: int | None
+
+
+class Config(msgspec.Struct, frozen=True, kw_only=True):
+    kafka: KafkaConfig
+    inference: InferenceConfig
+    budget: BudgetConfig
+    sink: SinkConfig
+    producer: ProducerConfig
+    metrics: MetricsConfig
+    datasets: tuple[Dataset, ...]
+    source: str = "<defaults>"
+    base_dir: Path = Path(".")
+
+    @property
+    def sink_path(self) -> Path:
+        return _resolve(self.base_dir, self.sink.path)
+
+    @property
+    def max_queued_per_dataset(self) -> int:
+        return self.producer.max_queued_per_dataset or 2 * self.inference.concurrency
+
+    def dataset(self, name: str) -> Dataset:
+        for dataset in self.datasets:
+            if dataset.name == name:
+                return dataset
+        raise ConfigError("datasets", f"no dataset named {name!r}", source=self.source)
+
+
+_SUFFIX = {"": 1, "k": 1_000, "m": 1_000_000, "g": 1_000_000_000, "b": 1_000_000_000}
+_BUDGET_RE = re.compile(r"^\s*(\d+(?:_\d+)*(?:\.\d+)?)\s*([kKmMgGbB]?)\s*$")
+
+
+def parse_budget(value: object, key: str = "budget") -> int:
+    """``10M`` -> 10_000_000, ``250k``, ``1.5M``, ``1_000_000`` or a plain integer."""
+    if isinstance(value, bool):
+        raise ConfigError(key, f"expected a token count such as 10M or 250k, got {value!r}")
+    if isinstance(value, int):
+        number = value
+    elif isinstance(value, str) and (match := _BUDGET_RE.match(value)):
+        number = round(float(match.group(1).replace("_", "")) * _SUFFIX[match.group(2).lower()])
+    else:
+        raise ConfigError(key, f"expected a token count such as 10M or 250k, got {value!r}")
+    if number <= 0:
+        raise ConfigError(key, f"must be positive, got {value!r}")
+    return number
+
+
+def _resolve(base: Path, path: str) -> Path:
+    p = Path(path).expanduser()
+    return p if p.is_absolute() else (base / p).resolve()
+
+
+_PATH_RE = re.compile(r"at `\$(?P<path>[^`]*)`")
+_FIELD_RE = re.compile(r"field `(?P<field>[^`]+)`")
+
+
+def _key_from_msgspec(message: str) -> str:
+    """Turn msgspec's ``... - at `$.datasets[1]``` into ``datasets[1].budget``."""
+    path_match = _PATH_RE.search(message)
+    path = path_match.group("path").lstrip(".") if path_match else ""
+    field_match = _FIELD_RE.search(message)
+    if field_match and ("unknown field" in message or "missing required" in message):
+        path = f"{path}.{field_match.group('field')}" if path else field_match.group("field")
+    return path or "<root>"
+
+
+def _apply_env(data: dict[str, Any], environ: Mapping[str, str]) -> None:
+    for name, value in environ.items():
+        if not name.startswith(ENV_PREFIX):
+            continue
+        parts = name[len(ENV_PREFIX) :].lower().split("__")
+        if len(parts) != 2 or not all(parts):
+            raise ConfigError(
+                name, f"environment overrides take the form {ENV_PREFIX}SECTION__KEY"
+            )
+        section, key = parts
+        if section == "datasets" or section not in _RawConfig.__struct_fields__:
+            raise ConfigError(f"{section}.{key}", f"unknown section (from ${name})")
+        data.setdefault(section, {})[key] = _env_value(value)
+
+
+def _env_value(value: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {value}")["v"]
+    except tomllib.TOMLDecodeError:
+        return value  # a bare string
+
+
+def build(
+    data: dict[str, Any],
+    *,
+    source: str = "<dict>",
+    base_dir: Path | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Config:
+    data = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items()}
+    _apply_env(data, os.environ if environ is None else environ)
+    try:
+        raw = msgspec.convert(data, _RawConfig)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(_key_from_msgspec(str(exc)), str(exc), source=source) from exc
+    base = base_dir or Path(".").resolve()
+    datasets: list[Dataset] = []
+    seen: set[str] = set()
+    for i, d in enumerate(raw.datasets):
+        key = f"datasets[{i}]"
+        if not re.fullmatch(r"[A-Za-z0-9_.\-]+", d.name):
+            raise ConfigError(
+                f"{key}.name", f"{d.name!r}: use letters, digits, '_', '-', '.'", source=source
+            )
+        if d.name in seen:
+            raise ConfigError(f"{key}.name", f"dataset {d.name!r} appears twice", source=source)
+        seen.add(d.name)
+        try:
+            budget = parse_budget(d.budget, f"{key}.budget")
+        except ConfigError as exc:
+            raise ConfigError(exc.key, str(exc).split(": ", 1)[-1], source=source) from None
+        datasets.append(
+            Dataset(
+                name=d.name,
+                path=_resolve(base, d.path),
+                budget=budget,
+                format=d.format,
+                max_new_tokens=d.max_new_tokens or raw.inference.max_new_tokens,
+                limit=d.limit,
+            )
+        )
+    _check_ranges(raw, source)
+    return Config(
+        kafka=raw.kafka,
+        inference=raw.inference,
+        budget=raw.budget,
+        sink=raw.sink,
+        producer=raw.producer,
+        metrics=raw.metrics,
+        datasets=tuple(datasets),
+        source=source,
+        base_dir=base,
+    )
+
+
+def _check_ranges(raw: _RawConfig, source: str) -> None:
+    positive = {
+        "inference.concurrency": raw.inference.concurrency,
+        "inference.max_new_tokens": raw.inference.max_new_tokens,
+        "sink.rotate_rows": raw.sink.rotate_rows,
+        "sink.row_group_rows": raw.sink.row_group_rows,
+    }
+    for key, value in positive.items():
+        if value <= 0:
+            raise ConfigError(key, f"must be positive, got {value}", source=source)
+    if raw.inference.retries < 0:
+        raise ConfigError("inference.retries", "must be >= 0", source=source)
+    if not raw.inference.url.startswith(("http://", "https://")):
+        raise ConfigError(
+            "inference.url", f"{raw.inference.url!r} is not an http(s) URL", source=source
+        )
+    if not re.fullmatch(r"[A-Za-z0-9_\-]+", raw.kafka.namespace):
+        raise ConfigError("kafka.namespace", "use letters, digits, '_' and '-'", source=source)
+
+
+def load(path: str | Path, *, environ: Mapping[str, str] | None = None) -> Config:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        message = f"cannot read {path}: {exc.strerror}"
+        raise ConfigError("<file>", message, source=str(path)) from exc
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError("<file>", f"not valid TOML: {exc}", source=str(path)) from exc
+    return build(data, source=str(path), base_dir=path.resolve().parent, environ=environ)

@@ -1,0 +1,82 @@
+"""Every error tokenbudget raises on purpose derives from one root.
+
+    TokenBudgetError
+    ├── ConfigError            a config key is missing, unknown or has a bad value
+    ├── DatasetError           a dataset file or row cannot be read
+    ├── EventDecodeError       bytes on a topic are not a known event of a known version
+    ├── BrokerError            the local Kafka broker cannot be fetched, started or reached
+    └── InferenceError         the inference server failed a request
+        ├── InferenceTransportError   connection refused/reset, timeout
+        ├── InferenceServerError      HTTP 5xx (retried)
+        ├── InferenceRequestError     HTTP 4xx (not retried)
+        └── InferenceProtocolError    the body is not the wire format we expect
+
+Errors from libraries are translated at one boundary per module with
+``raise ... from exc`` so the user sees where and what to fix, and the cause stays
+attached for debugging.
+"""
+
+from __future__ import annotations
+
+
+class TokenBudgetError(Exception):
+    """Root of every error tokenbudget raises deliberately."""
+
+
+class ConfigError(TokenBudgetError):
+    """A configuration key is missing, unknown, or has a bad value.
+
+    ``key`` is the dotted path of the offending key (``datasets[2].budget``).
+    """
+
+    def __init__(self, key: str, message: str, *, source: str | None = None) -> None:
+        self.key = key
+        self.source = source
+        where = f"{source}: " if source else ""
+        super().__init__(f"{where}config key '{key}': {message}")
+
+
+class DatasetError(TokenBudgetError):
+    """A dataset file or one of its rows cannot be used."""
+
+    def __init__(self, path: str, message: str, *, line: int | None = None) -> None:
+        self.path = path
+        self.line = line
+        where = f"{path}:{line}" if line is not None else path
+        super().__init__(f"{where}: {message}")
+
+
+class EventDecodeError(TokenBudgetError):
+    """Bytes read from a topic are not a known event of a supported version."""
+
+
+class BrokerError(TokenBudgetError):
+    """The local Kafka broker cannot be fetched, started, stopped or reached."""
+
+
+class InferenceError(TokenBudgetError):
+    """The inference server failed a request."""
+
+    retryable: bool = False
+
+
+class InferenceTransportError(InferenceError):
+    """The connection failed or timed out before a complete answer arrived."""
+
+    retryable = True
+
+
+class InferenceServerError(InferenceError):
+    """The server answered with HTTP 5xx."""
+
+    retryable = True
+
+
+class InferenceRequestError(InferenceError):
+    """The server rejected the request (HTTP 4xx); retrying will not help."""
+
+
+class InferenceProtocolError(InferenceError):
+    """The server's answer is not the wire format the configured API speaks."""
+
+    retryable = True

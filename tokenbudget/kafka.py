@@ -1,0 +1,81 @@
+"""Where the broker is and how clients connect: the one place that knows.
+
+``[kafka] bootstrap = "local"`` means the project's own broker (see
+:mod:`tokenbudget.broker`), started on demand; anything else is ``HOST:PORT`` of an
+existing cluster. Either way every topic is created before a worker starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from streams.topics import Topics
+from tokenbudget import broker
+from tokenbudget.config import Config
+
+
+def local_broker_settings(config: Config) -> broker.BrokerSettings:
+    settings = broker.BrokerSettings.from_env()
+    env_port_set = settings.port != broker.BrokerSettings.__dataclass_fields__["port"].default
+    if env_port_set:
+        return settings
+    return dataclasses.replace(
+        settings,
+        port=config.kafka.local_port,
+        controller_port=config.kafka.local_controller_port,
+    )
+
+
+def resolve_bootstrap(config: Config, *, create_topics: bool = True) -> str:
+    """Return HOST:PORT, starting the local broker if configured, with topics made."""
+    topics = Topics(config.kafka.namespace)
+    if config.kafka.bootstrap == "local":
+        return broker.up(local_broker_settings(config), topics.specs() if create_topics else [])
+    if create_topics:
+        broker.ensure_topics(config.kafka.bootstrap, topics.specs())
+    return config.kafka.bootstrap
+
+
+def aiokafka_options(bootstrap: str) -> dict[str, Any]:
+    return {"bootstrap_servers": bootstrap, "client_id": "tokenbudget"}
+
+
+def kafka_python_options(bootstrap: str) -> dict[str, Any]:
+    return {"bootstrap_servers": bootstrap, "client_id": "tokenbudget"}
+
+
+class GroupLag:
+    """Measures how far consumer groups are behind the end of topics.
+
+    ``run`` uses it to know the pipeline is drained: every prompt has an outcome
+    (the dispatchers' group reached the end of the prompts topic), the ledger and
+    the sink have read every completion. It works across processes and hosts.
+    """
+
+    def __init__(self, bootstrap: str) -> None:
+        from kafka import KafkaAdminClient, KafkaConsumer
+
+        self._admin = KafkaAdminClient(**kafka_python_options(bootstrap))
+        self._consumer = KafkaConsumer(**kafka_python_options(bootstrap), group_id=None)
+
+    def lag(self, group: str, topics: list[str]) -> int:
+        from kafka import TopicPartition
+
+        partitions = [
+            TopicPartition(topic, p)
+            for topic in topics
+            for p in sorted(self._consumer.partitions_for_topic(topic) or ())
+        ]
+        ends = self._consumer.end_offsets(partitions)
+        committed = self._admin.list_group_offsets({group: partitions}).get(group, {})
+        total = 0
+        for tp in partitions:
+            meta = committed.get(tp)
+            position = meta.offset if meta is not None and meta.offset >= 0 else 0
+            total += max(0, ends[tp] - position)
+        return total
+
+    def close(self) -> None:
+        self._admin.close()
+        self._consumer.close()

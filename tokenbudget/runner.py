@@ -1,0 +1,268 @@
+"""``tokenbudget run``: producer, dispatchers, ledger and sink composed into one job.
+
+The ledger runs as its own process (a Faust worker owns its event loop and signal
+handlers); producer and dispatcher share one asyncio loop here and the sink runs in
+a thread. The job ends when the pipeline is drained, judged from Kafka itself: the
+producer is done, the dispatchers' group has committed the end of the prompts topic
+(every prompt has an outcome), the ledger and the sink have read every completion,
+and the ledger has published a snapshot of each dataset since.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+from aiokafka import AIOKafkaProducer
+
+from producers.dispatcher import Dispatcher, DispatchReport
+from producers.halts import BudgetWatcher
+from producers.prompts import ProduceReport, PromptProducer
+from sinks.parquet import ParquetSink, SinkSettings
+from streams import events as ev
+from streams.topics import Topics
+from tokenbudget.config import Config
+from tokenbudget.kafka import GroupLag, aiokafka_options, resolve_bootstrap
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DatasetResult:
+    budget: int
+    completion_tokens: int
+    prompt_tokens: int
+    samples: int
+    skipped: int
+    failed: int
+    status: str  # "exhausted" | "halted"
+    unit: str
+
+    @property
+    def overshoot(self) -> int:
+        used = {
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.completion_tokens + self.prompt_tokens,
+            "samples": self.samples,
+        }[self.unit]
+        return max(0, used - self.budget)
+
+
+@dataclass
+class RunReport:
+    datasets: dict[str, DatasetResult]
+    produced: dict[str, ProduceReport] = field(default_factory=dict)
+    dispatch: DispatchReport | None = None
+    parquet_rows: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+    halt_seen_at: dict[str, float | None] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "datasets": {
+                name: {
+                    "budget": r.budget,
+                    "completion_tokens": r.completion_tokens,
+                    "prompt_tokens": r.prompt_tokens,
+                    "samples": r.samples,
+                    "skipped": r.skipped,
+                    "status": r.status,
+                }
+                for name, r in self.datasets.items()
+            }
+        }
+
+
+def start_ledger_process(
+    bootstrap: str, namespace: str, snapshot_interval: float
+) -> subprocess.Popen[bytes]:
+    command = [
+        sys.executable,
+        "-m",
+        "tokenbudget",
+        "ledger",
+        "--bootstrap",
+        bootstrap,
+        "--namespace",
+        namespace,
+        "--snapshot-interval",
+        str(snapshot_interval),
+    ]
+    return subprocess.Popen(command, start_new_session=True)
+
+
+def stop_process(process: subprocess.Popen[bytes], timeout: float = 30) -> None:
+    if process.poll() is not None:
+        return
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+async def publish_budgets(config: Config, bootstrap: str) -> None:
+    topics = Topics(config.kafka.namespace)
+    producer = AIOKafkaProducer(**aiokafka_options(bootstrap), acks="all")
+    await producer.start()
+    try:
+        for dataset in config.datasets:
+            event = ev.BudgetSet(
+                dataset=dataset.name,
+                budget=dataset.budget,
+                unit=config.budget.unit,
+                set_at=time.time(),
+                set_by=f"config {config.source}",
+            )
+            await producer.send_and_wait(
+                topics.budgets, key=dataset.name.encode(), value=ev.encode(event)
+            )
+    finally:
+        await producer.stop()
+
+
+async def _wait_drained(
+    config: Config, bootstrap: str, producer_done: asyncio.Event, watcher: BudgetWatcher
+) -> float:
+    topics = Topics(config.kafka.namespace)
+    lag = await asyncio.to_thread(GroupLag, bootstrap)
+    try:
+        await producer_done.wait()
+        checks = [
+            (f"{topics.namespace}-dispatch", [topics.prompts]),
+            (topics.ledger_app_id, [topics.completions, topics.outcomes]),
+        ]
+        while True:
+            lags = [await asyncio.to_thread(lag.lag, group, names) for group, names in checks]
+            if not any(lags):
+                break
+            await asyncio.sleep(0.25)
+        drained_at = time.time()
+        names = [d.name for d in config.datasets]
+        while True:
+            snaps = [watcher.board.snapshot(n) for n in names]
+            if all(s is not None and s.at > drained_at for s in snaps):
+                return drained_at
+            await asyncio.sleep(0.1)
+    finally:
+        lag.close()
+
+
+async def run_async(
+    config: Config, *, bootstrap: str | None = None, ledger_process: bool = True
+) -> RunReport:
+    started = time.monotonic()
+    bootstrap = bootstrap or await asyncio.to_thread(resolve_bootstrap, config)
+    topics = Topics(config.kafka.namespace)
+    await publish_budgets(config, bootstrap)
+    ledger = (
+        start_ledger_process(bootstrap, topics.namespace, config.budget.snapshot_interval_s)
+        if ledger_process
+        else None
+    )
+    try:
+        return await _run_components(config, bootstrap, topics, ledger, started)
+    finally:
+        if ledger is not None:
+            await asyncio.to_thread(stop_process, ledger)
+
+
+async def _run_components(
+    config: Config,
+    bootstrap: str,
+    topics: Topics,
+    ledger: subprocess.Popen[bytes] | None,
+    started: float,
+) -> RunReport:
+    watcher = BudgetWatcher(bootstrap, topics)
+    await watcher.start()
+    watch_task = asyncio.create_task(watcher.run())
+    await watcher.caught_up.wait()
+
+    sink = ParquetSink(
+        bootstrap,
+        topics,
+        SinkSettings(
+            path=config.sink_path,
+            rotate_rows=config.sink.rotate_rows,
+            rotate_bytes=config.sink.rotate_bytes,
+            row_group_rows=config.sink.row_group_rows,
+            flush_interval=config.sink.flush_interval_s,
+        ),
+    )
+    sink_stop = threading.Event()
+    sink_thread = threading.Thread(target=sink.run, args=(sink_stop,), name="sink", daemon=True)
+    sink_thread.start()
+
+    dispatcher = Dispatcher(config, bootstrap, watcher.board)
+    dispatch_stop = asyncio.Event()
+    dispatch_task = asyncio.create_task(dispatcher.run(dispatch_stop))
+    producer = PromptProducer(config, bootstrap, watcher.board)
+    producer_done = asyncio.Event()
+
+    async def produce() -> dict[str, ProduceReport]:
+        try:
+            return await producer.run()
+        finally:
+            producer_done.set()
+
+    produce_task = asyncio.create_task(produce())
+    try:
+        drain = asyncio.create_task(_wait_drained(config, bootstrap, producer_done, watcher))
+        pending = {drain, produce_task, dispatch_task}
+        while not drain.done():
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                if task is not drain and task.exception() is not None:
+                    raise task.exception()  # type: ignore[misc]
+            if ledger is not None and ledger.poll() is not None:
+                raise RuntimeError(f"ledger worker exited with code {ledger.returncode}")
+        drain.result()
+        produced = produce_task.result()
+    finally:
+        dispatch_stop.set()
+        with contextlib.suppress(Exception):
+            await dispatch_task
+        sink_stop.set()
+        await asyncio.to_thread(sink_thread.join, 120)
+        watch_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await watch_task
+        await watcher.stop()
+
+    results = {}
+    for dataset in config.datasets:
+        snap = watcher.board.snapshot(dataset.name)
+        assert snap is not None
+        results[dataset.name] = DatasetResult(
+            budget=snap.budget or dataset.budget,
+            completion_tokens=snap.completion_tokens,
+            prompt_tokens=snap.prompt_tokens,
+            samples=snap.samples,
+            skipped=snap.skipped,
+            failed=snap.failed,
+            status="halted" if snap.halted else "exhausted",
+            unit=snap.unit,
+        )
+    return RunReport(
+        datasets=results,
+        produced=produced,
+        dispatch=dispatcher.report,
+        parquet_rows=dict(sink.rows_written),
+        seconds=time.monotonic() - started,
+        halt_seen_at={d.name: watcher.board.view(d.name).halted_at for d in config.datasets},
+    )
+
+
+def run(config: Config) -> RunReport:
+    logging.basicConfig(level=os.environ.get("TOKENBUDGET_LOG", "WARNING"))
+    return asyncio.run(run_async(config))

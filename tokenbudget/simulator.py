@@ -1,0 +1,1064 @@
+"""A simulated SGLang / vLLM inference server for machines without GPUs.
+
+It speaks the real wire formats (SGLang native ``/generate`` + ``/abort_request`` and the
+OpenAI-compatible ``/v1/completions`` and ``/v1/chat/completions`` of both servers), so
+the client code runs unchanged against a real server.  Completion lengths come from a
+per-profile lognormal distribution chosen by a marker in the prompt text, and are a pure
+function of ``(seed, prompt text)`` so a rerun reproduces the same token counts.
+
+Behaviour worth knowing when reading client code against it:
+
+* Decoding takes ``tokens / tokens_per_second`` of wall time per request, independent of
+  how many requests run at once (a real server batches, so per-request speed is what the
+  client experiences).
+* A client that disconnects does NOT stop the request: like SGLang, the simulator keeps
+  decoding to the natural end and logs the full ``completion_tokens``.  Only
+  ``/abort_request`` stops a request early.
+* A rid that is still decoding cannot be reused (SGLang rejects duplicate request ids
+  with 400), which matters for clients that retry with the same rid after a timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import itertools
+import logging
+import math
+import random
+import signal
+import sys
+import time
+import uuid
+import zlib
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from tokenbudget.errors import ConfigError
+
+__all__ = [
+    "PROFILES",
+    "Faults",
+    "LengthRule",
+    "RequestRecord",
+    "RunningSimulator",
+    "SimulatorConfig",
+    "chat_prompt_text",
+    "completion_length",
+    "serve",
+    "start",
+]
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LengthRule:
+    """Completion length distribution used when ``marker`` occurs in the prompt text."""
+
+    marker: str
+    mean: float
+    sigma: float = 0.5
+
+
+@dataclass(frozen=True)
+class Faults:
+    """Shares of requests (0..1) that fail in each way."""
+
+    http_500: float = 0.0
+    timeout: float = 0.0
+    reset: float = 0.0
+    malformed: float = 0.0
+
+
+@dataclass(frozen=True)
+class SimulatorConfig:
+    host: str = "127.0.0.1"
+    port: int = 30000
+    profile: str = "demo"
+    tokens_per_second: float = 4000.0
+    model: str = "tokenbudget-sim"
+    seed: int = 0
+    faults: Faults = Faults()
+    vocab_size: int = 32000
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    rid: str
+    api: str
+    received_at: float
+    finished_at: float
+    prompt_tokens: int
+    max_new_tokens: int
+    completion_tokens: int
+    finish: str
+    text_head: str
+
+
+PROFILES: dict[str, tuple[LengthRule, ...]] = {
+    # The product demo's 8 source datasets; the more specific markers come first because
+    # "#long-code" contains "#code".
+    "demo": (
+        LengthRule("#long-code", 3793.0, 0.35),
+        LengthRule("#code", 1200.0, 0.5),
+        LengthRule("#chat", 1500.0, 0.5),
+        LengthRule("#math", 2200.0, 0.45),
+        LengthRule("#reasoning", 3000.0, 0.4),
+        LengthRule("#short", 300.0, 0.6),
+        LengthRule("", 1000.0, 0.5),
+    ),
+    "uniform": (LengthRule("", 1000.0, 0.5),),
+    "short": (LengthRule("", 64.0, 0.5),),
+}
+
+# A streamed chunk every ~32 tokens is what real servers look like on the wire; one chunk
+# per token would make Python the bottleneck of the demo.
+_CHUNK_TOKENS = 32
+# Below ~1 ms asyncio timer overhead dominates, so faster decoding just gets bigger chunks.
+_MIN_STREAM_SLICE = 0.001
+# Longer than any client timeout: the client must give up, not the simulator.
+_HANG_SECONDS = 3600.0
+# SGLang's SamplingParams default and vLLM's /v1/completions default.
+_SGLANG_DEFAULT_MAX_NEW_TOKENS = 128
+_OPENAI_COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+# Chat requests without max_tokens may use the rest of the context window, as in vLLM.
+_MAX_MODEL_LEN = 32768
+# SGLang reports the EOS id that stopped generation as finish_reason.matched.
+_EOS_TOKEN_ID = 2
+_SHUTDOWN_TIMEOUT = 2.0
+
+_encode = msgspec.json.Encoder().encode
+_decode = msgspec.json.Decoder().decode
+
+
+# --------------------------------------------------------------------------------------
+# Pure, deterministic generation
+# --------------------------------------------------------------------------------------
+
+
+def _rng_for(seed: int, text: str) -> random.Random:
+    # Python's hash() is salted per process; a rerun must reproduce the same lengths.
+    digest = hashlib.blake2b(
+        f"{seed}\x1f{text}".encode("utf-8", "surrogatepass"), digest_size=16
+    ).digest()
+    return random.Random(int.from_bytes(digest, "big"))
+
+
+def _rule_for(rules: Sequence[LengthRule], text: str) -> LengthRule:
+    for rule in rules:
+        if rule.marker in text:
+            return rule
+    # A profile without a "" rule still needs an answer; the last rule is the catch-all.
+    return rules[-1]
+
+
+def _draw_length(rules: Sequence[LengthRule], rng: random.Random, text: str) -> int:
+    rule = _rule_for(rules, text)
+    # Parametrise so the distribution's MEAN (not median) is rule.mean: budgets are sums.
+    mu = math.log(rule.mean) - rule.sigma * rule.sigma / 2.0
+    return max(1, round(rng.lognormvariate(mu, rule.sigma)))
+
+
+def completion_length(rules: Sequence[LengthRule], seed: int, text: str) -> int:
+    """Natural (uncapped) completion length in tokens for ``text`` under ``rules``."""
+    if not rules:
+        raise ConfigError("simulator.profile", "a profile needs at least one LengthRule")
+    return _draw_length(rules, _rng_for(seed, text), text)
+
+
+def chat_prompt_text(messages: Sequence[dict[str, Any]]) -> str:
+    """The prompt text the simulator sees for a chat request: all contents concatenated."""
+    parts: list[str] = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, str):
+            parts.append(content)
+        elif isinstance(content, list):
+            # OpenAI content-part arrays: only text parts carry prompt text.
+            parts.extend(
+                p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)
+            )
+    return "".join(parts)
+
+
+def _generate(
+    rules: Sequence[LengthRule], seed: int, text: str, max_new_tokens: int, vocab_size: int
+) -> tuple[list[int], str]:
+    rng = _rng_for(seed, text)
+    natural = _draw_length(rules, rng, text)
+    n = min(natural, max_new_tokens)
+    # Ids come from the same stream after the length draw, so a capped answer is a prefix
+    # of the uncapped one.
+    ids = [int(rng.random() * vocab_size) for _ in range(n)]
+    return ids, ("length" if natural > max_new_tokens else "stop")
+
+
+def _prompt_ids_from_text(text: str, vocab_size: int) -> list[int]:
+    words = text.split()
+    if not words:
+        return [1]
+    return [zlib.crc32(w.encode("utf-8", "surrogatepass")) % vocab_size for w in words]
+
+
+class _Output:
+    """Generated ids and their synthetic text, with cheap prefix/delta slicing."""
+
+    __slots__ = ("_offsets", "_text", "ids")
+
+    def __init__(self, ids: list[int]) -> None:
+        self.ids = ids
+        self._text: str | None = None
+        self._offsets: list[int] | None = None
+
+    def _render(self) -> tuple[str, list[int]]:
+        if self._text is None or self._offsets is None:
+            # Each token renders with a leading space (like BPE word tokens), so streamed
+            # deltas concatenate to exactly the full text.
+            pieces = [f" w{i}" for i in self.ids]
+            self._text = "".join(pieces)
+            self._offsets = list(itertools.accumulate(map(len, pieces), initial=0))
+        return self._text, self._offsets
+
+    def text(self, start: int, end: int) -> str:
+        text, offsets = self._render()
+        return text[offsets[start] : offsets[end]]
+
+
+# --------------------------------------------------------------------------------------
+# Server state
+# --------------------------------------------------------------------------------------
+
+
+class _BadRequest(Exception):
+    pass
+
+
+@dataclass(eq=False)
+class _Job:
+    rid: str
+    api: str
+    received_at: float
+    prompt_tokens: int
+    max_new_tokens: int
+    output: _Output
+    natural_finish: str
+    text_head: str
+    produced: int = 0
+    finish: str | None = None
+    abort_requested: bool = False
+    tick: asyncio.Event = field(default_factory=asyncio.Event)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    wake: asyncio.Future[None] | None = None
+
+    def notify(self) -> None:
+        # Swap in a fresh event before setting the old one so waiters never miss a tick
+        # and never spin on an already-set event.
+        old, self.tick = self.tick, asyncio.Event()
+        old.set()
+
+
+@dataclass
+class _Parsed:
+    rid: str
+    text: str
+    prompt_ids: list[int] | None
+    prompt_tokens: int
+    max_new_tokens: int
+    stream: bool
+    include_usage: bool = False
+    return_token_ids: bool = False
+
+
+@dataclass
+class _Counters:
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    requests: int = 0
+    aborted: int = 0
+
+
+class _SimServer:
+    def __init__(self, config: SimulatorConfig) -> None:
+        self.config = config
+        self.rules = PROFILES[config.profile]
+        self.log: list[RequestRecord] = []
+        self.counters = _Counters()
+        self.jobs: dict[str, _Job] = {}
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.stopping = asyncio.Event()
+        # One RNG per instance, drawn once per generation request, so a fault schedule
+        # replays exactly for the same request order.
+        self.fault_rng = random.Random(config.seed)
+        self.app = web.Application(client_max_size=64 * 1024 * 1024)
+        self.app.add_routes(
+            [
+                web.post("/generate", self.handle_generate),
+                web.post("/abort_request", self.handle_abort),
+                web.get("/health", self.handle_health),
+                web.get("/health_generate", self.handle_health),
+                web.get("/get_model_info", self.handle_model_info),
+                web.get("/v1/models", self.handle_models),
+                web.post("/v1/completions", self.handle_completions),
+                web.post("/v1/chat/completions", self.handle_chat),
+                web.get("/metrics", self.handle_metrics),
+                web.get("/sim/log", self.handle_log),
+            ]
+        )
+
+    # ---- generation core -------------------------------------------------------------
+
+    def _admit(self, api: str, parsed: _Parsed, received_at: float) -> _Job:
+        if parsed.rid in self.jobs:
+            raise _BadRequest(f"Duplicate request ID: {parsed.rid}")
+        ids, natural_finish = _generate(
+            self.rules,
+            self.config.seed,
+            parsed.text,
+            parsed.max_new_tokens,
+            self.config.vocab_size,
+        )
+        job = _Job(
+            rid=parsed.rid,
+            api=api,
+            received_at=received_at,
+            prompt_tokens=parsed.prompt_tokens,
+            max_new_tokens=parsed.max_new_tokens,
+            output=_Output(ids),
+            natural_finish=natural_finish,
+            text_head=parsed.text[:80],
+        )
+        self.jobs[job.rid] = job
+        # A task of its own, not the handler's coroutine: decoding must outlive a client
+        # that hangs up (SGLang semantics).
+        task = asyncio.create_task(self._decode(job, parsed.stream), name=f"sim-{job.rid}")
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return job
+
+    async def _decode(self, job: _Job, stream: bool) -> None:
+        loop = asyncio.get_running_loop()
+        tps = self.config.tokens_per_second
+        n = len(job.output.ids)
+        start = loop.time()
+        end = start + n / tps
+        # Non-streaming requests sleep straight to the end: an abort wakes them early.
+        slice_s = max(_CHUNK_TOKENS / tps, _MIN_STREAM_SLICE) if stream else math.inf
+        try:
+            while job.produced < n and not job.abort_requested:
+                delay = min(end - loop.time(), slice_s)
+                if delay > 0:
+                    await self._sleep(job, delay)
+                now = loop.time()
+                # Float rounding may leave int(...) one short at the deadline.
+                job.produced = n if now >= end else min(n, int((now - start) * tps))
+                job.notify()
+            aborted_early = job.abort_requested and job.produced < n
+            job.finish = "abort" if aborted_early else job.natural_finish
+        finally:
+            if job.finish is None:
+                job.finish = "abort"
+            self._finish(job)
+
+    async def _sleep(self, job: _Job, delay: float) -> None:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        job.wake = fut
+        handle = loop.call_later(delay, _resolve, fut)
+        try:
+            await fut
+        finally:
+            handle.cancel()
+            job.wake = None
+
+    def _finish(self, job: _Job) -> None:
+        self.jobs.pop(job.rid, None)
+        c = self.counters
+        c.requests += 1
+        c.prompt_tokens += job.prompt_tokens
+        c.generation_tokens += job.produced
+        if job.finish == "abort":
+            c.aborted += 1
+        self.log.append(
+            RequestRecord(
+                rid=job.rid,
+                api=job.api,
+                received_at=job.received_at,
+                finished_at=time.time(),
+                prompt_tokens=job.prompt_tokens,
+                max_new_tokens=job.max_new_tokens,
+                completion_tokens=job.produced,
+                finish=job.finish or "abort",
+                text_head=job.text_head,
+            )
+        )
+        job.done.set()
+        job.notify()
+
+    def _abort(self, job: _Job) -> None:
+        job.abort_requested = True
+        if job.wake is not None:
+            _resolve(job.wake)
+
+    async def _pump(
+        self, job: _Job, emit: Callable[[int, int, str | None], Awaitable[bool]]
+    ) -> None:
+        """Call ``emit(sent, produced, finish)`` on progress until the job ends.
+
+        ``emit`` returns False once the client is gone; the job keeps decoding anyway.
+        """
+        sent = 0
+        while True:
+            tick = job.tick
+            produced, finish = job.produced, job.finish
+            if produced > sent or finish is not None:
+                if not await emit(sent, produced, finish):
+                    return
+                sent = produced
+                if finish is not None:
+                    return
+            else:
+                await tick.wait()
+
+    # ---- faults ----------------------------------------------------------------------
+
+    def _draw_fault(self) -> str | None:
+        f = self.config.faults
+        r = self.fault_rng.random()
+        for kind, share in (
+            ("http_500", f.http_500),
+            ("timeout", f.timeout),
+            ("reset", f.reset),
+            ("malformed", f.malformed),
+        ):
+            if r < share:
+                return kind
+            r -= share
+        return None
+
+    async def _fault(
+        self,
+        kind: str,
+        request: web.Request,
+        api: str,
+        parsed: _Parsed,
+        received_at: float,
+    ) -> web.StreamResponse:
+        self.log.append(
+            RequestRecord(
+                rid=parsed.rid,
+                api=api,
+                received_at=received_at,
+                finished_at=time.time(),
+                prompt_tokens=parsed.prompt_tokens,
+                max_new_tokens=parsed.max_new_tokens,
+                completion_tokens=0,
+                finish="fault",
+                text_head=parsed.text[:80],
+            )
+        )
+        if kind == "http_500":
+            return _error(api, 500, "simulated internal server error")
+        if kind == "timeout":
+            # Waiting on the stop event (not a bare sleep) lets stop() end promptly.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stopping.wait(), _HANG_SECONDS)
+            _drop(request)
+            return web.Response()
+        if kind == "reset":
+            _drop(request)
+            # aiohttp swallows the ConnectionError from writing this to a dead transport.
+            return web.Response()
+        # malformed: a 200 whose body breaks off mid-JSON.
+        if parsed.stream:
+            resp = _sse_response()
+            with contextlib.suppress(ConnectionError):
+                await resp.prepare(request)
+                await resp.write(b'data: {"text": " w1 w2", "meta_info": {"id": \n\n')
+                await resp.write_eof()
+            return resp
+        return web.Response(
+            body=b'{"text": " w1 w2 w3", "output_ids": [1, 2', content_type="application/json"
+        )
+
+    # ---- shared request plumbing -------------------------------------------------------
+
+    async def _run(
+        self,
+        request: web.Request,
+        api: str,
+        parse: Callable[[dict[str, Any], web.Request], _Parsed],
+        respond: Callable[[web.Request, _Job, _Parsed, float], Awaitable[web.StreamResponse]],
+    ) -> web.StreamResponse:
+        received_at = time.time()
+        try:
+            body = await request.read()
+            try:
+                payload = _decode(body)
+            except msgspec.DecodeError as exc:
+                raise _BadRequest(f"request body is not valid JSON: {exc}") from exc
+            if not isinstance(payload, dict):
+                raise _BadRequest("request body must be a JSON object")
+            parsed = parse(payload, request)
+            fault = self._draw_fault()
+            if fault is not None:
+                return await self._fault(fault, request, api, parsed, received_at)
+            job = self._admit(api, parsed, received_at)
+        except _BadRequest as exc:
+            return _error(api, 400, str(exc))
+        return await respond(request, job, parsed, received_at)
+
+    async def _stream(
+        self,
+        request: web.Request,
+        job: _Job,
+        render: Callable[[int, int, str | None], list[bytes]],
+        tail: list[bytes],
+    ) -> web.StreamResponse:
+        resp = _sse_response()
+        try:
+            await resp.prepare(request)
+        except ConnectionError:
+            return resp
+
+        async def emit(sent: int, produced: int, finish: str | None) -> bool:
+            chunks = render(sent, produced, finish)
+            if finish is not None:
+                chunks += tail
+            try:
+                await resp.write(b"".join(chunks))
+            except ConnectionError:
+                # Client hung up: stop writing, keep decoding (the job owns its own task).
+                return False
+            return True
+
+        await self._pump(job, emit)
+        with contextlib.suppress(ConnectionError):
+            await resp.write_eof()
+        return resp
+
+    # ---- SGLang native -------------------------------------------------------------------
+
+    def _parse_generate(self, p: dict[str, Any], request: web.Request) -> _Parsed:
+        text, input_ids = p.get("text"), p.get("input_ids")
+        if (text is None) == (input_ids is None):
+            raise _BadRequest("Either text or input_ids should be provided.")
+        if isinstance(text, list) or (
+            isinstance(input_ids, list) and input_ids and isinstance(input_ids[0], list)
+        ):
+            raise _BadRequest("batch requests are not supported by the simulator")
+        sp = p.get("sampling_params") or {}
+        if not isinstance(sp, dict):
+            raise _BadRequest("sampling_params must be an object")
+        max_new = _int_field(sp, "max_new_tokens", _SGLANG_DEFAULT_MAX_NEW_TOKENS)
+        if max_new < 0:
+            raise _BadRequest(f"max_new_tokens must be at least 0, got {max_new}.")
+        rid = p.get("rid")
+        if rid is not None and not isinstance(rid, str):
+            raise _BadRequest("rid must be a string")
+        text, prompt_ids = self._prompt(text, input_ids)
+        return _Parsed(
+            rid=rid or uuid.uuid4().hex,
+            text=text,
+            prompt_ids=prompt_ids,
+            prompt_tokens=len(prompt_ids) if prompt_ids is not None else _count(text),
+            max_new_tokens=max_new,
+            stream=bool(p.get("stream", False)),
+        )
+
+    def _prompt(self, text: Any, ids: Any) -> tuple[str, list[int] | None]:
+        if ids is not None:
+            if not isinstance(ids, list) or not ids or not all(_is_int(i) for i in ids):
+                raise _BadRequest("input_ids must be a non-empty list of integers")
+            # The rules need text to match markers against; ids have no markers, so they
+            # fall through to the profile's default rule.
+            return " ".join(map(str, ids)), ids
+        if not isinstance(text, str):
+            raise _BadRequest("text must be a string")
+        return text, None
+
+    async def handle_generate(self, request: web.Request) -> web.StreamResponse:
+        return await self._run(request, "sglang", self._parse_generate, self._respond_generate)
+
+    async def _respond_generate(
+        self, request: web.Request, job: _Job, parsed: _Parsed, received_at: float
+    ) -> web.StreamResponse:
+        def body(produced: int, finish: str | None) -> dict[str, Any]:
+            return {
+                "text": job.output.text(0, produced),
+                "output_ids": job.output.ids[:produced],
+                "meta_info": {
+                    "id": job.rid,
+                    "finish_reason": _sglang_finish(job, finish, produced),
+                    "prompt_tokens": job.prompt_tokens,
+                    "completion_tokens": produced,
+                    "cached_tokens": 0,
+                    "e2e_latency": time.time() - received_at,
+                },
+            }
+
+        if not parsed.stream:
+            await job.done.wait()
+            return _json(body(job.produced, job.finish))
+
+        def render(sent: int, produced: int, finish: str | None) -> list[bytes]:
+            return [b"data: " + _encode(body(produced, finish)) + b"\n\n"]
+
+        return await self._stream(request, job, render, [b"data: [DONE]\n\n"])
+
+    async def handle_abort(self, request: web.Request) -> web.Response:
+        try:
+            payload = _decode(await request.read() or b"{}")
+        except msgspec.DecodeError:
+            return _error("sglang", 400, "request body is not valid JSON")
+        if not isinstance(payload, dict):
+            return _error("sglang", 400, "request body must be a JSON object")
+        if payload.get("abort_all"):
+            for job in list(self.jobs.values()):
+                self._abort(job)
+        else:
+            rid = payload.get("rid")
+            target = self.jobs.get(rid) if isinstance(rid, str) else None
+            if target is not None:
+                self._abort(target)
+        return web.Response(status=200)
+
+    async def handle_health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def handle_model_info(self, request: web.Request) -> web.Response:
+        return _json({"model_path": self.config.model, "is_generation": True})
+
+    async def handle_models(self, request: web.Request) -> web.Response:
+        return _json(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.config.model,
+                        "object": "model",
+                        "created": int(time.time()),
+                        "owned_by": "tokenbudget",
+                    }
+                ],
+            }
+        )
+
+    # ---- OpenAI-compatible -------------------------------------------------------------
+
+    def _parse_openai_common(
+        self, p: dict[str, Any], request: web.Request
+    ) -> tuple[str, bool, bool, bool]:
+        rid = p.get("request_id") or p.get("rid") or request.headers.get("X-Request-Id")
+        if rid is not None and not isinstance(rid, str):
+            raise _BadRequest("request_id must be a string")
+        n = p.get("n")
+        if n not in (None, 1):
+            raise _BadRequest("n > 1 is not supported by the simulator")
+        opts = p.get("stream_options") or {}
+        if not isinstance(opts, dict):
+            raise _BadRequest("stream_options must be an object")
+        stream = bool(p.get("stream", False))
+        return (
+            rid or uuid.uuid4().hex,
+            stream,
+            stream and bool(opts.get("include_usage", False)),
+            bool(p.get("return_token_ids", False)),
+        )
+
+    def _parse_completions(self, p: dict[str, Any], request: web.Request) -> _Parsed:
+        rid, stream, include_usage, return_ids = self._parse_openai_common(p, request)
+        prompt = p.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            text, ids = self._prompt(prompt, None)
+        elif isinstance(prompt, list) and prompt and all(_is_int(i) for i in prompt):
+            text, ids = self._prompt(None, prompt)
+        elif prompt is None:
+            raise _BadRequest("prompt is required")
+        else:
+            raise _BadRequest("prompt must be a string or a list of token ids (no batches)")
+        max_tokens = _int_field(p, "max_tokens", _OPENAI_COMPLETIONS_DEFAULT_MAX_TOKENS)
+        if max_tokens < 0:
+            raise _BadRequest(f"max_tokens must be at least 0, got {max_tokens}.")
+        prompt_tokens = len(ids) if ids is not None else _count(text)
+        return _Parsed(rid, text, ids, prompt_tokens, max_tokens, stream, include_usage, return_ids)
+
+    def _parse_chat(self, p: dict[str, Any], request: web.Request) -> _Parsed:
+        rid, stream, include_usage, return_ids = self._parse_openai_common(p, request)
+        messages = p.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise _BadRequest("messages must be a non-empty list")
+        if not all(isinstance(m, dict) for m in messages):
+            raise _BadRequest("each message must be an object")
+        text = chat_prompt_text(messages)
+        prompt_tokens = _count(text)
+        # vLLM: max_completion_tokens wins over the deprecated max_tokens.
+        default = max(0, _MAX_MODEL_LEN - prompt_tokens)
+        max_tokens = _int_field(p, "max_completion_tokens", None)
+        if max_tokens is None:
+            max_tokens = _int_field(p, "max_tokens", default)
+        if max_tokens < 0:
+            raise _BadRequest(f"max_tokens must be at least 0, got {max_tokens}.")
+        return _Parsed(
+            rid, text, None, prompt_tokens, max_tokens, stream, include_usage, return_ids
+        )
+
+    def _prompt_ids(self, parsed: _Parsed) -> list[int]:
+        if parsed.prompt_ids is not None:
+            return parsed.prompt_ids
+        return _prompt_ids_from_text(parsed.text, self.config.vocab_size)
+
+    async def handle_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._run(
+            request, "openai-completions", self._parse_completions, self._respond_completions
+        )
+
+    async def handle_chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._run(request, "openai-chat", self._parse_chat, self._respond_chat)
+
+    async def _respond_completions(
+        self, request: web.Request, job: _Job, parsed: _Parsed, received_at: float
+    ) -> web.StreamResponse:
+        head = {
+            "id": f"cmpl-{job.rid}",
+            "object": "text_completion",
+            "created": int(received_at),
+            "model": self.config.model,
+        }
+        if not parsed.stream:
+            await job.done.wait()
+            choice: dict[str, Any] = {
+                "index": 0,
+                "text": job.output.text(0, job.produced),
+                "logprobs": None,
+                "finish_reason": job.finish,
+            }
+            out = {**head, "choices": [choice], "usage": _usage(job)}
+            if parsed.return_token_ids:
+                choice["token_ids"] = job.output.ids[: job.produced]
+                out["prompt_token_ids"] = self._prompt_ids(parsed)
+            return _json(out)
+
+        def render(sent: int, produced: int, finish: str | None) -> list[bytes]:
+            choice: dict[str, Any] = {
+                "index": 0,
+                "text": job.output.text(sent, produced),
+                "logprobs": None,
+                "finish_reason": finish,
+            }
+            if parsed.return_token_ids:
+                choice["token_ids"] = job.output.ids[sent:produced]
+            chunk: dict[str, Any] = {**head, "choices": [choice]}
+            if parsed.include_usage:
+                chunk["usage"] = None
+            if parsed.return_token_ids and sent == 0:
+                chunk["prompt_token_ids"] = self._prompt_ids(parsed)
+            out = [_sse(chunk)]
+            if finish is not None and parsed.include_usage:
+                out.append(_sse({**head, "choices": [], "usage": _usage(job)}))
+            return out
+
+        return await self._stream(request, job, render, [b"data: [DONE]\n\n"])
+
+    async def _respond_chat(
+        self, request: web.Request, job: _Job, parsed: _Parsed, received_at: float
+    ) -> web.StreamResponse:
+        rid = f"chatcmpl-{job.rid}"
+        created = int(received_at)
+        model = self.config.model
+        if not parsed.stream:
+            await job.done.wait()
+            choice: dict[str, Any] = {
+                "index": 0,
+                "message": {"role": "assistant", "content": job.output.text(0, job.produced)},
+                "logprobs": None,
+                "finish_reason": job.finish,
+            }
+            out: dict[str, Any] = {
+                "id": rid,
+                "object": "chat.completion",
+                "created": created,
+                "model": model,
+                "choices": [choice],
+                "usage": _usage(job),
+            }
+            if parsed.return_token_ids:
+                choice["token_ids"] = job.output.ids[: job.produced]
+                out["prompt_token_ids"] = self._prompt_ids(parsed)
+            return _json(out)
+
+        head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
+
+        def chunk(choice: dict[str, Any]) -> dict[str, Any]:
+            c: dict[str, Any] = {**head, "choices": [choice]}
+            if parsed.include_usage:
+                c["usage"] = None
+            return c
+
+        def render(sent: int, produced: int, finish: str | None) -> list[bytes]:
+            out: list[bytes] = []
+            if sent == 0:
+                first = chunk(
+                    {
+                        "index": 0,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                )
+                if parsed.return_token_ids:
+                    first["prompt_token_ids"] = self._prompt_ids(parsed)
+                out.append(_sse(first))
+            choice: dict[str, Any] = {
+                "index": 0,
+                "delta": {"content": job.output.text(sent, produced)},
+                "logprobs": None,
+                "finish_reason": finish,
+            }
+            if parsed.return_token_ids:
+                choice["token_ids"] = job.output.ids[sent:produced]
+            out.append(_sse(chunk(choice)))
+            if finish is not None and parsed.include_usage:
+                out.append(_sse({**head, "choices": [], "usage": _usage(job)}))
+            return out
+
+        return await self._stream(request, job, render, [b"data: [DONE]\n\n"])
+
+    # ---- observability -------------------------------------------------------------------
+
+    async def handle_metrics(self, request: web.Request) -> web.Response:
+        label = '{model_name="' + _prom_escape(self.config.model) + '"}'
+        c = self.counters
+        series = [
+            ("sglang:prompt_tokens_total", "counter", "Number of prefill tokens processed.",
+             c.prompt_tokens),
+            ("sglang:generation_tokens_total", "counter", "Number of generation tokens processed.",
+             c.generation_tokens),
+            ("sglang:num_requests_total", "counter", "Number of requests processed.", c.requests),
+            ("sglang:num_aborted_requests_total", "counter", "Number of requests aborted.",
+             c.aborted),
+            ("sglang:num_running_reqs", "gauge", "The number of running requests.",
+             len(self.jobs)),
+            ("sglang:num_queue_reqs", "gauge", "The number of requests in the waiting queue.", 0),
+        ]  # fmt: skip
+        lines: list[str] = []
+        for name, kind, help_text, value in series:
+            lines.append(f"# HELP {name} {help_text}")
+            lines.append(f"# TYPE {name} {kind}")
+            lines.append(f"{name}{label} {float(value)}")
+        return web.Response(
+            text="\n".join(lines) + "\n",
+            content_type="text/plain",
+            charset="utf-8",
+            headers={"X-Prometheus-Format": "0.0.4"},
+        )
+
+    async def handle_log(self, request: web.Request) -> web.Response:
+        return web.Response(body=_encode(self.log), content_type="application/json")
+
+    async def shutdown(self) -> None:
+        self.stopping.set()
+        for job in list(self.jobs.values()):
+            self._abort(job)
+        if self.tasks:
+            await asyncio.gather(*self.tasks, return_exceptions=True)
+
+
+# --------------------------------------------------------------------------------------
+# Small helpers
+# --------------------------------------------------------------------------------------
+
+
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _int_field(d: dict[str, Any], key: str, default: Any) -> Any:
+    v = d.get(key)
+    if v is None:
+        return default
+    if not _is_int(v):
+        raise _BadRequest(f"{key} must be an integer")
+    return v
+
+
+def _count(text: str) -> int:
+    return max(1, len(text.split()))
+
+
+def _drop(request: web.Request) -> None:
+    transport = request.transport
+    if transport is not None:
+        # abort(), not close(): no graceful flush, the client just sees the socket die.
+        transport.abort()
+
+
+def _sglang_finish(job: _Job, finish: str | None, produced: int) -> dict[str, Any] | None:
+    if finish is None:
+        return None
+    if finish == "stop":
+        return {"type": "stop", "matched": _EOS_TOKEN_ID}
+    if finish == "length":
+        return {"type": "length", "length": produced}
+    return {"type": "abort", "message": f"Abort request {job.rid}"}
+
+
+def _usage(job: _Job) -> dict[str, int]:
+    return {
+        "prompt_tokens": job.prompt_tokens,
+        "completion_tokens": job.produced,
+        "total_tokens": job.prompt_tokens + job.produced,
+    }
+
+
+def _json(obj: Any, status: int = 200) -> web.Response:
+    return web.Response(body=_encode(obj), status=status, content_type="application/json")
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + _encode(obj) + b"\n\n"
+
+
+def _sse_response() -> web.StreamResponse:
+    return web.StreamResponse(
+        status=200,
+        headers={
+            "Content-Type": "text/event-stream; charset=utf-8",
+            "Cache-Control": "no-cache",
+        },
+    )
+
+
+def _error(api: str, status: int, message: str) -> web.Response:
+    if api == "sglang":
+        # SGLang's native endpoints answer errors as {"error": {"message": ...}}.
+        return _json({"error": {"message": message}}, status)
+    kind = "BadRequestError" if status < 500 else "InternalServerError"
+    return _json(
+        {"object": "error", "message": message, "type": kind, "param": None, "code": status},
+        status,
+    )
+
+
+def _prom_escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _validate(config: SimulatorConfig) -> None:
+    if config.profile not in PROFILES:
+        known = ", ".join(sorted(PROFILES))
+        raise ConfigError(
+            "simulator.profile", f"unknown profile {config.profile!r} (known: {known})"
+        )
+    if not (config.tokens_per_second > 0 and math.isfinite(config.tokens_per_second)):
+        raise ConfigError(
+            "simulator.tokens_per_second",
+            f"must be a positive number, got {config.tokens_per_second}",
+        )
+    if not 0 <= config.port <= 65535:
+        raise ConfigError("simulator.port", f"must be 0..65535, got {config.port}")
+    if config.vocab_size < 1:
+        raise ConfigError("simulator.vocab_size", f"must be >= 1, got {config.vocab_size}")
+    f = config.faults
+    shares = {
+        "http_500": f.http_500,
+        "timeout": f.timeout,
+        "reset": f.reset,
+        "malformed": f.malformed,
+    }
+    for name, share in shares.items():
+        if not 0.0 <= share <= 1.0:
+            raise ConfigError(f"simulator.faults.{name}", f"must be within 0..1, got {share}")
+    if sum(shares.values()) > 1.0 + 1e-9:
+        raise ConfigError("simulator.faults", "the fault shares must add up to at most 1")
+
+
+# --------------------------------------------------------------------------------------
+# Public entry points
+# --------------------------------------------------------------------------------------
+
+
+class RunningSimulator:
+    """A simulator listening in the current event loop; ``await stop()`` to shut it down."""
+
+    def __init__(self, server: _SimServer, runner: web.AppRunner, host: str, port: int) -> None:
+        self._server = server
+        self._runner = runner
+        self.port = port
+        url_host = f"[{host}]" if ":" in host else host
+        self.url = f"http://{url_host}:{port}"
+        self.log: list[RequestRecord] = server.log
+
+    async def stop(self) -> None:
+        await self._server.shutdown()
+        await self._runner.cleanup()
+
+    async def __aenter__(self) -> RunningSimulator:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop()
+
+
+async def start(config: SimulatorConfig) -> RunningSimulator:
+    """Start a simulator in the running event loop; ``port=0`` picks a free port."""
+    _validate(config)
+    server = _SimServer(config)
+    # No access log: at hundreds of requests per second it would drown everything else.
+    runner = web.AppRunner(
+        server.app, access_log=None, handle_signals=False, shutdown_timeout=_SHUTDOWN_TIMEOUT
+    )
+    await runner.setup()
+    # aiohttp's default backlog of 128 makes a burst of hundreds of client connections hit
+    # SYN retransmits (1 s, 3 s, ...); uvicorn under SGLang/vLLM listens with 2048.
+    site = web.TCPSite(runner, config.host, config.port, backlog=2048)
+    try:
+        await site.start()
+    except OSError as exc:
+        await runner.cleanup()
+        raise ConfigError(
+            "simulator.port", f"cannot listen on {config.host}:{config.port}: {exc}"
+        ) from exc
+    port = int(runner.addresses[0][1])
+    return RunningSimulator(server, runner, config.host, port)
+
+
+def serve(config: SimulatorConfig) -> None:
+    """Run a simulator until SIGINT or SIGTERM (the ``tokenbudget simulate`` command)."""
+    asyncio.run(_serve_until_signalled(config))
+
+
+async def _serve_until_signalled(config: SimulatorConfig) -> None:
+    sim = await start(config)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    installed: list[signal.Signals] = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+            installed.append(sig)
+    print(
+        f"tokenbudget simulator on {sim.url} (profile {config.profile}, "
+        f"{config.tokens_per_second:g} tok/s per request, model {config.model})",
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        await stop.wait()
+    finally:
+        for sig in installed:
+            loop.remove_signal_handler(sig)
+        await sim.stop()
+        _log.info("simulator on %s stopped after %d requests", sim.url, len(sim.log))
