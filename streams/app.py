@@ -48,6 +48,10 @@ def build_app(settings: LedgerSettings) -> faust.App:
         broker_commit_interval=0.5,
         stream_wait_empty=False,
         producer_acks=-1,
+        # A killed worker's partitions move to its replacement after this long;
+        # Faust's default (60 s) would stall a restarted ledger for a minute.
+        broker_session_timeout=10.0,
+        broker_heartbeat_interval=1.0,
         key_serializer="raw",
         value_serializer="raw",
     )

@@ -189,18 +189,33 @@ def encode(event: Event) -> bytes:
     return _encoder.encode(event)
 
 
+class _Header(msgspec.Struct):
+    type: str = "?"
+    v: int = SCHEMA_VERSION
+
+
+_header_decoder = msgspec.json.Decoder(_Header)
+
+
 def decode(data: bytes) -> Event:
-    """Decode one event, or raise EventDecodeError saying what is wrong with it."""
+    """Decode one event, or raise EventDecodeError saying what is wrong with it.
+
+    The version is checked before the shape, so an event from a newer writer is
+    reported as such rather than as a missing or unknown field.
+    """
     try:
-        event = _decoder.decode(data)
+        header = _header_decoder.decode(data)
     except msgspec.DecodeError as exc:
         raise EventDecodeError(f"not a tokenbudget event: {exc}") from exc
-    if event.v not in SUPPORTED_VERSIONS:
+    if header.v not in SUPPORTED_VERSIONS:
         raise EventDecodeError(
-            f"{type(event).__name__} has schema version {event.v}; this build reads "
+            f"'{header.type}' event has schema version {header.v}; this build reads "
             f"versions {sorted(SUPPORTED_VERSIONS)}: upgrade tokenbudget"
         )
-    return event
+    try:
+        return _decoder.decode(data)
+    except msgspec.DecodeError as exc:
+        raise EventDecodeError(f"not a tokenbudget event: {exc}") from exc
 
 
 def event_key(event: Event) -> bytes | None:

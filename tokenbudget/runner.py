@@ -158,7 +158,11 @@ async def _wait_drained(
 
 
 async def run_async(
-    config: Config, *, bootstrap: str | None = None, ledger_process: bool = True
+    config: Config,
+    *,
+    bootstrap: str | None = None,
+    ledger_process: bool = True,
+    keep_dispatch_log: bool = False,
 ) -> RunReport:
     started = time.monotonic()
     bootstrap = bootstrap or await asyncio.to_thread(resolve_bootstrap, config)
@@ -170,7 +174,9 @@ async def run_async(
         else None
     )
     try:
-        return await _run_components(config, bootstrap, topics, ledger, started)
+        return await _run_components(
+            config, bootstrap, topics, ledger, started, keep_dispatch_log
+        )
     finally:
         if ledger is not None:
             await asyncio.to_thread(stop_process, ledger)
@@ -182,6 +188,7 @@ async def _run_components(
     topics: Topics,
     ledger: subprocess.Popen[bytes] | None,
     started: float,
+    keep_dispatch_log: bool = False,
 ) -> RunReport:
     watcher = BudgetWatcher(bootstrap, topics)
     await watcher.start()
@@ -203,7 +210,7 @@ async def _run_components(
     sink_thread = threading.Thread(target=sink.run, args=(sink_stop,), name="sink", daemon=True)
     sink_thread.start()
 
-    dispatcher = Dispatcher(config, bootstrap, watcher.board)
+    dispatcher = Dispatcher(config, bootstrap, watcher.board, keep_log=keep_dispatch_log)
     dispatch_stop = asyncio.Event()
     dispatch_task = asyncio.create_task(dispatcher.run(dispatch_stop))
     producer = PromptProducer(config, bootstrap, watcher.board)

@@ -1,0 +1,99 @@
+"""The dispatcher on the real broker: poison prompts, failing servers, halts."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from kafka import KafkaProducer
+
+from producers.dispatcher import Dispatcher
+from producers.halts import BudgetBoard
+from streams import events as ev
+from streams.topics import Topics
+from tests.integration.test_ledger_worker import publish, read_all
+from tokenbudget import broker, simulator
+from tokenbudget import config as config_module
+
+pytestmark = pytest.mark.integration
+
+
+def prompt(dataset: str, i: int) -> ev.PromptEvent:
+    return ev.PromptEvent(prompt_id=f"{dataset}-{i}", dataset=dataset, text=f"#short q{i}")
+
+
+async def dispatch_until(
+    config: config_module.Config,
+    bootstrap: str,
+    board: BudgetBoard,
+    done: object,
+    timeout: float = 60,
+) -> Dispatcher:
+    dispatcher = Dispatcher(config, bootstrap, board, keep_log=True)
+    stop = asyncio.Event()
+    task = asyncio.create_task(dispatcher.run(stop))
+    deadline = time.monotonic() + timeout
+    while not done(dispatcher.report) and time.monotonic() < deadline:  # type: ignore[operator]
+        await asyncio.sleep(0.1)
+    stop.set()
+    await task
+    return dispatcher
+
+
+def test_poison_prompts_failures_and_halted_datasets(kafka_bootstrap: str, namespace: str) -> None:
+    topics = Topics(namespace)
+    broker.ensure_topics(kafka_bootstrap, topics.specs())
+    producer = KafkaProducer(bootstrap_servers=kafka_bootstrap, acks="all")
+    producer.send(topics.prompts, key=b"ok", value=b"\xff garbage")
+    producer.flush()
+    producer.close()
+    publish(
+        kafka_bootstrap,
+        topics.prompts,
+        [prompt("broken", 0), *(prompt("stopped", i) for i in range(3))],
+    )
+
+    async def scenario() -> Dispatcher:
+        # Every request fails with HTTP 500: one retry, then the prompt is failed.
+        sim = await simulator.start(
+            simulator.SimulatorConfig(port=0, faults=simulator.Faults(http_500=1.0))
+        )
+        try:
+            config = config_module.build(
+                {
+                    "kafka": {"bootstrap": kafka_bootstrap, "namespace": namespace},
+                    "inference": {"url": sim.url, "retries": 1, "backoff_s": 0.01},
+                },
+                environ={},
+            )
+            board = BudgetBoard()
+            board.apply(ev.BudgetExceeded(dataset="stopped", budget=1, used=1))
+            return await dispatch_until(
+                config,
+                kafka_bootstrap,
+                board,
+                lambda r: r.dead_lettered + r.failed + r.skipped >= 5,
+            )
+        finally:
+            await sim.stop()
+
+    dispatcher = asyncio.run(scenario())
+    report = dispatcher.report
+    assert report.dead_lettered == 1
+    assert report.failed == 1
+    assert report.skipped == 3
+    assert report.completed == 0
+    # A halted dataset's queued prompts never reach the server.
+    assert not [d for d in report.sent if d.dataset == "stopped"]
+    # The failing prompt was tried twice (1 retry), each with its own rid.
+    assert len([d for d in report.sent if d.dataset == "broken"]) == 2
+
+    outcomes = read_all(kafka_bootstrap, topics.outcomes)
+    assert sorted(type(o).__name__ for o in outcomes) == ["PromptFailed", *["PromptSkipped"] * 3]
+    failed = next(o for o in outcomes if isinstance(o, ev.PromptFailed))
+    assert failed.attempts == 2 and "HTTP 500" in failed.reason
+    letters = read_all(kafka_bootstrap, topics.dead_letter)
+    assert len(letters) == 2
+    assert any("HTTP 500" in d.reason for d in letters)  # type: ignore[union-attr]
+    assert any(d.payload.endswith("garbage") for d in letters)  # type: ignore[union-attr]
