@@ -51,3 +51,35 @@ def serve(host: str, port: int) -> None:
     """Expose /metrics; port 0 means disabled."""
     if port:
         start_http_server(port, addr=host)
+
+
+class LedgerGauges:
+    """Mirrors ledger states into the metrics above; used only by the ledger worker.
+
+    Counters cannot be set, so kept totals advance by the difference from the last
+    state seen (a restarted worker starts its counters at zero again, which
+    Prometheus' ``rate`` and ``increase`` treat as a counter reset).
+    """
+
+    def __init__(self) -> None:
+        self._last: dict[str, tuple[int, int, int]] = {}
+
+    def observe(self, state: object) -> None:
+        from streams import ledger
+
+        assert isinstance(state, ledger.DatasetLedger)
+        name = state.dataset
+        completion, prompt, samples = self._last.get(name, (0, 0, 0))
+        if state.completion_tokens > completion:
+            COMPLETION_TOKENS.labels(dataset=name).inc(state.completion_tokens - completion)
+        if state.prompt_tokens > prompt:
+            PROMPT_TOKENS.labels(dataset=name).inc(state.prompt_tokens - prompt)
+        if state.samples > samples:
+            SAMPLES.labels(dataset=name).inc(state.samples - samples)
+        self._last[name] = (state.completion_tokens, state.prompt_tokens, state.samples)
+        HALTED.labels(dataset=name).set(1 if state.halted else 0)
+        if state.budget is not None:
+            spent = ledger.used(state)
+            BUDGET.labels(dataset=name).set(state.budget)
+            BUDGET_REMAINING.labels(dataset=name).set(max(0, state.budget - spent))
+            OVERSHOOT.labels(dataset=name).set(max(0, spent - state.budget))

@@ -73,8 +73,17 @@ def _ledger(args: argparse.Namespace) -> int:
         bootstrap, namespace, interval = args.bootstrap, args.namespace, args.snapshot_interval
     else:
         raise TokenBudgetError("ledger needs --config FILE, or --bootstrap HOST:PORT")
+    from sinks import metrics
+
+    gauges = metrics.LedgerGauges()
+    if args.metrics_port:
+        metrics.serve(args.metrics_host, args.metrics_port)
     sys.argv = [sys.argv[0], "worker"]  # Faust's Worker reads argv
-    run_worker(LedgerSettings(bootstrap, Topics(namespace), snapshot_interval=interval))
+    run_worker(
+        LedgerSettings(
+            bootstrap, Topics(namespace), snapshot_interval=interval, on_state=gauges.observe
+        )
+    )
     return 0
 
 
@@ -127,6 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     ledger.add_argument("--bootstrap")
     ledger.add_argument("--namespace", default="tokenbudget")
     ledger.add_argument("--snapshot-interval", type=float, default=0.5)
+    ledger.add_argument("--metrics-host", default="127.0.0.1")
+    ledger.add_argument("--metrics-port", type=int, default=0, help="0: no /metrics")
     ledger.set_defaults(func=_ledger)
 
     run = sub.add_parser("run", help="run a job to its budgets")

@@ -82,7 +82,7 @@ class RunReport:
 
 
 def start_ledger_process(
-    bootstrap: str, namespace: str, snapshot_interval: float
+    bootstrap: str, namespace: str, snapshot_interval: float, metrics_port: int = 0
 ) -> subprocess.Popen[bytes]:
     command = [
         sys.executable,
@@ -95,6 +95,8 @@ def start_ledger_process(
         namespace,
         "--snapshot-interval",
         str(snapshot_interval),
+        "--metrics-port",
+        str(metrics_port),
     ]
     return subprocess.Popen(command, start_new_session=True)
 
@@ -165,18 +167,26 @@ async def run_async(
     keep_dispatch_log: bool = False,
 ) -> RunReport:
     started = time.monotonic()
+    if config.metrics.port:
+        from sinks import metrics
+
+        metrics.serve(config.metrics.host, config.metrics.port)
     bootstrap = bootstrap or await asyncio.to_thread(resolve_bootstrap, config)
     topics = Topics(config.kafka.namespace)
     await publish_budgets(config, bootstrap)
     ledger = (
-        start_ledger_process(bootstrap, topics.namespace, config.budget.snapshot_interval_s)
+        start_ledger_process(
+            bootstrap,
+            topics.namespace,
+            config.budget.snapshot_interval_s,
+            # the ledger owns the budget gauges: it serves them on the next port
+            config.metrics.port + 1 if config.metrics.port else 0,
+        )
         if ledger_process
         else None
     )
     try:
-        return await _run_components(
-            config, bootstrap, topics, ledger, started, keep_dispatch_log
-        )
+        return await _run_components(config, bootstrap, topics, ledger, started, keep_dispatch_log)
     finally:
         if ledger is not None:
             await asyncio.to_thread(stop_process, ledger)
