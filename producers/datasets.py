@@ -177,10 +177,10 @@ def read_prompts(
         seen = occurrences.get(identity, 0)
         occurrences[identity] = seen + 1
         if seen and row_id is not None:
-            exc = DatasetError(str(path), f"duplicate id {row_id!r}", line=line)
+            duplicate = DatasetError(str(path), f"duplicate id {row_id!r}", line=line)
             if on_bad_row is None:
-                raise exc
-            on_bad_row(exc)
+                raise duplicate
+            on_bad_row(duplicate)
             continue
         if seen:
             identity = f"{identity}#{seen}"

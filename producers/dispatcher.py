@@ -19,6 +19,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
@@ -173,13 +174,13 @@ class Dispatcher:
             await asyncio.sleep(interval)
             await self.commit()
 
-    async def _handle(self, backend: InferenceBackend, record: object) -> None:
-        topic = record.topic  # type: ignore[attr-defined]
-        partition = record.partition  # type: ignore[attr-defined]
-        offset = record.offset  # type: ignore[attr-defined]
+    async def _handle(self, backend: InferenceBackend, record: Any) -> None:
+        topic = record.topic
+        partition = record.partition
+        offset = record.offset
         try:
             try:
-                prompt = ev.decode(record.value)  # type: ignore[attr-defined]
+                prompt = ev.decode(record.value)
                 if not isinstance(prompt, ev.PromptEvent):
                     raise EventDecodeError(f"expected a prompt, got {type(prompt).__name__}")
             except EventDecodeError as exc:
@@ -282,20 +283,20 @@ class Dispatcher:
         self.report.skipped += 1
         metrics.SKIPPED_PROMPTS.labels(dataset=prompt.dataset).inc()
 
-    async def _dead_letter(self, reason: str, record: object) -> None:
+    async def _dead_letter(self, reason: str, record: Any) -> None:
         assert self._producer is not None
         letter = ev.dead_letter(
             reason,
-            source_topic=record.topic,  # type: ignore[attr-defined]
-            payload=record.value,  # type: ignore[attr-defined]
-            partition=record.partition,  # type: ignore[attr-defined]
-            offset=record.offset,  # type: ignore[attr-defined]
-            key=record.key,  # type: ignore[attr-defined]
+            source_topic=record.topic,
+            payload=record.value,
+            partition=record.partition,
+            offset=record.offset,
+            key=record.key,
         )
         await self._producer.send_and_wait(
             self.topics.dead_letter,
             key=record.key,
-            value=ev.encode(letter),  # type: ignore[attr-defined]
+            value=ev.encode(letter),
         )
         self.report.dead_lettered += 1
         metrics.DEAD_LETTERED.labels(topic="prompts").inc()

@@ -23,6 +23,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -205,8 +206,8 @@ class ParquetSink:
             self.flush()
         return count
 
-    def _take(self, record: object) -> None:
-        value: bytes = record.value  # type: ignore[attr-defined]
+    def _take(self, record: Any) -> None:
+        value: bytes = record.value
         try:
             event = ev.decode(value)
             if not isinstance(event, ev.CompletionEvent):
@@ -215,13 +216,13 @@ class ParquetSink:
             assert self._dlq is not None
             letter = ev.dead_letter(
                 str(exc),
-                source_topic=record.topic,  # type: ignore[attr-defined]
+                source_topic=record.topic,
                 payload=value,
-                partition=record.partition,  # type: ignore[attr-defined]
-                offset=record.offset,  # type: ignore[attr-defined]
-                key=record.key,  # type: ignore[attr-defined]
+                partition=record.partition,
+                offset=record.offset,
+                key=record.key,
             )
-            self._dlq.send(self.topics.dead_letter, key=record.key, value=ev.encode(letter))  # type: ignore[attr-defined]
+            self._dlq.send(self.topics.dead_letter, key=record.key, value=ev.encode(letter))
             self._dlq.flush()
             metrics.DEAD_LETTERED.labels(topic="completions").inc()
             return

@@ -11,8 +11,10 @@ Undecodable events go to the dead-letter topic; the worker never stops for them.
 from __future__ import annotations
 
 import logging
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import faust
@@ -39,6 +41,8 @@ def build_app(settings: LedgerSettings) -> faust.App:
         topics.ledger_app_id,
         broker=f"kafka://{settings.bootstrap}",
         store="memory://",
+        # Faust keeps a data folder even for the memory store; not in the cwd.
+        datadir=str(Path(tempfile.gettempdir()) / "tokenbudget-faust" / topics.ledger_app_id),
         web_enabled=False,
         topic_partitions=PARTITIONS,
         topic_allow_declare=True,

@@ -45,7 +45,7 @@ class _Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
     v: int = SCHEMA_VERSION
 
 
-class PromptEvent(_Event, tag="prompt"):
+class PromptEvent(_Event, tag="prompt", frozen=True):
     """One prompt to generate from. ``prompt_id`` is stable across runs."""
 
     prompt_id: str
@@ -57,7 +57,7 @@ class PromptEvent(_Event, tag="prompt"):
     produced_at: float = 0.0
 
 
-class CompletionEvent(_Event, tag="completion"):
+class CompletionEvent(_Event, tag="completion", frozen=True):
     """What the inference server produced for one prompt: the source of truth."""
 
     request_id: str
@@ -76,7 +76,7 @@ class CompletionEvent(_Event, tag="completion"):
     finished_at: float = 0.0
 
 
-class BudgetSet(_Event, tag="budget_set"):
+class BudgetSet(_Event, tag="budget_set", frozen=True):
     """A user (or ``run`` from its config) sets a dataset's budget."""
 
     dataset: str
@@ -86,7 +86,7 @@ class BudgetSet(_Event, tag="budget_set"):
     set_by: str = ""
 
 
-class BudgetExceeded(_Event, tag="budget_exceeded"):
+class BudgetExceeded(_Event, tag="budget_exceeded", frozen=True):
     """The ledger saw the dataset reach its budget: producers must stop it now."""
 
     dataset: str
@@ -97,7 +97,7 @@ class BudgetExceeded(_Event, tag="budget_exceeded"):
     at: float = 0.0
 
 
-class BudgetRaised(_Event, tag="budget_raised"):
+class BudgetRaised(_Event, tag="budget_raised", frozen=True):
     """A halted dataset's budget was raised above what it used: it is open again."""
 
     dataset: str
@@ -110,7 +110,7 @@ class BudgetRaised(_Event, tag="budget_raised"):
 DatasetStatus = Literal["open", "halted", "exhausted"]
 
 
-class LedgerSnapshot(_Event, tag="ledger_snapshot"):
+class LedgerSnapshot(_Event, tag="ledger_snapshot", frozen=True):
     """The ledger's view of one dataset, published when it changes."""
 
     dataset: str
@@ -128,7 +128,7 @@ class LedgerSnapshot(_Event, tag="ledger_snapshot"):
     at: float = 0.0
 
 
-class PromptSkipped(_Event, tag="prompt_skipped"):
+class PromptSkipped(_Event, tag="prompt_skipped", frozen=True):
     """A prompt not sent because its dataset was halted when its turn came."""
 
     prompt_id: str
@@ -137,7 +137,7 @@ class PromptSkipped(_Event, tag="prompt_skipped"):
     at: float = 0.0
 
 
-class PromptFailed(_Event, tag="prompt_failed"):
+class PromptFailed(_Event, tag="prompt_failed", frozen=True):
     """A prompt given up after its retries; its details are in the dead-letter topic."""
 
     prompt_id: str
@@ -147,7 +147,7 @@ class PromptFailed(_Event, tag="prompt_failed"):
     at: float = 0.0
 
 
-class ProducerDone(_Event, tag="producer_done"):
+class ProducerDone(_Event, tag="producer_done", frozen=True):
     """The prompt producer will publish no more prompts of this dataset (this run)."""
 
     dataset: str
@@ -156,7 +156,7 @@ class ProducerDone(_Event, tag="producer_done"):
     at: float = 0.0
 
 
-class DeadLetter(_Event, tag="dead_letter"):
+class DeadLetter(_Event, tag="dead_letter", frozen=True):
     """An event that could not be used, with why and where it came from."""
 
     reason: str

@@ -33,14 +33,14 @@ class _Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
     pass
 
 
-class KafkaConfig(_Section):
+class KafkaConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
     bootstrap: str = "local"
     namespace: str = "tokenbudget"
     local_port: int = 9092
     local_controller_port: int = 9093
 
 
-class InferenceConfig(_Section):
+class InferenceConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
     url: str = "http://127.0.0.1:30000"
     api: Api = "sglang"
     model: str = ""
@@ -54,12 +54,12 @@ class InferenceConfig(_Section):
     backoff_max_s: float = 10.0
 
 
-class BudgetConfig(_Section):
+class BudgetConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
     unit: Unit = "completion_tokens"
     snapshot_interval_s: float = 0.5
 
 
-class SinkConfig(_Section):
+class SinkConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
     path: str = "out"
     rotate_rows: int = 2000
     rotate_bytes: int = 64 * 1024 * 1024
@@ -67,17 +67,17 @@ class SinkConfig(_Section):
     flush_interval_s: float = 5.0
 
 
-class ProducerConfig(_Section):
+class ProducerConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
     max_queued_per_dataset: int = 0  # 0: twice the dispatcher concurrency
     on_bad_row: Literal["skip", "fail"] = "skip"
 
 
-class MetricsConfig(_Section):
+class MetricsConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
     host: str = "127.0.0.1"
     port: int = 0  # 0: no metrics endpoint
 
 
-class DatasetConfig(_Section):
+class DatasetConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
     name: str
     path: str
     budget: int | str
@@ -86,7 +86,7 @@ class DatasetConfig(_Section):
     limit: int | None = None
 
 
-class _RawConfig(_Section):
+class _RawConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
     kafka: KafkaConfig = KafkaConfig()
     inference: InferenceConfig = InferenceConfig()
     budget: BudgetConfig = BudgetConfig()
@@ -177,9 +177,7 @@ def _apply_env(data: dict[str, Any], environ: Mapping[str, str]) -> None:
             continue
         parts = name[len(ENV_PREFIX) :].lower().split("__")
         if len(parts) != 2 or not all(parts):
-            raise ConfigError(
-                name, f"environment overrides take the form {ENV_PREFIX}SECTION__KEY"
-            )
+            raise ConfigError(name, f"environment overrides take the form {ENV_PREFIX}SECTION__KEY")
         section, key = parts
         if section == "datasets" or section not in _RawConfig.__struct_fields__:
             raise ConfigError(f"{section}.{key}", f"unknown section (from ${name})")

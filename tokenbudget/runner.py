@@ -171,7 +171,8 @@ async def run_async(
         from sinks import metrics
 
         metrics.serve(config.metrics.host, config.metrics.port)
-    bootstrap = bootstrap or await asyncio.to_thread(resolve_bootstrap, config)
+    if bootstrap is None:
+        bootstrap = await asyncio.to_thread(resolve_bootstrap, config)
     topics = Topics(config.kafka.namespace)
     await publish_budgets(config, bootstrap)
     ledger = (

@@ -1,0 +1,66 @@
+# tokenbudget: developer entry points. `make` alone lists them.
+# Needs only python3 (3.11+, with venv), a JDK 17+, Maven and make: no Docker.
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.DEFAULT_GOAL := help
+.PHONY: help venv jars broker-up broker-down lint test demo bench clean
+
+help: ## list the targets
+	@echo "usage: make TARGET"
+	@echo
+	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  %-12s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+	@echo
+	@echo "PYTHON=$(PYTHON) (interpreter for the venv); PYTEST_ARGS are passed to pytest"
+
+venv: $(STAMP) ## create .venv and install tokenbudget[dev] (again when pyproject.toml changes)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --upgrade pip
+	$(BIN)/python -m pip install -e '.[dev]'
+	touch $@
+
+jars: venv ## fetch the Kafka broker jars with Maven into ~/.cache/tokenbudget (once)
+	$(BIN)/python -m tokenbudget.broker jars
+
+broker-up: venv jars ## start the local Kafka broker (idempotent) and create its topics
+	$(BIN)/tokenbudget broker up
+
+broker-down: ## stop the local Kafka broker
+	@if [ -x $(BIN)/tokenbudget ]; then $(BIN)/tokenbudget broker down; \
+	else echo "no $(BIN)/tokenbudget: nothing to stop"; fi
+
+lint: venv ## ruff check and mypy
+	@status=0; \
+	$(BIN)/ruff check . || status=1; \
+	$(BIN)/mypy || status=1; \
+	exit $$status
+
+test: venv jars ## run the tests (integration tests start their own brokers)
+	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+demo: venv jars ## eight datasets against the simulator, on the local broker
+	$(BIN)/tokenbudget demo
+
+bench: venv jars ## run every bench/*.py against the local broker
+	@bootstrap=$$($(BIN)/tokenbudget broker up) || exit 1; \
+	echo "broker: $$bootstrap"; \
+	failed=""; \
+	for script in bench/*.py; do \
+		[ -e "$$script" ] || continue; \
+		if grep -q -- '--bootstrap' "$$script"; then set -- --bootstrap "$$bootstrap"; \
+		else set --; fi; \
+		echo "== $(BIN)/python $$script $$*"; \
+		$(BIN)/python "$$script" "$$@" || failed="$$failed $$script"; \
+	done; \
+	if [ -n "$$failed" ]; then echo "failed:$$failed"; exit 1; fi
+
+clean: ## remove demo output, Faust data dirs, build artefacts and caches (keeps .venv)
+	rm -rf demo-out build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf ./*-ledger-data ./tb-smoke-*-data
+	find . -path ./$(VENV) -prune -o -type d -name __pycache__ -prune -exec rm -rf {} +
