@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help venv jars broker-up broker-down lint test demo bench clean
+.PHONY: help venv jars broker-up broker-down lint rules test demo bench clean
 
 help: ## list the targets
 	@echo "usage: make TARGET"
@@ -40,6 +40,10 @@ lint: venv ## ruff check and mypy
 	$(BIN)/ruff check . || status=1; \
 	$(BIN)/mypy || status=1; \
 	exit $$status
+
+rules: ## promtool check and unit-test the alert rules (needs the prometheus package)
+	promtool check rules infra/prometheus/rules/tokenbudget.yml
+	promtool test rules infra/prometheus/rules_test.yml
 
 test: venv jars ## run the tests (integration tests start their own brokers)
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)

@@ -1,12 +1,28 @@
 """Dataset readers: turn rows of a file into prompts with stable ids.
 
-A row is either ``{"prompt": "..."}`` or ``{"messages": [{"role", "content"}, ...]}``
-(OpenAI chat), with an optional ``id``. JSONL and Parquet take the same columns.
+Formats (``[[datasets]] format``):
+
+* ``prompt``   rows ``{"prompt": "..."}``
+* ``openai``   rows ``{"messages": [{"role", "content"}, ...]}`` (OpenAI chat)
+* ``sharegpt`` rows ``{"conversations": [{"from", "value"}, ...]}`` (``human``/``gpt``/
+  ``system``...), mapped to chat messages
+* ``hf``       a Hugging Face dataset saved with ``save_to_disk`` (a folder, read
+  with ``datasets.load_from_disk``), whose rows are any of the above
+* ``auto``     any of the above, per row (a folder is read as ``hf``)
+
+Every row may carry an ``id``. JSONL, Parquet and Hugging Face datasets take the
+same columns.
+
+Conversations give one prompt (``turns = "first"``: the turns up to and including
+the first user turn) or one per assistant turn (``turns = "all"``: the history
+before each assistant turn, which is regenerated; plus a trailing user turn that
+has no answer yet).
 
 ``prompt_id`` is a hash of the dataset name and the row's identity: its ``id`` when
 it has one, else its content (with an occurrence number, so two identical rows stay
-two prompts). The same file therefore yields the same ids on every run, which is
-what lets a resumed run recognise work already done.
+two prompts), plus the turn for ``turns = "all"``. The same file therefore yields
+the same ids on every run, in any order (``shuffle_seed``), which is what lets a
+resumed run recognise work already done.
 
 Bad rows raise :class:`DatasetError` naming file and line; :func:`read_prompts`
 either skips them (reporting each through ``on_bad_row``) or stops, per config.
@@ -15,56 +31,60 @@ either skips them (reporting each through ``on_bad_row``) or stops, per config.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
+import random
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from streams.events import ChatMessage
-from tokenbudget.errors import DatasetError
+from tokenbudget.errors import ConfigError, DatasetError
+
+if TYPE_CHECKING:
+    from tokenbudget.config import Config, Dataset
+
+Format = Literal["auto", "prompt", "openai", "sharegpt", "hf"]
+Turns = Literal["first", "all"]
+Template = Callable[[Sequence[ChatMessage]], list[int]]
+
+# ShareGPT speakers -> chat roles. Exports differ in naming; these cover the common ones.
+SHAREGPT_ROLES = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "bard": "assistant",
+    "bing": "assistant",
+    "model": "assistant",
+    "tool": "tool",
+    "function": "tool",
+    "observation": "tool",
+}
 
 
 @dataclass(frozen=True)
 class PromptRow:
     prompt_id: str
-    source: str  # "path:line" (line counted from 1; Parquet: row number)
+    source: str  # "path:line" (line counted from 1; Parquet and HF: row number)
     text: str | None = None
     messages: tuple[ChatMessage, ...] | None = None
+    input_ids: tuple[int, ...] | None = None  # the chat template applied locally
 
 
 def stable_prompt_id(dataset: str, identity: str) -> str:
     return hashlib.blake2b(f"{dataset}\x00{identity}".encode(), digest_size=16).hexdigest()
 
 
-def parse_row(
-    row: Any, path: str, line: int
-) -> tuple[str | None, str | None, tuple[ChatMessage, ...] | None]:
-    """Validate one row; returns (id, text, messages) or raises DatasetError."""
-    if not isinstance(row, dict):
-        raise DatasetError(path, f"expected a JSON object, got {type(row).__name__}", line=line)
-    row_id = row.get("id")
-    if row_id is not None and not isinstance(row_id, (str, int)):
-        raise DatasetError(path, f"'id' must be a string or integer, got {row_id!r}", line=line)
-    prompt = row.get("prompt")
-    messages = row.get("messages")
-    if prompt is None and messages is None:
-        raise DatasetError(
-            path, "row has neither 'prompt' (a string) nor 'messages' (a chat list)", line=line
-        )
-    if prompt is not None:
-        if not isinstance(prompt, str):
-            raise DatasetError(
-                path, f"'prompt' must be a string, got {type(prompt).__name__}", line=line
-            )
-        if not prompt.strip():
-            raise DatasetError(path, "'prompt' is empty", line=line)
-        return (None if row_id is None else str(row_id)), prompt, None
-    if not isinstance(messages, list) or not messages:
+def _parse_messages(value: Any, path: str, line: int) -> tuple[ChatMessage, ...]:
+    if not isinstance(value, list) or not value:
         raise DatasetError(path, "'messages' must be a non-empty list", line=line)
     parsed: list[ChatMessage] = []
-    for i, message in enumerate(messages):
+    for i, message in enumerate(value):
         if (
             not isinstance(message, dict)
             or not isinstance(message.get("role"), str)
@@ -76,9 +96,105 @@ def parse_row(
                 line=line,
             )
         parsed.append(ChatMessage(role=message["role"], content=message["content"]))
+    return tuple(parsed)
+
+
+def _parse_conversations(value: Any, path: str, line: int) -> tuple[ChatMessage, ...]:
+    if not isinstance(value, list) or not value:
+        raise DatasetError(path, "'conversations' must be a non-empty list", line=line)
+    parsed: list[ChatMessage] = []
+    for i, turn in enumerate(value):
+        if (
+            not isinstance(turn, dict)
+            or not isinstance(turn.get("from"), str)
+            or not isinstance(turn.get("value"), str)
+        ):
+            raise DatasetError(
+                path,
+                f"conversations[{i}] must be an object with string 'from' and 'value'",
+                line=line,
+            )
+        role = SHAREGPT_ROLES.get(turn["from"].strip().lower())
+        if role is None:
+            known = ", ".join(sorted(SHAREGPT_ROLES))
+            raise DatasetError(
+                path,
+                f"conversations[{i}]: unknown speaker {turn['from']!r} (known: {known})",
+                line=line,
+            )
+        parsed.append(ChatMessage(role=role, content=turn["value"]))
+    return tuple(parsed)
+
+
+def parse_row(
+    row: Any, path: str, line: int, format: Format = "auto"
+) -> tuple[str | None, str | None, tuple[ChatMessage, ...] | None]:
+    """Validate one row; returns (id, text, messages) or raises DatasetError."""
+    if not isinstance(row, dict):
+        raise DatasetError(path, f"expected a JSON object, got {type(row).__name__}", line=line)
+    row_id = row.get("id")
+    if row_id is not None and not isinstance(row_id, (str, int)):
+        raise DatasetError(path, f"'id' must be a string or integer, got {row_id!r}", line=line)
+    key = None if row_id is None else str(row_id)
+    prompt = row.get("prompt")
+    messages = row.get("messages")
+    conversations = row.get("conversations")
+    if format == "prompt" and prompt is None:
+        raise DatasetError(path, "format 'prompt': row has no 'prompt' (a string)", line=line)
+    if format == "openai" and messages is None:
+        raise DatasetError(path, "format 'openai': row has no 'messages' (a chat list)", line=line)
+    if format == "sharegpt" and conversations is None:
+        raise DatasetError(
+            path, "format 'sharegpt': row has no 'conversations' ({from, value} turns)", line=line
+        )
+    if prompt is None and messages is None and conversations is None:
+        raise DatasetError(
+            path,
+            "row has neither 'prompt' (a string) nor 'messages' (a chat list) "
+            "nor 'conversations' (ShareGPT turns)",
+            line=line,
+        )
+    if prompt is not None and format in ("auto", "hf", "prompt"):
+        if not isinstance(prompt, str):
+            raise DatasetError(
+                path, f"'prompt' must be a string, got {type(prompt).__name__}", line=line
+            )
+        if not prompt.strip():
+            raise DatasetError(path, "'prompt' is empty", line=line)
+        return key, prompt, None
+    if messages is not None and format != "sharegpt":
+        parsed = _parse_messages(messages, path, line)
+    else:
+        parsed = _parse_conversations(conversations, path, line)
     if not any(m.content.strip() for m in parsed):
         raise DatasetError(path, "every message's 'content' is empty", line=line)
-    return (None if row_id is None else str(row_id)), None, tuple(parsed)
+    return key, None, parsed
+
+
+def select_turns(
+    messages: tuple[ChatMessage, ...], turns: Turns, path: str, line: int
+) -> list[tuple[int, tuple[ChatMessage, ...]]]:
+    """The prompts a conversation gives: ``(turn index, messages to send)``.
+
+    ``first``: everything up to and including the first user turn.
+    ``all``: the history before every assistant turn (that has a user turn before
+    it), and the whole conversation when it ends with an unanswered user turn.
+    """
+    users = [i for i, m in enumerate(messages) if m.role == "user"]
+    if not users:
+        raise DatasetError(path, "the conversation has no user turn", line=line)
+    if turns == "first":
+        return [(users[0], messages[: users[0] + 1])]
+    prompts = [
+        (i, messages[:i])
+        for i, m in enumerate(messages)
+        if m.role == "assistant" and i > users[0]
+    ]
+    if messages[-1].role == "user":
+        prompts.append((len(messages), messages))
+    if not prompts:
+        raise DatasetError(path, "the conversation has no turn to generate", line=line)
+    return prompts
 
 
 class DatasetReader(ABC):
@@ -90,6 +206,10 @@ class DatasetReader(ABC):
 
     def __init__(self, path: Path) -> None:
         self.path = path
+
+    @property
+    def name(self) -> str:
+        return str(self.path)
 
     @abstractmethod
     def rows(self) -> Iterator[tuple[int, Any | DatasetError]]: ...
@@ -129,13 +249,158 @@ class ParquetReader(DatasetReader):
                 yield number, row
 
 
-def reader_for(path: Path) -> DatasetReader:
+class HFDiskReader(DatasetReader):
+    """A dataset saved with ``Dataset.save_to_disk`` / ``DatasetDict.save_to_disk``.
+
+    Rows are numbered from 1; a ``DatasetDict`` needs ``split`` unless it has only
+    one split or a ``train`` split.
+    """
+
+    def __init__(self, path: Path, split: str = "") -> None:
+        super().__init__(path)
+        self.split = split
+
+    @property
+    def name(self) -> str:
+        return f"{self.path}[{self.split}]" if self.split else str(self.path)
+
+    def _load(self) -> Any:
+        if not self.path.is_dir():
+            raise DatasetError(str(self.path), "a Hugging Face dataset on disk is a folder")
+        try:
+            import datasets
+        except ImportError as exc:  # pragma: no cover - a declared dependency
+            raise DatasetError(str(self.path), "format 'hf' needs the 'datasets' package") from exc
+        try:
+            loaded = datasets.load_from_disk(str(self.path))
+        except (FileNotFoundError, OSError, ValueError) as exc:
+            raise DatasetError(
+                str(self.path), f"cannot load with datasets.load_from_disk: {exc}"
+            ) from exc
+        if isinstance(loaded, datasets.DatasetDict):
+            splits = list(loaded)
+            split = self.split or ("train" if "train" in loaded else "")
+            if not split and len(splits) == 1:
+                split = splits[0]
+            if split not in loaded:
+                raise DatasetError(
+                    str(self.path),
+                    f"choose a split with 'split' (this dataset has {', '.join(splits)})"
+                    if not self.split
+                    else f"no split {self.split!r} (this dataset has {', '.join(splits)})",
+                )
+            self.split = split
+            return loaded[split]
+        if self.split:
+            raise DatasetError(str(self.path), f"a single Dataset has no split {self.split!r}")
+        return loaded
+
+    def rows(self) -> Iterator[tuple[int, Any | DatasetError]]:
+        dataset = self._load()
+        yield from enumerate(dataset, start=1)
+
+
+def _is_hf_folder(path: Path) -> bool:
+    return path.is_dir() and any(
+        (path / name).exists() for name in ("dataset_info.json", "state.json", "dataset_dict.json")
+    )
+
+
+def reader_for(path: Path, format: Format = "auto", split: str = "") -> DatasetReader:
+    if format == "hf" or (format == "auto" and _is_hf_folder(path)):
+        return HFDiskReader(path, split)
     suffix = path.suffix.lower()
     if suffix in (".jsonl", ".json", ".ndjson"):
         return JsonlReader(path)
     if suffix in (".parquet", ".pq"):
         return ParquetReader(path)
+    if path.is_dir():
+        raise DatasetError(
+            str(path), "a folder is read only as a saved Hugging Face dataset (format 'hf')"
+        )
     raise DatasetError(str(path), "unknown file type: use .jsonl or .parquet")
+
+
+def _content_identity(text: str | None, messages: tuple[ChatMessage, ...] | None) -> str:
+    content = (
+        text if text is not None else json.dumps([[m.role, m.content] for m in messages or ()])
+    )
+    return "content:" + hashlib.blake2b(content.encode(), digest_size=16).hexdigest()
+
+
+def _in_file_order(
+    dataset: str,
+    reader: DatasetReader,
+    format: Format,
+    turns: Turns,
+    on_bad_row: Callable[[DatasetError], None] | None,
+) -> Iterator[PromptRow]:
+    occurrences: dict[str, int] = {}
+    name = reader.name
+    for line, row in reader.rows():
+        try:
+            if isinstance(row, DatasetError):
+                raise row
+            row_id, text, messages = parse_row(row, name, line, format)
+            selected = (
+                [(-1, messages)]
+                if messages is None
+                else select_turns(messages, turns, name, line)
+            )
+        except DatasetError as exc:
+            if on_bad_row is None:
+                raise
+            on_bad_row(exc)
+            continue
+        identity = f"id:{row_id}" if row_id is not None else _content_identity(text, messages)
+        seen = occurrences.get(identity, 0)
+        occurrences[identity] = seen + 1
+        if seen and row_id is not None:
+            duplicate = DatasetError(name, f"duplicate id {row_id!r}", line=line)
+            if on_bad_row is None:
+                raise duplicate
+            on_bad_row(duplicate)
+            continue
+        if seen:
+            identity = f"{identity}#{seen}"
+        for turn, chosen in selected:
+            # turns = "first" keeps the row's own identity (the ids of earlier
+            # versions); every regenerated turn of "all" is a prompt of its own.
+            key = f"{identity}@turn{turn}" if turns == "all" and chosen is not None else identity
+            yield PromptRow(
+                prompt_id=stable_prompt_id(dataset, key),
+                source=f"{name}:{line}",
+                text=text,
+                messages=chosen,
+            )
+
+
+def _with_template(
+    rows: Iterator[PromptRow],
+    template: Template,
+    on_bad_row: Callable[[DatasetError], None] | None,
+) -> Iterator[PromptRow]:
+    for row in rows:
+        messages = row.messages or (ChatMessage(role="user", content=row.text or ""),)
+        try:
+            try:
+                ids = template(messages)
+            except DatasetError:
+                raise
+            except Exception as exc:  # jinja errors, role rules raised by the template
+                path, _, line = row.source.rpartition(":")
+                raise DatasetError(
+                    path, f"the chat template failed: {exc}", line=int(line)
+                ) from exc
+            if not ids:
+                path, _, line = row.source.rpartition(":")
+                raise DatasetError(path, "the chat template gave no tokens", line=int(line))
+        except DatasetError as exc:
+            if on_bad_row is None:
+                raise
+            on_bad_row(exc)
+            continue
+        yield replace(row, input_ids=tuple(ids))
 
 
 def read_prompts(
@@ -144,50 +409,53 @@ def read_prompts(
     *,
     on_bad_row: Callable[[DatasetError], None] | None = None,
     limit: int | None = None,
+    format: Format = "auto",
+    turns: Turns = "first",
+    shuffle_seed: int | None = None,
+    split: str = "",
+    template: Template | None = None,
 ) -> Iterator[PromptRow]:
-    """Yield the dataset's prompts in file order.
+    """Yield the dataset's prompts, in file order or shuffled with ``shuffle_seed``.
 
     With ``on_bad_row`` set, bad rows are passed to it and skipped; without, the
-    first bad row raises.
+    first bad row raises. ``limit`` counts prompts (after turns and shuffling), so
+    with a seed it takes a fixed random sample. ``template`` (messages -> ids)
+    fills ``input_ids``; a plain prompt is templated as one user turn.
     """
-    occurrences: dict[str, int] = {}
-    produced = 0
-    for line, row in reader_for(path).rows():
-        if limit is not None and produced >= limit:
-            return
-        try:
-            if isinstance(row, DatasetError):
-                raise row
-            row_id, text, messages = parse_row(row, str(path), line)
-        except DatasetError as exc:
-            if on_bad_row is None:
-                raise
-            on_bad_row(exc)
-            continue
-        if row_id is not None:
-            identity = f"id:{row_id}"
-        else:
-            content = (
-                text
-                if text is not None
-                else json.dumps([[m.role, m.content] for m in messages or ()])
+    reader = reader_for(path, format, split)
+    rows: Iterator[PromptRow] = _in_file_order(dataset, reader, format, turns, on_bad_row)
+    if shuffle_seed is not None:
+        # Ids are fixed in file order first, so the order never changes an id.
+        everything = list(rows)
+        random.Random(shuffle_seed).shuffle(everything)
+        rows = iter(everything)
+    if template is not None:
+        rows = _with_template(rows, template, on_bad_row)
+    if limit is not None:
+        rows = itertools.islice(rows, max(0, limit))
+    return rows
+
+
+def read_options(config: Config, dataset: Dataset) -> dict[str, Any]:
+    """The :func:`read_prompts` keywords a configured dataset asks for."""
+    template: Template | None = None
+    if dataset.template:
+        from producers.tokenizers import load_tokenizer
+
+        if config.tokenizer_path is None:  # config validation names the key first
+            raise DatasetError(str(dataset.path), "template = true needs [inference] tokenizer")
+        tokenizer = load_tokenizer(config.tokenizer_path)
+        if not tokenizer.has_chat_template:
+            raise ConfigError(
+                "inference.tokenizer",
+                f"{config.tokenizer_path} has no chat_template, which template = true applies",
+                source=config.source,
             )
-            digest = hashlib.blake2b(content.encode(), digest_size=16).hexdigest()
-            identity = f"content:{digest}"
-        seen = occurrences.get(identity, 0)
-        occurrences[identity] = seen + 1
-        if seen and row_id is not None:
-            duplicate = DatasetError(str(path), f"duplicate id {row_id!r}", line=line)
-            if on_bad_row is None:
-                raise duplicate
-            on_bad_row(duplicate)
-            continue
-        if seen:
-            identity = f"{identity}#{seen}"
-        produced += 1
-        yield PromptRow(
-            prompt_id=stable_prompt_id(dataset, identity),
-            source=f"{path}:{line}",
-            text=text,
-            messages=messages,
-        )
+        template = tokenizer.apply_chat_template
+    return {
+        "format": dataset.format,
+        "turns": dataset.turns,
+        "shuffle_seed": dataset.shuffle_seed,
+        "split": dataset.split,
+        "template": template,
+    }

@@ -15,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import socket
 import time
 import uuid
 from collections.abc import Callable
@@ -24,17 +26,20 @@ from typing import Any
 import httpx
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
 
+from producers.admission import Admission, AdmissionSettings, Ticket
 from producers.halts import BudgetBoard
 from producers.inference import (
     GenerationRequest,
+    GenerationResult,
     InferenceBackend,
     RetryPolicy,
     Timeouts,
-    make_backend,
+    backend_for_config,
 )
 from producers.offsets import OffsetTracker
 from sinks import metrics
 from streams import events as ev
+from streams.ledger import unit_cost
 from streams.topics import Topics
 from tokenbudget.config import Config
 from tokenbudget.errors import EventDecodeError, InferenceError
@@ -81,6 +86,7 @@ class Dispatcher:
         *,
         backend_factory: Callable[[httpx.AsyncClient], InferenceBackend] | None = None,
         keep_log: bool = False,
+        holder: str | None = None,
     ) -> None:
         self.config = config
         self.bootstrap = bootstrap
@@ -93,11 +99,16 @@ class Dispatcher:
         self.retry = RetryPolicy(inference.retries, inference.backoff_s, inference.backoff_max_s)
         self.timeouts = Timeouts(inference.connect_timeout_s, inference.read_timeout_s)
         self._backend_factory = backend_factory or (
-            lambda client: make_backend(inference.api, client, inference.url, inference.model)
+            lambda client: backend_for_config(config, client)
         )
         self._consumer: AIOKafkaConsumer | None = None
         self._producer: AIOKafkaProducer | None = None
         self._slots = asyncio.Semaphore(inference.concurrency)
+        self.holder = holder or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.admission: Admission | None = None
+        self._in_flight: dict[str, tuple[str, asyncio.Task[GenerationResult]]] = {}
+        self._backend: InferenceBackend | None = None
+        self.refused_at: dict[str, float] = {}  # first refusal per dataset, this process
 
     @property
     def group_id(self) -> str:
@@ -136,6 +147,24 @@ class Dispatcher:
         await producer.start()
         await consumer.start()
         self._consumer, self._producer = consumer, producer
+        maintenance: asyncio.Task[None] | None = None
+        if self.config.budget.admission == "reserve":
+            budget = self.config.budget
+            self.admission = Admission(
+                producer,
+                self.topics,
+                self.holder,
+                self.board,
+                AdmissionSettings(
+                    unit=budget.unit,
+                    policy=budget.on_boundary,
+                    min_new_tokens=budget.min_new_tokens,
+                    lease_size=self.config.lease_tokens,
+                    lease_ttl_s=budget.lease_ttl_s,
+                ),
+                on_revoke=self._abort_dataset,
+            )
+            maintenance = asyncio.create_task(self.admission.maintain())
         limits = httpx.Limits(
             max_connections=self.config.inference.concurrency + 8,
             max_keepalive_connections=self.config.inference.concurrency + 8,
@@ -145,11 +174,13 @@ class Dispatcher:
         try:
             async with httpx.AsyncClient(timeout=self.timeouts.to_httpx(), limits=limits) as client:
                 backend = self._backend_factory(client)
+                self._backend = backend
                 while not stop.is_set():
                     batches = await consumer.getmany(
                         timeout_ms=200, max_records=self.config.inference.concurrency
                     )
                     for tp, records in batches.items():
+                        metrics.consumed(tp.topic, "dispatcher", len(records))
                         for record in records:
                             self.tracker.started(tp.topic, tp.partition, record.offset)
                             await self._slots.acquire()
@@ -163,11 +194,35 @@ class Dispatcher:
             committer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await committer
+            if maintenance is not None:
+                maintenance.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await maintenance
+            if self.admission is not None:
+                with contextlib.suppress(Exception):
+                    await self.admission.close()
+                for dataset, at in self.admission.refused_at.items():
+                    self.refused_at.setdefault(dataset, at)
             await self.commit()
             await consumer.stop()
             await producer.stop()
             self._consumer = self._producer = None
         return self.report
+
+    def admission_refused(self, dataset: str) -> None:
+        self.refused_at.setdefault(dataset, time.time())
+
+    async def _abort_dataset(self, dataset: str) -> None:
+        """Its lease was revoked: stop every request of the dataset now. SGLang is
+        told by rid (a dropped connection alone may not stop it decoding); closing
+        the connection is what stops OpenAI-compatible servers."""
+        for rid, (name, generation) in list(self._in_flight.items()):
+            if name != dataset:
+                continue
+            if self._backend is not None:
+                with contextlib.suppress(Exception):
+                    await self._backend.abort(rid)
+            generation.cancel()
 
     async def _commit_every(self, interval: float) -> None:
         while True:
@@ -203,24 +258,38 @@ class Dispatcher:
         max_new = prompt.sampling.max_new_tokens or self.config.inference.max_new_tokens
         while attempts <= self.retry.retries:
             if self.board.is_halted(prompt.dataset):
+                self.admission_refused(prompt.dataset)
                 await self._skip(prompt, "budget reached")
                 return
+            ticket: Ticket | None = None
+            if self.admission is not None:
+                ticket = await self.admission.admit(
+                    prompt.dataset, max_new, prompt_token_estimate(prompt)
+                )
+                if ticket is None:
+                    await self._skip(prompt, "budget fully used or reserved")
+                    return
             attempts += 1
             rid = uuid.uuid4().hex
             request = GenerationRequest(
                 rid=rid,
-                max_new_tokens=max_new,
+                max_new_tokens=ticket.max_new_tokens if ticket else max_new,
                 text=prompt.text,
                 messages=prompt.messages,
+                input_ids=tuple(prompt.input_ids) if prompt.input_ids is not None else None,
                 temperature=prompt.sampling.temperature,
             )
             sent_at = time.time()
             if self.keep_log:
                 self.report.sent.append(Dispatched(prompt.dataset, rid, sent_at))
             metrics.IN_FLIGHT.inc()
+            generation = asyncio.create_task(backend.generate(request))
+            self._in_flight[rid] = (prompt.dataset, generation)
             try:
-                result = await backend.generate(request)
+                result = await generation
             except InferenceError as exc:
+                if ticket:
+                    self.admission.settle(ticket, None)  # type: ignore[union-attr]
                 last_error = exc
                 metrics.INFERENCE_ERRORS.labels(kind=type(exc).__name__).inc()
                 log.warning("%s attempt %d failed: %s", prompt.prompt_id, attempts, exc)
@@ -229,10 +298,25 @@ class Dispatcher:
                 if attempts <= self.retry.retries:
                     await asyncio.sleep(self.retry.delay(attempts))
                 continue
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if current is not None and current.cancelling():
+                    raise
+                # Aborted because its lease was revoked: nothing of it is kept.
+                if ticket:
+                    self.admission.settle(ticket, None)  # type: ignore[union-attr]
+                await self._skip(prompt, "budget lowered: aborted in flight")
+                return
             finally:
                 metrics.IN_FLIGHT.dec()
+                self._in_flight.pop(rid, None)
             finished_at = time.time()
             metrics.REQUEST_LATENCY.observe(finished_at - sent_at)
+            if result.first_token_at is not None:
+                metrics.TIME_TO_FIRST_TOKEN.observe(max(0.0, result.first_token_at - sent_at))
+            cost = unit_cost(
+                self.config.budget.unit, result.prompt_tokens, result.completion_tokens
+            )
             completion = ev.CompletionEvent(
                 request_id=rid,
                 prompt_id=prompt.prompt_id,
@@ -241,16 +325,26 @@ class Dispatcher:
                 completion_tokens=result.completion_tokens,
                 output_ids=result.output_ids,
                 finish_reason=result.finish_reason,
-                max_new_tokens=max_new,
+                max_new_tokens=request.max_new_tokens,
                 text=result.text,
                 attempts=attempts,
+                lease_id=ticket.lease_id if ticket else "",
+                cost=cost,
                 dispatched_at=sent_at,
                 first_token_at=result.first_token_at,
+                count_source=result.count_source,
                 finished_at=finished_at,
             )
-            await self._producer.send_and_wait(
-                self.topics.completions, key=prompt.dataset.encode(), value=ev.encode(completion)
-            )
+            try:
+                await self._producer.send_and_wait(
+                    self.topics.completions,
+                    key=prompt.dataset.encode(),
+                    value=ev.encode(completion),
+                )
+            finally:
+                if ticket:
+                    # Counted as spent even if the send failed: it may have landed.
+                    self.admission.settle(ticket, cost)  # type: ignore[union-attr]
             metrics.EVENTS_PRODUCED.labels(topic="completions").inc()
             self.report.completed += 1
             return
@@ -271,6 +365,7 @@ class Dispatcher:
         )
         self.report.failed += 1
         metrics.DEAD_LETTERED.labels(topic="prompts").inc()
+        metrics.EVENTS_PRODUCED.labels(topic="outcomes").inc()
 
     async def _skip(self, prompt: ev.PromptEvent, reason: str) -> None:
         assert self._producer is not None
@@ -282,6 +377,7 @@ class Dispatcher:
         )
         self.report.skipped += 1
         metrics.SKIPPED_PROMPTS.labels(dataset=prompt.dataset).inc()
+        metrics.EVENTS_PRODUCED.labels(topic="outcomes").inc()
 
     async def _dead_letter(self, reason: str, record: Any) -> None:
         assert self._producer is not None
@@ -301,3 +397,11 @@ class Dispatcher:
         self.report.dead_lettered += 1
         metrics.DEAD_LETTERED.labels(topic="prompts").inc()
         log.warning("dead-lettered a prompt event: %s", reason)
+
+
+def prompt_token_estimate(prompt: ev.PromptEvent) -> int:
+    """An upper bound on the prompt's tokens before the server counts them, for
+    budgets in total_tokens: byte-level tokenizers never make more tokens than
+    UTF-8 bytes; the margin covers special and template tokens."""
+    text = prompt.text or "".join(m.content for m in prompt.messages or ())
+    return len(text.encode()) + 16 * (1 + len(prompt.messages or ()))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
@@ -37,6 +38,8 @@ class BudgetBoard:
 
     views: dict[str, DatasetView] = field(default_factory=dict)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    # Lease replies are addressed to one dispatcher: routed by holder id.
+    lease_listeners: dict[str, Callable[[ev.Event], None]] = field(default_factory=dict)
 
     def view(self, dataset: str) -> DatasetView:
         return self.views.setdefault(dataset, DatasetView())
@@ -56,6 +59,11 @@ class BudgetBoard:
                 self._set_halted(event.dataset, True, seen_at)
             case ev.BudgetRaised():
                 self._set_halted(event.dataset, False, seen_at)
+            case ev.LeaseGranted() | ev.LeaseDenied() | ev.LeaseRevoked():
+                listener = self.lease_listeners.get(event.holder)
+                if listener is not None:
+                    listener(event)
+                return
             case ev.LedgerSnapshot():
                 view = self.view(event.dataset)
                 if view.snapshot is None or event.at >= view.snapshot.at:

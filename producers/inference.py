@@ -5,6 +5,19 @@
     ├── OpenAICompletionsBackend  POST /v1/completions
     └── OpenAIChatBackend       POST /v1/chat/completions
 
+Each backend speaks plain JSON or, with ``stream=True``, server-sent events:
+
+* SGLang streams the whole answer so far in every chunk by default, or only the new
+  part with ``--incremental-streaming-output``; which one is told apart from the
+  chunk's ``output_ids`` against ``meta_info.completion_tokens``, so both work.
+* OpenAI-compatible servers stream deltas; ``stream_options.include_usage`` makes
+  them send the usage in a final chunk.
+
+Counts come from the server (``usage`` / ``meta_info``, else the token ids it returned:
+vLLM's ``return_token_ids``). A server that returns neither is counted with the
+model's tokenizer (``[inference] tokenizer``), and the result says so in
+``count_source``.
+
 httpx errors, HTTP status codes and malformed bodies are translated here, and only
 here, into the :class:`~tokenbudget.errors.InferenceError` tree; callers retry on
 ``error.retryable``.
@@ -14,14 +27,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
+import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from streams.events import ChatMessage, FinishReason
+from streams.events import ChatMessage, CountSource, FinishReason
 from tokenbudget.errors import (
     InferenceError,
     InferenceProtocolError,
@@ -29,6 +45,28 @@ from tokenbudget.errors import (
     InferenceServerError,
     InferenceTransportError,
 )
+
+if TYPE_CHECKING:
+    from producers.tokenizers import LocalTokenizer
+    from tokenbudget.config import Config
+
+# on_progress(rid, completion tokens so far): called on every streamed chunk.
+ProgressCallback = Callable[[str, int], None]
+
+
+class InferenceCountError(InferenceProtocolError):
+    """The server returned neither usage nor token ids and no tokenizer is configured:
+    asking again will not help."""
+
+    retryable = False
+
+
+class ServerUnreachableError(InferenceTransportError):
+    """The pre-run check could not reach the server."""
+
+
+class WrongModelError(InferenceRequestError):
+    """The server serves another model than ``[inference] model``."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +99,9 @@ class GenerationRequest:
     messages: tuple[ChatMessage, ...] | None = None
     input_ids: tuple[int, ...] | None = None
     temperature: float | None = None
+    # Streaming only: called with (rid, completion tokens so far) on every chunk.
+    # Wins over the backend's own ``on_progress``.
+    on_progress: ProgressCallback | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -71,7 +112,8 @@ class GenerationResult:
     output_ids: list[int]
     text: str
     finish_reason: FinishReason
-    first_token_at: float | None = None
+    first_token_at: float | None = None  # streaming: when the first content chunk came
+    count_source: CountSource = "server"  # "tokenizer": counted here, the server did not
 
 
 def _as_finish(value: Any) -> FinishReason:
@@ -81,50 +123,6 @@ def _as_finish(value: Any) -> FinishReason:
     if kind is None:
         return "stop"
     raise InferenceProtocolError(f"unknown finish_reason {value!r}")
-
-
-class InferenceBackend(ABC):
-    api: str
-
-    def __init__(self, client: httpx.AsyncClient, base_url: str, model: str = "") -> None:
-        self.client = client
-        self.base_url = base_url.rstrip("/")
-        self.model = model
-
-    @abstractmethod
-    async def generate(self, request: GenerationRequest) -> GenerationResult: ...
-
-    async def abort(self, rid: str) -> None:  # noqa: B027 - optional capability
-        """Ask the server to stop a request. Servers without an abort API close
-        the connection instead, which is what cancelling the caller's task does."""
-
-    async def health(self) -> None:
-        await self._request("GET", "/health", None)
-
-    async def _request(self, method: str, path: str, body: dict[str, Any] | None) -> Any:
-        url = self.base_url + path
-        try:
-            response = await self.client.request(method, url, json=body)
-        except httpx.TimeoutException as exc:
-            raise InferenceTransportError(f"{method} {url}: timed out ({exc!r})") from exc
-        except httpx.TransportError as exc:
-            raise InferenceTransportError(f"{method} {url}: {exc!r}") from exc
-        if response.status_code >= 500:
-            raise InferenceServerError(
-                f"{method} {url}: HTTP {response.status_code}: {response.text[:200]}"
-            )
-        if response.status_code >= 400:
-            raise InferenceRequestError(
-                f"{method} {url}: HTTP {response.status_code}: {response.text[:200]}"
-            )
-        if not response.content:
-            return None
-        try:
-            return response.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise InferenceProtocolError(
-                f"{method} {url}: body is not JSON: {response.text[:120]!r}"
-            ) from exc
 
 
 def _field(body: Any, *path: str | int) -> Any:
@@ -138,14 +136,205 @@ def _field(body: Any, *path: str | int) -> Any:
     return node
 
 
+def _int_list(value: Any) -> list[int] | None:
+    return [int(i) for i in value] if isinstance(value, list) else None
+
+
+class InferenceBackend(ABC):
+    api: str
+    # Defaults as class attributes, so subclasses that skip __init__ (test doubles)
+    # still have them.
+    stream: bool = False
+    headers: dict[str, str] = {}  # noqa: RUF012 - replaced per instance, never mutated
+    tokenizer: LocalTokenizer | None = None
+    on_progress: ProgressCallback | None = None
+
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        base_url: str,
+        model: str = "",
+        *,
+        stream: bool = False,
+        api_key: str | None = None,
+        tokenizer: LocalTokenizer | None = None,
+        on_progress: ProgressCallback | None = None,
+    ) -> None:
+        self.client = client
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self.stream = stream
+        # The key only ever lives in this header: never in a message or a log line.
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.tokenizer = tokenizer
+        self.on_progress = on_progress
+
+    @abstractmethod
+    async def generate(self, request: GenerationRequest) -> GenerationResult: ...
+
+    async def abort(self, rid: str) -> None:  # noqa: B027 - optional capability
+        """Ask the server to stop a request. Servers without an abort API close
+        the connection instead, which is what cancelling the caller's task does."""
+
+    async def health(self) -> None:
+        await self._request("GET", "/health", None)
+
+    # ---- plumbing ---------------------------------------------------------------------
+
+    def _raise_for_status(self, method: str, url: str, status: int, text: str) -> None:
+        if status >= 500:
+            raise InferenceServerError(f"{method} {url}: HTTP {status}: {text[:200]}")
+        if status >= 400:
+            raise InferenceRequestError(f"{method} {url}: HTTP {status}: {text[:200]}")
+
+    async def _request(self, method: str, path: str, body: dict[str, Any] | None) -> Any:
+        url = self.base_url + path
+        try:
+            response = await self.client.request(method, url, json=body, headers=self.headers)
+        except httpx.TimeoutException as exc:
+            raise InferenceTransportError(f"{method} {url}: timed out ({exc!r})") from exc
+        except httpx.TransportError as exc:
+            raise InferenceTransportError(f"{method} {url}: {exc!r}") from exc
+        self._raise_for_status(method, url, response.status_code, response.text)
+        if not response.content:
+            return None
+        try:
+            return response.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise InferenceProtocolError(
+                f"{method} {url}: body is not JSON: {response.text[:120]!r}"
+            ) from exc
+
+    async def _events(self, path: str, body: dict[str, Any]) -> AsyncIterator[Any]:
+        """POST and yield each server-sent event's JSON, until ``data: [DONE]`` or
+        the end of the body."""
+        url = self.base_url + path
+        try:
+            async with self.client.stream("POST", url, json=body, headers=self.headers) as resp:
+                if resp.status_code >= 400:
+                    text = (await resp.aread()).decode("utf-8", "replace")
+                    self._raise_for_status("POST", url, resp.status_code, text)
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue  # blank separators, comments, event:/id: fields
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        return
+                    try:
+                        event = json.loads(data)
+                    except json.JSONDecodeError as exc:
+                        raise InferenceProtocolError(
+                            f"POST {url}: stream chunk is not JSON: {data[:120]!r}"
+                        ) from exc
+                    if isinstance(event, dict) and (
+                        "error" in event or event.get("object") == "error"
+                    ):
+                        raise InferenceServerError(f"POST {url}: error in stream: {data[:200]}")
+                    yield event
+        except httpx.TimeoutException as exc:
+            raise InferenceTransportError(f"POST {url}: timed out ({exc!r})") from exc
+        except httpx.TransportError as exc:
+            raise InferenceTransportError(f"POST {url}: stream broke: {exc!r}") from exc
+
+    def _progress(self, request: GenerationRequest, tokens: int) -> None:
+        callback = request.on_progress or self.on_progress
+        if callback is not None:
+            callback(request.rid, tokens)
+
+    def _counts(
+        self,
+        request: GenerationRequest,
+        *,
+        prompt_tokens: int | None,
+        completion_tokens: int | None,
+        prompt_ids: list[int] | None,
+        output_ids: list[int] | None,
+        text: str,
+    ) -> tuple[int, int, CountSource]:
+        """Counts from the server when it gave them (usage, else its token ids; the
+        ids we sent are the prompt), else from the tokenizer."""
+        source: CountSource = "server"
+        if completion_tokens is None and output_ids is not None:
+            completion_tokens = len(output_ids)
+        if prompt_tokens is None:
+            if prompt_ids is not None:
+                prompt_tokens = len(prompt_ids)
+            elif request.input_ids is not None:
+                prompt_tokens = len(request.input_ids)
+        if completion_tokens is None or prompt_tokens is None:
+            if self.tokenizer is None:
+                raise InferenceCountError(
+                    f"{self.base_url}: the server returned neither usage nor token ids; "
+                    "set [inference] tokenizer to count with the model's tokenizer"
+                )
+            source = "tokenizer"
+            if completion_tokens is None:
+                completion_tokens = self.tokenizer.count_completion(text)
+            if prompt_tokens is None:
+                prompt_tokens = self.tokenizer.count_prompt(request.text, request.messages)
+        return prompt_tokens, completion_tokens, source
+
+
+class _SGLangStream:
+    """Accumulates SGLang chunks, cumulative or incremental, telling which from the
+    ids against ``meta_info.completion_tokens`` (text-only streams: from the text)."""
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self.text = ""
+        self.incremental: bool | None = None
+        self.meta: dict[str, Any] = {}
+        self.has_ids = False
+
+    def add(self, chunk: Any) -> None:
+        if not isinstance(chunk, dict):
+            raise InferenceProtocolError(f"stream chunk is not an object: {str(chunk)[:200]}")
+        meta = chunk.get("meta_info")
+        if isinstance(meta, dict):
+            self.meta = meta
+        ids = _int_list(chunk.get("output_ids", chunk.get("token_ids")))
+        text = chunk.get("text")
+        text = text if isinstance(text, str) else ""
+        total = self.meta.get("completion_tokens") if isinstance(meta, dict) else None
+        if self.incremental is None:
+            self.incremental = self._mode(ids, text, total)
+        if ids is not None:
+            self.has_ids = True
+            self.ids = self.ids + ids if self.incremental else ids
+        self.text = self.text + text if self.incremental else text
+
+    def _mode(self, ids: list[int] | None, text: str, total: Any) -> bool | None:
+        if ids is not None:
+            if not self.ids:
+                return None  # first chunk: both readings agree
+            if isinstance(total, int):
+                if len(self.ids) + len(ids) == total and len(ids) != total:
+                    return True
+                if len(ids) == total:
+                    return False
+            return ids[: len(self.ids)] != self.ids
+        if not self.text:
+            return None
+        return not text.startswith(self.text)
+
+    @property
+    def tokens(self) -> int:
+        total = self.meta.get("completion_tokens")
+        return int(total) if isinstance(total, int) else len(self.ids)
+
+
 class SGLangBackend(InferenceBackend):
     api = "sglang"
 
-    async def generate(self, request: GenerationRequest) -> GenerationResult:
+    def _body(self, request: GenerationRequest) -> dict[str, Any]:
         sampling: dict[str, Any] = {"max_new_tokens": request.max_new_tokens}
         if request.temperature is not None:
             sampling["temperature"] = request.temperature
-        body: dict[str, Any] = {"rid": request.rid, "sampling_params": sampling, "stream": False}
+        body: dict[str, Any] = {
+            "rid": request.rid,
+            "sampling_params": sampling,
+            "stream": self.stream,
+        }
         if request.input_ids is not None:
             body["input_ids"] = list(request.input_ids)
         elif request.text is not None:
@@ -154,11 +343,32 @@ class SGLangBackend(InferenceBackend):
             # /generate takes plain text; a chat prompt without a local template is
             # sent as the concatenated turns.
             body["text"] = "\n".join(m.content for m in request.messages or ())
-        data = await self._request("POST", "/generate", body)
-        meta = _field(data, "meta_info")
-        output_ids = data.get("output_ids") if isinstance(data, dict) else None
-        if output_ids is None:
-            output_ids = data.get("token_ids") if isinstance(data, dict) else None  # old builds
+        return body
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        body = self._body(request)
+        first_token_at: float | None = None
+        if not self.stream:
+            data = await self._request("POST", "/generate", body)
+            meta = _field(data, "meta_info")
+            output_ids = data.get("output_ids") if isinstance(data, dict) else None
+            if output_ids is None:
+                output_ids = data.get("token_ids") if isinstance(data, dict) else None  # old
+            text = str(data.get("text", ""))
+        else:
+            acc = _SGLangStream()
+            async for chunk in self._events("/generate", body):
+                acc.add(chunk)
+                if first_token_at is None and (acc.tokens > 0 or acc.text):
+                    first_token_at = time.time()
+                self._progress(request, acc.tokens)
+            meta = acc.meta
+            if not meta or meta.get("finish_reason") is None:
+                raise InferenceTransportError(
+                    f"POST {self.base_url}/generate: the stream ended before the request finished"
+                )
+            output_ids = acc.ids if acc.has_ids else None
+            text = acc.text
         if not isinstance(output_ids, list):
             raise InferenceProtocolError(
                 "SGLang response has no output_ids: use a build that returns them"
@@ -169,8 +379,9 @@ class SGLangBackend(InferenceBackend):
             prompt_tokens=int(_field(meta, "prompt_tokens")),
             completion_tokens=completion_tokens,
             output_ids=output_ids,
-            text=str(data.get("text", "")),
+            text=text,
             finish_reason=_as_finish(meta.get("finish_reason")),
+            first_token_at=first_token_at,
         )
 
     async def abort(self, rid: str) -> None:
@@ -189,22 +400,123 @@ class _OpenAIBackend(InferenceBackend):
     @abstractmethod
     def _text(self, choice: Any) -> str: ...
 
-    async def generate(self, request: GenerationRequest) -> GenerationResult:
+    @abstractmethod
+    def _delta(self, choice: Any) -> str: ...
+
+    def _full_body(self, request: GenerationRequest) -> dict[str, Any]:
         body = self._body(request)
-        body.update(model=self.model, stream=False, return_token_ids=True)
+        body.update(model=self.model, stream=self.stream, return_token_ids=True)
+        if self.stream:
+            body["stream_options"] = {"include_usage": True}
         if request.temperature is not None:
             body["temperature"] = request.temperature
+        return body
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        body = self._full_body(request)
+        if self.stream:
+            return await self._generate_streaming(request, body)
         data = await self._request("POST", self.path, body)
         choice = _field(data, "choices", 0)
-        usage = _field(data, "usage")
-        ids = choice.get("token_ids")
+        usage = data.get("usage")
+        prompt_ids = _int_list(choice.get("prompt_token_ids", data.get("prompt_token_ids")))
+        return self._result(
+            request,
+            usage=usage,
+            output_ids=_int_list(choice.get("token_ids")),
+            prompt_ids=prompt_ids,
+            text=self._text(choice),
+            finish=choice.get("finish_reason"),
+            first_token_at=None,
+        )
+
+    async def _generate_streaming(
+        self, request: GenerationRequest, body: dict[str, Any]
+    ) -> GenerationResult:
+        parts: list[str] = []
+        ids: list[int] = []
+        has_ids = False
+        prompt_ids: list[int] | None = None
+        usage: Any = None
+        finish: Any = None
+        finished = False
+        content_chunks = 0
+        first_token_at: float | None = None
+        async for chunk in self._events(self.path, body):
+            if not isinstance(chunk, dict):
+                raise InferenceProtocolError(f"stream chunk is not an object: {str(chunk)[:200]}")
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            prompt_ids = _int_list(chunk.get("prompt_token_ids")) or prompt_ids
+            for choice in chunk.get("choices") or ():
+                if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+                    continue
+                prompt_ids = _int_list(choice.get("prompt_token_ids")) or prompt_ids
+                delta = self._delta(choice)
+                new_ids = _int_list(choice.get("token_ids"))
+                if new_ids is not None:
+                    has_ids = True
+                    ids.extend(new_ids)
+                if delta or new_ids:
+                    content_chunks += 1
+                    parts.append(delta)
+                    if first_token_at is None:
+                        first_token_at = time.time()
+                if choice.get("finish_reason") is not None:
+                    finish, finished = choice["finish_reason"], True
+            if has_ids:
+                tokens = len(ids)
+            elif isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+                tokens = usage["completion_tokens"]  # continuous_usage_stats
+            else:
+                tokens = content_chunks  # about one token per chunk
+            self._progress(request, tokens)
+        if not finished:
+            raise InferenceTransportError(
+                f"POST {self.base_url}{self.path}: the stream ended before the request finished"
+            )
+        return self._result(
+            request,
+            usage=usage,
+            output_ids=ids if has_ids else None,
+            prompt_ids=prompt_ids,
+            text="".join(parts),
+            finish=finish,
+            first_token_at=first_token_at,
+        )
+
+    def _result(
+        self,
+        request: GenerationRequest,
+        *,
+        usage: Any,
+        output_ids: list[int] | None,
+        prompt_ids: list[int] | None,
+        text: str,
+        finish: Any,
+        first_token_at: float | None,
+    ) -> GenerationResult:
+        prompt_tokens = completion_tokens = None
+        if usage:  # present: it must be whole
+            prompt_tokens = int(_field(usage, "prompt_tokens"))
+            completion_tokens = int(_field(usage, "completion_tokens"))
+        prompt, completion, source = self._counts(
+            request,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            prompt_ids=prompt_ids,
+            output_ids=output_ids,
+            text=text,
+        )
         return GenerationResult(
             rid=request.rid,
-            prompt_tokens=int(_field(usage, "prompt_tokens")),
-            completion_tokens=int(_field(usage, "completion_tokens")),
-            output_ids=list(ids) if isinstance(ids, list) else [],
-            text=self._text(choice),
-            finish_reason=_as_finish(choice.get("finish_reason")),
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            output_ids=output_ids or [],
+            text=text,
+            finish_reason=_as_finish(finish),
+            first_token_at=first_token_at,
+            count_source=source,
         )
 
 
@@ -219,7 +531,10 @@ class OpenAICompletionsBackend(_OpenAIBackend):
         return {"prompt": prompt, "max_tokens": request.max_new_tokens, "request_id": request.rid}
 
     def _text(self, choice: Any) -> str:
-        return str(choice.get("text", ""))
+        return str(choice.get("text") or "")
+
+    def _delta(self, choice: Any) -> str:
+        return str(choice.get("text") or "")
 
 
 class OpenAIChatBackend(_OpenAIBackend):
@@ -238,6 +553,10 @@ class OpenAIChatBackend(_OpenAIBackend):
         message = choice.get("message") or {}
         return str(message.get("content") or "")
 
+    def _delta(self, choice: Any) -> str:
+        delta = choice.get("delta") or {}
+        return str(delta.get("content") or "") if isinstance(delta, dict) else ""
+
 
 BACKENDS: dict[str, type[InferenceBackend]] = {
     "sglang": SGLangBackend,
@@ -247,9 +566,120 @@ BACKENDS: dict[str, type[InferenceBackend]] = {
 
 
 def make_backend(
-    api: str, client: httpx.AsyncClient, url: str, model: str = ""
+    api: str,
+    client: httpx.AsyncClient,
+    url: str,
+    model: str = "",
+    **options: Any,
 ) -> InferenceBackend:
-    return BACKENDS[api](client, url, model)
+    """``options``: ``stream``, ``api_key``, ``tokenizer``, ``on_progress``."""
+    return BACKENDS[api](client, url, model, **options)
+
+
+def api_key_from_env(config: Config) -> str | None:
+    name = config.inference.api_key_env
+    return os.environ.get(name) or None if name else None
+
+
+def backend_for_config(
+    config: Config, client: httpx.AsyncClient, *, on_progress: ProgressCallback | None = None
+) -> InferenceBackend:
+    """The backend ``[inference]`` describes: api, stream, key from the environment,
+    and the tokenizer for servers that return no counts."""
+    inference = config.inference
+    tokenizer = None
+    if config.tokenizer_path is not None:
+        from producers.tokenizers import load_tokenizer
+
+        tokenizer = load_tokenizer(config.tokenizer_path)
+    return make_backend(
+        inference.api,
+        client,
+        inference.url,
+        inference.model,
+        stream=inference.stream,
+        api_key=api_key_from_env(config),
+        tokenizer=tokenizer,
+        on_progress=on_progress,
+    )
+
+
+# ---- before a run: is the server there, and is it the model we expect? ---------------
+
+
+def _same_model(configured: str, served: str) -> bool:
+    if configured == served:
+        return True
+    # SGLang reports the model path it loaded; a config may name the hub id.
+    return configured.rstrip("/").rsplit("/", 1)[-1] == served.rstrip("/").rsplit("/", 1)[-1]
+
+
+async def check_server(config: Config, *, timeout: float = 10.0) -> list[str]:
+    """GET ``/health`` (SGLang) or ``/v1/models`` (OpenAI-compatible) and, with
+    ``[inference] model`` set, check the server serves it. Returns the model names
+    the server reported. Raises :class:`ServerUnreachableError` or
+    :class:`WrongModelError` (both :class:`InferenceError`) with what to fix."""
+    inference = config.inference
+    url = inference.url.rstrip("/")
+    key = api_key_from_env(config)
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    async with httpx.AsyncClient(
+        timeout=httpx.Timeout(timeout, connect=inference.connect_timeout_s), headers=headers
+    ) as client:
+
+        async def get(path: str) -> httpx.Response:
+            try:
+                response = await client.get(url + path)
+            except httpx.HTTPError as exc:
+                raise ServerUnreachableError(
+                    f"cannot reach the inference server at {url} ({inference.api}): "
+                    f"GET {path} failed ({type(exc).__name__}: {exc}). Is the server running?"
+                ) from exc
+            if response.status_code in (401, 403):
+                raise InferenceRequestError(
+                    f"the inference server at {url} refused GET {path} with HTTP "
+                    f"{response.status_code}: set the API key in ${inference.api_key_env}"
+                )
+            return response
+
+        served: list[str] = []
+        if inference.api == "sglang":
+            health = await get("/health")
+            if health.status_code >= 400:
+                raise ServerUnreachableError(
+                    f"the inference server at {url} is not healthy: GET /health answered "
+                    f"HTTP {health.status_code}: {health.text[:200]}"
+                )
+            if inference.model:
+                info = await get("/get_model_info")
+                if info.status_code < 400:
+                    with_path = _json_or_none(info)
+                    if isinstance(with_path, dict) and isinstance(with_path.get("model_path"), str):
+                        served.append(with_path["model_path"])
+        if inference.api != "sglang" or (inference.model and not served):
+            models = await get("/v1/models")
+            if models.status_code >= 400:
+                raise ServerUnreachableError(
+                    f"the server at {url} does not answer GET /v1/models (HTTP "
+                    f"{models.status_code}): is it an OpenAI-compatible server "
+                    f"(api = {inference.api!r})?"
+                )
+            listing = _json_or_none(models)
+            data = listing.get("data") if isinstance(listing, dict) else None
+            served += [m["id"] for m in data or () if isinstance(m, dict) and "id" in m]
+        if inference.model and served and not any(_same_model(inference.model, s) for s in served):
+            raise WrongModelError(
+                f"the inference server at {url} serves {', '.join(map(repr, served))}, "
+                f"but [inference] model is {inference.model!r}"
+            )
+        return served
+
+
+def _json_or_none(response: httpx.Response) -> Any:
+    try:
+        return response.json()
+    except ValueError:
+        return None
 
 
 async def generate_with_retries(

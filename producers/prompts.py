@@ -17,8 +17,10 @@ from dataclasses import dataclass, field
 
 from aiokafka import AIOKafkaProducer
 
-from producers.datasets import PromptRow, read_prompts
+from producers import resume
+from producers.datasets import PromptRow, read_options, read_prompts
 from producers.halts import BudgetBoard
+from sinks import metrics
 from streams import events as ev
 from streams.topics import Topics
 from tokenbudget.config import Config, Dataset
@@ -33,6 +35,7 @@ class ProduceReport:
     dataset: str
     produced: int = 0
     bad_rows: int = 0
+    already_done: int = 0  # completed by an earlier run of the namespace: not produced
     reason: str = "end_of_data"  # or "halted", "limit"
     errors: list[str] = field(default_factory=list)
 
@@ -61,6 +64,8 @@ class PromptProducer:
         self.board = board
         self._producer = producer
         self.reports: dict[str, ProduceReport] = {}
+        self._done: set[str] = set()  # completed by earlier runs (producers.resume)
+        self._cursors: list[_Cursor] = []
 
     def _outcomes(self, dataset: str) -> int:
         snap = self.board.snapshot(dataset)
@@ -76,11 +81,30 @@ class PromptProducer:
             log.warning("skipping bad row: %s", exc)
 
         on_bad = bad_row if self.config.producer.on_bad_row == "skip" else None
-        rows = read_prompts(dataset.name, dataset.path, on_bad_row=on_bad, limit=dataset.limit)
+        rows = resume.skip_done(
+            read_prompts(
+                dataset.name,
+                dataset.path,
+                on_bad_row=on_bad,
+                limit=dataset.limit,
+                **read_options(self.config, dataset),
+            ),
+            self._done,
+            report,
+        )
         self.reports[dataset.name] = report
         return _Cursor(dataset, rows, report, self._outcomes(dataset.name))
 
-    async def run(self) -> dict[str, ProduceReport]:
+    def settled(self) -> bool:
+        """Every dataset is either read to its end or halted by its budget. A halted
+        dataset only pauses here: a raised budget resumes it while the job runs."""
+        return bool(self._cursors) and all(
+            c.done or self.board.is_halted(c.dataset.name) for c in self._cursors
+        )
+
+    async def run(self, stop: asyncio.Event | None = None) -> dict[str, ProduceReport]:
+        """Produce until every dataset is read to its end, or, without ``stop``,
+        halted; with ``stop``, halted datasets wait for a raise until it is set."""
         own_producer = self._producer is None
         producer = self._producer or AIOKafkaProducer(
             **aiokafka_options(self.bootstrap), acks="all", linger_ms=5
@@ -88,24 +112,35 @@ class PromptProducer:
         if own_producer:
             await producer.start()
         try:
+            self._done = await asyncio.to_thread(
+                resume.completed_prompt_ids, self.bootstrap, self.topics
+            )
             cursors = [self._open_cursor(d) for d in self.config.datasets]
-            await self._produce(producer, cursors)
+            self._cursors = cursors
+            await self._produce(producer, cursors, stop)
         finally:
             if own_producer:
                 await producer.stop()
         return self.reports
 
-    async def _produce(self, producer: AIOKafkaProducer, cursors: list[_Cursor]) -> None:
+    async def _produce(
+        self, producer: AIOKafkaProducer, cursors: list[_Cursor], stop: asyncio.Event | None
+    ) -> None:
         window = self.config.max_queued_per_dataset
         while True:
             progressed = False
             active = [c for c in cursors if not c.done]
+            if stop is not None and stop.is_set():
+                for cursor in active:
+                    await self._finish(producer, cursor, "halted")
+                return
             if not active:
                 return
             for cursor in active:
                 name = cursor.dataset.name
                 if self.board.is_halted(name):
-                    await self._finish(producer, cursor, "halted")
+                    if stop is None:
+                        await self._finish(producer, cursor, "halted")
                     continue
                 outstanding = cursor.report.produced - (
                     self._outcomes(name) - cursor.baseline_outcomes
@@ -122,6 +157,7 @@ class PromptProducer:
                     value=ev.encode(self._event(cursor.dataset, row)),
                 )
                 cursor.report.produced += 1
+                metrics.EVENTS_PRODUCED.labels(topic="prompts").inc()
                 progressed = True
             if not progressed:
                 self.board.changed.clear()
@@ -140,6 +176,7 @@ class PromptProducer:
             ),
             source=row.source,
             produced_at=time.time(),
+            input_ids=list(row.input_ids) if row.input_ids is not None else None,
         )
 
     async def _finish(self, producer: AIOKafkaProducer, cursor: _Cursor, reason: str) -> None:
@@ -147,11 +184,21 @@ class PromptProducer:
         cursor.report.reason = reason
         done = ev.ProducerDone(
             dataset=cursor.dataset.name,
-            produced=cursor.report.produced,
+            # prompts completed by earlier runs count: the ledger has their outcomes
+            produced=cursor.report.produced + cursor.report.already_done,
             reason=reason,  # type: ignore[arg-type]
             at=time.time(),
         )
         await producer.send_and_wait(
             self.topics.outcomes, key=cursor.dataset.name.encode(), value=ev.encode(done)
         )
-        log.info("dataset %s: %d prompts produced (%s)", done.dataset, done.produced, reason)
+        metrics.EVENTS_PRODUCED.labels(topic="outcomes").inc()
+        log.info(
+            "dataset %s: %d prompts produced (%s)", done.dataset, cursor.report.produced, reason
+        )
+        if cursor.report.already_done:
+            log.info(
+                "dataset %s: skipped %d prompts already done",
+                done.dataset,
+                cursor.report.already_done,
+            )

@@ -1,32 +1,49 @@
 """The Parquet sink: completions in, training-ready files out, exactly once.
 
-Layout: ``<path>/dataset=<name>/part-<time>-<id>.parquet``, one row per prompt.
+Layout: ``<path>/dataset=<name>/part-<time>-<id>.parquet``, one row per prompt. The
+``dataset`` column is stored as ``dictionary<int32, string>``, the type pyarrow
+infers for a hive folder, so ``pq.read_table(path)``, polars, DuckDB and Hugging
+Face ``datasets`` read the whole tree as one table (see the README).
 
 Contract:
   * A file appears whole or not at all: written under a hidden temporary name in
     the same folder, fsynced, then renamed (``os.replace``) and the folder fsynced.
+    Temporaries left by a crash are removed at start.
   * Offsets are committed only after every row read before them is in a renamed
     file, so a crash at any point re-reads, and never skips, completions.
   * Re-read rows are dropped by ``prompt_id`` (the files on disk are scanned at
     start), matching the ledger, which keeps the first completion of each prompt;
     so no ``request_id`` or ``prompt_id`` appears twice.
   * Undecodable events go to the dead-letter topic.
+
+The decoding, the first-completion rule and the file writing are shared with
+``tokenbudget replay`` (:mod:`sinks.replay`), so a replay of the topic gives the
+same rows as the live sink, whatever duplicates the topic holds.
+
+Speed: an event is decoded with ``output_ids`` left as raw JSON bytes
+(:class:`CompletionRecord`); a batch's id arrays are parsed in one go by Arrow's
+CSV reader (C++, no Python object per token id) into the int32 values buffer of the
+``list<int32>`` column. A batch that does not parse cleanly that way is decoded
+event by event with the full decoder instead, with the same result.
 """
 
 from __future__ import annotations
 
-import itertools
+import io
 import logging
 import os
 import threading
 import time
 import uuid
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+import msgspec
 import numpy as np
 import pyarrow as pa
+import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 from kafka import KafkaConsumer, KafkaProducer, OffsetAndMetadata, TopicPartition
 
@@ -38,11 +55,13 @@ from tokenbudget.kafka import kafka_python_options
 
 log = logging.getLogger(__name__)
 
+DATASET_TYPE = pa.dictionary(pa.int32(), pa.string())
+
 SCHEMA = pa.schema(
     [
         ("request_id", pa.string()),
         ("prompt_id", pa.string()),
-        ("dataset", pa.string()),
+        ("dataset", DATASET_TYPE),
         ("prompt_tokens", pa.int64()),
         ("completion_tokens", pa.int64()),
         ("output_ids", pa.list_(pa.int32())),
@@ -57,14 +76,288 @@ SCHEMA = pa.schema(
     ]
 )
 
+TEMPORARY_GLOB = "dataset=*/.part-*.tmp"
+# Measured on the local broker with ~20 KB events: larger fetches are slower with
+# kafka-python (it assembles each response in Python), smaller ones cost round trips.
+FETCH_OPTIONS = {
+    "max_partition_fetch_bytes": 8 * 1024 * 1024,
+    "fetch_max_bytes": 32 * 1024 * 1024,
+    "receive_buffer_bytes": 4 * 1024 * 1024,
+}
 
-@dataclass(frozen=True)
-class SinkSettings:
-    path: Path
-    rotate_rows: int = 2000
-    rotate_bytes: int = 64 * 1024 * 1024
-    row_group_rows: int = 1000
-    flush_interval: float = 5.0
+
+# --------------------------------------------------------------------------- decoding
+
+
+class CompletionRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """A completion event with ``output_ids`` kept as its raw JSON bytes.
+
+    The same fields and types as :class:`streams.events.CompletionEvent`; ``type``
+    must be ``"completion"``. Parsing the ids is left to :func:`records_to_table`.
+    """
+
+    type: Literal["completion"]
+    v: int = ev.SCHEMA_VERSION
+    request_id: str
+    prompt_id: str
+    dataset: str
+    prompt_tokens: int
+    completion_tokens: int
+    output_ids: msgspec.Raw
+    finish_reason: ev.FinishReason
+    max_new_tokens: int
+    text: str = ""
+    count_source: ev.CountSource = "server"
+    attempts: int = 1
+    dispatched_at: float = 0.0
+    first_token_at: float | None = None
+    finished_at: float = 0.0
+
+
+_record_decoder = msgspec.json.Decoder(CompletionRecord)
+
+
+def decode_completion(value: bytes) -> CompletionRecord:
+    """Decode one completions-topic value, or raise EventDecodeError saying why."""
+    try:
+        record = _record_decoder.decode(value)
+    except msgspec.DecodeError:
+        record = None
+    if record is not None and record.v in ev.SUPPORTED_VERSIONS:
+        return record
+    event = ev.decode(value)  # raises the precise EventDecodeError
+    if not isinstance(event, ev.CompletionEvent):
+        raise EventDecodeError(f"expected a completion, got {type(event).__name__}")
+    raise EventDecodeError("not a completion event")  # pragma: no cover - decoders agree
+
+
+class FirstCompletion:
+    """The rule shared by the sink, the replay and the ledger: of the completions of
+    one prompt, the first in topic order is kept (all events of a dataset share one
+    partition, so "first" is well defined)."""
+
+    def __init__(self, seen: Iterable[str] = ()) -> None:
+        self.seen: set[str] = set(seen)
+        self.duplicates = 0
+
+    def keep(self, prompt_id: str) -> bool:
+        if prompt_id in self.seen:
+            self.duplicates += 1
+            return False
+        self.seen.add(prompt_id)
+        return True
+
+    def forget(self, prompt_ids: Iterable[str], duplicates: int) -> None:
+        """Undo :meth:`keep` calls (their kept ids, the duplicate count before)."""
+        self.seen.difference_update(prompt_ids)
+        self.duplicates = duplicates
+
+
+# ------------------------------------------------------------------------ table building
+
+
+def _column_arrays(
+    rows: Sequence[CompletionRecord] | Sequence[ev.CompletionEvent], output_ids: pa.Array
+) -> list[pa.Array]:
+    n = len(rows)
+    names = [r.dataset for r in rows]
+    uniques = list(dict.fromkeys(names))
+    if len(uniques) == 1:
+        indices = np.zeros(n, dtype=np.int32)
+    else:
+        position = {name: i for i, name in enumerate(uniques)}
+        indices = np.fromiter((position[name] for name in names), np.int32, n)
+    dataset = pa.DictionaryArray.from_arrays(pa.array(indices), pa.array(uniques, pa.string()))
+    return [
+        pa.array([r.request_id for r in rows], pa.string()),
+        pa.array([r.prompt_id for r in rows], pa.string()),
+        dataset,
+        pa.array(np.fromiter((r.prompt_tokens for r in rows), np.int64, n)),
+        pa.array(np.fromiter((r.completion_tokens for r in rows), np.int64, n)),
+        output_ids,
+        pa.array([r.finish_reason for r in rows], pa.string()),
+        pa.array(np.fromiter((r.max_new_tokens for r in rows), np.int64, n)),
+        pa.array([r.count_source for r in rows], pa.string()),
+        pa.array(np.fromiter((r.attempts for r in rows), np.int32, n)),
+        pa.array(np.fromiter((r.dispatched_at for r in rows), np.float64, n)),
+        pa.array([r.first_token_at for r in rows], pa.float64()),
+        pa.array(np.fromiter((r.finished_at for r in rows), np.float64, n)),
+        pa.array([r.text for r in rows], pa.string()),
+    ]
+
+
+def _list_array(lengths: np.ndarray, values: np.ndarray | pa.Array) -> pa.ListArray:
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    return pa.ListArray.from_arrays(pa.array(offsets), values, type=pa.list_(pa.int32()))
+
+
+def _ids_from_lists(id_lists: Sequence[Any]) -> pa.ListArray:
+    lengths = np.fromiter((len(ids) for ids in id_lists), np.int64, len(id_lists))
+    total = int(lengths.sum())
+    values = np.empty(total, dtype=np.int32)
+    position = 0
+    for ids, length in zip(id_lists, lengths.tolist(), strict=True):
+        if length:
+            values[position : position + length] = ids
+            position += length
+    return _list_array(lengths, values)
+
+
+_CSV_READ = pcsv.ReadOptions(column_names=["v"], block_size=1 << 24)
+_CSV_PARSE = pcsv.ParseOptions(quote_char=False, double_quote=False, escape_char=False)
+_CSV_CONVERT = pcsv.ConvertOptions(
+    column_types={"v": pa.int32()}, null_values=[], strings_can_be_null=False
+)
+# "[", "]" and "," become line breaks: one id per line, empty lines skipped
+_TO_LINES = bytes.maketrans(b"[],", b"\n\n\n")
+
+
+def _ids_from_raw(raws: Sequence[msgspec.Raw]) -> pa.ListArray | None:
+    """Parse every event's raw ``[1,2,...]`` in one go, or None when the batch is
+    not flat arrays of int32 (the caller then decodes event by event).
+
+    msgspec has checked each raw value is valid JSON; Arrow's int32 conversion
+    rejects strings, floats, ``true``/``false``/``null``, objects and out-of-range
+    ints; nesting is caught by the bracket count and the per-event id counts.
+    """
+    n = len(raws)
+    raw_lengths = np.fromiter((len(r) for r in raws), np.int64, n)
+    if n == 0:
+        return _list_array(raw_lengths, np.empty(0, np.int32))
+    joined = b"\n".join(raws)  # type: ignore[arg-type]  # Raw is a buffer
+    if joined.count(b"[") != n:
+        return None
+    starts = np.zeros(n, dtype=np.int64)
+    np.cumsum(raw_lengths[:-1] + 1, out=starts[1:])
+    data = np.frombuffer(joined, dtype=np.uint8)
+    if (
+        not (data[starts] == ord("[")).all()
+        or not (data[starts + raw_lengths - 1] == ord("]")).all()
+    ):
+        return None
+    commas = np.flatnonzero(data == ord(","))
+    before = np.searchsorted(commas, starts)  # commas before each event
+    lengths = np.diff(before, append=len(commas))
+    lengths += raw_lengths > 2  # n ids have n - 1 commas; "[]" has none
+    try:
+        column = pcsv.read_csv(
+            io.BytesIO(joined.translate(_TO_LINES)),
+            read_options=_CSV_READ,
+            parse_options=_CSV_PARSE,
+            convert_options=_CSV_CONVERT,
+        ).column(0)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+        return None
+    if len(column) != int(lengths.sum()) or column.null_count:
+        return None
+    if column.num_chunks == 0:
+        values: pa.Array = pa.array([], pa.int32())
+    elif column.num_chunks == 1:
+        values = column.chunk(0)
+    else:
+        values = column.combine_chunks()
+    return _list_array(lengths, values)
+
+
+def completions_to_table(rows: Sequence[ev.CompletionEvent]) -> pa.Table:
+    """The rows of fully decoded events (the same table :func:`decode_values` gives)."""
+    ids = _ids_from_lists([r.output_ids for r in rows])
+    return pa.Table.from_arrays(_column_arrays(rows, ids), schema=SCHEMA)
+
+
+@dataclass
+class Decoded:
+    """A batch of completions-topic values (one partition's, in order), decoded."""
+
+    values: Sequence[bytes]
+    records: list[CompletionRecord]
+    positions: list[int]  # index in ``values`` of each record
+    errors: list[tuple[int, str]]  # (index in ``values``, reason)
+
+
+def decode_records(values: Sequence[bytes]) -> Decoded:
+    """Step 1 (holds the GIL): every value decoded, ids left raw."""
+    records: list[CompletionRecord] = []
+    positions: list[int] = []
+    errors: list[tuple[int, str]] = []
+    for i, value in enumerate(values):
+        try:
+            records.append(decode_completion(value))
+            positions.append(i)
+        except EventDecodeError as exc:
+            errors.append((i, str(exc)))
+    return Decoded(values, records, positions, errors)
+
+
+@dataclass
+class Kept:
+    """The first completions of a batch: one table per dataset, in topic order."""
+
+    tables: dict[str, pa.Table]
+    records: dict[str, list[CompletionRecord]]  # the rows of each table
+    positions: dict[str, list[int]]  # index in the input values of each row
+    errors: list[tuple[int, str]]  # undecodable values (index, reason)
+
+    @property
+    def rows(self) -> int:
+        return sum(len(r) for r in self.records.values())
+
+
+def _full_ids(value: bytes) -> np.ndarray:
+    event = ev.decode(value)
+    if not isinstance(event, ev.CompletionEvent):  # pragma: no cover - lean decoder agrees
+        raise EventDecodeError(f"expected a completion, got {type(event).__name__}")
+    ids = np.asarray(event.output_ids, dtype=np.int64)
+    if ids.size and (ids.min() < -(2**31) or ids.max() >= 2**31):
+        raise EventDecodeError("output_ids: a token id does not fit in int32")
+    return ids
+
+
+def keep_first(decoded: Decoded, first: FirstCompletion) -> Kept:
+    """Step 2: apply the first-completion rule and build each dataset's table.
+
+    The ids of a dataset's kept rows are parsed in one go; if that fails (ids that
+    are not flat int32 arrays), the rule is undone for the group and its values
+    are decoded one by one, so only the bad ones are dropped (as errors) and the
+    rule sees exactly the valid completions, as the ledger does.
+    """
+    groups: dict[str, list[int]] = {}
+    for i, record in enumerate(decoded.records):
+        groups.setdefault(record.dataset, []).append(i)
+    errors = list(decoded.errors)
+    out = Kept({}, {}, {}, errors)
+    for dataset, group in groups.items():
+        duplicates = first.duplicates
+        chosen = [i for i in group if first.keep(decoded.records[i].prompt_id)]
+        rows = [decoded.records[i] for i in chosen]
+        positions = [decoded.positions[i] for i in chosen]
+        ids = _ids_from_raw([r.output_ids for r in rows]) if rows else None
+        if ids is None and rows:
+            first.forget((r.prompt_id for r in rows), duplicates)
+            rows, positions, id_lists = [], [], []
+            for i in group:
+                record, position = decoded.records[i], decoded.positions[i]
+                try:
+                    ids_i = _full_ids(decoded.values[position])
+                except EventDecodeError as exc:
+                    errors.append((position, str(exc)))
+                    continue
+                if first.keep(record.prompt_id):
+                    rows.append(record)
+                    positions.append(position)
+                    id_lists.append(ids_i)
+            ids = _ids_from_lists(id_lists)
+        if not rows or ids is None:
+            continue
+        out.tables[dataset] = pa.Table.from_arrays(_column_arrays(rows, ids), schema=SCHEMA)
+        out.records[dataset] = rows
+        out.positions[dataset] = positions
+    errors.sort()
+    return out
+
+
+# ----------------------------------------------------------------------------- files
 
 
 def dataset_dir(root: Path, dataset: str) -> Path:
@@ -82,35 +375,35 @@ def existing_prompt_ids(root: Path) -> set[str]:
     return seen
 
 
-def completions_to_table(rows: list[ev.CompletionEvent]) -> pa.Table:
-    """Columns from buffers: output_ids as one int32 array plus offsets."""
-    lengths = np.fromiter((len(r.output_ids) for r in rows), dtype=np.int64, count=len(rows))
-    offsets = np.zeros(len(rows) + 1, dtype=np.int32)
-    np.cumsum(lengths, out=offsets[1:])
-    values = np.fromiter(
-        itertools.chain.from_iterable(r.output_ids for r in rows),
-        dtype=np.int32,
-        count=int(offsets[-1]),
-    )
-    output_ids = pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))
-    first_token = [r.first_token_at for r in rows]
-    columns = [
-        pa.array([r.request_id for r in rows], pa.string()),
-        pa.array([r.prompt_id for r in rows], pa.string()),
-        pa.array([r.dataset for r in rows], pa.string()),
-        pa.array(np.fromiter((r.prompt_tokens for r in rows), np.int64, len(rows))),
-        pa.array(np.fromiter((r.completion_tokens for r in rows), np.int64, len(rows))),
-        output_ids,
-        pa.array([r.finish_reason for r in rows], pa.string()),
-        pa.array(np.fromiter((r.max_new_tokens for r in rows), np.int64, len(rows))),
-        pa.array([r.count_source for r in rows], pa.string()),
-        pa.array(np.fromiter((r.attempts for r in rows), np.int32, len(rows))),
-        pa.array(np.fromiter((r.dispatched_at for r in rows), np.float64, len(rows))),
-        pa.array(first_token, pa.float64()),
-        pa.array(np.fromiter((r.finished_at for r in rows), np.float64, len(rows))),
-        pa.array([r.text for r in rows], pa.string()),
-    ]
-    return pa.Table.from_arrays(columns, schema=SCHEMA)
+def remove_stale_temporaries(root: Path) -> list[Path]:
+    """Delete the hidden temporaries a crashed writer left behind (one writer per
+    folder), so no reader ever sees them."""
+    removed = []
+    for file in root.glob(TEMPORARY_GLOB):
+        file.unlink(missing_ok=True)
+        removed.append(file)
+    return removed
+
+
+def row_group_size(table: pa.Table, row_group_rows: int, row_group_bytes: int) -> int:
+    """Rows per row group: at most ``row_group_rows`` and about ``row_group_bytes``."""
+    if table.num_rows == 0:
+        return max(1, row_group_rows)
+    per_row = max(1, table.nbytes // table.num_rows)
+    return max(1, min(row_group_rows, row_group_bytes // per_row))
+
+
+def write_parquet(table: pa.Table, where: Any, row_group_rows: int) -> None:
+    """The one place that sets the writer's options (the bench's ceiling uses it too)."""
+    pq.write_table(table, where, row_group_size=row_group_rows, compression="zstd")
+
+
+def _fsync_dir(folder: Path) -> None:
+    directory = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
 
 
 def write_atomically(table: pa.Table, folder: Path, row_group_rows: int) -> Path:
@@ -119,42 +412,138 @@ def write_atomically(table: pa.Table, folder: Path, row_group_rows: int) -> Path
     final = folder / name
     temporary = folder / f".{name}.tmp"
     with temporary.open("wb") as handle:
-        pq.write_table(table, handle, row_group_size=row_group_rows, compression="zstd")
+        write_parquet(table, handle, row_group_rows)
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(temporary, final)
-    directory = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
+    _fsync_dir(folder)
     return final
 
 
 @dataclass
 class _Buffer:
-    rows: list[ev.CompletionEvent] = field(default_factory=list)
-    bytes: int = 0
+    tables: list[pa.Table] = field(default_factory=list)
+    rows: int = 0
+
+
+@dataclass(frozen=True)
+class WriterSettings:
+    rotate_rows: int = 2000
+    rotate_bytes: int = 64 * 1024 * 1024
+    row_group_rows: int = 1000
+    row_group_bytes: int = 32 * 1024 * 1024
+
+
+class PartitionedWriter:
+    """Buffers kept rows per dataset; ``flush`` turns each buffer into one file.
+
+    Files rotate when the buffered rows or bytes (of all datasets) reach the limits
+    (:meth:`full`); row groups are sized explicitly (:func:`row_group_size`).
+    """
+
+    def __init__(self, root: Path, settings: WriterSettings) -> None:
+        self.root = root
+        self.settings = settings
+        self.buffers: dict[str, _Buffer] = {}
+        self.rows = 0
+        self.bytes = 0
+        self.rows_written: dict[str, int] = {}
+        self.files: list[Path] = []
+
+    def add(self, tables: dict[str, pa.Table]) -> None:
+        for dataset, table in tables.items():
+            buffer = self.buffers.get(dataset)
+            if buffer is None:
+                buffer = self.buffers[dataset] = _Buffer()
+            buffer.tables.append(table)
+            buffer.rows += table.num_rows
+            self.rows += table.num_rows
+            self.bytes += table.nbytes
+
+    def full(self) -> bool:
+        return self.rows >= self.settings.rotate_rows or self.bytes >= self.settings.rotate_bytes
+
+    def take(self) -> dict[str, _Buffer]:
+        """Hand over the buffers (to write, maybe in another thread); start empty."""
+        buffers, self.buffers = self.buffers, {}
+        self.rows = self.bytes = 0
+        return buffers
+
+    def write(self, buffers: dict[str, _Buffer]) -> list[Path]:
+        written = []
+        for dataset, buffer in buffers.items():
+            if not buffer.rows:
+                continue
+            table = pa.concat_tables(buffer.tables)
+            group = row_group_size(
+                table, self.settings.row_group_rows, self.settings.row_group_bytes
+            )
+            path = write_atomically(table, dataset_dir(self.root, dataset), group)
+            metrics.PARQUET_ROWS.labels(dataset=dataset).inc(buffer.rows)
+            metrics.PARQUET_BYTES.labels(dataset=dataset).inc(path.stat().st_size)
+            self.rows_written[dataset] = self.rows_written.get(dataset, 0) + buffer.rows
+            written.append(path)
+        self.files.extend(written)
+        return written
+
+    def flush(self) -> list[Path]:
+        return self.write(self.take())
+
+
+# ------------------------------------------------------------------------------ sink
+
+
+@dataclass(frozen=True)
+class SinkSettings:
+    path: Path
+    rotate_rows: int = 2000
+    rotate_bytes: int = 64 * 1024 * 1024
+    row_group_rows: int = 1000
+    flush_interval: float = 5.0
+    row_group_bytes: int = 32 * 1024 * 1024
+
+    def writer(self) -> WriterSettings:
+        return WriterSettings(
+            rotate_rows=self.rotate_rows,
+            rotate_bytes=self.rotate_bytes,
+            row_group_rows=self.row_group_rows,
+            row_group_bytes=self.row_group_bytes,
+        )
 
 
 class ParquetSink:
     """Consumes the completions topic into Parquet; see the module docstring."""
 
-    def __init__(self, bootstrap: str, topics: Topics, settings: SinkSettings) -> None:
+    def __init__(
+        self,
+        bootstrap: str,
+        topics: Topics,
+        settings: SinkSettings,
+        *,
+        group_id: str | None = None,
+    ) -> None:
         self.bootstrap = bootstrap
         self.topics = topics
         self.settings = settings
-        self.seen = existing_prompt_ids(settings.path)
-        self.buffers: dict[str, _Buffer] = {}
-        self.rows_written: dict[str, int] = {}
-        self.duplicates_dropped = 0
+        self._group_id = group_id
+        remove_stale_temporaries(settings.path)
+        self.first = FirstCompletion(existing_prompt_ids(settings.path))
+        self.writer = PartitionedWriter(settings.path, settings.writer())
         self._last_flush = time.monotonic()
         self._consumer: KafkaConsumer | None = None
         self._dlq: KafkaProducer | None = None
 
     @property
     def group_id(self) -> str:
-        return f"{self.topics.namespace}-sink"
+        return self._group_id or f"{self.topics.namespace}-sink"
+
+    @property
+    def rows_written(self) -> dict[str, int]:
+        return self.writer.rows_written
+
+    @property
+    def duplicates_dropped(self) -> int:
+        return self.first.duplicates
 
     def start(self) -> None:
         self._consumer = KafkaConsumer(
@@ -162,8 +551,7 @@ class ParquetSink:
             group_id=self.group_id,
             enable_auto_commit=False,
             auto_offset_reset="earliest",
-            max_partition_fetch_bytes=16 * 1024 * 1024,
-            fetch_max_bytes=64 * 1024 * 1024,
+            **FETCH_OPTIONS,
         )
         # Join the group only once this client's metadata has the topic: a group
         # joined without it is assigned nothing and kafka-python does not rejoin
@@ -184,70 +572,47 @@ class ParquetSink:
             self._dlq.close()
             self._dlq = None
 
-    def _buffered_rows(self) -> int:
-        return sum(len(b.rows) for b in self.buffers.values())
-
-    def _buffered_bytes(self) -> int:
-        return sum(b.bytes for b in self.buffers.values())
-
     def poll_once(self, timeout_ms: int = 200) -> int:
         assert self._consumer is not None and self._dlq is not None, "start() first"
         batches = self._consumer.poll(timeout_ms=timeout_ms, max_records=2000)
         count = 0
         for records in batches.values():
-            for record in records:
-                count += 1
-                self._take(record)
+            count += len(records)
+            self._take(records)
         if (
-            self._buffered_rows() >= self.settings.rotate_rows
-            or self._buffered_bytes() >= self.settings.rotate_bytes
+            self.writer.full()
             or time.monotonic() - self._last_flush >= self.settings.flush_interval
         ):
             self.flush()
         return count
 
-    def _take(self, record: Any) -> None:
-        value: bytes = record.value
-        try:
-            event = ev.decode(value)
-            if not isinstance(event, ev.CompletionEvent):
-                raise EventDecodeError(f"expected a completion, got {type(event).__name__}")
-        except EventDecodeError as exc:
-            assert self._dlq is not None
-            letter = ev.dead_letter(
-                str(exc),
-                source_topic=record.topic,
-                payload=value,
-                partition=record.partition,
-                offset=record.offset,
-                key=record.key,
-            )
-            self._dlq.send(self.topics.dead_letter, key=record.key, value=ev.encode(letter))
-            self._dlq.flush()
-            metrics.DEAD_LETTERED.labels(topic="completions").inc()
-            return
-        if event.prompt_id in self.seen:
-            self.duplicates_dropped += 1
-            return
-        self.seen.add(event.prompt_id)
-        buffer = self.buffers.setdefault(event.dataset, _Buffer())
-        buffer.rows.append(event)
-        buffer.bytes += len(value)
+    def _take(self, records: Sequence[Any]) -> None:
+        """Decode one partition's records; dead-letter the bad ones, buffer the first
+        completion of each prompt."""
+        kept = keep_first(decode_records([record.value for record in records]), self.first)
+        for i, reason in kept.errors:
+            self._dead_letter(records[i], reason)
+        if kept.tables:
+            self.writer.add(kept.tables)
+
+    def _dead_letter(self, record: Any, reason: str) -> None:
+        assert self._dlq is not None
+        letter = ev.dead_letter(
+            reason,
+            source_topic=record.topic,
+            payload=record.value,
+            partition=record.partition,
+            offset=record.offset,
+            key=record.key,
+        )
+        self._dlq.send(self.topics.dead_letter, key=record.key, value=ev.encode(letter))
+        self._dlq.flush()
+        metrics.DEAD_LETTERED.labels(topic="completions").inc()
 
     def flush(self) -> None:
         """Write every buffer to its file, then commit what was read."""
         assert self._consumer is not None
-        for dataset, buffer in self.buffers.items():
-            if not buffer.rows:
-                continue
-            table = completions_to_table(buffer.rows)
-            path = write_atomically(
-                table, dataset_dir(self.settings.path, dataset), self.settings.row_group_rows
-            )
-            metrics.PARQUET_ROWS.labels(dataset=dataset).inc(len(buffer.rows))
-            metrics.PARQUET_BYTES.labels(dataset=dataset).inc(path.stat().st_size)
-            self.rows_written[dataset] = self.rows_written.get(dataset, 0) + len(buffer.rows)
-        self.buffers.clear()
+        self.writer.flush()
         offsets = {
             tp: OffsetAndMetadata(self._consumer.position(tp), "", -1)
             for tp in self._consumer.assignment()
@@ -265,15 +630,15 @@ class ParquetSink:
         ends = self._consumer.end_offsets(list(assignment))
         return all(self._consumer.position(tp) >= end for tp, end in ends.items())
 
-    def run(self, stop: threading.Event) -> None:
-        """Consume until ``stop`` is set, then drain to the end of the topic,
-        flush and commit."""
+    def run(self, stop: threading.Event, *, drain: bool = True) -> None:
+        """Consume until ``stop`` is set, then (with ``drain``) read to the end of the
+        topic; flush and commit."""
         self.start()
         try:
             while not stop.is_set():
                 self.poll_once()
             deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:
+            while drain and time.monotonic() < deadline:
                 self.poll_once(timeout_ms=100)
                 if self.caught_up():
                     break

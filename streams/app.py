@@ -19,6 +19,7 @@ from typing import Any
 
 import faust
 
+from sinks import metrics
 from streams import events as ev
 from streams import ledger
 from streams.topics import LEDGER_TABLE, OUTCOME_TABLE, PARTITIONS, Topics
@@ -37,12 +38,14 @@ class LedgerSettings:
 
 def build_app(settings: LedgerSettings) -> faust.App:
     topics = settings.topics
+    datadir = Path(tempfile.gettempdir()) / "tokenbudget-faust" / topics.ledger_app_id
+    datadir.mkdir(parents=True, exist_ok=True)
     app = faust.App(
         topics.ledger_app_id,
         broker=f"kafka://{settings.bootstrap}",
         store="memory://",
         # Faust keeps a data folder even for the memory store; not in the cwd.
-        datadir=str(Path(tempfile.gettempdir()) / "tokenbudget-faust" / topics.ledger_app_id),
+        datadir=str(datadir),
         web_enabled=False,
         topic_partitions=PARTITIONS,
         topic_allow_declare=True,
@@ -75,6 +78,7 @@ def build_app(settings: LedgerSettings) -> faust.App:
         topics.completions,
         topics.outcomes,
         topics.budgets,
+        topics.reservations,
         key_type=bytes,
         value_type=bytes,
         key_serializer="raw",
@@ -83,6 +87,7 @@ def build_app(settings: LedgerSettings) -> faust.App:
     )
     budgets_out = app.topic(topics.budgets, key_serializer="raw", value_serializer="raw")
     dead_letter = app.topic(topics.dead_letter, key_serializer="raw", value_serializer="raw")
+    reservations = app.topic(topics.reservations, key_serializer="raw", value_serializer="raw")
 
     dirty: set[str] = set()
     ticks = 0
@@ -116,6 +121,14 @@ def build_app(settings: LedgerSettings) -> faust.App:
                 transition = ledger.apply_budget_set(load(event.dataset), event, at)
             case ev.ProducerDone():
                 transition = ledger.apply_producer_done(load(event.dataset), event)
+            case ev.LeaseRequested():
+                transition = ledger.apply_lease_request(load(event.dataset), event, at)
+            case ev.LeaseRenewed():
+                transition = ledger.apply_lease_renewed(load(event.dataset), event, at)
+            case ev.LeaseReleased():
+                transition = ledger.apply_lease_released(load(event.dataset), event, at)
+            case ev.LeaseExpired():
+                transition = ledger.apply_lease_expired(load(event.dataset), event, at)
             case _:
                 return  # our own announcements and snapshots come back on this topic
         if transition.changed:
@@ -132,6 +145,7 @@ def build_app(settings: LedgerSettings) -> faust.App:
     async def ledger_agent(stream: Any) -> None:
         async for event in stream.events():
             message = event.message
+            metrics.consumed(message.topic, "ledger")
             try:
                 decoded = ev.decode(event.value)
             except EventDecodeError as exc:
@@ -144,6 +158,7 @@ def build_app(settings: LedgerSettings) -> faust.App:
                     key=event.key,
                 )
                 await dead_letter.send(key=event.key, value=ev.encode(letter))
+                metrics.DEAD_LETTERED.labels(topic=metrics.topic_role(message.topic)).inc()
                 log.warning(
                     "dead-lettered %s[%d]@%d: %s",
                     message.topic,
@@ -174,6 +189,16 @@ def build_app(settings: LedgerSettings) -> faust.App:
             if settings.on_state:
                 settings.on_state(state)
 
+    @app.timer(1.0)
+    async def expire_leases() -> None:
+        # Tables can only be written while processing an event, so expiry goes
+        # through the reservations topic like any other lease change.
+        now = ev.now()
+        for name in list(datasets):
+            for lease_id in ledger.expired_leases(load(str(name)), now):
+                expired = ev.LeaseExpired(dataset=str(name), lease_id=lease_id, at=now)
+                await reservations.send(key=str(name).encode(), value=ev.encode(expired))
+
     app.tokenbudget_tables = {"datasets": datasets, "outcomes": outcomes}  # type: ignore[attr-defined]
     return app
 
@@ -182,4 +207,5 @@ def run_worker(settings: LedgerSettings, *, loglevel: str = "warning") -> None:
     """Run the ledger until SIGTERM/SIGINT (Faust handles both gracefully)."""
     app = build_app(settings)
     worker = faust.Worker(app, loglevel=loglevel, quiet=True)
+    worker.spinner = None  # its terminal spinner would draw over `run`'s progress bars
     worker.execute_from_commandline()

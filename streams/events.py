@@ -55,6 +55,7 @@ class PromptEvent(_Event, tag="prompt", frozen=True):
     sampling: SamplingParams = SamplingParams()
     source: str = ""  # "file:line", for error messages
     produced_at: float = 0.0
+    input_ids: list[int] | None = None  # chat template applied locally: sent as ids
 
 
 class CompletionEvent(_Event, tag="completion", frozen=True):
@@ -71,6 +72,8 @@ class CompletionEvent(_Event, tag="completion", frozen=True):
     text: str = ""
     count_source: CountSource = "server"
     attempts: int = 1
+    lease_id: str = ""  # the reservation it was admitted under, if any
+    cost: int = 0  # what it consumed of that lease, in the budget's unit
     dispatched_at: float = 0.0
     first_token_at: float | None = None
     finished_at: float = 0.0
@@ -107,6 +110,79 @@ class BudgetRaised(_Event, tag="budget_raised", frozen=True):
     at: float = 0.0
 
 
+class LeaseRequested(_Event, tag="lease_requested", frozen=True):
+    """A dispatcher asks for budget it may spend locally (or more on its lease).
+
+    ``want`` and ``min_grant`` are in the budget's unit. A grant smaller than
+    ``min_grant`` is useless to the asker (the ``finish`` policy needs room for a
+    whole answer), so the ledger denies instead.
+    """
+
+    dataset: str
+    lease_id: str
+    holder: str
+    want: int
+    min_grant: int = 1
+    ttl_s: float = 30.0
+    at: float = 0.0
+
+
+class LeaseGranted(_Event, tag="lease_granted", frozen=True):
+    dataset: str
+    lease_id: str
+    holder: str
+    granted: int  # added to the lease by this grant
+    expires_at: float
+    at: float = 0.0
+
+
+class LeaseDenied(_Event, tag="lease_denied", frozen=True):
+    dataset: str
+    lease_id: str
+    holder: str
+    remaining: int
+    at: float = 0.0
+
+
+class LeaseRenewed(_Event, tag="lease_renewed", frozen=True):
+    """The holder is alive and still spending: push the lease's expiry out."""
+
+    dataset: str
+    lease_id: str
+    holder: str
+    ttl_s: float = 30.0
+    at: float = 0.0
+
+
+class LeaseReleased(_Event, tag="lease_released", frozen=True):
+    """The holder is done with a lease. ``spent`` is what it published under it,
+    so the ledger keeps the part of it still in flight on the way reserved."""
+
+    dataset: str
+    lease_id: str
+    holder: str
+    spent: int
+    at: float = 0.0
+
+
+class LeaseExpired(_Event, tag="lease_expired", frozen=True):
+    """The ledger's own clock says a lease's holder stopped renewing it."""
+
+    dataset: str
+    lease_id: str
+    at: float = 0.0
+
+
+class LeaseRevoked(_Event, tag="lease_revoked", frozen=True):
+    """A budget was lowered below what is kept plus reserved: holders must stop
+    spending, abort what is in flight, and release."""
+
+    dataset: str
+    lease_id: str
+    holder: str
+    at: float = 0.0
+
+
 DatasetStatus = Literal["open", "halted", "exhausted"]
 
 
@@ -125,6 +201,7 @@ class LedgerSnapshot(_Event, tag="ledger_snapshot", frozen=True):
     halted: bool
     status: DatasetStatus
     outcome_events: int = 0
+    reserved: int = 0
     at: float = 0.0
 
 
@@ -179,6 +256,13 @@ Event = (
     | PromptFailed
     | ProducerDone
     | DeadLetter
+    | LeaseRequested
+    | LeaseGranted
+    | LeaseDenied
+    | LeaseRenewed
+    | LeaseReleased
+    | LeaseExpired
+    | LeaseRevoked
 )
 
 _encoder = msgspec.json.Encoder()

@@ -35,6 +35,13 @@ from streams.events import (
     CompletionEvent,
     DatasetStatus,
     Event,
+    LeaseDenied,
+    LeaseExpired,
+    LeaseGranted,
+    LeaseReleased,
+    LeaseRenewed,
+    LeaseRequested,
+    LeaseRevoked,
     LedgerSnapshot,
     ProducerDone,
     PromptFailed,
@@ -42,6 +49,26 @@ from streams.events import (
 )
 
 Outcome = Literal["completed", "skipped", "failed"]
+
+
+class Lease(msgspec.Struct, frozen=True, kw_only=True):
+    """Budget handed to one dispatcher to spend locally, in the budget's unit.
+
+    While open, all of ``granted`` not yet ``committed`` is reserved. Once the
+    holder releases it, ``spent`` says how much it published under the lease, and
+    only what of that has not arrived yet stays reserved.
+    """
+
+    holder: str
+    granted: int
+    committed: int = 0
+    spent: int | None = None
+    expires_at: float = 0.0
+
+    @property
+    def outstanding(self) -> int:
+        ceiling = self.granted if self.spent is None else min(self.spent, self.granted)
+        return max(0, ceiling - self.committed)
 
 
 class DatasetLedger(msgspec.Struct, frozen=True, kw_only=True):
@@ -59,6 +86,10 @@ class DatasetLedger(msgspec.Struct, frozen=True, kw_only=True):
     # Every outcome event seen, repeats included: producers pace themselves by its
     # growth, which must not stall when a repeat changes no count.
     outcome_events: int = 0
+    leases: dict[str, Lease] = {}
+    # The smallest admission that is still useful (1 token to truncate at the line,
+    # a whole answer for the ``finish`` policy): below it the dataset is full.
+    admit_floor: int = 1
 
 
 _ledger_encoder = msgspec.msgpack.Encoder()
@@ -85,8 +116,27 @@ def used(state: DatasetLedger, unit: BudgetUnit | None = None) -> int:
     raise ValueError(f"unknown budget unit {unit!r}")
 
 
+def unit_cost(unit: BudgetUnit, prompt_tokens: int, completion_tokens: int) -> int:
+    """What one completion consumes of a budget in ``unit``."""
+    match unit:
+        case "completion_tokens":
+            return completion_tokens
+        case "total_tokens":
+            return prompt_tokens + completion_tokens
+        case "samples":
+            return 1
+    raise ValueError(f"unknown budget unit {unit!r}")
+
+
+def reserved(state: DatasetLedger) -> int:
+    return sum(lease.outstanding for lease in state.leases.values())
+
+
 def remaining(state: DatasetLedger) -> int | None:
-    return None if state.budget is None else max(0, state.budget - used(state))
+    """Budget neither kept nor reserved: what the ledger can still grant."""
+    if state.budget is None:
+        return None
+    return max(0, state.budget - used(state) - reserved(state))
 
 
 def outcomes_recorded(state: DatasetLedger) -> int:
@@ -124,6 +174,7 @@ def snapshot(state: DatasetLedger, at: float) -> LedgerSnapshot:
         halted=state.halted,
         status=status(state),
         outcome_events=state.outcome_events,
+        reserved=reserved(state),
         at=at,
     )
 
@@ -160,7 +211,8 @@ def _check_budget(
     if state.budget is None:
         return state, []
     spent = used(state)
-    if not state.halted and spent >= state.budget:
+    full = state.budget - spent < state.admit_floor
+    if not state.halted and full:
         event = BudgetExceeded(
             dataset=state.dataset,
             budget=state.budget,
@@ -170,7 +222,7 @@ def _check_budget(
             at=at,
         )
         return msgspec.structs.replace(state, halted=True), [event]
-    if state.halted and spent < state.budget:
+    if state.halted and not full:
         raised = BudgetRaised(
             dataset=state.dataset, budget=state.budget, used=spent, unit=state.unit, at=at
         )
@@ -213,16 +265,20 @@ def apply_outcome(
     elif previous == "failed":
         counts["failed"] -= 1
     trigger = ""
+    leases = state.leases
     if isinstance(event, CompletionEvent):
         counts["completion_tokens"] += event.completion_tokens
         counts["prompt_tokens"] += event.prompt_tokens
         counts["samples"] += 1
         trigger = event.request_id
+        leases = _commit_to_lease(state, event)
     elif isinstance(event, PromptSkipped):
         counts["skipped"] += 1
     else:
         counts["failed"] += 1
-    updated = msgspec.structs.replace(state, last_event_id=eid, outcome_events=seen, **counts)
+    updated = msgspec.structs.replace(
+        state, last_event_id=eid, outcome_events=seen, leases=leases, **counts
+    )
     updated, emit = _check_budget(updated, at, trigger)
     return Transition(updated, emit, outcome=new, changed=True)
 
@@ -232,10 +288,131 @@ def apply_budget_set(state: DatasetLedger, event: BudgetSet, at: float) -> Trans
         return Transition(state)
     updated = msgspec.structs.replace(state, budget=event.budget, unit=event.unit)
     updated, emit = _check_budget(updated, at)
-    return Transition(updated, emit, changed=True)
+    updated, revoked = revoke_overdrawn(updated, at)
+    return Transition(updated, [*emit, *revoked], changed=True)
 
 
 def apply_producer_done(state: DatasetLedger, event: ProducerDone) -> Transition:
     if state.produced == event.produced:
         return Transition(state)
     return Transition(msgspec.structs.replace(state, produced=event.produced), changed=True)
+
+
+def _commit_to_lease(state: DatasetLedger, event: CompletionEvent) -> dict[str, Lease]:
+    """Move a counted completion's cost from its lease's reservation to kept.
+
+    Only counted completions move (the outcome table makes that idempotent); a
+    repeat the ledger does not keep leaves its cost reserved until the lease is
+    released or expires, which can only under-use the budget, never overshoot it.
+    """
+    lease = state.leases.get(event.lease_id) if event.lease_id else None
+    if lease is None:
+        return state.leases
+    cost = unit_cost(state.unit, event.prompt_tokens, event.completion_tokens)
+    committed = lease.committed + cost
+    leases = dict(state.leases)
+    if lease.spent is not None and committed >= lease.spent:
+        del leases[event.lease_id]
+    else:
+        leases[event.lease_id] = msgspec.structs.replace(lease, committed=committed)
+    return leases
+
+
+def apply_lease_request(state: DatasetLedger, event: LeaseRequested, at: float) -> Transition:
+    """Grant ``min(want, remaining)`` on the asker's lease, or deny below ``min_grant``.
+
+    This is the only place budget is handed out, and it runs in the single writer
+    for the dataset, so grants never add up to more than the budget.
+    """
+    floor = max(1, event.min_grant)
+    state = msgspec.structs.replace(state, admit_floor=floor)
+    available = remaining(state)
+    lease = state.leases.get(event.lease_id)
+    closed = lease is not None and (lease.spent is not None or lease.holder != event.holder)
+    if available is None or state.halted or available < floor or closed:
+        denied = LeaseDenied(
+            dataset=state.dataset,
+            lease_id=event.lease_id,
+            holder=event.holder,
+            remaining=-1 if available is None else available,
+            at=at,
+        )
+        updated, emit = _check_budget(state, at)
+        return Transition(updated, [denied, *emit], changed=True)
+    grant = min(event.want, available)
+    expires_at = at + event.ttl_s
+    leases = dict(state.leases)
+    if lease is None:
+        leases[event.lease_id] = Lease(holder=event.holder, granted=grant, expires_at=expires_at)
+    else:
+        leases[event.lease_id] = msgspec.structs.replace(
+            lease, granted=lease.granted + grant, expires_at=expires_at
+        )
+    granted = LeaseGranted(
+        dataset=state.dataset,
+        lease_id=event.lease_id,
+        holder=event.holder,
+        granted=grant,
+        expires_at=expires_at,
+        at=at,
+    )
+    return Transition(msgspec.structs.replace(state, leases=leases), [granted], changed=True)
+
+
+def apply_lease_renewed(state: DatasetLedger, event: LeaseRenewed, at: float) -> Transition:
+    lease = state.leases.get(event.lease_id)
+    if lease is None or lease.holder != event.holder:
+        return Transition(state)
+    leases = dict(state.leases)
+    leases[event.lease_id] = msgspec.structs.replace(lease, expires_at=at + event.ttl_s)
+    return Transition(msgspec.structs.replace(state, leases=leases), changed=True)
+
+
+def apply_lease_released(state: DatasetLedger, event: LeaseReleased, at: float) -> Transition:
+    lease = state.leases.get(event.lease_id)
+    if lease is None:
+        return Transition(state)
+    leases = dict(state.leases)
+    if lease.committed >= event.spent:
+        del leases[event.lease_id]
+    else:
+        leases[event.lease_id] = msgspec.structs.replace(lease, spent=event.spent)
+    updated, emit = _check_budget(msgspec.structs.replace(state, leases=leases), at)
+    return Transition(updated, emit, changed=True)
+
+
+def expired_leases(state: DatasetLedger, now: float) -> list[str]:
+    return [lease_id for lease_id, lease in state.leases.items() if lease.expires_at <= now]
+
+
+def apply_lease_expired(state: DatasetLedger, event: LeaseExpired, at: float) -> Transition:
+    """Drop a lease whose holder stopped renewing it: its budget is free again.
+
+    Anything it still had in flight arrives as ordinary completions; an open lease
+    is also revoked so a holder that is merely slow stops spending it.
+    """
+    lease = state.leases.get(event.lease_id)
+    if lease is None or lease.expires_at > at:
+        return Transition(state)
+    leases = dict(state.leases)
+    del leases[event.lease_id]
+    emit: list[Event] = []
+    if lease.spent is None:
+        emit.append(
+            LeaseRevoked(dataset=state.dataset, lease_id=event.lease_id, holder=lease.holder, at=at)
+        )
+    updated, more = _check_budget(msgspec.structs.replace(state, leases=leases), at)
+    return Transition(updated, [*emit, *more], changed=True)
+
+
+def revoke_overdrawn(state: DatasetLedger, at: float) -> tuple[DatasetLedger, list[Event]]:
+    """After a budget was lowered below kept + reserved, revoke every open lease."""
+    if state.budget is None or used(state) + reserved(state) <= state.budget:
+        return state, []
+    emit: list[Event] = []
+    for lease_id, lease in state.leases.items():
+        if lease.spent is None:
+            emit.append(
+                LeaseRevoked(dataset=state.dataset, lease_id=lease_id, holder=lease.holder, at=at)
+            )
+    return state, emit

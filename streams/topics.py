@@ -56,6 +56,11 @@ class Topics:
         return f"{self.namespace}.outcomes"
 
     @property
+    def reservations(self) -> str:
+        """Lease requests, renewals and releases from dispatchers to the ledger."""
+        return f"{self.namespace}.reservations"
+
+    @property
     def dead_letter(self) -> str:
         return f"{self.namespace}.deadletter"
 
@@ -67,22 +72,41 @@ class Topics:
         """Faust's name for a table's changelog topic."""
         return f"{self.ledger_app_id}-{table}-changelog"
 
-    def specs(self, *, prompt_retention_ms: int = 7 * 24 * 3600 * 1000) -> list[TopicSpec]:
+    def specs(
+        self,
+        *,
+        prompt_retention_ms: int = 7 * 24 * 3600 * 1000,
+        completion_retention_ms: int = -1,
+        budget_retention_ms: int = -1,
+    ) -> list[TopicSpec]:
         """The topics to create before any worker starts.
 
-        Completions and budget events are the record of what the GPUs produced and
-        are kept forever so they can be replayed; prompts can be regenerated from
+        Completions and budget events (budgets, outcomes) are the record of what the
+        GPUs produced and by default are kept forever so they can be replayed
+        (``tokenbudget replay``); -1 means forever. Prompts can be regenerated from
         the datasets, so they expire.
         """
         return [
             TopicSpec(self.prompts, configs={"retention.ms": str(prompt_retention_ms)}),
-            TopicSpec(self.completions, configs={**_KEEP_FOREVER, **_LARGE_MESSAGES}),
-            TopicSpec(self.budgets, configs=dict(_KEEP_FOREVER)),
-            TopicSpec(self.outcomes, configs=dict(_KEEP_FOREVER)),
+            TopicSpec(self.completions, configs=completion_topic_configs(completion_retention_ms)),
+            TopicSpec(self.budgets, configs=_retention(budget_retention_ms)),
+            TopicSpec(self.outcomes, configs=_retention(budget_retention_ms)),
+            TopicSpec(self.reservations, configs={"retention.ms": str(prompt_retention_ms)}),
             TopicSpec(self.dead_letter, configs={**_KEEP_FOREVER, **_LARGE_MESSAGES}),
             TopicSpec(self.changelog(LEDGER_TABLE), configs={"cleanup.policy": "compact"}),
             TopicSpec(self.changelog(OUTCOME_TABLE), configs={"cleanup.policy": "compact"}),
         ]
+
+
+def _retention(retention_ms: int) -> dict[str, str]:
+    if retention_ms < 0:
+        return dict(_KEEP_FOREVER)
+    return {"retention.ms": str(retention_ms), "retention.bytes": "-1"}
+
+
+def completion_topic_configs(retention_ms: int = -1) -> dict[str, str]:
+    """Configs of a completions topic (also used for ``replay --to-topic``)."""
+    return {**_retention(retention_ms), **_LARGE_MESSAGES}
 
 
 def topic_specs(namespace: str = DEFAULT_NAMESPACE) -> list[TopicSpec]:

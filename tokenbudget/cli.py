@@ -92,7 +92,7 @@ def _run(args: argparse.Namespace) -> int:
     from tokenbudget.runner import run
 
     config = config_module.load(args.config)
-    report = run(config)
+    report = run(config, progress=False if args.json else None, dispatchers=args.dispatchers)
     if args.json:
         print(json.dumps(report.to_json(), indent=2))
     else:
@@ -100,6 +100,39 @@ def _run(args: argparse.Namespace) -> int:
 
         print_table(report)
     return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from streams.topics import Topics
+    from tokenbudget import broker
+    from tokenbudget import config as config_module
+    from tokenbudget.kafka import local_broker_settings
+    from tokenbudget.status import follow
+
+    config = config_module.load(args.config)
+    if config.kafka.bootstrap == "local":
+        # Read-only: never start a broker just to say there is nothing to show.
+        state = broker.status(local_broker_settings(config))
+        if not state.ready:
+            raise TokenBudgetError(f"the local broker ({state.bootstrap}) is not running")
+        bootstrap = state.bootstrap
+    else:
+        bootstrap = config.kafka.bootstrap
+    names = [d.name for d in config.datasets]
+    budgets = {d.name: d.budget for d in config.datasets}
+    return asyncio.run(
+        follow(
+            bootstrap,
+            Topics(config.kafka.namespace),
+            names,
+            budgets,
+            watch=args.watch,
+            as_json=args.json,
+            interval=args.interval,
+        )
+    )
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -143,12 +176,36 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run a job to its budgets")
     run.add_argument("--config", required=True)
     run.add_argument("--json", action="store_true")
+    run.add_argument(
+        "--dispatchers", type=int, default=1, help="dispatcher processes sharing the budgets"
+    )
     run.set_defaults(func=_run)
+
+    status = sub.add_parser("status", help="per-dataset budget, kept, rate, ETA, state")
+    status.add_argument("--config", required=True)
+    status.add_argument("--watch", action="store_true", help="refresh until interrupted")
+    status.add_argument("--json", action="store_true")
+    status.add_argument("--interval", type=float, default=1.0, help="--watch refresh, seconds")
+    status.set_defaults(func=_status)
 
     demo = sub.add_parser("demo", help="eight datasets against the simulator")
     demo.add_argument("--workdir", default="demo-out")
     demo.add_argument("--json", action="store_true")
     demo.set_defaults(func=_demo)
+
+    from sinks import replay as replay_module
+
+    sink = sub.add_parser("sink", help="the Parquet sink on its own (SIGTERM: flush, commit)")
+    replay_module.add_sink_arguments(sink)
+    sink.set_defaults(func=replay_module.run_sink_cli)
+
+    replay = sub.add_parser("replay", help="replay the completions topic (Parquet, ledger, ...)")
+    replay_module.add_arguments(replay)
+    replay.set_defaults(func=replay_module.run_cli)
+
+    from tokenbudget import control
+
+    control.add_commands(sub)
     return parser
 
 

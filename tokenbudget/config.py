@@ -24,7 +24,7 @@ from tokenbudget.errors import ConfigError
 
 Api = Literal["sglang", "openai-completions", "openai-chat"]
 Unit = Literal["completion_tokens", "total_tokens", "samples"]
-DatasetFormat = Literal["auto", "prompt", "openai"]
+DatasetFormat = Literal["auto", "prompt", "openai", "sharegpt", "hf"]
 
 ENV_PREFIX = "TOKENBUDGET__"
 
@@ -38,6 +38,10 @@ class KafkaConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=Tru
     namespace: str = "tokenbudget"
     local_port: int = 9092
     local_controller_port: int = 9093
+    # topic retention when tokenbudget creates the topics; -1 keeps everything
+    prompt_retention_ms: int = 7 * 24 * 3600 * 1000
+    completion_retention_ms: int = -1
+    budget_retention_ms: int = -1  # budgets and outcomes
 
 
 class InferenceConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -52,11 +56,22 @@ class InferenceConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only
     retries: int = 3
     backoff_s: float = 0.5
     backoff_max_s: float = 10.0
+    stream: bool = False  # SSE streaming (first-token time, per-chunk progress)
+    api_key_env: str = "TOKENBUDGET_API_KEY"  # env var whose value is sent as a Bearer token
+    tokenizer: str = ""  # local tokenizer folder: chat templates, counts the server omits
+    check_server: bool = True  # /health or /v1/models (and the model) before a run
 
 
 class BudgetConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
     unit: Unit = "completion_tokens"
     snapshot_interval_s: float = 0.5
+    # reserve: admission control (exact, the default); halt: stop a dataset only
+    # once a completion shows its budget reached (in-flight requests overshoot).
+    admission: Literal["reserve", "halt"] = "reserve"
+    on_boundary: Literal["truncate", "finish"] = "truncate"
+    min_new_tokens: int = 1
+    lease_tokens: int = 0  # 0: a quarter of concurrency x max_new_tokens
+    lease_ttl_s: float = 30.0
 
 
 class SinkConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -84,6 +99,10 @@ class DatasetConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=T
     format: DatasetFormat = "auto"
     max_new_tokens: int | None = None
     limit: int | None = None
+    template: bool = False  # apply the tokenizer's chat template here, send input_ids
+    turns: Literal["first", "all"] = "first"
+    shuffle_seed: int | None = None
+    split: str = ""  # format "hf": the split of a saved DatasetDict
 
 
 class _RawConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -105,6 +124,10 @@ class Dataset(msgspec.Struct, frozen=True, kw_only=True):
     format: DatasetFormat
     max_new_tokens: int
     limit: int | None
+    template: bool = False
+    turns: Literal["first", "all"] = "first"
+    shuffle_seed: int | None = None
+    split: str = ""
 
 
 class Config(msgspec.Struct, frozen=True, kw_only=True):
@@ -121,6 +144,20 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def sink_path(self) -> Path:
         return _resolve(self.base_dir, self.sink.path)
+
+    @property
+    def tokenizer_path(self) -> Path | None:
+        """``[inference] tokenizer`` resolved against the config's folder, if set."""
+        tokenizer = self.inference.tokenizer
+        return _resolve(self.base_dir, tokenizer) if tokenizer else None
+
+    @property
+    def lease_tokens(self) -> int:
+        if self.budget.lease_tokens:
+            return self.budget.lease_tokens
+        if self.budget.unit == "samples":
+            return max(1, self.inference.concurrency // 4)
+        return max(1, self.inference.concurrency * self.inference.max_new_tokens // 4)
 
     @property
     def max_queued_per_dataset(self) -> int:
@@ -181,7 +218,29 @@ def _apply_env(data: dict[str, Any], environ: Mapping[str, str]) -> None:
         section, key = parts
         if section == "datasets" or section not in _RawConfig.__struct_fields__:
             raise ConfigError(f"{section}.{key}", f"unknown section (from ${name})")
-        data.setdefault(section, {})[key] = _env_value(value)
+        data.setdefault(section, {})[key] = (
+            value if _is_text_key(section, key) else _env_value(value)
+        )
+
+
+def _is_text_key(section: str, key: str) -> bool:
+    """Whether ``section.key`` holds a string: its override is then taken verbatim,
+    since read as TOML ``MODEL=7`` or ``NAMESPACE=2024-01-01`` would be a number or
+    a date, which the string key then rejects."""
+    info = msgspec.inspect.type_info(_RawConfig)
+    assert isinstance(info, msgspec.inspect.StructType)
+    for section_field in info.fields:
+        if section_field.name == section and isinstance(
+            section_field.type, msgspec.inspect.StructType
+        ):
+            for key_field in section_field.type.fields:
+                if key_field.name == key:
+                    kind = key_field.type
+                    return isinstance(kind, msgspec.inspect.StrType) or (
+                        isinstance(kind, msgspec.inspect.LiteralType)
+                        and all(isinstance(v, str) for v in kind.values)
+                    )
+    return False
 
 
 def _env_value(value: str) -> Any:
@@ -228,9 +287,20 @@ def build(
                 format=d.format,
                 max_new_tokens=d.max_new_tokens or raw.inference.max_new_tokens,
                 limit=d.limit,
+                template=d.template,
+                turns=d.turns,
+                shuffle_seed=d.shuffle_seed,
+                split=d.split,
             )
         )
+        _check_dataset(raw, d, key, source)
     _check_ranges(raw, source)
+    if raw.inference.tokenizer and not _resolve(base, raw.inference.tokenizer).is_dir():
+        raise ConfigError(
+            "inference.tokenizer",
+            f"{_resolve(base, raw.inference.tokenizer)} is not a folder with a saved tokenizer",
+            source=source,
+        )
     return Config(
         kafka=raw.kafka,
         inference=raw.inference,
@@ -244,6 +314,35 @@ def build(
     )
 
 
+def _check_dataset(raw: _RawConfig, d: DatasetConfig, key: str, source: str) -> None:
+    """Combinations of dataset options that cannot work, named by their key."""
+    if d.limit is not None and d.limit <= 0:
+        raise ConfigError(f"{key}.limit", f"must be positive, got {d.limit}", source=source)
+    if d.template:
+        if not raw.inference.tokenizer:
+            raise ConfigError(
+                f"{key}.template",
+                "applying a chat template needs [inference] tokenizer (a local tokenizer folder)",
+                source=source,
+            )
+        if raw.inference.api == "openai-chat":
+            raise ConfigError(
+                f"{key}.template",
+                "openai-chat takes messages, not token ids: use api 'sglang' or "
+                "'openai-completions' with a local template, or drop template",
+                source=source,
+            )
+    if d.turns == "all" and d.format == "prompt":
+        raise ConfigError(
+            f"{key}.turns", "'all' needs conversations (format openai, sharegpt, hf or auto)",
+            source=source,
+        )
+    if d.split and d.format not in ("hf", "auto"):
+        raise ConfigError(
+            f"{key}.split", "only a Hugging Face dataset (format 'hf') has splits", source=source
+        )
+
+
 def _check_ranges(raw: _RawConfig, source: str) -> None:
     positive = {
         "inference.concurrency": raw.inference.concurrency,
@@ -254,6 +353,12 @@ def _check_ranges(raw: _RawConfig, source: str) -> None:
     for key, value in positive.items():
         if value <= 0:
             raise ConfigError(key, f"must be positive, got {value}", source=source)
+    if raw.budget.min_new_tokens < 1:
+        raise ConfigError("budget.min_new_tokens", "must be >= 1", source=source)
+    if raw.budget.lease_tokens < 0:
+        raise ConfigError("budget.lease_tokens", "must be >= 0 (0: automatic)", source=source)
+    if raw.budget.lease_ttl_s < 2:
+        raise ConfigError("budget.lease_ttl_s", "must be >= 2 seconds", source=source)
     if raw.inference.retries < 0:
         raise ConfigError("inference.retries", "must be >= 0", source=source)
     if not raw.inference.url.startswith(("http://", "https://")):

@@ -176,7 +176,7 @@ def run_demo(workdir: Path, *, json_output: bool = False, budget: int = DEMO_BUD
     simulator = start_simulator(port, TOKENS_PER_SECOND)
     try:
         config = config_module.load(write_config(workdir, paths, port, budget))
-        report = run(config)
+        report = run(config, progress=False if json_output else None)
     finally:
         simulator.terminate()
         simulator.wait(10)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from streams.topics import Topics
+from streams.topics import Topics, TopicSpec
 from tokenbudget import broker
 from tokenbudget.config import Config
 
@@ -27,13 +27,22 @@ def local_broker_settings(config: Config) -> broker.BrokerSettings:
     )
 
 
+def topic_specs(config: Config) -> list[TopicSpec]:
+    """The namespace's topics, with the configured retentions."""
+    return Topics(config.kafka.namespace).specs(
+        prompt_retention_ms=config.kafka.prompt_retention_ms,
+        completion_retention_ms=config.kafka.completion_retention_ms,
+        budget_retention_ms=config.kafka.budget_retention_ms,
+    )
+
+
 def resolve_bootstrap(config: Config, *, create_topics: bool = True) -> str:
     """Return HOST:PORT, starting the local broker if configured, with topics made."""
-    topics = Topics(config.kafka.namespace)
+    specs = topic_specs(config) if create_topics else []
     if config.kafka.bootstrap == "local":
-        return broker.up(local_broker_settings(config), topics.specs() if create_topics else [])
+        return broker.up(local_broker_settings(config), specs)
     if create_topics:
-        broker.ensure_topics(config.kafka.bootstrap, topics.specs())
+        broker.ensure_topics(config.kafka.bootstrap, specs)
     return config.kafka.bootstrap
 
 

@@ -54,4 +54,8 @@ def print_table(report: RunReport) -> None:
         "status",
     ]
     print(format_table(headers, rows))
+    done = {name: report.already_done(name) for name in report.datasets}
+    if any(done.values()):
+        per = ", ".join(f"{name} {n}" for name, n in done.items() if n)
+        print(f"\nskipped {sum(done.values())} prompts already done by an earlier run ({per})")
     print(f"\n{report.seconds:.1f} s")

@@ -12,25 +12,31 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from aiokafka import AIOKafkaProducer
 
 from producers.dispatcher import Dispatcher, DispatchReport
 from producers.halts import BudgetWatcher
 from producers.prompts import ProduceReport, PromptProducer
+from sinks import metrics
 from sinks.parquet import ParquetSink, SinkSettings
 from streams import events as ev
 from streams.topics import Topics
 from tokenbudget.config import Config
+from tokenbudget.errors import ConfigError
 from tokenbudget.kafka import GroupLag, aiokafka_options, resolve_bootstrap
+from tokenbudget.progress import BudgetProgress
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +70,13 @@ class RunReport:
     parquet_rows: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
     halt_seen_at: dict[str, float | None] = field(default_factory=dict)
+    # per dataset, when each dispatcher process first refused it (halt latency)
+    refused_at: dict[str, list[float]] = field(default_factory=dict)
+
+    def already_done(self, dataset: str) -> int:
+        """Prompts not produced because an earlier run of the namespace completed them."""
+        report = self.produced.get(dataset)
+        return report.already_done if report is not None else 0
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -75,6 +88,7 @@ class RunReport:
                     "samples": r.samples,
                     "skipped": r.skipped,
                     "status": r.status,
+                    "already_done": self.already_done(name),
                 }
                 for name, r in self.datasets.items()
             }
@@ -112,6 +126,64 @@ def stop_process(process: subprocess.Popen[bytes], timeout: float = 30) -> None:
         process.wait()
 
 
+class ExtraDispatchers:
+    """``run --dispatchers N``: N-1 ``tokenbudget dispatch`` processes beside the
+    in-process one, all in the same consumer group, sharing budgets via leases."""
+
+    def __init__(self, config: Config, count: int) -> None:
+        self.config = config
+        self.count = max(0, count)
+        self.processes: list[tuple[subprocess.Popen[bytes], Path]] = []
+        self._folder: tempfile.TemporaryDirectory[str] | None = None
+        if self.count and not Path(config.source).is_file():
+            raise ConfigError(
+                "<file>",
+                "--dispatchers > 1 needs a config loaded from a file",
+                source=config.source,
+            )
+
+    def start(self) -> None:
+        if not self.count:
+            return
+        self._folder = tempfile.TemporaryDirectory(prefix="tokenbudget-dispatch-")
+        for i in range(self.count):
+            report = Path(self._folder.name) / f"dispatcher-{i}.json"
+            command = [
+                sys.executable,
+                "-m",
+                "tokenbudget",
+                "dispatch",
+                "--config",
+                str(self.config.source),
+                "--report",
+                str(report),
+            ]
+            self.processes.append((subprocess.Popen(command, start_new_session=True), report))
+
+    def check(self) -> None:
+        for process, _ in self.processes:
+            if process.poll() is not None:
+                raise RuntimeError(f"a dispatcher process exited with code {process.returncode}")
+
+    def stop(self) -> dict[str, list[float]]:
+        refused: dict[str, list[float]] = {}
+        for process, _ in self.processes:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for process, report in self.processes:
+            try:
+                process.wait(60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+            if report.exists():
+                for dataset, at in json.loads(report.read_text())["refused_at"].items():
+                    refused.setdefault(dataset, []).append(float(at))
+        if self._folder is not None:
+            self._folder.cleanup()
+        return refused
+
+
 async def publish_budgets(config: Config, bootstrap: str) -> None:
     topics = Topics(config.kafka.namespace)
     producer = AIOKafkaProducer(**aiokafka_options(bootstrap), acks="all")
@@ -133,28 +205,31 @@ async def publish_budgets(config: Config, bootstrap: str) -> None:
 
 
 async def _wait_drained(
-    config: Config, bootstrap: str, producer_done: asyncio.Event, watcher: BudgetWatcher
+    config: Config, bootstrap: str, producer: PromptProducer, watcher: BudgetWatcher
 ) -> float:
     topics = Topics(config.kafka.namespace)
     lag = await asyncio.to_thread(GroupLag, bootstrap)
+    checks = [
+        (f"{topics.namespace}-dispatch", [topics.prompts]),
+        (topics.ledger_app_id, [topics.completions, topics.outcomes]),
+    ]
+    names = [d.name for d in config.datasets]
     try:
-        await producer_done.wait()
-        checks = [
-            (f"{topics.namespace}-dispatch", [topics.prompts]),
-            (topics.ledger_app_id, [topics.completions, topics.outcomes]),
-        ]
         while True:
-            lags = [await asyncio.to_thread(lag.lag, group, names) for group, names in checks]
-            if not any(lags):
-                break
-            await asyncio.sleep(0.25)
-        drained_at = time.time()
-        names = [d.name for d in config.datasets]
-        while True:
-            snaps = [watcher.board.snapshot(n) for n in names]
-            if all(s is not None and s.at > drained_at for s in snaps):
+            while not producer.settled():
+                await asyncio.sleep(0.1)
+            lags = [await asyncio.to_thread(lag.lag, group, t) for group, t in checks]
+            if any(lags):
+                await asyncio.sleep(0.25)
+                continue
+            drained_at = time.time()
+            while not all(
+                (s := watcher.board.snapshot(n)) is not None and s.at > drained_at for n in names
+            ):
+                await asyncio.sleep(0.1)
+            # A budget raised meanwhile reopens its dataset: keep going.
+            if producer.settled():
                 return drained_at
-            await asyncio.sleep(0.1)
     finally:
         lag.close()
 
@@ -165,15 +240,35 @@ async def run_async(
     bootstrap: str | None = None,
     ledger_process: bool = True,
     keep_dispatch_log: bool = False,
+    progress: bool = False,
+    dispatchers: int = 1,
 ) -> RunReport:
     started = time.monotonic()
-    if config.metrics.port:
-        from sinks import metrics
+    if config.inference.check_server:
+        from producers.inference import check_server
 
+        await check_server(config)  # unreachable or wrong model: stop before anything runs
+    if config.metrics.port:
         metrics.serve(config.metrics.host, config.metrics.port)
     if bootstrap is None:
         bootstrap = await asyncio.to_thread(resolve_bootstrap, config)
     topics = Topics(config.kafka.namespace)
+    for dataset in config.datasets:
+        metrics.OVERSHOOT_ALLOWANCE.labels(dataset=dataset.name).set(
+            metrics.overshoot_allowance(
+                config.budget.unit, config.inference.concurrency, dataset.max_new_tokens
+            )
+        )
+    lag_sampler = metrics.LagSampler(
+        bootstrap,
+        {
+            f"{topics.namespace}-dispatch": [topics.prompts],
+            topics.ledger_app_id: [topics.completions, topics.outcomes],
+            f"{topics.namespace}-sink": [topics.completions],
+        },
+    )
+    if config.metrics.port:
+        lag_sampler.start()
     await publish_budgets(config, bootstrap)
     ledger = (
         start_ledger_process(
@@ -187,8 +282,11 @@ async def run_async(
         else None
     )
     try:
-        return await _run_components(config, bootstrap, topics, ledger, started, keep_dispatch_log)
+        return await _run_components(
+            config, bootstrap, topics, ledger, started, keep_dispatch_log, progress, dispatchers
+        )
     finally:
+        await asyncio.to_thread(lag_sampler.stop)
         if ledger is not None:
             await asyncio.to_thread(stop_process, ledger)
 
@@ -200,11 +298,17 @@ async def _run_components(
     ledger: subprocess.Popen[bytes] | None,
     started: float,
     keep_dispatch_log: bool = False,
+    progress: bool = False,
+    dispatchers: int = 1,
 ) -> RunReport:
+    extra = ExtraDispatchers(config, dispatchers - 1)
     watcher = BudgetWatcher(bootstrap, topics)
     await watcher.start()
     watch_task = asyncio.create_task(watcher.run())
     await watcher.caught_up.wait()
+    bars = BudgetProgress(config, watcher.board) if progress else None
+    if bars is not None:
+        bars.start()
 
     sink = ParquetSink(
         bootstrap,
@@ -224,34 +328,40 @@ async def _run_components(
     dispatcher = Dispatcher(config, bootstrap, watcher.board, keep_log=keep_dispatch_log)
     dispatch_stop = asyncio.Event()
     dispatch_task = asyncio.create_task(dispatcher.run(dispatch_stop))
+    extra.start()
     producer = PromptProducer(config, bootstrap, watcher.board)
-    producer_done = asyncio.Event()
-
-    async def produce() -> dict[str, ProduceReport]:
-        try:
-            return await producer.run()
-        finally:
-            producer_done.set()
-
-    produce_task = asyncio.create_task(produce())
+    producer_stop = asyncio.Event()
+    produce_task = asyncio.create_task(producer.run(producer_stop))
     try:
-        drain = asyncio.create_task(_wait_drained(config, bootstrap, producer_done, watcher))
+        drain = asyncio.create_task(_wait_drained(config, bootstrap, producer, watcher))
         pending = {drain, produce_task, dispatch_task}
         while not drain.done():
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            done, pending = await asyncio.wait(
+                pending, timeout=1.0, return_when=asyncio.FIRST_COMPLETED
+            )
             for task in done:
                 if task is not drain and task.exception() is not None:
                     raise task.exception()  # type: ignore[misc]
             if ledger is not None and ledger.poll() is not None:
                 raise RuntimeError(f"ledger worker exited with code {ledger.returncode}")
+            extra.check()
         drain.result()
-        produced = produce_task.result()
+        producer_stop.set()
+        produced = await produce_task
     finally:
         dispatch_stop.set()
         with contextlib.suppress(Exception):
             await dispatch_task
+        refused = await asyncio.to_thread(extra.stop)
+        for refused_name, at in dispatcher.refused_at.items():
+            refused.setdefault(refused_name, []).append(at)
+        for name, view in watcher.board.views.items():
+            if view.halted_at is not None and name not in dispatcher.refused_at:
+                refused.setdefault(name, []).append(view.halted_at)
         sink_stop.set()
         await asyncio.to_thread(sink_thread.join, 120)
+        if bars is not None:
+            await bars.stop()
         watch_task.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await watch_task
@@ -278,9 +388,14 @@ async def _run_components(
         parquet_rows=dict(sink.rows_written),
         seconds=time.monotonic() - started,
         halt_seen_at={d.name: watcher.board.view(d.name).halted_at for d in config.datasets},
+        refused_at=refused,
     )
 
 
-def run(config: Config) -> RunReport:
+def run(config: Config, *, progress: bool | None = None, dispatchers: int = 1) -> RunReport:
+    """Run ``config``; ``progress`` (default: stdout is a terminal) shows a bar per
+    dataset toward its budget while it runs."""
     logging.basicConfig(level=os.environ.get("TOKENBUDGET_LOG", "WARNING"))
-    return asyncio.run(run_async(config))
+    if progress is None:
+        progress = sys.stdout.isatty()
+    return asyncio.run(run_async(config, progress=progress, dispatchers=dispatchers))

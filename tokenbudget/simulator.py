@@ -86,6 +86,14 @@ class SimulatorConfig:
     seed: int = 0
     faults: Faults = Faults()
     vocab_size: int = 32000
+    # SGLang --incremental-streaming-output: stream chunks carry only the new text/ids.
+    incremental_streaming: bool = False
+    # Servers that count nothing: no usage (OpenAI APIs) ...
+    omit_usage: bool = False
+    # ... and no token ids even when return_token_ids is asked for.
+    omit_token_ids: bool = False
+    # Like vLLM's --api-key: generation and /v1/models need "Authorization: Bearer KEY".
+    api_key: str | None = None
 
 
 @dataclass(frozen=True)
@@ -504,6 +512,8 @@ class _SimServer:
                 raise _BadRequest(f"request body is not valid JSON: {exc}") from exc
             if not isinstance(payload, dict):
                 raise _BadRequest("request body must be a JSON object")
+            if not self._authorized(request):
+                return _error(api, 401, "Unauthorized")
             parsed = parse(payload, request)
             fault = self._draw_fault()
             if fault is not None:
@@ -588,10 +598,10 @@ class _SimServer:
     async def _respond_generate(
         self, request: web.Request, job: _Job, parsed: _Parsed, received_at: float
     ) -> web.StreamResponse:
-        def body(produced: int, finish: str | None) -> dict[str, Any]:
+        def body(produced: int, finish: str | None, start: int = 0) -> dict[str, Any]:
             return {
-                "text": job.output.text(0, produced),
-                "output_ids": job.output.ids[:produced],
+                "text": job.output.text(start, produced),
+                "output_ids": job.output.ids[start:produced],
                 "meta_info": {
                     "id": job.rid,
                     "finish_reason": _sglang_finish(job, finish, produced),
@@ -607,7 +617,8 @@ class _SimServer:
             return _json(body(job.produced, job.finish))
 
         def render(sent: int, produced: int, finish: str | None) -> list[bytes]:
-            return [b"data: " + _encode(body(produced, finish)) + b"\n\n"]
+            start = sent if self.config.incremental_streaming else 0
+            return [b"data: " + _encode(body(produced, finish, start)) + b"\n\n"]
 
         return await self._stream(request, job, render, [b"data: [DONE]\n\n"])
 
@@ -634,7 +645,16 @@ class _SimServer:
     async def handle_model_info(self, request: web.Request) -> web.Response:
         return _json({"model_path": self.config.model, "is_generation": True})
 
+    def _authorized(self, request: web.Request) -> bool:
+        key = self.config.api_key
+        return key is None or request.headers.get("Authorization") == f"Bearer {key}"
+
+    def _usage(self, job: _Job) -> dict[str, int] | None:
+        return None if self.config.omit_usage else _usage(job)
+
     async def handle_models(self, request: web.Request) -> web.Response:
+        if not self._authorized(request):
+            return _error("openai", 401, "Unauthorized")
         return _json(
             {
                 "object": "list",
@@ -667,8 +687,8 @@ class _SimServer:
         return (
             rid or uuid.uuid4().hex,
             stream,
-            stream and bool(opts.get("include_usage", False)),
-            bool(p.get("return_token_ids", False)),
+            stream and bool(opts.get("include_usage", False)) and not self.config.omit_usage,
+            bool(p.get("return_token_ids", False)) and not self.config.omit_token_ids,
         )
 
     def _parse_completions(self, p: dict[str, Any], request: web.Request) -> _Parsed:
@@ -740,7 +760,7 @@ class _SimServer:
                 "logprobs": None,
                 "finish_reason": job.finish,
             }
-            out = {**head, "choices": [choice], "usage": _usage(job)}
+            out = {**head, "choices": [choice], "usage": self._usage(job)}
             if parsed.return_token_ids:
                 choice["token_ids"] = job.output.ids[: job.produced]
                 out["prompt_token_ids"] = self._prompt_ids(parsed)
@@ -787,7 +807,7 @@ class _SimServer:
                 "created": created,
                 "model": model,
                 "choices": [choice],
-                "usage": _usage(job),
+                "usage": self._usage(job),
             }
             if parsed.return_token_ids:
                 choice["token_ids"] = job.output.ids[: job.produced]

@@ -28,9 +28,12 @@ def write_jsonl(path: Path, marker: str, count: int, chat: bool = False) -> Path
     return path
 
 
-def make_config(tmp_path: Path, bootstrap: str, namespace: str, url: str) -> config_module.Config:
+def make_config(
+    tmp_path: Path, bootstrap: str, namespace: str, url: str, admission: str = "reserve"
+) -> config_module.Config:
     data = {
         "kafka": {"bootstrap": bootstrap, "namespace": namespace},
+        "budget": {"admission": admission},
         "inference": {
             "url": url,
             "api": "sglang",
@@ -72,11 +75,14 @@ def read_sink(root: Path) -> dict[str, list[dict]]:
     return rows
 
 
+@pytest.mark.parametrize("admission", ["halt", "reserve"])
 def test_budgets_halt_datasets_and_parquet_matches_ledger(
-    tmp_path: Path, kafka_bootstrap: str, namespace: str
+    tmp_path: Path, kafka_bootstrap: str, namespace: str, admission: str
 ) -> None:
     report, sim_log = asyncio.run(
-        run_against_simulator(lambda url: make_config(tmp_path, kafka_bootstrap, namespace, url))
+        run_against_simulator(
+            lambda url: make_config(tmp_path, kafka_bootstrap, namespace, url, admission)
+        )
     )
     results = report.datasets
     assert results["long"].status == "halted"
@@ -87,7 +93,14 @@ def test_budgets_halt_datasets_and_parquet_matches_ledger(
     in_flight_bound = CONCURRENCY * MAX_NEW_TOKENS
     for name in ("long", "chat"):
         r = results[name]
-        assert r.budget <= r.completion_tokens <= r.budget + in_flight_bound, name
+        if admission == "halt":
+            # Halting after the fact: what was in flight when the budget was reached
+            # overshoots, and so does what was sent before the halt reached the
+            # dispatcher: at most one more round of the concurrency.
+            assert r.budget <= r.completion_tokens <= r.budget + 2 * in_flight_bound, name
+        else:
+            # Reserved before sending and clamped: the budget, to the token.
+            assert r.completion_tokens == r.budget, name
         # Only the 2 x concurrency window was left queued when the halt came.
         assert r.skipped <= 2 * CONCURRENCY + CONCURRENCY
 
@@ -98,6 +111,10 @@ def test_budgets_halt_datasets_and_parquet_matches_ledger(
         assert halted_at is not None
         sent = [d for d in report.dispatch.sent if d.dataset == name]
         assert sent and all(d.sent_at <= halted_at for d in sent)
+    if admission == "reserve":
+        # The last answers were cut at the line: the server was told exactly what was left.
+        cut = [r for r in sim_log if r.finish == "length" and r.max_new_tokens < MAX_NEW_TOKENS]
+        assert cut
 
     # Parquet holds exactly what the ledger counted, each prompt once.
     sink = read_sink(tmp_path / "out")

@@ -24,3 +24,110 @@ def test_ledger_gauges_follow_the_ledger_state() -> None:
     assert value("tokenbudget_budget_remaining_tokens", "gauged") == 0
     assert value("tokenbudget_overshoot_tokens", "gauged") == 100
     assert value("tokenbudget_dataset_halted", "gauged") == 1
+
+
+def test_ledger_gauges_export_used_open_and_reserved() -> None:
+    from streams.ledger import DatasetLedger as Ledger
+
+    gauges = LedgerGauges()
+    gauges.observe(Ledger(dataset="fresh", budget=500))
+    # Series exist from the first state on, at zero: "no progress" is visible.
+    assert value("tokenbudget_completion_tokens_total", "fresh") == 0
+    assert value("tokenbudget_samples_total", "fresh") == 0
+    assert value("tokenbudget_dataset_open", "fresh") == 1
+    assert value("tokenbudget_reserved_tokens", "fresh") == 0
+    gauges.observe(
+        Ledger(dataset="fresh", budget=500, unit="total_tokens", completion_tokens=300,
+               prompt_tokens=250, samples=2, halted=True)
+    )
+    assert value("tokenbudget_budget_used_tokens", "fresh") == 550
+    assert value("tokenbudget_overshoot_tokens", "fresh") == 50
+    assert value("tokenbudget_dataset_open", "fresh") == 0
+    assert value("tokenbudget_prompt_tokens_total", "fresh") == 250
+
+
+def test_reserved_comes_from_the_state_when_the_ledger_has_it() -> None:
+    from streams.ledger import DatasetLedger as Ledger
+
+    gauges = LedgerGauges()
+    gauges.observe(Ledger(dataset="reserving", budget=100))
+    assert value("tokenbudget_reserved_tokens", "reserving") == 0
+
+    # The ledger's state once it reserves tokens for requests in flight.
+    class Reserving(Ledger, frozen=True, kw_only=True):
+        reserved: int = 0
+
+    gauges.observe(Reserving(dataset="reserving", budget=100, reserved=42))
+    assert value("tokenbudget_reserved_tokens", "reserving") == 42
+
+
+def test_every_metric_is_declared_in_sinks_metrics_with_the_prefix() -> None:
+    import re
+    from pathlib import Path
+
+    from sinks import metrics
+
+    root = Path(metrics.__file__).resolve().parents[1]
+    declaration = re.compile(r"\b(Counter|Gauge|Histogram|Summary)\(")
+    for package in ("tokenbudget", "streams", "producers", "sinks"):
+        for path in (root / package).rglob("*.py"):
+            if path.name == "metrics.py" and path.parent.name == "sinks":
+                continue
+            assert not declaration.search(path.read_text()), f"{path} declares a metric"
+    names = [
+        m._name
+        for m in vars(metrics).values()
+        if type(m).__name__ in {"Counter", "Gauge", "Histogram"}
+    ]
+    assert len(names) >= 20
+    assert all(name.startswith("tokenbudget_") for name in names)
+    assert len(names) == len(set(names))
+
+
+def test_lag_sampler_sets_lag_per_group_and_topic_role() -> None:
+    from sinks.metrics import LagSampler
+
+    class FakeLag:
+        def lag(self, group: str, topics: list[str]) -> int:
+            return {"ns.prompts": 7, "ns.completions": 3}[topics[0]]
+
+    checks = {"ns-dispatch": ["ns.prompts"], "ns-sink": ["ns.completions"]}
+    sampler = LagSampler("unused:9092", checks)
+    sampler.sample(FakeLag())
+    lag = "tokenbudget_consumer_lag_events"
+    assert REGISTRY.get_sample_value(lag, {"group": "dispatch", "topic": "prompts"}) == 7
+    assert REGISTRY.get_sample_value(lag, {"group": "sink", "topic": "completions"}) == 3
+
+
+def test_helpers() -> None:
+    from sinks import metrics
+
+    assert metrics.topic_role("ns-1.completions") == "completions"
+    assert metrics.group_role("ns-1-ledger") == "ledger"
+    assert metrics.overshoot_allowance("completion_tokens", 64, 8192) == 524_288
+    assert metrics.overshoot_allowance("samples", 64, 8192) == 64
+    metrics.consumed("ns.prompts", "dispatcher", 3)
+    assert (
+        REGISTRY.get_sample_value(
+            "tokenbudget_events_consumed_total", {"topic": "prompts", "consumer": "dispatcher"}
+        )
+        or 0
+    ) >= 3
+
+
+def test_serve_exposes_metrics_once_per_port() -> None:
+    import socket
+
+    import httpx
+
+    from sinks import metrics
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    metrics.serve("127.0.0.1", port)
+    metrics.serve("127.0.0.1", port)  # a second call is a no-op, not "address in use"
+    metrics.serve("127.0.0.1", 0)  # disabled
+    body = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+    assert "tokenbudget_budget_tokens" in body
+    assert "# TYPE tokenbudget_request_latency_seconds histogram" in body

@@ -1,0 +1,258 @@
+"""Admission control: reserve budget before a request is sent, never after.
+
+Each dispatcher holds at most one lease per dataset, granted by the ledger (the
+single writer of budgets) and spent locally, so a request costs no round trip:
+
+    admit(dataset)   take min(want, balance) from the lease; that amount is sent
+                     as max_new_tokens, so the server cannot overshoot it
+    settle(ticket)   give back what the answer did not use (or all of it when
+                     nothing was published)
+
+When the balance cannot cover the smallest useful request, the dispatcher asks the
+ledger for more on the same lease. A denial with requests still in flight waits
+for them to settle (their leftovers come back); a denial with nothing in flight
+means the dataset is full for good, and the lease is released.
+
+Leases are renewed while in use and released when idle, so a dispatcher that dies
+holds budget only until its lease expires. A revoked lease (budget lowered, or
+expired under a slow holder) stops all spending at once and aborts what is in
+flight through ``on_revoke``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from aiokafka import AIOKafkaProducer
+
+from producers.halts import BudgetBoard
+from streams import events as ev
+from streams.topics import Topics
+
+log = logging.getLogger(__name__)
+
+Policy = Literal["truncate", "finish"]
+
+
+@dataclass(frozen=True)
+class AdmissionSettings:
+    unit: ev.BudgetUnit = "completion_tokens"
+    policy: Policy = "truncate"
+    min_new_tokens: int = 1
+    lease_size: int = 65536  # in the budget's unit
+    lease_ttl_s: float = 30.0
+    idle_release_s: float = 5.0
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """One admitted request: what it reserved and the max_new_tokens to send."""
+
+    dataset: str
+    lease_id: str
+    reserved: int
+    max_new_tokens: int
+    prompt_estimate: int = 0
+
+
+@dataclass
+class _Lease:
+    dataset: str
+    lease_id: str
+    balance: int = 0
+    in_flight: int = 0
+    spent: int = 0
+    revoked: bool = False
+    asked: asyncio.Future[ev.Event] | None = None
+    last_used: float = field(default_factory=time.monotonic)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class Admission:
+    def __init__(
+        self,
+        producer: AIOKafkaProducer,
+        topics: Topics,
+        holder: str,
+        board: BudgetBoard,
+        settings: AdmissionSettings,
+        *,
+        on_revoke: Callable[[str], Coroutine[Any, Any, None]] | None = None,
+    ) -> None:
+        self.producer = producer
+        self.topics = topics
+        self.holder = holder
+        self.board = board
+        self.settings = settings
+        self.on_revoke = on_revoke
+        self._leases: dict[str, _Lease] = {}
+        self._counter = itertools.count(1)
+        self.refused_at: dict[str, float] = {}  # when this dispatcher first refused
+        board.lease_listeners[holder] = self._on_ledger_event
+        self._maintenance: asyncio.Task[None] | None = None
+
+    # -- the two calls a dispatcher makes -------------------------------------------
+
+    async def admit(
+        self, dataset: str, max_new_tokens: int, prompt_estimate: int = 0
+    ) -> Ticket | None:
+        """Reserve for one request, or None when the dataset is full."""
+        unit, policy = self.settings.unit, self.settings.policy
+        if unit == "samples":
+            want, floor = 1, 1
+        else:
+            extra = prompt_estimate if unit == "total_tokens" else 0
+            want = extra + max_new_tokens
+            floor = want if policy == "finish" else extra + self.settings.min_new_tokens
+        while True:
+            lease = self._lease(dataset)
+            if lease.balance >= floor:
+                reserved = min(want, lease.balance)
+                lease.balance -= reserved
+                lease.in_flight += 1
+                lease.last_used = time.monotonic()
+                send = max_new_tokens if unit == "samples" else reserved - (want - max_new_tokens)
+                return Ticket(dataset, lease.lease_id, reserved, send, prompt_estimate)
+            reply = await self._ask(lease, max(self.settings.lease_size, want), floor)
+            if isinstance(reply, ev.LeaseGranted):
+                continue
+            if lease.revoked:
+                continue  # a fresh lease is opened on the next turn
+            if isinstance(reply, ev.LeaseDenied) and reply.remaining < 0:
+                # The ledger has not seen this dataset's budget yet: ask again.
+                await asyncio.sleep(0.2)
+                continue
+            if lease.in_flight > 0:
+                # Leftovers of requests in flight may still cover this one.
+                lease.changed.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(lease.changed.wait(), timeout=1.0)
+                continue
+            self.refused_at.setdefault(dataset, time.time())
+            await self._release(lease)
+            return None
+
+    def settle(self, ticket: Ticket, published_cost: int | None) -> None:
+        """``published_cost``: what the published completion consumed, in the
+        budget's unit, or None when nothing was published for this request."""
+        lease = self._leases.get(ticket.dataset)
+        if lease is None or lease.lease_id != ticket.lease_id:
+            return  # its lease was released or revoked meanwhile
+        cost = 0 if published_cost is None else published_cost
+        if cost > ticket.reserved:
+            log.error(
+                "%s: a completion cost %d but reserved %d: the server ignored max_new_tokens",
+                ticket.dataset,
+                cost,
+                ticket.reserved,
+            )
+        lease.in_flight -= 1
+        lease.spent += cost
+        if not lease.revoked:
+            lease.balance += max(0, ticket.reserved - cost)
+        lease.changed.set()
+        if lease.revoked and lease.in_flight == 0:
+            asyncio.get_running_loop().create_task(self._release(lease))
+
+    # -- lease lifecycle --------------------------------------------------------------
+
+    def _lease(self, dataset: str) -> _Lease:
+        lease = self._leases.get(dataset)
+        if lease is None or (lease.revoked and lease.in_flight == 0):
+            lease = _Lease(dataset, f"{self.holder}:{dataset}:{next(self._counter)}")
+            self._leases[dataset] = lease
+        return lease
+
+    async def _ask(self, lease: _Lease, want: int, min_grant: int) -> ev.Event:
+        if lease.asked is None or lease.asked.done():
+            lease.asked = asyncio.get_running_loop().create_future()
+            request = ev.LeaseRequested(
+                dataset=lease.dataset,
+                lease_id=lease.lease_id,
+                holder=self.holder,
+                want=want,
+                min_grant=min_grant,
+                ttl_s=self.settings.lease_ttl_s,
+                at=time.time(),
+            )
+            await self._send(request)
+        return await asyncio.shield(lease.asked)
+
+    def _on_ledger_event(self, event: ev.Event) -> None:
+        match event:
+            case ev.LeaseGranted() | ev.LeaseDenied():
+                lease = self._leases.get(event.dataset)
+                if lease is None or lease.lease_id != event.lease_id:
+                    return
+                if isinstance(event, ev.LeaseGranted):
+                    lease.balance += event.granted
+                if lease.asked is not None and not lease.asked.done():
+                    lease.asked.set_result(event)
+                lease.changed.set()
+            case ev.LeaseRevoked():
+                lease = self._leases.get(event.dataset)
+                if lease is None or lease.lease_id != event.lease_id or lease.revoked:
+                    return
+                lease.revoked = True
+                lease.balance = 0
+                if lease.asked is not None and not lease.asked.done():
+                    lease.asked.set_result(event)
+                lease.changed.set()
+                if self.on_revoke is not None:
+                    asyncio.get_running_loop().create_task(self.on_revoke(event.dataset))
+                if lease.in_flight == 0:
+                    asyncio.get_running_loop().create_task(self._release(lease))
+
+    async def _release(self, lease: _Lease) -> None:
+        if self._leases.get(lease.dataset) is lease:
+            del self._leases[lease.dataset]
+        await self._send(
+            ev.LeaseReleased(
+                dataset=lease.dataset,
+                lease_id=lease.lease_id,
+                holder=self.holder,
+                spent=lease.spent,
+                at=time.time(),
+            )
+        )
+
+    async def _send(self, event: ev.Event) -> None:
+        await self.producer.send_and_wait(
+            self.topics.reservations, key=ev.event_key(event), value=ev.encode(event)
+        )
+
+    async def maintain(self) -> None:
+        """Renew leases in use, release idle ones; run as a background task."""
+        interval = max(0.5, self.settings.lease_ttl_s / 3)
+        while True:
+            await asyncio.sleep(min(interval, self.settings.idle_release_s))
+            now = time.monotonic()
+            for lease in list(self._leases.values()):
+                if lease.revoked:
+                    continue
+                idle = lease.in_flight == 0 and now - lease.last_used > self.settings.idle_release_s
+                if idle:
+                    await self._release(lease)
+                else:
+                    await self._send(
+                        ev.LeaseRenewed(
+                            dataset=lease.dataset,
+                            lease_id=lease.lease_id,
+                            holder=self.holder,
+                            ttl_s=self.settings.lease_ttl_s,
+                            at=time.time(),
+                        )
+                    )
+
+    async def close(self) -> None:
+        """Hand every lease back (graceful stop: nothing is left in flight)."""
+        for lease in list(self._leases.values()):
+            await self._release(lease)
+        self.board.lease_listeners.pop(self.holder, None)

@@ -1,0 +1,105 @@
+"""The model's tokenizer, loaded from a local folder: chat templates and counts.
+
+Two uses, both optional (``[inference] tokenizer``):
+
+* ``template = true`` datasets: the chat template is applied here and the prompt is
+  sent as ``input_ids``, so the prompt tokens recorded are exactly the ids sent;
+* servers that return neither usage nor token ids: completions and prompts are
+  counted with the tokenizer, and the completion says so (``count_source``).
+
+The folder is what ``save_pretrained`` writes (``tokenizer.json``,
+``tokenizer_config.json``, ``chat_template.jinja``...); nothing is downloaded:
+``transformers`` is imported lazily and run with ``local_files_only``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from streams.events import ChatMessage
+from tokenbudget.errors import ConfigError
+
+
+class LocalTokenizer:
+    """A thin, thread-safe wrapper over a ``transformers`` tokenizer."""
+
+    def __init__(self, tokenizer: Any, path: Path) -> None:
+        self._tokenizer = tokenizer
+        self.path = path
+        # Rust tokenizers are not re-entrant across threads while truncation or
+        # padding settings change; one lock keeps every call simple and safe.
+        self._lock = threading.Lock()
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self._tokenizer, "chat_template", None))
+
+    def apply_chat_template(self, messages: Sequence[ChatMessage]) -> list[int]:
+        """The ids a server would build for these messages, ready for an answer."""
+        if not self.has_chat_template:
+            raise ConfigError(
+                "inference.tokenizer", f"{self.path} has no chat_template to apply"
+            )
+        conversation = [{"role": m.role, "content": m.content} for m in messages]
+        with self._lock:
+            ids = self._tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # older/newer transformers
+            ids = ids["input_ids"]
+        return [int(i) for i in ids]
+
+    def render_chat(self, messages: Sequence[ChatMessage]) -> str:
+        conversation = [{"role": m.role, "content": m.content} for m in messages]
+        with self._lock:
+            text = self._tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=True, tokenize=False
+            )
+        return str(text)
+
+    def encode(self, text: str, *, special: bool) -> list[int]:
+        with self._lock:
+            return [int(i) for i in self._tokenizer.encode(text, add_special_tokens=special)]
+
+    def count_prompt(
+        self, text: str | None, messages: Sequence[ChatMessage] | None
+    ) -> int:
+        """Prompt tokens as the server counts them: the chat template for messages
+        (when there is one), the text with the model's special tokens otherwise."""
+        if messages:
+            if self.has_chat_template:
+                return len(self.apply_chat_template(messages))
+            text = "\n".join(m.content for m in messages)
+        return len(self.encode(text or "", special=True))
+
+    def count_completion(self, text: str) -> int:
+        return len(self.encode(text, special=False)) if text else 0
+
+
+@functools.lru_cache(maxsize=8)
+def _load(path: str) -> LocalTokenizer:
+    folder = Path(path)
+    if not folder.is_dir():
+        raise ConfigError("inference.tokenizer", f"{folder} is not a folder")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ConfigError(
+            "inference.tokenizer", f"cannot load a tokenizer from {folder}: {exc}"
+        ) from exc
+    return LocalTokenizer(tokenizer, folder)
+
+
+def load_tokenizer(path: str | Path) -> LocalTokenizer:
+    """Load (once per process) the tokenizer saved in ``path``."""
+    return _load(str(Path(path).resolve()))

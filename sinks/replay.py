@@ -1,0 +1,876 @@
+"""``tokenbudget replay``: read the completion stream again, exactly once, fast.
+
+A replay reads a completions topic (by default from the beginning, up to its end
+as of the start, so it always terminates) without a consumer group, and feeds the
+kept completions to any of its targets in one pass:
+
+* ``--to-parquet DIR``: the live sink's layout and schema; rows are kept with the
+  sink's own rule (:class:`sinks.parquet.FirstCompletion`, the first completion of
+  each prompt in partition order) and built by the same code, so the result equals
+  the live sink's output whatever duplicates the topic holds. Prompts already in
+  ``DIR`` are skipped, so an interrupted replay into the same folder resumes;
+* ``--ledger``: per-dataset totals recomputed with the ledger's rules (first
+  completion of a prompt counts; otherwise its first skip or failure), compared
+  with the live ledger's latest snapshot on the budgets topic;
+* ``--to-topic NAME``: the kept completions, byte for byte, keyed by dataset;
+* ``--recount-with PATH``: each kept completion's ``text`` counted again with a
+  ``transformers`` tokenizer loaded from a local folder.
+
+Where "first" matters (duplicates), a replay that starts later than the
+beginning (``--from-offset``, ``--since``) may keep a different completion than
+the live sink did; ``--ledger`` therefore needs the whole topic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import queue
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+
+from producers.halts import BudgetBoard
+from sinks.parquet import (
+    FETCH_OPTIONS,
+    Decoded,
+    FirstCompletion,
+    PartitionedWriter,
+    WriterSettings,
+    decode_records,
+    existing_prompt_ids,
+    keep_first,
+    remove_stale_temporaries,
+)
+from streams import events as ev
+from streams.topics import Topics
+from tokenbudget.errors import BrokerError, EventDecodeError, TokenBudgetError
+from tokenbudget.kafka import kafka_python_options
+
+REPLAY_WRITER = WriterSettings(rotate_rows=20_000, rotate_bytes=256 * 1024 * 1024)
+LEDGER_FIELDS = ("samples", "completion_tokens", "prompt_tokens", "skipped", "failed")
+
+
+# ---------------------------------------------------------------------------- options
+
+
+def parse_time(text: str) -> float:
+    """Seconds since the epoch from ``1733140000``, ``1733140000.5`` or ISO 8601
+    (``2026-12-02T10:00:00Z``; a time without a zone is UTC)."""
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError as exc:
+        raise TokenBudgetError(
+            f"{text!r} is not a time: use seconds since the epoch or ISO 8601"
+        ) from exc
+    if moment.tzinfo is None:
+        from datetime import UTC
+
+        moment = moment.replace(tzinfo=UTC)
+    return moment.timestamp()
+
+
+def parse_offsets(text: str) -> dict[int, int] | int:
+    """``--from-offset``: ``N`` (every partition) or ``P:N,P:N``."""
+    try:
+        if ":" not in text:
+            return int(text)
+        out = {}
+        for part in text.split(","):
+            partition, offset = part.split(":")
+            out[int(partition)] = int(offset)
+        return out
+    except ValueError as exc:
+        raise TokenBudgetError(f"--from-offset {text!r}: use N or PARTITION:N,...") from exc
+
+
+@dataclass(frozen=True)
+class ReplayOptions:
+    bootstrap: str
+    topics: Topics
+    topic: str = ""  # default: the namespace's completions topic
+    from_offset: dict[int, int] | int | None = None
+    since: float | None = None
+    until: float | None = None
+    datasets: frozenset[str] = frozenset()
+    to_parquet: Path | None = None
+    writer: WriterSettings = field(default_factory=lambda: REPLAY_WRITER)
+    ledger: bool = False
+    to_topic: str | None = None
+    recount_with: Path | None = None
+    batch_records: int = 2000
+
+    @property
+    def source(self) -> str:
+        return self.topic or self.topics.completions
+
+    @property
+    def whole_topic(self) -> bool:
+        return self.from_offset is None and self.since is None and self.until is None
+
+
+# ---------------------------------------------------------------------------- results
+
+
+@dataclass
+class Totals:
+    samples: int = 0
+    completion_tokens: int = 0
+    prompt_tokens: int = 0
+    output_ids: int = 0
+    skipped: int = 0
+    failed: int = 0
+    recounted_tokens: int = 0
+    recounted_rows: int = 0
+    rows_without_text: int = 0
+
+
+@dataclass
+class ReplaySummary:
+    topic: str
+    partitions: dict[int, tuple[int, int]] = field(default_factory=dict)  # start, end
+    events: int = 0  # read from the topic (after the time/offset range)
+    bytes: int = 0
+    filtered: int = 0  # other datasets (--dataset) or outside --since/--until
+    kept: int = 0
+    duplicates: int = 0
+    already_in_parquet: int = 0
+    undecodable: int = 0
+    seconds: float = 0.0
+    datasets: dict[str, Totals] = field(default_factory=dict)
+    parquet: dict[str, Any] | None = None
+    to_topic: dict[str, Any] | None = None
+    ledger: dict[str, Any] | None = None
+    recount: dict[str, Any] | None = None
+    # busy seconds per stage: read (Kafka), decode (JSON), build (rule + columns),
+    # write (Parquet files, fsync included); stages overlap in three threads
+    stages: dict[str, float] = field(
+        default_factory=lambda: {"read": 0.0, "decode": 0.0, "build": 0.0, "write": 0.0}
+    )
+
+    @property
+    def ok(self) -> bool:
+        return self.ledger is None or bool(self.ledger["match"])
+
+    def to_json(self) -> dict[str, Any]:
+        seconds = max(self.seconds, 1e-9)
+        return {
+            "topic": self.topic,
+            "partitions": {str(p): list(r) for p, r in sorted(self.partitions.items())},
+            "events": self.events,
+            "bytes": self.bytes,
+            "seconds": round(self.seconds, 3),
+            "events_per_s": round(self.events / seconds, 1),
+            "mb_per_s": round(self.bytes / seconds / 1e6, 2),
+            "kept": self.kept,
+            "duplicates": self.duplicates,
+            "already_in_parquet": self.already_in_parquet,
+            "undecodable": self.undecodable,
+            "filtered": self.filtered,
+            "datasets": {
+                name: {
+                    "samples": t.samples,
+                    "completion_tokens": t.completion_tokens,
+                    "prompt_tokens": t.prompt_tokens,
+                    "output_ids": t.output_ids,
+                }
+                for name, t in sorted(self.datasets.items())
+            },
+            "parquet": self.parquet,
+            "to_topic": self.to_topic,
+            "ledger": self.ledger,
+            "recount": self.recount,
+            "stage_seconds": {k: round(v, 3) for k, v in self.stages.items()},
+            "ok": self.ok,
+        }
+
+
+# --------------------------------------------------------------------------- progress
+
+
+class Progress:
+    """Events, MB and rate on stderr: a rich bar on a terminal, else a line every
+    few seconds."""
+
+    def __init__(self, total: int, *, enabled: bool = True, interval: float = 5.0) -> None:
+        self.total = total
+        self.enabled = enabled
+        self.interval = interval
+        self.started = time.monotonic()
+        self._last_line = self.started
+        self._rich: Any = None
+        self._task: Any = None
+        if enabled and sys.stderr.isatty():
+            from rich.console import Console
+            from rich.progress import BarColumn, TextColumn
+            from rich.progress import Progress as RichProgress
+
+            self._rich = RichProgress(
+                TextColumn("replay"),
+                BarColumn(),
+                TextColumn("{task.completed:,}/{task.total:,} events"),
+                TextColumn("{task.fields[mb]:,.1f} MB"),
+                TextColumn("{task.fields[rate]:,.0f} ev/s"),
+                console=Console(stderr=True),
+                transient=True,
+            )
+            self._task = self._rich.add_task("replay", total=total, mb=0.0, rate=0.0)
+            self._rich.start()
+
+    def update(self, events: int, nbytes: int) -> None:
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        rate = events / max(now - self.started, 1e-9)
+        if self._rich is not None:
+            self._rich.update(self._task, completed=events, mb=nbytes / 1e6, rate=rate)
+        elif now - self._last_line >= self.interval:
+            self._last_line = now
+            print(
+                f"replay: {events:,}/{self.total:,} events, {nbytes / 1e6:,.1f} MB, "
+                f"{rate:,.0f} events/s, {nbytes / 1e6 / max(now - self.started, 1e-9):,.1f} MB/s",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def close(self) -> None:
+        if self._rich is not None:
+            self._rich.stop()
+            self._rich = None
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+def _consumer(bootstrap: str) -> KafkaConsumer:
+    return KafkaConsumer(
+        **kafka_python_options(bootstrap),
+        group_id=None,
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+        **FETCH_OPTIONS,
+    )
+
+
+def _partitions(consumer: KafkaConsumer, topic: str, timeout: float = 15) -> list[TopicPartition]:
+    deadline = time.monotonic() + timeout
+    while True:
+        found = consumer.partitions_for_topic(topic)
+        if found:
+            return [TopicPartition(topic, p) for p in sorted(found)]
+        if time.monotonic() > deadline:
+            raise BrokerError(f"topic {topic} does not exist")
+        time.sleep(0.2)
+
+
+def _offsets_at(
+    consumer: KafkaConsumer, tps: list[TopicPartition], seconds: float, default: dict[Any, int]
+) -> dict[TopicPartition, int]:
+    """The first offset whose timestamp is at or after ``seconds``, per partition."""
+    found = consumer.offsets_for_times({tp: int(seconds * 1000) for tp in tps})
+    return {tp: (found[tp].offset if found.get(tp) is not None else default[tp]) for tp in tps}
+
+
+def read_to_end(
+    bootstrap: str, topic: str, apply: Callable[[ev.Event], None], timeout: float = 60
+) -> None:
+    """Decode every event of a (small) topic, from the beginning to its current end."""
+    consumer = _consumer(bootstrap)
+    try:
+        tps = _partitions(consumer, topic)
+        consumer.assign(tps)
+        consumer.seek_to_beginning(*tps)
+        ends = consumer.end_offsets(tps)
+        deadline = time.monotonic() + timeout
+        while any(consumer.position(tp) < ends[tp] for tp in tps):
+            if time.monotonic() > deadline:
+                raise BrokerError(f"timed out reading {topic}")
+            for records in consumer.poll(timeout_ms=500, max_records=5000).values():
+                for record in records:
+                    try:
+                        apply(ev.decode(record.value))
+                    except EventDecodeError:
+                        continue
+    finally:
+        consumer.close(autocommit=False)
+
+
+# ----------------------------------------------------------------------------- ledger
+
+
+def live_snapshots(bootstrap: str, topics: Topics) -> dict[str, ev.LedgerSnapshot]:
+    """The latest ledger snapshot of every dataset on the budgets topic."""
+    board = BudgetBoard()
+    read_to_end(bootstrap, topics.budgets, board.apply)
+    return {name: view.snapshot for name, view in board.views.items() if view.snapshot is not None}
+
+
+def outcome_counts(
+    bootstrap: str, topics: Topics, completed: set[str], datasets: frozenset[str]
+) -> dict[str, tuple[int, int]]:
+    """(skipped, failed) per dataset with the ledger's rule: a prompt's first skip
+    or failure counts unless the prompt has a completion."""
+    first: dict[str, tuple[str, str]] = {}  # prompt_id -> (dataset, outcome)
+
+    def apply(event: ev.Event) -> None:
+        if isinstance(event, ev.PromptSkipped | ev.PromptFailed):
+            if datasets and event.dataset not in datasets:
+                return
+            kind = "skipped" if isinstance(event, ev.PromptSkipped) else "failed"
+            first.setdefault(event.prompt_id, (event.dataset, kind))
+
+    read_to_end(bootstrap, topics.outcomes, apply)
+    counts: dict[str, list[int]] = {}
+    for prompt_id, (dataset, kind) in first.items():
+        if prompt_id in completed:
+            continue
+        entry = counts.setdefault(dataset, [0, 0])
+        entry[0 if kind == "skipped" else 1] += 1
+    return {name: (c[0], c[1]) for name, c in counts.items()}
+
+
+def compare_ledger(
+    replayed: dict[str, Totals],
+    snapshots: dict[str, ev.LedgerSnapshot],
+    datasets: frozenset[str] = frozenset(),
+) -> dict[str, Any]:
+    """Field-by-field differences between replayed totals and live snapshots."""
+    names = set(replayed) | set(snapshots)
+    if datasets:
+        names &= datasets
+    differences = []
+    for name in sorted(names):
+        mine = replayed.get(name, Totals())
+        snap = snapshots.get(name)
+        if snap is None:
+            differences.append({"dataset": name, "field": "snapshot", "replay": None, "live": None})
+            continue
+        for key in LEDGER_FIELDS:
+            a, b = getattr(mine, key), getattr(snap, key)
+            if a != b:
+                differences.append({"dataset": name, "field": key, "replay": a, "live": b})
+    return {
+        "match": not differences,
+        "datasets": sorted(names),
+        "differences": differences,
+        "live": {
+            name: {key: getattr(snap, key) for key in LEDGER_FIELDS} | {"at": snap.at}
+            for name, snap in sorted(snapshots.items())
+            if name in names
+        },
+    }
+
+
+# ------------------------------------------------------------------------------ replay
+
+
+class _BackgroundWriter:
+    """Writes Parquet files in one thread while the main thread reads and decodes
+    (pyarrow releases the GIL); at most ``depth`` batches wait, bounding memory."""
+
+    def __init__(self, writer: PartitionedWriter, depth: int = 2) -> None:
+        self.writer = writer
+        self.depth = depth
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="parquet")
+        self._pending: list[Future[list[Path]]] = []
+        self.seconds = 0.0
+
+    def submit(self) -> None:
+        buffers = self.writer.take()
+        self._pending.append(self._pool.submit(self._write, buffers))
+        while len(self._pending) > self.depth:
+            self._pending.pop(0).result()
+
+    def _write(self, buffers: Any) -> list[Path]:
+        clock = time.perf_counter()
+        try:
+            return self.writer.write(buffers)
+        finally:
+            self.seconds += time.perf_counter() - clock
+
+    def finish(self) -> None:
+        try:
+            if self.writer.rows:
+                self.submit()
+            for future in self._pending:
+                future.result()
+        finally:
+            self._pending.clear()
+            self._pool.shutdown(wait=True)
+
+
+def _load_tokenizer(path: Path) -> Any:
+    if not path.exists():
+        raise TokenBudgetError(f"--recount-with {path}: no such folder")
+    try:
+        from transformers import AutoTokenizer
+    except ImportError as exc:  # pragma: no cover - a dependency
+        raise TokenBudgetError("--recount-with needs the transformers package") from exc
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise TokenBudgetError(f"--recount-with {path}: cannot load a tokenizer: {exc}") from exc
+
+
+def replay(options: ReplayOptions, *, progress: bool = True) -> ReplaySummary:
+    """Read the topic range once and feed every target; see the module docstring."""
+    if options.ledger and not options.whole_topic:
+        raise TokenBudgetError("--ledger compares whole topics: drop --from-offset/--since/--until")
+    summary = ReplaySummary(topic=options.source)
+    started = time.monotonic()
+    tokenizer = _load_tokenizer(options.recount_with) if options.recount_with else None
+    writer: _BackgroundWriter | None = None
+    first = FirstCompletion()
+    if options.to_parquet is not None:
+        remove_stale_temporaries(options.to_parquet)
+        already = existing_prompt_ids(options.to_parquet)
+        writer = _BackgroundWriter(PartitionedWriter(options.to_parquet, options.writer))
+    else:
+        already = set()
+    producer: KafkaProducer | None = None
+    if options.to_topic:
+        from streams.topics import TopicSpec, completion_topic_configs
+        from tokenbudget import broker
+
+        broker.ensure_topics(
+            options.bootstrap, [TopicSpec(options.to_topic, configs=completion_topic_configs())]
+        )
+        producer = KafkaProducer(
+            **kafka_python_options(options.bootstrap),
+            acks="all",
+            linger_ms=20,
+            batch_size=1024 * 1024,
+            max_request_size=16 * 1024 * 1024,
+        )
+    wanted = {name.encode() for name in options.datasets}
+    since_ms = None if options.since is None else options.since * 1000
+    until_ms = None if options.until is None else options.until * 1000
+
+    consumer = _consumer(options.bootstrap)
+    bar: Progress | None = None
+    try:
+        tps = _partitions(consumer, options.source)
+        begins = consumer.beginning_offsets(tps)
+        ends = consumer.end_offsets(tps)
+        starts = dict(begins)
+        if isinstance(options.from_offset, int):
+            starts = {tp: max(begins[tp], options.from_offset) for tp in tps}
+        elif isinstance(options.from_offset, dict):
+            unknown = set(options.from_offset) - {tp.partition for tp in tps}
+            if unknown:
+                raise TokenBudgetError(f"--from-offset: no partition {sorted(unknown)}")
+            starts = {
+                tp: max(begins[tp], options.from_offset.get(tp.partition, begins[tp])) for tp in tps
+            }
+        if options.since is not None:
+            at = _offsets_at(consumer, tps, options.since, ends)
+            starts = {tp: max(starts[tp], at[tp]) for tp in tps}
+        if options.until is not None:
+            # an offset past --until (timestamps are roughly monotonic); records are
+            # also filtered one by one below
+            after = _offsets_at(consumer, tps, options.until + 0.001, ends)
+            ends = {tp: min(ends[tp], after[tp]) for tp in tps}
+        for tp in tps:
+            starts[tp] = min(starts[tp], ends[tp])
+            summary.partitions[tp.partition] = (starts[tp], ends[tp])
+        active = [tp for tp in tps if starts[tp] < ends[tp]]
+        bar = Progress(sum(ends[tp] - starts[tp] for tp in tps), enabled=progress)
+        consumer.assign(active)
+        for tp in active:
+            consumer.seek(tp, starts[tp])
+        remaining = set(active)
+        pending: dict[TopicPartition, list[Any]] = {tp: [] for tp in active}
+        processor = _Processor(options, summary, first, already, writer, producer, tokenizer)
+        try:
+            while remaining:
+                clock = time.perf_counter()
+                polled = consumer.poll(timeout_ms=1000, max_records=options.batch_records)
+                summary.stages["read"] += time.perf_counter() - clock
+                for tp, records in polled.items():
+                    if tp not in remaining:
+                        continue
+                    end = ends[tp]
+                    done = records[-1].offset >= end - 1
+                    if done:
+                        records = [r for r in records if r.offset < end]
+                        remaining.discard(tp)
+                        consumer.pause(tp)
+                    summary.events += len(records)
+                    summary.bytes += sum(len(r.value) for r in records if r.value is not None)
+                    if wanted or since_ms is not None or until_ms is not None:
+                        before = len(records)
+                        records = [
+                            r
+                            for r in records
+                            if (not wanted or r.key in wanted)
+                            and (since_ms is None or r.timestamp >= since_ms)
+                            and (until_ms is None or r.timestamp <= until_ms)
+                        ]
+                        summary.filtered += before - len(records)
+                    batch = pending[tp]
+                    batch.extend(records)
+                    if batch and (done or len(batch) >= options.batch_records):
+                        pending[tp] = []
+                        clock = time.perf_counter()
+                        decoded = decode_records([r.value for r in batch])
+                        summary.stages["decode"] += time.perf_counter() - clock
+                        processor.submit(batch, decoded)
+                bar.update(summary.events, summary.bytes)
+        finally:
+            processor.close()
+        if writer is not None:
+            writer.finish()
+            summary.stages["write"] = writer.seconds
+            summary.parquet = {
+                "path": str(options.to_parquet),
+                "files": len(writer.writer.files),
+                "rows": dict(sorted(writer.writer.rows_written.items())),
+            }
+            writer = None
+        if producer is not None:
+            producer.flush()
+            summary.to_topic = {"topic": options.to_topic, "events": summary.kept}
+    finally:
+        if bar is not None:
+            bar.close()
+        consumer.close(autocommit=False)
+        if writer is not None:
+            writer.finish()
+        if producer is not None:
+            producer.close()
+    summary.duplicates = first.duplicates
+    if options.ledger:
+        completed = first.seen
+        outcomes = outcome_counts(options.bootstrap, options.topics, completed, options.datasets)
+        for name, (skipped, failed) in outcomes.items():
+            totals = summary.datasets.setdefault(name, Totals())
+            totals.skipped, totals.failed = skipped, failed
+        summary.ledger = compare_ledger(
+            summary.datasets, live_snapshots(options.bootstrap, options.topics), options.datasets
+        )
+    if tokenizer is not None:
+        summary.recount = {
+            "tokenizer": str(options.recount_with),
+            "datasets": {
+                name: {
+                    "stored_completion_tokens": t.completion_tokens,
+                    "recounted_tokens": t.recounted_tokens,
+                    "ratio": (
+                        round(t.recounted_tokens / t.completion_tokens, 4)
+                        if t.completion_tokens
+                        else None
+                    ),
+                    "rows_without_text": t.rows_without_text,
+                }
+                for name, t in sorted(summary.datasets.items())
+            },
+        }
+    summary.seconds = time.monotonic() - started
+    return summary
+
+
+class _Processor:
+    """Applies the first-completion rule and feeds the targets, in a thread of its
+    own, batch by batch in topic order, while the main thread reads and decodes the
+    next batch (Arrow's parsing and pyarrow's writing run without the GIL)."""
+
+    def __init__(
+        self,
+        options: ReplayOptions,
+        summary: ReplaySummary,
+        first: FirstCompletion,
+        already: set[str],
+        writer: _BackgroundWriter | None,
+        producer: KafkaProducer | None,
+        tokenizer: Any,
+    ) -> None:
+        self.options = options
+        self.summary = summary
+        self.first = first
+        self.already = already
+        self.writer = writer
+        self.producer = producer
+        self.tokenizer = tokenizer
+        self._queue: queue.Queue[tuple[list[Any], Decoded] | None] = queue.Queue(maxsize=3)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="replay", daemon=True)
+        self._thread.start()
+
+    def submit(self, records: list[Any], decoded: Decoded) -> None:
+        while True:
+            if self._error is not None:
+                raise self._error
+            try:
+                self._queue.put((records, decoded), timeout=0.5)
+                return
+            except queue.Full:
+                continue
+
+    def close(self) -> None:
+        """Wait for every submitted batch; re-raise what failed in the thread."""
+        if self._thread.is_alive():
+            while True:
+                try:
+                    self._queue.put(None, timeout=0.5)
+                    break
+                except queue.Full:
+                    if not self._thread.is_alive():
+                        break
+            self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+    def _run(self) -> None:
+        try:
+            while (item := self._queue.get()) is not None:
+                clock = time.perf_counter()
+                self.take(*item)
+                self.summary.stages["build"] += time.perf_counter() - clock
+                if self.writer is not None and self.writer.writer.full():
+                    self.writer.submit()
+        except BaseException as exc:
+            self._error = exc
+            while self._queue.get() is not None:  # unblock the reader until close()
+                pass
+
+    def take(self, records: Sequence[Any], decoded: Decoded) -> None:
+        summary = self.summary
+        kept = keep_first(decoded, self.first)
+        summary.undecodable += len(kept.errors)
+        summary.kept += kept.rows
+        texts: list[str] = []
+        text_datasets: list[str] = []
+        for dataset, rows in kept.records.items():
+            totals = summary.datasets.get(dataset)
+            if totals is None:
+                totals = summary.datasets[dataset] = Totals()
+            table = kept.tables[dataset]
+            totals.samples += len(rows)
+            totals.completion_tokens += int(pc.sum(table.column("completion_tokens")).as_py())
+            totals.prompt_tokens += int(pc.sum(table.column("prompt_tokens")).as_py())
+            totals.output_ids += int(
+                pc.sum(pc.list_value_length(table.column("output_ids"))).as_py() or 0
+            )
+            if self.tokenizer is not None:
+                for r in rows:
+                    if r.text:
+                        texts.append(r.text)
+                        text_datasets.append(dataset)
+                    else:
+                        totals.rows_without_text += 1
+        if self.writer is not None:
+            tables = kept.tables
+            if self.already:
+                tables = {}
+                for dataset, table in kept.tables.items():
+                    fresh = [r.prompt_id not in self.already for r in kept.records[dataset]]
+                    summary.already_in_parquet += fresh.count(False)
+                    if any(fresh):
+                        tables[dataset] = table.filter(pa.array(fresh))
+            self.writer.writer.add(tables)
+        if self.producer is not None:
+            positions = sorted(p for ps in kept.positions.values() for p in ps)
+            for position in positions:
+                record = records[position]
+                self.producer.send(self.options.to_topic, key=record.key, value=record.value)
+        if texts:
+            encoded = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+            for name, tokens in zip(text_datasets, encoded, strict=True):
+                totals = summary.datasets[name]
+                totals.recounted_tokens += len(tokens)
+                totals.recounted_rows += 1
+
+
+# --------------------------------------------------------------------------------- CLI
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="bootstrap and namespace from this config")
+    parser.add_argument("--bootstrap", help="HOST:PORT (instead of --config)")
+    parser.add_argument("--namespace", default="tokenbudget")
+    parser.add_argument("--topic", help="default: the namespace's completions topic")
+    start = parser.add_mutually_exclusive_group()
+    start.add_argument(
+        "--from-beginning", action="store_true", help="start at the beginning (default)"
+    )
+    start.add_argument("--from-offset", metavar="N|P:N,...", help="start offset(s)")
+    parser.add_argument("--since", metavar="TIME", help="epoch seconds or ISO 8601")
+    parser.add_argument("--until", metavar="TIME", help="epoch seconds or ISO 8601")
+    parser.add_argument("--dataset", action="append", default=[], metavar="NAME", help="repeatable")
+    parser.add_argument("--to-parquet", metavar="DIR", help="write the sink's layout here")
+    parser.add_argument("--ledger", action="store_true", help="compare with the live ledger")
+    parser.add_argument("--to-topic", metavar="NAME", help="re-emit the completions here")
+    parser.add_argument(
+        "--recount-with", metavar="TOKENIZER_PATH", help="a local transformers tokenizer"
+    )
+    parser.add_argument("--rotate-rows", type=int, default=20_000)
+    parser.add_argument("--rotate-bytes", type=int, default=256 * 1024 * 1024)
+    parser.add_argument("--row-group-rows", type=int, default=None)
+    parser.add_argument("--row-group-bytes", type=int, default=32 * 1024 * 1024)
+    parser.add_argument("--json", action="store_true", help="print a JSON summary")
+    parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
+
+
+def options_from_args(args: argparse.Namespace) -> ReplayOptions:
+    if args.config:
+        from tokenbudget import config as config_module
+        from tokenbudget.kafka import resolve_bootstrap
+
+        config = config_module.load(args.config)
+        bootstrap = resolve_bootstrap(config)
+        namespace = config.kafka.namespace
+        row_group_rows = config.sink.row_group_rows
+    elif args.bootstrap:
+        bootstrap, namespace, row_group_rows = args.bootstrap, args.namespace, 1000
+    else:
+        raise TokenBudgetError("replay needs --config FILE, or --bootstrap HOST:PORT")
+    for name in ("rotate_rows", "rotate_bytes", "row_group_bytes"):
+        if getattr(args, name) <= 0:
+            raise TokenBudgetError(f"--{name.replace('_', '-')} must be positive")
+    return ReplayOptions(
+        bootstrap=bootstrap,
+        topics=Topics(namespace),
+        topic=args.topic or "",
+        from_offset=parse_offsets(args.from_offset) if args.from_offset else None,
+        since=parse_time(args.since) if args.since else None,
+        until=parse_time(args.until) if args.until else None,
+        datasets=frozenset(args.dataset),
+        to_parquet=Path(args.to_parquet).resolve() if args.to_parquet else None,
+        writer=WriterSettings(
+            rotate_rows=args.rotate_rows,
+            rotate_bytes=args.rotate_bytes,
+            row_group_rows=args.row_group_rows or row_group_rows,
+            row_group_bytes=args.row_group_bytes,
+        ),
+        ledger=args.ledger,
+        to_topic=args.to_topic,
+        recount_with=Path(args.recount_with) if args.recount_with else None,
+    )
+
+
+def print_summary(summary: ReplaySummary, out: Any = None) -> None:
+    out = out or sys.stdout
+    data = summary.to_json()
+    print(
+        f"replayed {data['events']:,} events ({summary.bytes / 1e6:,.1f} MB) from "
+        f"{summary.topic} in {summary.seconds:.2f} s: {data['events_per_s']:,.0f} events/s, "
+        f"{data['mb_per_s']:,.1f} MB/s",
+        file=out,
+    )
+    print(
+        f"kept {summary.kept:,}, duplicates {summary.duplicates:,}, undecodable "
+        f"{summary.undecodable:,}, filtered {summary.filtered:,}",
+        file=out,
+    )
+    if summary.datasets:
+        header = f"{'dataset':<28}{'samples':>10}{'completion_tokens':>20}{'prompt_tokens':>16}"
+        print(header, file=out)
+        for name, t in sorted(summary.datasets.items()):
+            print(
+                f"{name:<28}{t.samples:>10,}{t.completion_tokens:>20,}{t.prompt_tokens:>16,}",
+                file=out,
+            )
+    if summary.parquet is not None:
+        rows = sum(summary.parquet["rows"].values())
+        print(
+            f"parquet: {rows:,} rows in {summary.parquet['files']} files under "
+            f"{summary.parquet['path']} ({summary.already_in_parquet:,} already there)",
+            file=out,
+        )
+    if summary.to_topic is not None:
+        topic, count = summary.to_topic["topic"], summary.to_topic["events"]
+        print(f"to topic {topic}: {count:,} events", file=out)
+    if summary.recount is not None:
+        print(f"recount with {summary.recount['tokenizer']}:", file=out)
+        for name, r in summary.recount["datasets"].items():
+            print(
+                f"  {name:<26} stored {r['stored_completion_tokens']:>14,}  recounted "
+                f"{r['recounted_tokens']:>14,}  ratio {r['ratio']}  without text "
+                f"{r['rows_without_text']:,}",
+                file=out,
+            )
+    if summary.ledger is not None:
+        if summary.ledger["match"]:
+            count = len(summary.ledger["datasets"])
+            print(f"ledger: matches the live ledger ({count} datasets)", file=out)
+        else:
+            print("ledger: MISMATCH with the live ledger", file=out)
+            for d in summary.ledger["differences"]:
+                if d["field"] == "snapshot":
+                    print(f"  {d['dataset']}: the live ledger has no snapshot", file=out)
+                else:
+                    print(
+                        f"  {d['dataset']}.{d['field']}: replay {d['replay']:,} "
+                        f"live {d['live']:,} (diff {d['replay'] - d['live']:+,})",
+                        file=out,
+                    )
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    options = options_from_args(args)
+    summary = replay(options, progress=not args.quiet)
+    if args.json:
+        print(json.dumps(summary.to_json(), indent=2))
+    else:
+        print_summary(summary)
+    return 0 if summary.ok else 1
+
+
+# ------------------------------------------------------------------------- sink command
+
+
+def add_sink_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True)
+
+
+def run_sink_cli(args: argparse.Namespace) -> int:
+    """``tokenbudget sink``: the live Parquet sink on its own, until SIGTERM/SIGINT
+    (then it reads to the end of the topic, writes its files and commits)."""
+    import signal
+
+    from sinks.parquet import ParquetSink, SinkSettings
+    from tokenbudget import config as config_module
+    from tokenbudget.kafka import resolve_bootstrap
+
+    config = config_module.load(args.config)
+    bootstrap = resolve_bootstrap(config)
+    sink = ParquetSink(
+        bootstrap,
+        Topics(config.kafka.namespace),
+        SinkSettings(
+            path=config.sink_path,
+            rotate_rows=config.sink.rotate_rows,
+            rotate_bytes=config.sink.rotate_bytes,
+            row_group_rows=config.sink.row_group_rows,
+            flush_interval=config.sink.flush_interval_s,
+        ),
+    )
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: Any) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    print(f"sink: {config.kafka.namespace} -> {config.sink_path}", file=sys.stderr, flush=True)
+    sink.run(stop, drain=False)
+    rows = sum(sink.rows_written.values())
+    print(
+        f"sink: stopped; {rows:,} rows written, {sink.duplicates_dropped:,} duplicates dropped",
+        file=sys.stderr,
+    )
+    return 0

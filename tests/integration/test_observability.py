@@ -1,0 +1,295 @@
+"""See and alert, end to end: a real pipeline run scraped by a real Prometheus, its
+alerts delivered by a real Alertmanager to a local webhook, every dashboard panel
+queried against that Prometheus, and ``tokenbudget status`` read from the ledger.
+
+After the run a rogue producer keeps publishing completions of the halted dataset
+``long`` straight to the completions topic, ignoring the halt: the ledger counts
+them, so its kept tokens keep growing while it is halted (TokenBudgetHaltIgnored)
+and its overshoot passes what requests in flight can explain (TokenBudgetOvershoot).
+The rules are the production file with every duration divided by 30
+(``scale_durations``), so ``for: 30s`` is 1 s and the 5-minute grace 10 s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+from kafka import KafkaProducer
+
+from streams import events as ev
+from streams.topics import Topics
+from tests.integration.test_pipeline import write_jsonl
+from tests.promstack import DASHBOARD, GRAFANA_ALERTS, Stack, binary, free_port, prometheus_stack
+from tokenbudget import broker, simulator
+from tokenbudget import config as config_module
+from tokenbudget.runner import RunReport, run_async, start_ledger_process, stop_process
+from tokenbudget.status import follow
+
+pytestmark = pytest.mark.integration
+
+CONCURRENCY = 8
+MAX_NEW_TOKENS = 2048
+ALLOWANCE = CONCURRENCY * MAX_NEW_TOKENS
+# Panels' Grafana variables, as Grafana would expand them for a 1 s scrape.
+GRAFANA_VARS = {"$__rate_interval": "10s", "$__interval": "5s", "$dataset": ".*"}
+
+
+@dataclass
+class Observed:
+    stack: Stack
+    report: RunReport
+    started: float
+    bootstrap: str
+    namespace: str
+    rogue_events: int
+
+
+def rogue_completion(i: int) -> ev.CompletionEvent:
+    tokens = 4000
+    return ev.CompletionEvent(
+        request_id=uuid.uuid4().hex,
+        prompt_id=f"rogue-{i}",
+        dataset="long",
+        prompt_tokens=10,
+        completion_tokens=tokens,
+        output_ids=list(range(tokens)),
+        finish_reason="length",
+        max_new_tokens=tokens,
+        dispatched_at=time.time(),
+        finished_at=time.time(),
+    )
+
+
+def wait_for(predicate: Any, timeout: float, what: str, step: float = 0.5) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(step)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def observed(
+    tmp_path_factory: pytest.TempPathFactory, kafka_bootstrap: str
+) -> Iterator[Observed]:
+    binary("prometheus")
+    binary("prometheus-alertmanager", "alertmanager")
+    tmp = tmp_path_factory.mktemp("observability")
+    namespace = f"obs{uuid.uuid4().hex[:8]}"
+    topics = Topics(namespace)
+    broker.ensure_topics(kafka_bootstrap, topics.specs())
+    run_port, ledger_port = free_port(), free_port()
+    targets = [f"127.0.0.1:{run_port}", f"127.0.0.1:{ledger_port}"]
+    with prometheus_stack(tmp / "stack", targets) as stack:
+        # The ledger runs on its own, as `tokenbudget ledger` would, so it outlives the
+        # run and counts what the rogue producer sends afterwards.
+        ledger = start_ledger_process(kafka_bootstrap, namespace, 0.2, metrics_port=ledger_port)
+        try:
+            wait_for(
+                lambda: ledger.poll() is not None or _answers(ledger_port),
+                30,
+                "the ledger's /metrics",
+            )
+            assert ledger.poll() is None, f"the ledger worker exited with {ledger.returncode}"
+            started = time.time()
+            report = asyncio.run(
+                asyncio.wait_for(_run(tmp, kafka_bootstrap, namespace, run_port), 120)
+            )
+            assert ledger.poll() is None, f"the ledger worker exited with {ledger.returncode}"
+            assert report.datasets["long"].status == "halted"
+            rogue = _rogue(stack, kafka_bootstrap, topics)
+            yield Observed(stack, report, started, kafka_bootstrap, namespace, rogue)
+        finally:
+            stop_process(ledger)
+
+
+def _answers(port: int) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=1).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+async def _run(tmp: Path, bootstrap: str, namespace: str, metrics_port: int) -> RunReport:
+    # Slow enough that the run spans several scrapes (about 40 long answers of ~1.3 s,
+    # 8 at a time), with a few injected server errors for the error panels.
+    sim = await simulator.start(
+        simulator.SimulatorConfig(
+            port=0, tokens_per_second=3000.0, faults=simulator.Faults(http_500=0.05)
+        )
+    )
+    try:
+        write_jsonl(tmp / "long.jsonl", "#long-code", 200)
+        write_jsonl(tmp / "small.jsonl", "#short", 12)
+        config = config_module.build(
+            {
+                "kafka": {"bootstrap": bootstrap, "namespace": namespace},
+                "inference": {
+                    "url": sim.url,
+                    "concurrency": CONCURRENCY,
+                    "max_new_tokens": MAX_NEW_TOKENS,
+                    "backoff_s": 0.05,
+                },
+                "budget": {"snapshot_interval_s": 0.2},
+                "sink": {"path": "out", "flush_interval_s": 0.5},
+                "metrics": {"port": metrics_port},
+                "datasets": [
+                    {"name": "long", "path": "long.jsonl", "budget": "150k"},
+                    {"name": "small", "path": "small.jsonl", "budget": "1M"},
+                ],
+            },
+            base_dir=tmp,
+            environ={},
+        )
+        return await run_async(config, bootstrap=bootstrap, ledger_process=False)
+    finally:
+        await sim.stop()
+
+
+def _rogue(stack: Stack, bootstrap: str, topics: Topics) -> int:
+    """Publish completions of the halted dataset until both alerts reach the webhook."""
+    hook = stack.webhook
+    producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all")
+    sent = 0
+    try:
+        # One undecodable event too: the ledger dead-letters it (and counts it).
+        producer.send(topics.completions, key=b"long", value=b"\x00 not an event")
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if hook.firing("TokenBudgetOvershoot", dataset="long") and hook.firing(
+                "TokenBudgetHaltIgnored", dataset="long"
+            ):
+                break
+            event = rogue_completion(sent)
+            producer.send(topics.completions, key=ev.event_key(event), value=ev.encode(event))
+            producer.flush()
+            sent += 1
+            time.sleep(1.0)
+        wait_for(
+            lambda: stack.query('tokenbudget_dead_lettered_total{topic="completions"}'),
+            20,
+            "the dead-lettered event in Prometheus",
+        )
+    finally:
+        producer.close()
+    return sent
+
+
+def test_rogue_producer_fires_overshoot_and_halt_ignored_at_the_webhook(
+    observed: Observed,
+) -> None:
+    hook = observed.stack.webhook
+    overshoot = hook.firing("TokenBudgetOvershoot", dataset="long")
+    ignored = hook.firing("TokenBudgetHaltIgnored", dataset="long")
+    assert overshoot, f"no TokenBudgetOvershoot; got {hook.alerts()}"
+    assert ignored, f"no TokenBudgetHaltIgnored; got {hook.alerts()}"
+    assert overshoot[0]["labels"]["severity"] == "critical"
+    assert "tokens kept beyond the budget" in overshoot[0]["annotations"]["summary"]
+    assert ignored[0]["annotations"]["summary"] == "long: halted, but its tokens still grow"
+    # Informational: both halted and nearly-spent datasets are reported.
+    assert hook.firing("TokenBudgetNearlySpent", dataset="long")
+    # The dataset that ran out of prompts within its budget raises nothing.
+    assert not [a for a in hook.alerts() if a["labels"].get("dataset") == "small"]
+    # Webhook payloads are Alertmanager's version 4.
+    assert all(p["version"] == "4" for p in hook.payloads)
+
+    # What fired it, as Prometheus saw it: halted, overshoot beyond the allowance.
+    stack = observed.stack
+    halted = stack.query('tokenbudget_dataset_halted{dataset="long"}')
+    assert halted and float(halted[0]["value"][1]) == 1
+    over = stack.query('tokenbudget_overshoot_tokens{dataset="long"}')
+    assert over and float(over[0]["value"][1]) > ALLOWANCE
+    allowance = stack.query('tokenbudget_overshoot_allowance_tokens{dataset="long"}')
+    assert allowance and float(allowance[0]["value"][1]) == ALLOWANCE
+
+
+def _expand(expr: str) -> str:
+    for name, value in GRAFANA_VARS.items():
+        expr = expr.replace(name, value)
+    assert "$" not in expr, expr
+    return expr
+
+
+def _panels(dashboard: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    for panel in dashboard["panels"]:
+        yield panel
+        yield from panel.get("panels", [])
+
+
+def _finite(result: list[dict[str, Any]]) -> bool:
+    return any(math.isfinite(float(v)) for series in result for _, v in series["values"])
+
+
+def test_every_dashboard_panel_returns_data(observed: Observed) -> None:
+    stack = observed.stack
+    dashboard = json.loads(DASHBOARD.read_text())
+    end = time.time()
+    ttft_observed = stack.query("sum(tokenbudget_time_to_first_token_seconds_count) > 0")
+    checked = 0
+    problems = []
+    for panel in _panels(dashboard):
+        for target in panel.get("targets", []):
+            expr = _expand(target["expr"])
+            result = stack.query_range(expr, observed.started, end, 1)
+            checked += 1
+            if not result:
+                problems.append(f"{panel['title']} [{target['refId']}]: no data: {expr}")
+            elif not _finite(result) and not (
+                "time_to_first_token" in expr and not ttft_observed
+            ):
+                # TTFT is NaN until a backend reports first tokens (streaming).
+                problems.append(f"{panel['title']} [{target['refId']}]: only NaN: {expr}")
+    assert checked >= 15
+    assert not problems, "\n".join(problems)
+
+    # Halts as annotations: the halt of `long` is found.
+    halts = [a for a in dashboard["annotations"]["list"] if a.get("name") == "Halts"]
+    assert halts
+    found = stack.query_range(_expand(halts[0]["expr"]), observed.started, end, 1)
+    assert {series["metric"]["dataset"] for series in found} >= {"long"}
+
+    # The dataset variable's values.
+    variable = dashboard["templating"]["list"][0]
+    assert variable["query"]["query"] == "label_values(tokenbudget_budget_tokens, dataset)"
+    datasets = {s["metric"]["dataset"] for s in stack.query("tokenbudget_budget_tokens")}
+    assert {"long", "small"} <= datasets
+
+
+def test_grafana_alert_queries_run_against_prometheus(observed: Observed) -> None:
+    """The Grafana-managed rules' queries are valid PromQL for this Prometheus, and
+    the ones that fired in Prometheus return the same series."""
+    stack = observed.stack
+    provisioned = yaml.safe_load(GRAFANA_ALERTS.read_text())
+    for rule in provisioned["groups"][0]["rules"]:
+        query = next(d for d in rule["data"] if d["refId"] == "A")["model"]["expr"]
+        stack.query(query)  # raises on a query Prometheus rejects
+
+
+def test_status_reads_the_ledger(observed: Observed, capsys: pytest.CaptureFixture[str]) -> None:
+    topics = Topics(observed.namespace)
+    budgets = {"long": 150_000, "small": 1_000_000}
+    asyncio.run(
+        follow(observed.bootstrap, topics, ["long", "small"], budgets, watch=False, as_json=True)
+    )
+    status = json.loads(capsys.readouterr().out)["datasets"]
+    long, small = status["long"], status["small"]
+    assert long["state"] == "halted" and small["state"] == "exhausted"
+    run_long = observed.report.datasets["long"]
+    # The rogue completions came after the run: the ledger counted them too.
+    assert long["kept"] >= run_long.completion_tokens + 4000
+    assert long["remaining"] == 0 and long["percent_used"] > 100
+    assert small["kept"] == observed.report.datasets["small"].completion_tokens
+    assert small["remaining"] == 1_000_000 - small["kept"]
+    assert small["eta_s"] is None

@@ -1,0 +1,274 @@
+"""Reservations on the real broker: racing holders, a killed dispatcher, budgets
+changed while a job runs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from aiokafka import AIOKafkaProducer
+
+from producers.admission import Admission, AdmissionSettings
+from producers.halts import BudgetWatcher
+from streams import events as ev
+from streams.topics import Topics
+from tests.integration.test_ledger_worker import publish, read_all, wait_for_snapshot
+from tokenbudget import broker, simulator
+from tokenbudget import config as config_module
+from tokenbudget.runner import run_async, start_ledger_process, stop_process
+
+pytestmark = pytest.mark.integration
+
+
+def test_holders_racing_for_the_last_tokens_never_overshoot(
+    kafka_bootstrap: str, namespace: str
+) -> None:
+    topics = Topics(namespace)
+    broker.ensure_topics(kafka_bootstrap, topics.specs())
+    budget = 20_000
+    publish(kafka_bootstrap, topics.budgets, [ev.BudgetSet(dataset="d", budget=budget)])
+    ledger = start_ledger_process(kafka_bootstrap, namespace, 0.2)
+
+    async def scenario() -> list[int]:
+        watcher = BudgetWatcher(kafka_bootstrap, topics)
+        await watcher.start()
+        watch = asyncio.create_task(watcher.run())
+        producer = AIOKafkaProducer(bootstrap_servers=kafka_bootstrap, acks="all")
+        await producer.start()
+        kept: list[int] = []
+        rng = random.Random(7)
+        holders = [
+            Admission(
+                producer,
+                topics,
+                f"holder-{i}",
+                watcher.board,
+                AdmissionSettings(lease_size=1500, lease_ttl_s=30),
+            )
+            for i in range(3)
+        ]
+
+        async def request_loop(admission: Admission) -> None:
+            while True:
+                ticket = await admission.admit("d", max_new_tokens=700)
+                if ticket is None:
+                    return
+                assert 1 <= ticket.max_new_tokens <= 700
+                await asyncio.sleep(rng.random() / 50)
+                # The server honours max_new_tokens; answers often end earlier.
+                tokens = rng.randint(1, ticket.max_new_tokens)
+                completion = ev.CompletionEvent(
+                    request_id=uuid.uuid4().hex,
+                    prompt_id=uuid.uuid4().hex,
+                    dataset="d",
+                    prompt_tokens=5,
+                    completion_tokens=tokens,
+                    output_ids=[],
+                    finish_reason="stop",
+                    max_new_tokens=ticket.max_new_tokens,
+                    lease_id=ticket.lease_id,
+                    cost=tokens,
+                )
+                await producer.send_and_wait(
+                    topics.completions, key=b"d", value=ev.encode(completion)
+                )
+                kept.append(tokens)
+                admission.settle(ticket, tokens)
+
+        try:
+            await asyncio.gather(*(request_loop(h) for h in holders for _ in range(12)))
+        finally:
+            for holder in holders:
+                await holder.close()
+            await producer.stop()
+            watch.cancel()
+            await watcher.stop()
+        return kept
+
+    try:
+        kept = asyncio.run(scenario())
+        assert sum(kept) <= budget  # never overshot, whoever won each race
+        assert sum(kept) >= 0.9 * budget  # and little was left on the table
+        snap = wait_for_snapshot(
+            kafka_bootstrap,
+            topics,
+            "d",
+            lambda s: s.samples == len(kept) and s.reserved == 0,
+        )
+        assert snap.completion_tokens == sum(kept)
+        grants = [
+            e for e in read_all(kafka_bootstrap, topics.budgets) if isinstance(e, ev.LeaseGranted)
+        ]
+        assert len({g.holder for g in grants}) == 3
+        assert sum(g.granted for g in grants) >= budget  # leftovers were granted again
+    finally:
+        stop_process(ledger)
+
+
+def write_config(
+    folder: Path, bootstrap: str, namespace: str, url: str, datasets: list[dict]
+) -> Path:
+    lines = [
+        "[kafka]",
+        f'bootstrap = "{bootstrap}"',
+        f'namespace = "{namespace}"',
+        "[inference]",
+        f'url = "{url}"',
+        "concurrency = 4",
+        "max_new_tokens = 4096",
+        "[budget]",
+        "lease_ttl_s = 3",
+        "lease_tokens = 20000",
+        "[sink]",
+        'path = "out"',
+        "flush_interval_s = 1.0",
+    ]
+    for d in datasets:
+        lines += ["[[datasets]]", *(f"{k} = {json.dumps(v)}" for k, v in d.items())]
+    path = folder / "tokenbudget.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def write_prompts(path: Path, marker: str, count: int) -> None:
+    path.write_text(
+        "".join(json.dumps({"prompt": f"{marker} {path.stem} {i}"}) + "\n" for i in range(count))
+    )
+
+
+def test_killed_dispatcher_releases_its_lease_by_expiry(
+    tmp_path: Path, kafka_bootstrap: str, namespace: str
+) -> None:
+    topics = Topics(namespace)
+    broker.ensure_topics(kafka_bootstrap, topics.specs())
+    write_prompts(tmp_path / "slow.jsonl", "#long-code", 40)
+
+    async def scenario() -> None:
+        # Slow decoding: requests stay in flight, so the lease stays in use.
+        sim = await simulator.start(simulator.SimulatorConfig(port=0, tokens_per_second=200))
+        config_path = write_config(
+            tmp_path,
+            kafka_bootstrap,
+            namespace,
+            sim.url,
+            [{"name": "d", "path": "slow.jsonl", "budget": "1M"}],
+        )
+        config = config_module.load(config_path, environ={})
+        publish(kafka_bootstrap, topics.budgets, [ev.BudgetSet(dataset="d", budget=1_000_000)])
+        ledger = start_ledger_process(kafka_bootstrap, namespace, 0.2)
+        dispatcher = subprocess.Popen(
+            [sys.executable, "-m", "tokenbudget", "dispatch", "--config", str(config_path)],
+            start_new_session=True,
+        )
+        try:
+            from producers.halts import BudgetBoard
+            from producers.prompts import PromptProducer
+
+            board = BudgetBoard()
+            produce = asyncio.create_task(PromptProducer(config, kafka_bootstrap, board).run())
+            held = await asyncio.to_thread(
+                wait_for_snapshot, kafka_bootstrap, topics, "d", lambda s: s.reserved > 0
+            )
+            assert held.reserved == 20_000
+            os.killpg(dispatcher.pid, signal.SIGKILL)  # no release, no renewal
+            dispatcher.wait()
+            killed_at = time.time()
+            await asyncio.to_thread(
+                wait_for_snapshot,
+                kafka_bootstrap,
+                topics,
+                "d",
+                lambda s: s.reserved == 0 and s.at > killed_at,
+            )
+            produce.cancel()
+            revoked = [
+                e
+                for e in read_all(kafka_bootstrap, topics.budgets)
+                if isinstance(e, ev.LeaseRevoked)
+            ]
+            assert revoked, "the expired lease is revoked for its holder"
+        finally:
+            if dispatcher.poll() is None:
+                os.killpg(dispatcher.pid, signal.SIGKILL)
+            stop_process(ledger)
+            await sim.stop()
+
+    asyncio.run(scenario())
+
+
+def test_budget_lowered_then_raised_while_running(
+    tmp_path: Path, kafka_bootstrap: str, namespace: str
+) -> None:
+    topics = Topics(namespace)
+    write_prompts(tmp_path / "d.jsonl", "#long-code", 200)
+    write_prompts(tmp_path / "other.jsonl", "#long-code", 200)
+    raised_budget = 60_000
+
+    async def scenario() -> tuple:
+        sim = await simulator.start(simulator.SimulatorConfig(port=0, tokens_per_second=4000))
+        config = config_module.load(
+            write_config(
+                tmp_path,
+                kafka_bootstrap,
+                namespace,
+                sim.url,
+                [
+                    {"name": "d", "path": "d.jsonl", "budget": "400k"},
+                    # keeps the job running while "d" is halted and raised again
+                    {"name": "other", "path": "other.jsonl", "budget": "120k"},
+                ],
+            ),
+            environ={},
+        )
+        job = asyncio.create_task(run_async(config))
+        try:
+            mid = await asyncio.to_thread(
+                wait_for_snapshot, kafka_bootstrap, topics, "d", lambda s: s.samples >= 3
+            )
+            lowered = mid.completion_tokens + 50
+            await _set_budget(kafka_bootstrap, topics, "d", lowered)
+            await asyncio.to_thread(
+                wait_for_snapshot, kafka_bootstrap, topics, "d", lambda s: s.halted
+            )
+            await _set_budget(kafka_bootstrap, topics, "d", raised_budget)
+            report = await asyncio.wait_for(job, 240)
+            return report, list(sim.log), lowered
+        finally:
+            if not job.done():
+                job.cancel()
+            await sim.stop()
+
+    report, log, lowered = asyncio.run(scenario())
+    d = report.datasets["d"]
+    assert d.status == "halted"
+    assert d.completion_tokens == raised_budget  # resumed, then stopped at the line
+    aborted = [r for r in log if r.finish == "abort" and "d.jsonl" not in r.text_head]
+    assert aborted, "in-flight requests above the lowered budget were aborted"
+    kinds = [
+        type(e).__name__
+        for e in read_all(kafka_bootstrap, topics.budgets)
+        if getattr(e, "dataset", None) == "d"
+        and isinstance(e, (ev.BudgetExceeded, ev.BudgetRaised, ev.LeaseRevoked))
+    ]
+    assert "LeaseRevoked" in kinds
+    assert kinds.index("BudgetExceeded") < kinds.index("BudgetRaised")
+    assert lowered < raised_budget
+
+
+async def _set_budget(bootstrap: str, topics: Topics, dataset: str, budget: int) -> None:
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all")
+    await producer.start()
+    try:
+        event = ev.BudgetSet(dataset=dataset, budget=budget, set_at=time.time())
+        await producer.send_and_wait(topics.budgets, key=dataset.encode(), value=ev.encode(event))
+    finally:
+        await producer.stop()

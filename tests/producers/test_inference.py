@@ -1,0 +1,338 @@
+"""Inference clients against the simulator: real wire formats, errors translated."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import httpx
+import pytest
+
+from producers import inference
+from producers.inference import (
+    GenerationRequest,
+    GenerationResult,
+    InferenceBackend,
+    OpenAIChatBackend,
+    OpenAICompletionsBackend,
+    RetryPolicy,
+    SGLangBackend,
+    generate_with_retries,
+    make_backend,
+)
+from streams.events import ChatMessage
+from tokenbudget import simulator
+from tokenbudget.errors import (
+    InferenceError,
+    InferenceProtocolError,
+    InferenceRequestError,
+    InferenceServerError,
+    InferenceTransportError,
+)
+from tokenbudget.simulator import Faults, RunningSimulator, SimulatorConfig
+
+FAST = SimulatorConfig(port=0, tokens_per_second=1e6, seed=3)
+APIS = ["sglang", "openai-completions", "openai-chat"]
+
+Body = Callable[[RunningSimulator, httpx.AsyncClient], Awaitable[Any]]
+
+
+def with_simulator(body: Body, config: SimulatorConfig = FAST) -> Any:
+    async def main() -> Any:
+        sim = await simulator.start(config)
+        try:
+            async with httpx.AsyncClient(timeout=httpx.Timeout(30.0)) as client:
+                return await body(sim, client)
+        finally:
+            await sim.stop()
+
+    return asyncio.run(main())
+
+
+def request(rid: str, *, max_new_tokens: int = 100_000, **kwargs: Any) -> GenerationRequest:
+    if "text" not in kwargs and "messages" not in kwargs and "input_ids" not in kwargs:
+        kwargs["text"] = "Tell me a story #short"
+    return GenerationRequest(rid=rid, max_new_tokens=max_new_tokens, **kwargs)
+
+
+def test_make_backend_picks_the_class() -> None:
+    client = httpx.AsyncClient()
+    try:
+        assert type(make_backend("sglang", client, "http://h:1/")) is SGLangBackend
+        assert type(make_backend("openai-completions", client, "http://h")) is (
+            OpenAICompletionsBackend
+        )
+        assert type(make_backend("openai-chat", client, "http://h")) is OpenAIChatBackend
+        backend = make_backend("sglang", client, "http://h:1/", model="m")
+        assert backend.base_url == "http://h:1"
+        assert backend.model == "m"
+        with pytest.raises(KeyError):
+            make_backend("grpc", client, "http://h")
+    finally:
+        asyncio.run(client.aclose())
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_completion_tokens_match_what_the_server_generated(api: str) -> None:
+    async def body(sim: RunningSimulator, client: httpx.AsyncClient) -> Any:
+        backend = make_backend(api, client, sim.url, model=FAST.model)
+        await backend.health()
+        prompts = ["a #short", "b #code", "c #chat", "plain words here"]
+        results = [
+            await backend.generate(request(f"{api}-{i}", text=text))
+            for i, text in enumerate(prompts)
+        ]
+        return results, list(sim.log)
+
+    results, log = with_simulator(body)
+    logged = {record.rid: record for record in log}
+    assert len(logged) == len(results)
+    for result in results:
+        record = logged[result.rid]
+        assert record.api == api
+        assert result.completion_tokens == record.completion_tokens
+        assert result.completion_tokens > 0
+        assert result.prompt_tokens == record.prompt_tokens
+        assert result.finish_reason == "stop"
+        assert len(result.output_ids) == result.completion_tokens
+        assert result.text  # the simulator renders one word per token
+    # The lengths differ by prompt, so matching the log is not a coincidence.
+    assert len({r.completion_tokens for r in results}) > 1
+
+
+def test_sglang_output_ids_match_completion_tokens_for_chat_and_ids() -> None:
+    async def body(sim: RunningSimulator, client: httpx.AsyncClient) -> list[GenerationResult]:
+        backend = SGLangBackend(client, sim.url)
+        chat = request(
+            "chat",
+            messages=(ChatMessage("system", "be brief"), ChatMessage("user", "hello #short")),
+        )
+        ids = request("ids", input_ids=(11, 12, 13, 14))
+        return [await backend.generate(chat), await backend.generate(ids)]
+
+    chat, ids = with_simulator(body)
+    assert len(chat.output_ids) == chat.completion_tokens > 0
+    assert len(ids.output_ids) == ids.completion_tokens > 0
+    assert ids.prompt_tokens == 4
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_max_new_tokens_caps_with_finish_length(api: str) -> None:
+    async def body(sim: RunningSimulator, client: httpx.AsyncClient) -> Any:
+        backend = make_backend(api, client, sim.url, model=FAST.model)
+        # "#long-code" averages thousands of tokens: 5 always caps it.
+        result = await backend.generate(
+            request("capped", text="write it all #long-code", max_new_tokens=5)
+        )
+        return result, list(sim.log)
+
+    result, log = with_simulator(body)
+    assert result.finish_reason == "length"
+    assert result.completion_tokens == 5
+    assert len(result.output_ids) == 5
+    assert log[0].max_new_tokens == 5
+    assert log[0].completion_tokens == 5
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_http_500_is_a_retryable_server_error(api: str) -> None:
+    async def body(sim: RunningSimulator, client: httpx.AsyncClient) -> InferenceError:
+        backend = make_backend(api, client, sim.url, model=FAST.model)
+        with pytest.raises(InferenceServerError) as info:
+            await backend.generate(request("r500"))
+        return info.value
+
+    error = with_simulator(body, SimulatorConfig(port=0, faults=Faults(http_500=1.0)))
+    assert error.retryable is True
+    assert "500" in str(error)
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_malformed_body_is_a_protocol_error(api: str) -> None:
+    async def body(sim: RunningSimulator, client: httpx.AsyncClient) -> InferenceError:
+        backend = make_backend(api, client, sim.url, model=FAST.model)
+        with pytest.raises(InferenceProtocolError) as info:
+            await backend.generate(request("bad"))
+        return info.value
+
+    error = with_simulator(body, SimulatorConfig(port=0, faults=Faults(malformed=1.0)))
+    assert isinstance(error, InferenceError)
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_connection_refused_is_a_transport_error(api: str) -> None:
+    async def main() -> InferenceError:
+        url = f"http://127.0.0.1:{_closed_port()}"
+        async with httpx.AsyncClient(timeout=httpx.Timeout(10.0)) as client:
+            backend = make_backend(api, client, url)
+            with pytest.raises(InferenceTransportError) as info:
+                await backend.generate(request("refused"))
+            with pytest.raises(InferenceTransportError):
+                await backend.health()
+            return info.value
+
+    error = asyncio.run(main())
+    assert error.retryable is True
+    assert isinstance(error.__cause__, httpx.TransportError)
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_http_400_is_a_request_error_not_retried(api: str) -> None:
+    req = request("neg", max_new_tokens=-1)
+
+    async def body(sim: RunningSimulator, client: httpx.AsyncClient) -> Any:
+        backend = make_backend(api, client, sim.url, model=FAST.model)
+        attempts: list[InferenceError] = []
+        with pytest.raises(InferenceRequestError) as info:
+            await generate_with_retries(
+                backend, req, RetryPolicy(retries=5, backoff=0.0), on_error=attempts.append
+            )
+        return info.value, attempts
+
+    error, attempts = with_simulator(body)
+    assert error.retryable is False
+    assert "400" in str(error)
+    assert len(attempts) == 1  # not retried
+
+
+def test_generate_with_retries_gives_up_after_the_retries() -> None:
+    async def body(sim: RunningSimulator, client: httpx.AsyncClient) -> Any:
+        backend = SGLangBackend(client, sim.url)
+        attempts: list[InferenceError] = []
+        with pytest.raises(InferenceServerError):
+            await generate_with_retries(
+                backend,
+                request("again"),
+                RetryPolicy(retries=2, backoff=0.0, backoff_max=0.0),
+                on_error=attempts.append,
+            )
+        return attempts, len(sim.log)
+
+    attempts, served = with_simulator(body, SimulatorConfig(port=0, faults=Faults(http_500=1.0)))
+    assert len(attempts) == 3  # the first try and two retries
+    assert served == 3
+    assert all(isinstance(e, InferenceServerError) for e in attempts)
+
+
+def test_generate_with_retries_counts_attempts_on_success() -> None:
+    class Flaky(InferenceBackend):
+        api = "flaky"
+
+        def __init__(self) -> None:
+            self.calls = 0
+
+        async def generate(self, request: GenerationRequest) -> GenerationResult:
+            self.calls += 1
+            if self.calls < 3:
+                raise InferenceTransportError("reset")
+            return GenerationResult(request.rid, 1, 2, [1, 2], "ok", "stop")
+
+    backend = Flaky()
+    result, attempts = asyncio.run(
+        generate_with_retries(backend, request("f"), RetryPolicy(retries=3, backoff=0.0))
+    )
+    assert attempts == 3
+    assert result.completion_tokens == 2
+
+
+def test_retry_delay_grows_and_is_capped(monkeypatch: pytest.MonkeyPatch) -> None:
+    policy = RetryPolicy(retries=10, backoff=0.5, backoff_max=10.0)
+    monkeypatch.setattr(inference.random, "random", lambda: 1.0)  # no jitter
+    full = [policy.delay(a) for a in range(1, 9)]
+    assert full == [0.5, 1.0, 2.0, 4.0, 8.0, 10.0, 10.0, 10.0]
+    monkeypatch.setattr(inference.random, "random", lambda: 0.0)  # most jitter
+    assert [policy.delay(a) for a in range(1, 9)] == [d / 2 for d in full]
+
+
+def test_retry_delay_jitter_stays_within_bounds() -> None:
+    policy = RetryPolicy(backoff=0.5, backoff_max=10.0)
+    for attempt in range(1, 12):
+        base = min(10.0, 0.5 * 2 ** (attempt - 1))
+        for _ in range(50):
+            assert base / 2 <= policy.delay(attempt) <= base
+
+
+# ---- malformed answers, without a server --------------------------------------------
+
+
+def _answering(payload: Any, status: int = 200) -> Callable[[str], InferenceBackend]:
+    def handler(req: httpx.Request) -> httpx.Response:
+        return httpx.Response(status, json=payload)
+
+    def make(api: str) -> InferenceBackend:
+        client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+        return make_backend(api, client, "http://server")
+
+    return make
+
+
+async def _generate(backend: InferenceBackend) -> GenerationResult:
+    try:
+        return await backend.generate(request("m"))
+    finally:
+        await backend.client.aclose()
+
+
+@pytest.mark.parametrize(
+    ("api", "payload", "match"),
+    [
+        ("sglang", {"text": "x", "output_ids": [1]}, "meta_info"),
+        ("sglang", {"text": "x", "meta_info": {"prompt_tokens": 1, "completion_tokens": 1}},
+         "output_ids"),
+        ("sglang", {"output_ids": [1], "meta_info": {"prompt_tokens": 1}}, "completion_tokens"),
+        ("sglang", [1, 2, 3], "meta_info"),
+        ("sglang", {"output_ids": [1], "meta_info": {"prompt_tokens": 1, "completion_tokens": 1,
+                                                     "finish_reason": {"type": "exploded"}}},
+         "finish_reason"),
+        ("openai-completions", {"choices": [], "usage": {}}, "choices"),
+        ("openai-completions", {"choices": [{"text": "x"}]}, "usage"),
+        ("openai-chat", {"choices": [{"message": {"content": "x"}}],
+                         "usage": {"prompt_tokens": 1}}, "completion_tokens"),
+        ("openai-chat", {"choices": [{"message": {}, "finish_reason": "eaten"}],
+                         "usage": {"prompt_tokens": 1, "completion_tokens": 1}}, "finish_reason"),
+    ],
+)  # fmt: skip
+def test_unexpected_shapes_are_protocol_errors(api: str, payload: Any, match: str) -> None:
+    backend = _answering(payload)(api)
+    with pytest.raises(InferenceProtocolError, match=match):
+        asyncio.run(_generate(backend))
+
+
+def test_old_sglang_token_ids_field_is_accepted() -> None:
+    payload = {
+        "text": " w1 w2",
+        "token_ids": [1, 2],
+        "meta_info": {"prompt_tokens": 3, "completion_tokens": 2, "finish_reason": None},
+    }
+    result = asyncio.run(_generate(_answering(payload)("sglang")))
+    assert result.output_ids == [1, 2]
+    assert result.completion_tokens == 2
+    assert result.finish_reason == "stop"
+
+
+def test_openai_without_token_ids_counts_from_usage() -> None:
+    payload = {
+        "choices": [{"text": "hi", "finish_reason": "length"}],
+        "usage": {"prompt_tokens": 4, "completion_tokens": 9},
+    }
+    result = asyncio.run(_generate(_answering(payload)("openai-completions")))
+    assert result.completion_tokens == 9
+    assert result.output_ids == []
+    assert result.finish_reason == "length"
+
+
+@pytest.mark.parametrize(("status", "error"), [(404, InferenceRequestError),
+                                               (422, InferenceRequestError),
+                                               (503, InferenceServerError)])  # fmt: skip
+def test_status_codes(status: int, error: type[InferenceError]) -> None:
+    backend = _answering({"error": "no"}, status)("openai-chat")
+    with pytest.raises(error, match=str(status)):
+        asyncio.run(_generate(backend))

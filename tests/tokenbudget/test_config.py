@@ -1,0 +1,320 @@
+"""Config loading: budgets parsed, every bad key named, paths and env overrides."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tokenbudget.config import build, load, parse_budget
+from tokenbudget.errors import ConfigError
+
+NO_ENV: dict[str, str] = {}
+
+
+def dataset(name: str = "a", **extra: Any) -> dict[str, Any]:
+    return {"name": name, "path": f"{name}.jsonl", "budget": "1M", **extra}
+
+
+def config_error(data: dict[str, Any], **kwargs: Any) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        build(data, environ=kwargs.pop("environ", NO_ENV), **kwargs)
+    return info.value
+
+
+# ---- parse_budget ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("10M", 10_000_000),
+        ("10m", 10_000_000),
+        ("250k", 250_000),
+        ("250K", 250_000),
+        ("1.5M", 1_500_000),
+        ("2G", 2_000_000_000),
+        ("1b", 1_000_000_000),
+        ("1_000_000", 1_000_000),
+        ("42", 42),
+        (" 3k ", 3_000),
+        (1000000, 1_000_000),
+        (1, 1),
+    ],
+)
+def test_parse_budget(value: object, expected: int) -> None:
+    result = parse_budget(value)
+    assert result == expected
+    assert type(result) is int
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["10Q", "", "M", "ten", "1.5.2M", "-5", "1e6", 0, -5, "0", "0k", True, False, 1.5, None],
+)
+def test_parse_budget_rejects(value: object) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_budget(value, "datasets[3].budget")
+    assert info.value.key == "datasets[3].budget"
+    assert "datasets[3].budget" in str(info.value)
+
+
+# ---- unknown, missing and wrong keys -----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("data", "key"),
+    [
+        ({"kafka": {"bootstrp": "x"}}, "kafka.bootstrp"),
+        ({"inference": {"concurency": 3}}, "inference.concurency"),
+        ({"budget": {"units": "samples"}}, "budget.units"),
+        ({"sink": {"paht": "out"}}, "sink.paht"),
+        ({"producer": {"on_bad": "skip"}}, "producer.on_bad"),
+        ({"metrics": {"prot": 1}}, "metrics.prot"),
+        ({"datasets": [dataset("a"), dataset("b", colour="red")]}, "datasets[1].colour"),
+        ({"kafak": {}}, "kafak"),
+    ],
+)
+def test_unknown_key_is_named(data: dict[str, Any], key: str) -> None:
+    error = config_error(data)
+    assert error.key == key
+    assert f"'{key}'" in str(error)
+
+
+def test_missing_dataset_budget() -> None:
+    error = config_error({"datasets": [{"name": "a", "path": "a.jsonl"}]})
+    assert error.key == "datasets[0].budget"
+
+
+def test_missing_dataset_path_in_second_dataset() -> None:
+    error = config_error({"datasets": [dataset("a"), {"name": "b", "budget": 5}]})
+    assert error.key == "datasets[1].path"
+
+
+@pytest.mark.parametrize(
+    ("data", "key"),
+    [
+        ({"inference": {"concurrency": "lots"}}, "inference.concurrency"),
+        ({"inference": {"api": "grpc"}}, "inference.api"),
+        ({"kafka": {"local_port": "9092"}}, "kafka.local_port"),
+        ({"budget": {"unit": "words"}}, "budget.unit"),
+        ({"datasets": [dataset("a", format="csv")]}, "datasets[0].format"),
+        ({"datasets": [dataset("a", limit="ten")]}, "datasets[0].limit"),
+        ({"datasets": {"name": "a"}}, "datasets"),
+    ],
+)
+def test_wrong_type_is_named(data: dict[str, Any], key: str) -> None:
+    assert config_error(data).key == key
+
+
+@pytest.mark.parametrize("budget", ["10Q", 0, -5, True])
+def test_bad_dataset_budget_is_named(budget: object) -> None:
+    error = config_error({"datasets": [dataset("a"), dataset("b", budget=budget)]}, source="x.toml")
+    assert error.key == "datasets[1].budget"
+    assert error.source == "x.toml"
+    assert str(error).startswith("x.toml: ")
+
+
+def test_duplicate_dataset_names() -> None:
+    error = config_error({"datasets": [dataset("a"), dataset("b"), dataset("a")]})
+    assert error.key == "datasets[2].name"
+    assert "twice" in str(error)
+
+
+@pytest.mark.parametrize("name", ["has space", "a/b", "", "é"])
+def test_bad_dataset_name(name: str) -> None:
+    assert config_error({"datasets": [dataset(name)]}).key == "datasets[0].name"
+
+
+@pytest.mark.parametrize(
+    ("data", "key"),
+    [
+        ({"inference": {"concurrency": 0}}, "inference.concurrency"),
+        ({"inference": {"max_new_tokens": -1}}, "inference.max_new_tokens"),
+        ({"inference": {"retries": -1}}, "inference.retries"),
+        ({"inference": {"url": "gpu-box:30000"}}, "inference.url"),
+        ({"sink": {"row_group_rows": 0}}, "sink.row_group_rows"),
+        ({"kafka": {"namespace": "a.b"}}, "kafka.namespace"),
+    ],
+)
+def test_out_of_range_values(data: dict[str, Any], key: str) -> None:
+    assert config_error(data).key == key
+
+
+# ---- defaults and values -----------------------------------------------------------
+
+
+def test_defaults() -> None:
+    config = build({}, environ=NO_ENV)
+    assert config.datasets == ()
+    assert config.inference.api == "sglang"
+    assert config.max_queued_per_dataset == 2 * config.inference.concurrency
+
+
+def test_dataset_values() -> None:
+    config = build(
+        {
+            "inference": {"max_new_tokens": 512},
+            "datasets": [
+                dataset("a", budget="2.5k"),
+                dataset("b", budget=7, max_new_tokens=64, limit=3, format="openai"),
+            ],
+        },
+        environ=NO_ENV,
+    )
+    a, b = config.datasets
+    assert (a.name, a.budget, a.max_new_tokens, a.limit, a.format) == ("a", 2500, 512, None, "auto")
+    assert (b.name, b.budget, b.max_new_tokens, b.limit, b.format) == ("b", 7, 64, 3, "openai")
+    assert config.dataset("b") is b
+    with pytest.raises(ConfigError):
+        config.dataset("zzz")
+
+
+def test_input_is_not_mutated_by_env_overrides() -> None:
+    data: dict[str, Any] = {"inference": {"concurrency": 2}}
+    build(data, environ={"TOKENBUDGET__INFERENCE__CONCURRENCY": "9"})
+    assert data == {"inference": {"concurrency": 2}}
+
+
+# ---- files and paths ---------------------------------------------------------------
+
+
+CONFIG_TOML = """
+[sink]
+path = "out"
+
+[[datasets]]
+name = "relative"
+path = "data/a.jsonl"
+budget = "10M"
+
+[[datasets]]
+name = "absolute"
+path = "{absolute}"
+budget = 250000
+"""
+
+
+def test_relative_paths_resolve_against_the_config_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = tmp_path / "project"
+    folder.mkdir()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    absolute = tmp_path / "abs" / "b.jsonl"
+    file = folder / "tokenbudget.toml"
+    file.write_text(CONFIG_TOML.format(absolute=absolute.as_posix()))
+    monkeypatch.chdir(elsewhere)  # the working directory must not matter
+
+    config = load(file, environ=NO_ENV)
+
+    relative, absolute_ds = config.datasets
+    assert relative.path == (folder / "data" / "a.jsonl").resolve()
+    assert absolute_ds.path == absolute
+    assert relative.budget == 10_000_000
+    assert absolute_ds.budget == 250_000
+    assert config.sink_path == (folder / "out").resolve()
+    assert config.source == str(file)
+
+
+def test_load_errors_name_the_file(tmp_path: Path) -> None:
+    file = tmp_path / "bad.toml"
+    file.write_text('[[datasets]]\nname = "a"\npath = "a.jsonl"\n')
+    with pytest.raises(ConfigError) as info:
+        load(file, environ=NO_ENV)
+    assert info.value.key == "datasets[0].budget"
+    assert info.value.source == str(file)
+    assert str(file) in str(info.value)
+
+
+def test_invalid_toml_names_the_file(tmp_path: Path) -> None:
+    file = tmp_path / "broken.toml"
+    file.write_text("[kafka\nbootstrap = 1\n")
+    with pytest.raises(ConfigError) as info:
+        load(file, environ=NO_ENV)
+    assert info.value.source == str(file)
+    assert str(file) in str(info.value)
+    assert "TOML" in str(info.value)
+
+
+def test_missing_file_names_the_file(tmp_path: Path) -> None:
+    file = tmp_path / "nope.toml"
+    with pytest.raises(ConfigError) as info:
+        load(file, environ=NO_ENV)
+    assert str(file) in str(info.value)
+
+
+# ---- environment overrides ---------------------------------------------------------
+
+
+def test_env_override_applies(tmp_path: Path) -> None:
+    file = tmp_path / "c.toml"
+    file.write_text("[inference]\nconcurrency = 2\n")
+    assert load(file, environ=NO_ENV).inference.concurrency == 2
+    config = load(file, environ={"TOKENBUDGET__INFERENCE__CONCURRENCY": "8"})
+    assert config.inference.concurrency == 8
+
+
+def test_env_overrides_of_several_types() -> None:
+    config = build(
+        {},
+        environ={
+            "TOKENBUDGET__INFERENCE__URL": "http://gpu-box:30000",
+            "TOKENBUDGET__INFERENCE__TEMPERATURE": "0.25",
+            "TOKENBUDGET__BUDGET__UNIT": "samples",
+            "TOKENBUDGET__KAFKA__BOOTSTRAP": "10.0.0.1:9092",
+            "UNRELATED": "ignored",
+            "TOKENBUDGET_SINGLE_UNDERSCORE": "ignored too",
+        },
+    )
+    assert config.inference.url == "http://gpu-box:30000"
+    assert config.inference.temperature == 0.25
+    assert config.budget.unit == "samples"
+    assert config.kafka.bootstrap == "10.0.0.1:9092"
+
+
+@pytest.mark.parametrize(
+    ("name", "key"),
+    [
+        ("TOKENBUDGET__NOSUCH__X", "nosuch.x"),
+        ("TOKENBUDGET__DATASETS__BUDGET", "datasets.budget"),
+        ("TOKENBUDGET__INFERENCE__NOSUCH", "inference.nosuch"),
+    ],
+)
+def test_bad_env_override_raises(name: str, key: str) -> None:
+    assert config_error({}, environ={name: "1"}).key == key
+
+
+@pytest.mark.parametrize(
+    "name", ["TOKENBUDGET__INFERENCE", "TOKENBUDGET__A__B__C", "TOKENBUDGET____X"]
+)
+def test_malformed_env_name_raises(name: str) -> None:
+    assert config_error({}, environ={name: "1"}).key == name
+
+
+def test_env_override_with_wrong_type_is_named() -> None:
+    error = config_error({}, environ={"TOKENBUDGET__INFERENCE__CONCURRENCY": "many"})
+    assert error.key == "inference.concurrency"
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("TOKENBUDGET__INFERENCE__MODEL", "7"),
+        ("TOKENBUDGET__INFERENCE__MODEL", "true"),
+        ("TOKENBUDGET__INFERENCE__MODEL", "2024-01-01"),
+        ("TOKENBUDGET__KAFKA__NAMESPACE", "2024"),
+        ("TOKENBUDGET__KAFKA__BOOTSTRAP", '"quoted"'),
+    ],
+)
+def test_env_override_of_a_string_key_is_taken_verbatim(name: str, value: str) -> None:
+    _, section, key = name.lower().split("__")
+    config = build({}, environ={name: value})
+    assert getattr(getattr(config, section), key) == value
+
+
+def test_env_override_of_a_literal_key_is_taken_verbatim() -> None:
+    config = build({}, environ={"TOKENBUDGET__PRODUCER__ON_BAD_ROW": "fail"})
+    assert config.producer.on_bad_row == "fail"

@@ -1,0 +1,194 @@
+"""Commands that steer a running job: ``dispatch`` and ``budget set|show``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import signal
+import time
+from pathlib import Path
+
+from aiokafka import AIOKafkaProducer
+
+from producers.dispatcher import Dispatcher
+from producers.halts import BudgetWatcher
+from streams import events as ev
+from streams.topics import Topics
+from tokenbudget import config as config_module
+from tokenbudget.config import parse_budget
+from tokenbudget.errors import ConfigError
+from tokenbudget.kafka import aiokafka_options, resolve_bootstrap
+from tokenbudget.report import format_table
+
+
+async def dispatch_until_stopped(
+    config: config_module.Config, bootstrap: str, report_path: Path | None = None
+) -> None:
+    """One dispatcher process: runs until SIGTERM/SIGINT, then finishes what it
+    started, hands back its leases, commits and exits."""
+    topics = Topics(config.kafka.namespace)
+    watcher = BudgetWatcher(bootstrap, topics)
+    await watcher.start()
+    watch_task = asyncio.create_task(watcher.run())
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    dispatcher = Dispatcher(config, bootstrap, watcher.board)
+    try:
+        await dispatcher.run(stop)
+    finally:
+        watch_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await watch_task
+        await watcher.stop()
+    if report_path is not None:
+        refused = dict(dispatcher.refused_at)
+        for name, view in watcher.board.views.items():
+            if view.halted_at is not None:
+                refused[name] = min(refused.get(name, view.halted_at), view.halted_at)
+        report_path.write_text(
+            json.dumps(
+                {
+                    "holder": dispatcher.holder,
+                    "refused_at": refused,
+                    "completed": dispatcher.report.completed,
+                    "skipped": dispatcher.report.skipped,
+                    "failed": dispatcher.report.failed,
+                }
+            )
+        )
+
+
+def run_dispatch_cli(args: argparse.Namespace) -> int:
+    config = config_module.load(args.config)
+    bootstrap = resolve_bootstrap(config)
+    asyncio.run(
+        dispatch_until_stopped(config, bootstrap, Path(args.report) if args.report else None)
+    )
+    return 0
+
+
+async def publish_budget(bootstrap: str, topics: Topics, event: ev.BudgetSet) -> None:
+    producer = AIOKafkaProducer(**aiokafka_options(bootstrap), acks="all")
+    await producer.start()
+    try:
+        await producer.send_and_wait(
+            topics.budgets, key=event.dataset.encode(), value=ev.encode(event)
+        )
+    finally:
+        await producer.stop()
+
+
+async def read_ledger(bootstrap: str, topics: Topics, timeout: float = 10.0) -> BudgetWatcher:
+    """The ledger's latest snapshot of every dataset, as published on the topic."""
+    watcher = BudgetWatcher(bootstrap, topics)
+    await watcher.start()
+    task = asyncio.create_task(watcher.run())
+    try:
+        await asyncio.wait_for(watcher.caught_up.wait(), timeout)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+        await watcher.stop()
+    return watcher
+
+
+def run_budget_cli(args: argparse.Namespace) -> int:
+    config = config_module.load(args.config)
+    bootstrap = resolve_bootstrap(config)
+    topics = Topics(config.kafka.namespace)
+    if args.budget_command == "set":
+        names = {d.name for d in config.datasets}
+        if args.dataset not in names and not args.force:
+            raise ConfigError(
+                "datasets",
+                f"{args.dataset!r} is not a dataset of this config ({', '.join(sorted(names))});"
+                " pass --force to set it anyway",
+                source=config.source,
+            )
+        budget = parse_budget(args.budget, "budget")
+        event = ev.BudgetSet(
+            dataset=args.dataset,
+            budget=budget,
+            unit=config.budget.unit,
+            set_at=time.time(),
+            set_by="tokenbudget budget set",
+        )
+        asyncio.run(publish_budget(bootstrap, topics, event))
+        print(f"{args.dataset}: budget set to {budget:,} {config.budget.unit}")
+        return 0
+    watcher = asyncio.run(read_ledger(bootstrap, topics))
+    snapshots = {
+        name: view.snapshot for name, view in sorted(watcher.board.views.items()) if view.snapshot
+    }
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    name: {
+                        "budget": s.budget,
+                        "unit": s.unit,
+                        "completion_tokens": s.completion_tokens,
+                        "prompt_tokens": s.prompt_tokens,
+                        "samples": s.samples,
+                        "reserved": s.reserved,
+                        "skipped": s.skipped,
+                        "failed": s.failed,
+                        "halted": s.halted,
+                        "status": s.status,
+                        "at": s.at,
+                    }
+                    for name, s in snapshots.items()
+                },
+                indent=2,
+            )
+        )
+        return 0
+    rows = [
+        [
+            name,
+            f"{s.budget:,}" if s.budget is not None else "-",
+            s.unit,
+            f"{s.completion_tokens:,}",
+            f"{s.reserved:,}",
+            s.samples,
+            s.skipped,
+            s.status,
+        ]
+        for name, s in snapshots.items()
+    ]
+    headers = [
+        "dataset",
+        "budget",
+        "unit",
+        "completion_tokens",
+        "reserved",
+        "samples",
+        "skipped",
+        "status",
+    ]
+    print(format_table(headers, rows) if rows else "no ledger snapshots yet")
+    return 0
+
+
+def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    dispatch = sub.add_parser("dispatch", help="one dispatcher process (SIGTERM: finish, release)")
+    dispatch.add_argument("--config", required=True)
+    dispatch.add_argument("--report", help="write refusal times and counts here on exit (JSON)")
+    dispatch.set_defaults(func=run_dispatch_cli)
+
+    budget = sub.add_parser("budget", help="set or show budgets while a job runs")
+    budget_sub = budget.add_subparsers(dest="budget_command", required=True)
+    set_cmd = budget_sub.add_parser("set", help="publish a new budget: raise resumes, lower halts")
+    set_cmd.add_argument("dataset")
+    set_cmd.add_argument("budget", help="10M, 250k, 1_000_000")
+    set_cmd.add_argument("--config", required=True)
+    set_cmd.add_argument("--force", action="store_true")
+    show = budget_sub.add_parser("show", help="print the ledger")
+    show.add_argument("--config", required=True)
+    show.add_argument("--json", action="store_true")
+    budget.set_defaults(func=run_budget_cli)
