@@ -28,21 +28,79 @@ import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kafka import KafkaAdminClient, KafkaProducer  # noqa: E402
+from kafka import KafkaAdminClient, KafkaProducer
 
-from sinks.parquet import write_parquet  # noqa: E402
-from sinks.replay import ReplayOptions, replay  # noqa: E402
-from streams import events as ev  # noqa: E402
-from streams.topics import Topics  # noqa: E402
-from tokenbudget import broker  # noqa: E402
+from sinks.parquet import write_parquet
+from sinks.replay import ReplayOptions, replay
+from streams import events as ev
+from streams.topics import Topics
+from tokenbudget import broker
 
 VOCAB = 151_643
 DATASETS = [f"B{i}_bench" for i in range(1, 9)]
 WORDS = np.array(
-    "the of and to in is that for it with as was on be by this are or from at an which "
-    "def return self import if else for while print value result data list dict class "
-    "function variable number string error true false none first second answer step "
-    "therefore because since we let x y z equal sum total".split()
+    [
+        "the",
+        "of",
+        "and",
+        "to",
+        "in",
+        "is",
+        "that",
+        "for",
+        "it",
+        "with",
+        "as",
+        "was",
+        "on",
+        "be",
+        "by",
+        "this",
+        "are",
+        "or",
+        "from",
+        "at",
+        "an",
+        "which",
+        "def",
+        "return",
+        "self",
+        "import",
+        "if",
+        "else",
+        "for",
+        "while",
+        "print",
+        "value",
+        "result",
+        "data",
+        "list",
+        "dict",
+        "class",
+        "function",
+        "variable",
+        "number",
+        "string",
+        "error",
+        "true",
+        "false",
+        "none",
+        "first",
+        "second",
+        "answer",
+        "step",
+        "therefore",
+        "because",
+        "since",
+        "we",
+        "let",
+        "x",
+        "y",
+        "z",
+        "equal",
+        "sum",
+        "total",
+    ]
 )
 
 
@@ -126,26 +184,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workdir", help="default: a temporary folder, removed after")
     parser.add_argument("--keep-topics", action="store_true")
+    parser.add_argument(
+        "--reuse-namespace", metavar="NS", help="replay NS's topic (left by --keep-topics)"
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
 
-    topics = Topics(f"bench-replay-{uuid.uuid4().hex[:8]}")
+    topics = Topics(args.reuse_namespace or f"bench-replay-{uuid.uuid4().hex[:8]}")
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="tb-bench-replay-"))
     workdir.mkdir(parents=True, exist_ok=True)
     out, scratch = workdir / "out", workdir / "ceiling"
     scratch.mkdir(exist_ok=True)
     broker.ensure_topics(args.bootstrap, topics.specs())
     try:
-        started = time.perf_counter()
-        produced = produce(
-            args.bootstrap, topics.completions, args.events, args.chars_per_token, args.seed
-        )
-        produce_s = time.perf_counter() - started
-        print(
-            f"produced {args.events:,} completions ({produced / 1e9:.2f} GB of JSON) "
-            f"to {topics.completions} in {produce_s:.1f} s",
-            file=sys.stderr,
-        )
+        if not args.reuse_namespace:
+            started = time.perf_counter()
+            produced = produce(
+                args.bootstrap, topics.completions, args.events, args.chars_per_token, args.seed
+            )
+            produce_s = time.perf_counter() - started
+            print(
+                f"produced {args.events:,} completions ({produced / 1e9:.2f} GB of JSON) "
+                f"to {topics.completions} in {produce_s:.1f} s",
+                file=sys.stderr,
+            )
         summary = replay(
             ReplayOptions(bootstrap=args.bootstrap, topics=topics, to_parquet=out),
             progress=True,

@@ -70,6 +70,8 @@ class _Lease:
     in_flight: int = 0
     spent: int = 0
     revoked: bool = False
+    ledger_short: bool = False  # the ledger granted less than asked, or denied
+    asked_want: int = 0
     asked: asyncio.Future[ev.Event] | None = None
     last_used: float = field(default_factory=time.monotonic)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -94,6 +96,7 @@ class Admission:
         self.on_revoke = on_revoke
         self._leases: dict[str, _Lease] = {}
         self._counter = itertools.count(1)
+        self._asks: dict[str, asyncio.Future[ev.Event]] = {}
         self.refused_at: dict[str, float] = {}  # when this dispatcher first refused
         board.lease_listeners[holder] = self._on_ledger_event
         self._maintenance: asyncio.Task[None] | None = None
@@ -113,7 +116,17 @@ class Admission:
             floor = want if policy == "finish" else extra + self.settings.min_new_tokens
         while True:
             lease = self._lease(dataset)
-            if lease.balance >= floor:
+            if lease.revoked:
+                # Revoked with requests still in flight: spend nothing more and do not
+                # ask on it (that would reopen an expired lease id at the ledger, or
+                # spin on denials); a fresh lease is opened once they have settled.
+                lease.changed.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(lease.changed.wait(), timeout=1.0)
+                continue
+            # A whole request when the lease covers it; a clamped one only once the
+            # ledger has said it has no more to give (the budget's last tokens).
+            if lease.balance >= want or (lease.balance >= floor and lease.ledger_short):
                 reserved = min(want, lease.balance)
                 lease.balance -= reserved
                 lease.in_flight += 1
@@ -121,9 +134,12 @@ class Admission:
                 send = max_new_tokens if unit == "samples" else reserved - (want - max_new_tokens)
                 return Ticket(dataset, lease.lease_id, reserved, send, prompt_estimate)
             reply = await self._ask(lease, max(self.settings.lease_size, want), floor)
-            if isinstance(reply, ev.LeaseGranted):
+            if reply is None or isinstance(reply, ev.LeaseGranted):
+                continue  # granted (see _on_ledger_event), or no answer yet: ask again
+            if lease.balance >= floor and self._leases.get(dataset) is lease:
+                lease.ledger_short = True  # denied: spend what the lease still holds
                 continue
-            if lease.revoked:
+            if lease.revoked or self._leases.get(dataset) is not lease:
                 continue  # a fresh lease is opened on the next turn
             if isinstance(reply, ev.LeaseDenied) and reply.remaining < 0:
                 # The ledger has not seen this dataset's budget yet: ask again.
@@ -135,8 +151,14 @@ class Admission:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(lease.changed.wait(), timeout=1.0)
                 continue
+            if isinstance(reply, ev.LeaseDenied) and not reply.full:
+                # The rest is reserved by other holders: it comes back when they
+                # settle, go idle or expire.
+                await asyncio.sleep(0.25)
+                continue
             self.refused_at.setdefault(dataset, time.time())
-            await self._release(lease)
+            if self._leases.get(dataset) is lease:
+                await self._release(lease)
             return None
 
     def settle(self, ticket: Ticket, published_cost: int | None) -> None:
@@ -170,9 +192,13 @@ class Admission:
             self._leases[dataset] = lease
         return lease
 
-    async def _ask(self, lease: _Lease, want: int, min_grant: int) -> ev.Event:
+    async def _ask(self, lease: _Lease, want: int, min_grant: int) -> ev.Event | None:
+        """One request to the ledger per lease at a time; every caller waits for
+        its answer. None after a while without one (the ledger may be restarting)."""
         if lease.asked is None or lease.asked.done():
             lease.asked = asyncio.get_running_loop().create_future()
+            lease.asked_want = want
+            self._asks[lease.lease_id] = lease.asked
             request = ev.LeaseRequested(
                 dataset=lease.dataset,
                 lease_id=lease.lease_id,
@@ -183,27 +209,39 @@ class Admission:
                 at=time.time(),
             )
             await self._send(request)
-        return await asyncio.shield(lease.asked)
+        try:
+            return await asyncio.wait_for(asyncio.shield(lease.asked), timeout=10.0)
+        except TimeoutError:
+            lease.asked = None  # the next caller asks again; late answers still land
+            return None
 
     def _on_ledger_event(self, event: ev.Event) -> None:
         match event:
             case ev.LeaseGranted() | ev.LeaseDenied():
+                # Answer whoever waits on this lease id, even if the lease was
+                # released meanwhile (its waiters then move on to a fresh lease).
+                asked = self._asks.pop(event.lease_id, None)
                 lease = self._leases.get(event.dataset)
-                if lease is None or lease.lease_id != event.lease_id:
-                    return
-                if isinstance(event, ev.LeaseGranted):
+                current = lease is not None and lease.lease_id == event.lease_id
+                if current and isinstance(event, ev.LeaseGranted):
+                    assert lease is not None
                     lease.balance += event.granted
-                if lease.asked is not None and not lease.asked.done():
-                    lease.asked.set_result(event)
-                lease.changed.set()
+                    # Grants are min(asked, rest): less than asked means the end.
+                    lease.ledger_short = event.granted < lease.asked_want
+                if asked is not None and not asked.done():
+                    asked.set_result(event)
+                if current:
+                    assert lease is not None
+                    lease.changed.set()
             case ev.LeaseRevoked():
                 lease = self._leases.get(event.dataset)
                 if lease is None or lease.lease_id != event.lease_id or lease.revoked:
                     return
                 lease.revoked = True
                 lease.balance = 0
-                if lease.asked is not None and not lease.asked.done():
-                    lease.asked.set_result(event)
+                asked = self._asks.pop(event.lease_id, None)
+                if asked is not None and not asked.done():
+                    asked.set_result(event)
                 lease.changed.set()
                 if self.on_revoke is not None:
                     asyncio.get_running_loop().create_task(self.on_revoke(event.dataset))

@@ -271,8 +271,17 @@ class InferenceBackend(ABC):
             if completion_tokens is None:
                 completion_tokens = self.tokenizer.count_completion(text)
             if prompt_tokens is None:
-                prompt_tokens = self.tokenizer.count_prompt(request.text, request.messages)
+                prompt_tokens = self.tokenizer.count_prompt(*self._sent_prompt(request))
         return prompt_tokens, completion_tokens, source
+
+    def _sent_prompt(
+        self, request: GenerationRequest
+    ) -> tuple[str | None, tuple[ChatMessage, ...] | None]:
+        """The prompt as this API sends it, for counting: text, or chat messages
+        (which the server renders with the model's chat template)."""
+        if request.text is None and request.messages:
+            return "\n".join(m.content for m in request.messages), None
+        return request.text, None
 
 
 class _SGLangStream:
@@ -549,6 +558,11 @@ class OpenAIChatBackend(_OpenAIBackend):
             "request_id": request.rid,
         }
 
+    def _sent_prompt(
+        self, request: GenerationRequest
+    ) -> tuple[str | None, tuple[ChatMessage, ...] | None]:
+        return None, request.messages or (ChatMessage(role="user", content=request.text or ""),)
+
     def _text(self, choice: Any) -> str:
         message = choice.get("message") or {}
         return str(message.get("content") or "")
@@ -607,6 +621,17 @@ def backend_for_config(
 # ---- before a run: is the server there, and is it the model we expect? ---------------
 
 
+async def prepare(config: Config) -> None:
+    """Before a run: load the tokenizer (off the event loop, once per process) and,
+    unless ``[inference] check_server = false``, check the server."""
+    if config.tokenizer_path is not None:
+        from producers.tokenizers import load_tokenizer
+
+        await asyncio.to_thread(load_tokenizer, config.tokenizer_path)
+    if config.inference.check_server:
+        await check_server(config)
+
+
 def _same_model(configured: str, served: str) -> bool:
     if configured == served:
         return True
@@ -656,7 +681,13 @@ async def check_server(config: Config, *, timeout: float = 10.0) -> list[str]:
                     with_path = _json_or_none(info)
                     if isinstance(with_path, dict) and isinstance(with_path.get("model_path"), str):
                         served.append(with_path["model_path"])
-        if inference.api != "sglang" or (inference.model and not served):
+        if inference.api == "sglang" and inference.model:
+            # --served-model-name shows only here; a failure here is not fatal
+            models = await get("/v1/models")
+            listing = _json_or_none(models) if models.status_code < 400 else None
+            data = listing.get("data") if isinstance(listing, dict) else None
+            served += [m["id"] for m in data or () if isinstance(m, dict) and "id" in m]
+        if inference.api != "sglang":
             models = await get("/v1/models")
             if models.status_code >= 400:
                 raise ServerUnreachableError(
@@ -667,6 +698,7 @@ async def check_server(config: Config, *, timeout: float = 10.0) -> list[str]:
             listing = _json_or_none(models)
             data = listing.get("data") if isinstance(listing, dict) else None
             served += [m["id"] for m in data or () if isinstance(m, dict) and "id" in m]
+        served = list(dict.fromkeys(served))
         if inference.model and served and not any(_same_model(inference.model, s) for s in served):
             raise WrongModelError(
                 f"the inference server at {url} serves {', '.join(map(repr, served))}, "

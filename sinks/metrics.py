@@ -66,7 +66,8 @@ OVERSHOOT = Gauge(
 HALTED = Gauge("tokenbudget_dataset_halted", "1 when the dataset is halted", ["dataset"])
 #: gauge: 1 while the dataset is open (neither halted nor exhausted), else 0
 OPEN = Gauge(
-    "tokenbudget_dataset_open", "1 while the dataset is open: not halted, not exhausted",
+    "tokenbudget_dataset_open",
+    "1 while the dataset is open: not halted, not exhausted",
     ["dataset"],
 )
 

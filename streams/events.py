@@ -141,6 +141,10 @@ class LeaseDenied(_Event, tag="lease_denied", frozen=True):
     lease_id: str
     holder: str
     remaining: int
+    # True when even every reservation coming back could not fit the smallest
+    # useful request: the dataset is done. False: budget is only tied up in other
+    # holders' leases for now, so ask again later.
+    full: bool = False
     at: float = 0.0
 
 

@@ -325,7 +325,9 @@ def apply_lease_request(state: DatasetLedger, event: LeaseRequested, at: float) 
     for the dataset, so grants never add up to more than the budget.
     """
     floor = max(1, event.min_grant)
-    state = msgspec.structs.replace(state, admit_floor=floor)
+    # The floor decides whether the dataset counts as full, so re-judge with it
+    # before deciding: a smaller useful request may reopen it.
+    state, judged = _check_budget(msgspec.structs.replace(state, admit_floor=floor), at)
     available = remaining(state)
     lease = state.leases.get(event.lease_id)
     closed = lease is not None and (lease.spent is not None or lease.holder != event.holder)
@@ -335,10 +337,10 @@ def apply_lease_request(state: DatasetLedger, event: LeaseRequested, at: float) 
             lease_id=event.lease_id,
             holder=event.holder,
             remaining=-1 if available is None else available,
+            full=state.budget is not None and state.budget - used(state) < floor,
             at=at,
         )
-        updated, emit = _check_budget(state, at)
-        return Transition(updated, [denied, *emit], changed=True)
+        return Transition(state, [denied, *judged], changed=True)
     grant = min(event.want, available)
     expires_at = at + event.ttl_s
     leases = dict(state.leases)
@@ -356,7 +358,9 @@ def apply_lease_request(state: DatasetLedger, event: LeaseRequested, at: float) 
         expires_at=expires_at,
         at=at,
     )
-    return Transition(msgspec.structs.replace(state, leases=leases), [granted], changed=True)
+    return Transition(
+        msgspec.structs.replace(state, leases=leases), [granted, *judged], changed=True
+    )
 
 
 def apply_lease_renewed(state: DatasetLedger, event: LeaseRenewed, at: float) -> Transition:
@@ -370,7 +374,7 @@ def apply_lease_renewed(state: DatasetLedger, event: LeaseRenewed, at: float) ->
 
 def apply_lease_released(state: DatasetLedger, event: LeaseReleased, at: float) -> Transition:
     lease = state.leases.get(event.lease_id)
-    if lease is None:
+    if lease is None or lease.holder != event.holder:
         return Transition(state)
     leases = dict(state.leases)
     if lease.committed >= event.spent:

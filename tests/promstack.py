@@ -41,8 +41,7 @@ def binary(*names: str) -> str:
         if path:
             return path
     message = (
-        f"{' or '.join(names)} not installed"
-        " (apt-get install prometheus prometheus-alertmanager)"
+        f"{' or '.join(names)} not installed (apt-get install prometheus prometheus-alertmanager)"
     )
     if os.environ.get("CI"):
         pytest.fail(message)

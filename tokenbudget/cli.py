@@ -52,6 +52,10 @@ def _simulate(args: argparse.Namespace) -> int:
             seed=args.seed,
             faults=faults,
             model=args.model,
+            incremental_streaming=args.incremental_streaming_output,
+            omit_usage=args.omit_usage,
+            omit_token_ids=args.omit_token_ids,
+            api_key=os.environ.get(args.api_key_env) if args.api_key_env else None,
         )
     )
     return 0
@@ -160,6 +164,13 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument("--tokens-per-second", type=float, default=4000.0)
     simulate.add_argument("--seed", type=int, default=0)
     simulate.add_argument("--model", default="tokenbudget-sim")
+    simulate.add_argument("--incremental-streaming-output", action="store_true",
+                          help="stream deltas, like SGLang with this flag")
+    simulate.add_argument("--omit-usage", action="store_true", help="no usage in answers")
+    simulate.add_argument("--omit-token-ids", action="store_true",
+                          help="ignore return_token_ids")
+    simulate.add_argument("--api-key-env", default="", metavar="VAR",
+                          help="require the key in $VAR as a Bearer token")
     for kind in ("500", "timeout", "reset", "malformed"):
         simulate.add_argument(f"--fail-{kind}", type=float, default=0.0, metavar="SHARE")
     simulate.set_defaults(func=_simulate)

@@ -85,6 +85,13 @@ class GroupLag:
             total += max(0, ends[tp] - position)
         return total
 
+    def members(self, group: str) -> int:
+        """How many consumers are in the group and past rebalancing."""
+        described = self._admin.describe_groups([group]).get(group, {})
+        if described.get("group_state") != "Stable":
+            return 0
+        return len(described.get("members") or [])
+
     def close(self) -> None:
         self._admin.close()
         self._consumer.close()

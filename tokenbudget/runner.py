@@ -96,7 +96,11 @@ class RunReport:
 
 
 def start_ledger_process(
-    bootstrap: str, namespace: str, snapshot_interval: float, metrics_port: int = 0
+    bootstrap: str,
+    namespace: str,
+    snapshot_interval: float,
+    metrics_port: int = 0,
+    metrics_host: str = "127.0.0.1",
 ) -> subprocess.Popen[bytes]:
     command = [
         sys.executable,
@@ -109,6 +113,8 @@ def start_ledger_process(
         namespace,
         "--snapshot-interval",
         str(snapshot_interval),
+        "--metrics-host",
+        metrics_host,
         "--metrics-port",
         str(metrics_port),
     ]
@@ -200,6 +206,7 @@ async def publish_budgets(config: Config, bootstrap: str) -> None:
             await producer.send_and_wait(
                 topics.budgets, key=dataset.name.encode(), value=ev.encode(event)
             )
+            metrics.EVENTS_PRODUCED.labels(topic="budgets").inc()
     finally:
         await producer.stop()
 
@@ -234,6 +241,18 @@ async def _wait_drained(
         lag.close()
 
 
+async def _wait_for_members(bootstrap: str, group: str, expected: int, timeout: float = 90) -> None:
+    lag = await asyncio.to_thread(GroupLag, bootstrap)
+    try:
+        deadline = time.monotonic() + timeout
+        while await asyncio.to_thread(lag.members, group) < expected:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"only some of {expected} dispatchers joined {group}")
+            await asyncio.sleep(0.25)
+    finally:
+        lag.close()
+
+
 async def run_async(
     config: Config,
     *,
@@ -244,10 +263,9 @@ async def run_async(
     dispatchers: int = 1,
 ) -> RunReport:
     started = time.monotonic()
-    if config.inference.check_server:
-        from producers.inference import check_server
+    from producers.inference import prepare
 
-        await check_server(config)  # unreachable or wrong model: stop before anything runs
+    await prepare(config)  # tokenizer loaded; server and model checked before anything runs
     if config.metrics.port:
         metrics.serve(config.metrics.host, config.metrics.port)
     if bootstrap is None:
@@ -277,6 +295,7 @@ async def run_async(
             config.budget.snapshot_interval_s,
             # the ledger owns the budget gauges: it serves them on the next port
             config.metrics.port + 1 if config.metrics.port else 0,
+            config.metrics.host,
         )
         if ledger_process
         else None
@@ -329,6 +348,10 @@ async def _run_components(
     dispatch_stop = asyncio.Event()
     dispatch_task = asyncio.create_task(dispatcher.run(dispatch_stop))
     extra.start()
+    if extra.count:
+        # Prompts handed out before every dispatcher joined would move at the
+        # rebalance and be generated twice: wait for the group to settle first.
+        await _wait_for_members(bootstrap, dispatcher.group_id, extra.count + 1)
     producer = PromptProducer(config, bootstrap, watcher.board)
     producer_stop = asyncio.Event()
     produce_task = asyncio.create_task(producer.run(producer_stop))

@@ -67,8 +67,7 @@ def test_sharegpt_and_openai_forms_of_one_conversation_share_ids(tmp_path: Path)
     sharegpt = write_jsonl(tmp_path / "s.jsonl", [conversation(3)])
     roles = {"system": "system", "human": "user", "gpt": "assistant"}
     messages = [
-        {"role": roles[t["from"]], "content": t["value"]}
-        for t in conversation(3)["conversations"]
+        {"role": roles[t["from"]], "content": t["value"]} for t in conversation(3)["conversations"]
     ]
     openai = write_jsonl(tmp_path / "o.jsonl", [{"messages": messages}])
     assert read(sharegpt, format="sharegpt")[0].prompt_id == read(openai)[0].prompt_id
@@ -315,7 +314,11 @@ def test_config_new_keys(tmp_path: Path, tokenizer_dir: Path) -> None:
     assert config.tokenizer_path == tokenizer_dir
     d = config.datasets[0]
     assert (d.format, d.template, d.turns, d.shuffle_seed, d.limit) == (
-        "sharegpt", True, "all", 3, 10
+        "sharegpt",
+        True,
+        "all",
+        3,
+        10,
     )
     options = read_options(config, d)
     assert options["format"] == "sharegpt" and callable(options["template"])
@@ -347,7 +350,10 @@ def test_config_relative_tokenizer_path(tmp_path: Path) -> None:
     ],
 )
 def test_config_errors_name_the_key(
-    tmp_path: Path, tokenizer_dir: Path, inference: dict[str, Any], dataset: dict[str, Any],
+    tmp_path: Path,
+    tokenizer_dir: Path,
+    inference: dict[str, Any],
+    dataset: dict[str, Any],
     key: str,
 ) -> None:
     if inference.get("tokenizer") == "TOK":

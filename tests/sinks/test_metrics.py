@@ -14,9 +14,7 @@ def test_ledger_gauges_follow_the_ledger_state() -> None:
     gauges = LedgerGauges()
     gauges.observe(DatasetLedger(dataset="gauged", budget=1000, completion_tokens=400, samples=2))
     gauges.observe(
-        DatasetLedger(
-            dataset="gauged", budget=1000, completion_tokens=1100, samples=3, halted=True
-        )
+        DatasetLedger(dataset="gauged", budget=1000, completion_tokens=1100, samples=3, halted=True)
     )
     assert value("tokenbudget_completion_tokens_total", "gauged") == 1100
     assert value("tokenbudget_samples_total", "gauged") == 3
@@ -37,8 +35,15 @@ def test_ledger_gauges_export_used_open_and_reserved() -> None:
     assert value("tokenbudget_dataset_open", "fresh") == 1
     assert value("tokenbudget_reserved_tokens", "fresh") == 0
     gauges.observe(
-        Ledger(dataset="fresh", budget=500, unit="total_tokens", completion_tokens=300,
-               prompt_tokens=250, samples=2, halted=True)
+        Ledger(
+            dataset="fresh",
+            budget=500,
+            unit="total_tokens",
+            completion_tokens=300,
+            prompt_tokens=250,
+            samples=2,
+            halted=True,
+        )
     )
     assert value("tokenbudget_budget_used_tokens", "fresh") == 550
     assert value("tokenbudget_overshoot_tokens", "fresh") == 50

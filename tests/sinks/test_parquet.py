@@ -48,6 +48,7 @@ def test_table_schema_and_values() -> None:
     assert table.column("request_id").to_pylist() == [r.request_id for r in rows]
     assert table.column("prompt_id").to_pylist() == [r.prompt_id for r in rows]
     assert table.column("dataset").to_pylist() == ["ds"] * 12
+    assert table.schema.field("dataset").type == pa.dictionary(pa.int32(), pa.string())
     assert table.column("prompt_tokens").to_pylist() == [r.prompt_tokens for r in rows]
     assert table.column("completion_tokens").to_pylist() == [r.completion_tokens for r in rows]
     assert table.column("finish_reason").to_pylist() == [r.finish_reason for r in rows]

@@ -10,9 +10,18 @@ from tokenbudget.progress import BudgetProgress, short
 
 def snap(dataset: str, at: float, tokens: int, **kw: object) -> ev.LedgerSnapshot:
     fields: dict[str, object] = {
-        "dataset": dataset, "budget": 1000, "unit": "completion_tokens",
-        "completion_tokens": tokens, "prompt_tokens": 0, "samples": 1, "skipped": 0,
-        "failed": 0, "produced": None, "halted": False, "status": "open", "at": at,
+        "dataset": dataset,
+        "budget": 1000,
+        "unit": "completion_tokens",
+        "completion_tokens": tokens,
+        "prompt_tokens": 0,
+        "samples": 1,
+        "skipped": 0,
+        "failed": 0,
+        "produced": None,
+        "halted": False,
+        "status": "open",
+        "at": at,
     }
     fields.update(kw)
     return ev.LedgerSnapshot(**fields)  # type: ignore[arg-type]
@@ -47,5 +56,11 @@ def test_bars_follow_ledger_snapshots(tmp_path) -> None:
 
 def test_short_numbers() -> None:
     assert [short(n) for n in (0, 999, 1000, 1234, 51_573, 400_000, 2_500_000)] == [
-        "0", "999", "1k", "1.2k", "52k", "400k", "2.5M"
+        "0",
+        "999",
+        "1k",
+        "1.2k",
+        "52k",
+        "400k",
+        "2.5M",
     ]

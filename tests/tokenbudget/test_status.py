@@ -109,7 +109,15 @@ def test_plain_table_and_footer() -> None:
     text = plain_table(tracker.rows(["a", "b"], {"b": 10}, now=110.0), 110.0)
     lines = text.splitlines()
     assert lines[0].split() == [
-        "dataset", "budget", "kept", "reserved", "remaining", "used", "tokens/s", "ETA", "state"
+        "dataset",
+        "budget",
+        "kept",
+        "reserved",
+        "remaining",
+        "used",
+        "tokens/s",
+        "ETA",
+        "state",
     ]
     assert lines[2].split() == ["a", "1,000", "250", "0", "750", "25.0%", "0", "-", "open"]
     assert lines[3].split()[-1] == "unknown"

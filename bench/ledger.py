@@ -1,0 +1,105 @@
+"""Completion events per second one ledger worker sustains.
+
+    .venv/bin/python bench/ledger.py [--events 100000] [--datasets 8]
+
+A fresh namespace on the local broker gets its budgets and N small completion
+events (distinct prompts, a lease id on each) while no ledger runs; then one Faust
+ledger worker starts and works through the backlog with its idempotency table and
+reservations. The rate is measured between the first and the last snapshot the
+ledger publishes while catching up, so worker start-up is not counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+import uuid
+
+from kafka import KafkaAdminClient, KafkaProducer
+
+from producers.halts import BudgetWatcher
+from streams import events as ev
+from streams.topics import Topics
+from tokenbudget import broker
+from tokenbudget.runner import start_ledger_process, stop_process
+
+
+def produce(bootstrap: str, topics: Topics, events: int, datasets: int) -> None:
+    producer = KafkaProducer(
+        bootstrap_servers=bootstrap, acks="all", linger_ms=20, batch_size=256 * 1024
+    )
+    names = [f"d{i}" for i in range(datasets)]
+    for name in names:
+        budget = ev.BudgetSet(dataset=name, budget=10**12)
+        producer.send(topics.budgets, key=name.encode(), value=ev.encode(budget))
+    for i in range(events):
+        name = names[i % datasets]
+        completion = ev.CompletionEvent(
+            request_id=uuid.uuid4().hex,
+            prompt_id=uuid.uuid4().hex,
+            dataset=name,
+            prompt_tokens=100,
+            completion_tokens=1000 + i % 500,
+            output_ids=[],
+            finish_reason="stop",
+            max_new_tokens=4096,
+            lease_id=f"bench:{name}:1",
+        )
+        producer.send(topics.completions, key=name.encode(), value=ev.encode(completion))
+    producer.flush()
+    producer.close()
+
+
+async def watch(
+    bootstrap: str, topics: Topics, events: int, datasets: int
+) -> tuple[float, float, int]:
+    watcher = BudgetWatcher(bootstrap, topics)
+    await watcher.start()
+    task = asyncio.create_task(watcher.run())
+    first: tuple[float, int] | None = None
+    try:
+        while True:
+            snaps = [watcher.board.snapshot(f"d{i}") for i in range(datasets)]
+            counted = sum(s.samples for s in snaps if s is not None)
+            if counted and first is None:
+                first = (time.monotonic(), counted)
+            if counted >= events:
+                assert first is not None
+                return first[0], time.monotonic(), counted - first[1]
+            await asyncio.sleep(0.05)
+    finally:
+        task.cancel()
+        await watcher.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--events", type=int, default=100_000)
+    parser.add_argument("--datasets", type=int, default=8)
+    args = parser.parse_args()
+    settings = broker.BrokerSettings.from_env()
+    bootstrap = broker.up(settings, [])
+    topics = Topics(f"bench-ledger-{int(time.time())}")
+    broker.ensure_topics(bootstrap, topics.specs())
+    t0 = time.monotonic()
+    produce(bootstrap, topics, args.events, args.datasets)
+    print(f"produced {args.events:,} completion events in {time.monotonic() - t0:.1f} s")
+    ledger = start_ledger_process(bootstrap, topics.namespace, 0.25)
+    try:
+        start, end, processed = asyncio.run(watch(bootstrap, topics, args.events, args.datasets))
+    finally:
+        stop_process(ledger)
+    rate = processed / (end - start)
+    print(
+        f"ledger: {processed:,} completion events in {end - start:.1f} s = {rate:,.0f} events/s"
+        f" (one Faust worker, idempotency table, {args.datasets} datasets)"
+    )
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap)
+    names = [spec.name for spec in topics.specs()]
+    admin.delete_topics(names)
+    admin.close()
+
+
+if __name__ == "__main__":
+    main()

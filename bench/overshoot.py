@@ -1,0 +1,219 @@
+"""Overshoot, unused budget, waste and halt latency per strategy.
+
+    .venv/bin/python bench/overshoot.py [--budget 400000] [--dispatchers 3] [--concurrency 64]
+
+The demo's eight datasets (tokenbudget/demo.py) against the simulator, on the local
+broker, with N dispatcher processes of the given concurrency, once per strategy:
+
+  sample-cap       every dataset capped at budget / (average answer length) samples
+  halt             halt after the completion that reaches the budget (no reservation)
+  reserve-truncate reservations, the last answers cut at the line
+  reserve-finish   reservations, answers never cut, the rest of the budget unused
+
+Per dataset: budget, kept tokens, overshoot %, unused %, waste (tokens the server
+generated that were not kept, from the simulator's own request log), and halt
+latency: from the completion that reached the budget to the moment the last
+dispatcher refused the dataset (p50 / p99 over the halted datasets).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pyarrow.parquet as pq
+from kafka import KafkaConsumer, TopicPartition
+
+from streams import events as ev
+from streams.topics import Topics
+from tokenbudget import broker
+from tokenbudget import config as config_module
+from tokenbudget.demo import DEMO_DATASETS, free_port, start_simulator, write_datasets
+from tokenbudget.report import format_table
+from tokenbudget.runner import RunReport, run
+
+STRATEGIES = ("sample-cap", "halt", "reserve-truncate", "reserve-finish")
+
+
+def write_config(
+    workdir: Path, strategy: str, paths: dict[str, Path], url: str, args: argparse.Namespace
+) -> Path:
+    namespace = f"bench-{strategy}-{int(time.time())}"
+    mean_answer = statistics.mean(d.mean_tokens for d in DEMO_DATASETS)
+    cap = round(args.budget / mean_answer)
+    budget_block = {
+        "sample-cap": ['admission = "halt"'],
+        "halt": ['admission = "halt"'],
+        "reserve-truncate": ['admission = "reserve"', 'on_boundary = "truncate"'],
+        "reserve-finish": ['admission = "reserve"', 'on_boundary = "finish"'],
+    }[strategy]
+    lines = [
+        "[kafka]",
+        'bootstrap = "local"',
+        f'namespace = "{namespace}"',
+        "[inference]",
+        f'url = "{url}"',
+        f"concurrency = {args.concurrency}",
+        f"max_new_tokens = {args.max_new_tokens}",
+        "[budget]",
+        *budget_block,
+        "[sink]",
+        f'path = "out-{strategy}"',
+        "flush_interval_s = 1.0",
+    ]
+    for name, path in paths.items():
+        lines += ["[[datasets]]", f'name = "{name}"', f'path = "{path}"']
+        if strategy == "sample-cap":
+            # The usual tool: a sample count, no token budget at all.
+            lines += [f"budget = {args.budget * 100}", f"limit = {cap}"]
+        else:
+            lines += [f"budget = {args.budget}"]
+    config_path = workdir / f"{strategy}.toml"
+    config_path.write_text("\n".join(lines) + "\n")
+    return config_path
+
+
+def read_topic(bootstrap: str, topic: str) -> list[ev.Event]:
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, group_id=None)
+    partitions = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic))]
+    consumer.assign(partitions)
+    consumer.seek_to_beginning(*partitions)
+    ends = consumer.end_offsets(partitions)
+    events: list[ev.Event] = []
+    while any(consumer.position(tp) < ends[tp] for tp in partitions):
+        for records in consumer.poll(timeout_ms=500).values():
+            events.extend(ev.decode(r.value) for r in records)
+    consumer.close()
+    return events
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def measure(
+    strategy: str, report: RunReport, config: config_module.Config, sim_log: list[dict], budget: int
+) -> tuple[list[list[object]], list[float], dict[str, int]]:
+    rows_by_id: dict[str, float] = {}
+    for file in config.sink_path.glob("dataset=*/*.parquet"):
+        table = pq.read_table(file, columns=["request_id", "finished_at"])
+        ids, finished = table["request_id"].to_pylist(), table["finished_at"].to_pylist()
+        rows_by_id.update(zip(ids, finished, strict=True))
+    bootstrap = broker.BrokerSettings.from_env().bootstrap
+    topics = Topics(config.kafka.namespace)
+    exceeded: dict[str, ev.BudgetExceeded] = {}
+    for event in read_topic(bootstrap, topics.budgets):
+        if isinstance(event, ev.BudgetExceeded) and event.dataset not in exceeded:
+            exceeded[event.dataset] = event
+    generated: dict[str, int] = {}
+    for record in sim_log:
+        for d in DEMO_DATASETS:
+            if d.name in record["text_head"]:
+                generated[d.name] = generated.get(d.name, 0) + record["completion_tokens"]
+    latencies: list[float] = []
+    rows: list[list[object]] = []
+    totals = {"budget": 0, "kept": 0, "overshoot": 0, "unused": 0, "waste": 0}
+    for name, r in report.datasets.items():
+        kept = r.completion_tokens
+        overshoot = max(0, kept - budget)
+        unused = max(0, budget - kept) if r.status == "halted" or strategy == "sample-cap" else 0
+        waste = max(0, generated.get(name, 0) - kept)
+        latency = "-"
+        trigger = exceeded.get(name)
+        refused = report.refused_at.get(name, [])
+        if trigger is not None and trigger.trigger_request_id in rows_by_id and refused:
+            value = max(refused) - rows_by_id[trigger.trigger_request_id]
+            latencies.append(value)
+            latency = f"{value * 1000:.0f} ms"
+        totals["budget"] += budget
+        totals["kept"] += kept
+        totals["overshoot"] += overshoot
+        totals["unused"] += unused
+        totals["waste"] += waste
+        rows.append(
+            [
+                name,
+                f"{budget:,}",
+                f"{kept:,}",
+                f"{100 * overshoot / budget:.2f}%",
+                f"{100 * unused / budget:.2f}%",
+                f"{waste:,}",
+                r.samples,
+                r.status,
+                latency,
+            ]
+        )
+    return rows, latencies, totals
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--budget", type=int, default=400_000)
+    parser.add_argument("--dispatchers", type=int, default=3)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--max-new-tokens", type=int, default=8192)
+    parser.add_argument("--tokens-per-second", type=float, default=6000.0)
+    parser.add_argument("--strategies", default=",".join(STRATEGIES))
+    parser.add_argument("--workdir", default="bench-out/overshoot")
+    args = parser.parse_args()
+    workdir = Path(args.workdir).resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    paths = write_datasets(workdir / "data", args.budget)
+    broker.up(broker.BrokerSettings.from_env(), [])
+    print(
+        f"eight datasets, budget {args.budget:,} completion tokens each, {args.dispatchers}"
+        f" dispatchers x concurrency {args.concurrency}, max_new_tokens {args.max_new_tokens}"
+    )
+    for strategy in args.strategies.split(","):
+        port = free_port()
+        simulator = start_simulator(port, args.tokens_per_second)
+        try:
+            config_path = write_config(workdir, strategy, paths, f"http://127.0.0.1:{port}", args)
+            config = config_module.load(config_path)
+            report = run(config, progress=False, dispatchers=args.dispatchers)
+            sim_log = httpx.get(f"http://127.0.0.1:{port}/sim/log", timeout=30).json()
+        finally:
+            simulator.terminate()
+            try:
+                simulator.wait(10)
+            except subprocess.TimeoutExpired:
+                simulator.kill()
+        rows, latencies, totals = measure(strategy, report, config, sim_log, args.budget)
+        headers = [
+            "dataset",
+            "budget",
+            "kept",
+            "overshoot",
+            "unused",
+            "waste",
+            "samples",
+            "status",
+            "halt latency",
+        ]
+        print(f"\n== {strategy} ({report.seconds:.0f} s)")
+        print(format_table(headers, rows))
+        share = {k: 100 * v / totals["budget"] for k, v in totals.items()}
+        summary = (
+            f"total: kept {totals['kept']:,} of {totals['budget']:,};"
+            f" overshoot {totals['overshoot']:,} ({share['overshoot']:.2f}%);"
+            f" unused {share['unused']:.2f}%;"
+            f" waste {totals['waste']:,} ({share['waste']:.2f}%)"
+        )
+        if latencies:
+            summary += (
+                f"; halt latency p50 {percentile(latencies, 0.5) * 1000:.0f} ms,"
+                f" p99 {percentile(latencies, 0.99) * 1000:.0f} ms"
+            )
+        print(summary)
+        print(json.dumps({"strategy": strategy, **totals}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,228 @@
+"""The rows shared by the live sink and the replay: decoding, the first-completion
+rule, table building, files and the readers training code uses."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import pyarrow.dataset as pads
+import pyarrow.parquet as pq
+import pytest
+
+from sinks.parquet import (
+    FirstCompletion,
+    PartitionedWriter,
+    WriterSettings,
+    completions_to_table,
+    decode_records,
+    keep_first,
+    remove_stale_temporaries,
+    row_group_size,
+)
+from streams import events as ev
+
+
+def completion(
+    i: int, *, dataset: str = "ds", n: int | None = None, rid: str = ""
+) -> ev.CompletionEvent:
+    n = (i % 9) if n is None else n
+    return ev.CompletionEvent(
+        request_id=rid or f"r{i}",
+        prompt_id=f"p{i}",
+        dataset=dataset,
+        prompt_tokens=10 + i,
+        completion_tokens=n,
+        output_ids=[(i * 7919 + k * 31) % 151_643 for k in range(n)],
+        finish_reason="length" if i % 2 else "stop",
+        max_new_tokens=4096,
+        text=f'text "{i}" é\n',
+        count_source="server" if i % 3 else "tokenizer",
+        attempts=1 + i % 3,
+        dispatched_at=100.0 + i,
+        first_token_at=None if i % 4 == 0 else 100.5 + i,
+        finished_at=101.0 + i,
+    )
+
+
+def kept_table(values: list[bytes], first: FirstCompletion | None = None):
+    kept = keep_first(decode_records(values), first or FirstCompletion())
+    return kept, {d: t for d, t in kept.tables.items()}
+
+
+def test_fast_path_equals_full_decoding() -> None:
+    events = [completion(i, dataset=f"d{i % 3}") for i in range(60)]
+    events.append(completion(99, n=0))
+    events.append(completion(98, n=3))
+    kept, tables = kept_table([ev.encode(e) for e in events])
+    assert not kept.errors
+    for dataset, table in tables.items():
+        expected = completions_to_table([e for e in events if e.dataset == dataset])
+        assert table.equals(expected), dataset
+
+
+def test_first_completion_wins_and_duplicates_are_dropped() -> None:
+    events = [
+        completion(1),
+        completion(2),
+        completion(1, rid="again-1", n=5),  # a second completion of p1: dropped
+        completion(2, rid="r2"),  # the same event re-sent: dropped
+        completion(3),
+    ]
+    first = FirstCompletion()
+    _, tables = kept_table([ev.encode(e) for e in events], first)
+    assert tables["ds"].column("request_id").to_pylist() == ["r1", "r2", "r3"]
+    assert first.duplicates == 2
+    # a later batch: already seen prompts stay dropped
+    _kept, tables = kept_table(
+        [ev.encode(completion(3, rid="late")), ev.encode(completion(4))], first
+    )
+    assert tables["ds"].column("request_id").to_pylist() == ["r4"]
+    assert first.duplicates == 3
+
+
+def test_bad_values_are_errors_and_do_not_shadow_a_valid_completion() -> None:
+    good = [ev.encode(completion(i)) for i in range(5)]
+    bad_ids = ev.encode(completion(7)).replace(b'"output_ids":[', b'"output_ids":["x",')
+    huge = ev.encode(completion(8)).replace(b'"output_ids":[', b'"output_ids":[4000000000,')
+    spaced = ev.encode(completion(10)).replace(b'"output_ids":[', b'"output_ids":[ 5, ')
+    values = [
+        good[0],
+        b"not json",
+        ev.encode(ev.PromptSkipped(prompt_id="x", dataset="ds", reason="halted")),
+        bad_ids,  # p7, invalid ...
+        ev.encode(completion(7, rid="valid-7")),  # ... so this one is p7's first
+        huge,
+        spaced,  # unusual spacing is still a valid completion
+        good[1],
+        b'{"type":"completion","v":99}',
+    ]
+    first = FirstCompletion()
+    kept, tables = kept_table(values, first)
+    assert [i for i, _ in kept.errors] == [1, 2, 3, 5, 8]
+    assert "version 99" in dict(kept.errors)[8]
+    assert "int32" in dict(kept.errors)[5]
+    table = tables["ds"]
+    assert table.column("request_id").to_pylist() == ["r0", "valid-7", "r10", "r1"]
+    assert table.column("output_ids").to_pylist()[2][:1] == [5]
+    assert kept.positions["ds"] == [0, 4, 6, 7]
+    assert first.duplicates == 0
+    assert first.seen == {"p0", "p7", "p10", "p1"}
+
+
+def test_stale_temporaries_are_removed(tmp_path: Path) -> None:
+    folder = tmp_path / "dataset=a"
+    folder.mkdir()
+    (folder / ".part-1-x.parquet.tmp").write_bytes(b"half")
+    (folder / "part-2-y.parquet").write_bytes(b"kept")
+    assert [p.name for p in remove_stale_temporaries(tmp_path)] == [".part-1-x.parquet.tmp"]
+    assert sorted(p.name for p in folder.iterdir()) == ["part-2-y.parquet"]
+
+
+def test_row_groups_are_sized_by_bytes_and_rows() -> None:
+    table = completions_to_table([completion(i, n=4000) for i in range(100)])
+    per_row = table.nbytes // 100
+    assert row_group_size(table, 1000, 10 * per_row) == 10
+    assert row_group_size(table, 7, 1 << 30) == 7
+    assert row_group_size(table, 1000, 1) == 1
+
+
+def write_tree(root: Path) -> list[ev.CompletionEvent]:
+    events = [completion(i, dataset=f"d{i % 3}") for i in range(90)]
+    writer = PartitionedWriter(root, WriterSettings(rotate_rows=40, row_group_rows=16))
+    values = [ev.encode(e) for e in events]
+    first = FirstCompletion()
+    for start in range(0, len(values), 20):
+        writer.add(keep_first(decode_records(values[start : start + 20]), first).tables)
+        if writer.full():
+            writer.flush()
+    writer.flush()
+    assert sum(writer.rows_written.values()) == 90
+    assert len(writer.files) >= 6  # rotated
+    return events
+
+
+def expected_rows(events: list[ev.CompletionEvent]) -> set[tuple[str, str, int]]:
+    return {(e.request_id, e.dataset, e.completion_tokens) for e in events}
+
+
+def test_the_tree_reads_as_one_table_with_pyarrow(tmp_path: Path) -> None:
+    events = write_tree(tmp_path)
+    for table in (
+        pq.read_table(tmp_path),
+        pads.dataset(tmp_path, format="parquet").to_table(),
+        pads.dataset(
+            tmp_path,
+            format="parquet",
+            partitioning=pads.HivePartitioning.discover(infer_dictionary=True),
+        ).to_table(),
+    ):
+        rows = zip(
+            table.column("request_id").to_pylist(),
+            table.column("dataset").to_pylist(),
+            table.column("completion_tokens").to_pylist(),
+            strict=True,
+        )
+        assert set(rows) == expected_rows(events)
+        assert table.num_rows == 90
+    one = pq.read_table(next(tmp_path.glob("dataset=d1/*.parquet")))
+    assert set(one.column("dataset").to_pylist()) == {"d1"}
+    meta = pq.ParquetFile(next(tmp_path.glob("dataset=d1/*.parquet"))).metadata
+    assert all(meta.row_group(g).num_rows <= 16 for g in range(meta.num_row_groups))
+    back = pq.read_table(tmp_path)
+    by_id = {e.request_id: e for e in events}
+    for rid, ids in zip(
+        back.column("request_id").to_pylist(), back.column("output_ids").to_pylist(), strict=True
+    ):
+        assert ids == by_id[rid].output_ids
+
+
+def test_the_tree_reads_with_polars(tmp_path: Path) -> None:
+    pl = pytest.importorskip("polars")
+    events = write_tree(tmp_path)
+    frame = pl.read_parquet(f"{tmp_path}/**/*.parquet")
+    rows = set(frame.select("request_id", "dataset", "completion_tokens").iter_rows())
+    assert rows == expected_rows(events)
+    lazy = pl.scan_parquet(f"{tmp_path}/", hive_partitioning=True).collect()
+    assert lazy.height == 90
+
+
+def test_the_tree_reads_with_duckdb(tmp_path: Path) -> None:
+    duckdb = pytest.importorskip("duckdb")
+    events = write_tree(tmp_path)
+    for hive in ("true", "false"):
+        rows = duckdb.sql(
+            "select request_id, dataset, completion_tokens from "
+            f"read_parquet('{tmp_path}/**/*.parquet', hive_partitioning={hive})"
+        ).fetchall()
+        assert set(rows) == expected_rows(events)
+    total = duckdb.sql(
+        f"select sum(len(output_ids)) from read_parquet('{tmp_path}/**/*.parquet')"
+    ).fetchall()
+    assert total[0][0] == sum(len(e.output_ids) for e in events)
+
+
+def test_the_tree_reads_with_hf_datasets(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    events = write_tree(tmp_path / "out")
+    datasets.disable_progress_bars()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        data = datasets.load_dataset(
+            "parquet",
+            data_files=str(tmp_path / "out" / "**" / "*.parquet"),
+            split="train",
+            cache_dir=str(tmp_path / "hf-cache"),
+        )
+    rows = set(zip(data["request_id"], data["dataset"], data["completion_tokens"], strict=True))
+    assert rows == expected_rows(events)
+    data = data.with_format("numpy", columns=["output_ids"])
+    assert len(data[0]["output_ids"]) == len(
+        next(
+            e for e in events if e.request_id == data.with_format(None)[0]["request_id"]
+        ).output_ids
+    )
+    assert os.path.isdir(tmp_path / "hf-cache")
