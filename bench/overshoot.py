@@ -9,6 +9,11 @@ broker, with N dispatcher processes of the given concurrency, once per strategy:
   halt             halt after the completion that reaches the budget (no reservation)
   reserve-truncate reservations, the last answers cut at the line
   reserve-finish   reservations, answers never cut, the rest of the budget unused
+  reserve-stream-lowered  reservations and streaming; once a dataset has kept half
+                   its budget, the budget is lowered to 70% while requests are in
+                   flight: they run on while what they generate fits, then are
+                   aborted (SGLang /abort_request) and cut at the line. Waste is
+                   what they generated beyond the new budget.
 
 Per dataset: budget, kept tokens, overshoot %, unused %, waste (tokens the server
 generated that were not kept, from the simulator's own request log), and halt
@@ -19,16 +24,19 @@ dispatcher refused the dataset (p50 / p99 over the halted datasets).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import statistics
 import subprocess
+import threading
 import time
 from pathlib import Path
 
 import httpx
 import pyarrow.parquet as pq
-from kafka import KafkaConsumer, TopicPartition
+from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
+from producers.halts import BudgetWatcher
 from streams import events as ev
 from streams.topics import Topics
 from tokenbudget import broker
@@ -37,7 +45,8 @@ from tokenbudget.demo import DEMO_DATASETS, free_port, start_simulator, write_da
 from tokenbudget.report import format_table
 from tokenbudget.runner import RunReport, run
 
-STRATEGIES = ("sample-cap", "halt", "reserve-truncate", "reserve-finish")
+STRATEGIES = ("sample-cap", "halt", "reserve-truncate", "reserve-finish", "reserve-stream-lowered")
+LOWERED = 0.5  # reserve-stream-lowered: share of the in-flight reservation left to keep
 
 
 def write_config(
@@ -51,6 +60,7 @@ def write_config(
         "halt": ['admission = "halt"'],
         "reserve-truncate": ['admission = "reserve"', 'on_boundary = "truncate"'],
         "reserve-finish": ['admission = "reserve"', 'on_boundary = "finish"'],
+        "reserve-stream-lowered": ['admission = "reserve"', 'on_boundary = "truncate"'],
     }[strategy]
     lines = [
         "[kafka]",
@@ -60,8 +70,10 @@ def write_config(
         f'url = "{url}"',
         f"concurrency = {args.concurrency}",
         f"max_new_tokens = {args.max_new_tokens}",
+        f"stream = {'true' if strategy == 'reserve-stream-lowered' else 'false'}",
         "[budget]",
         *budget_block,
+        *(["snapshot_interval_s = 0.1"] if strategy == "reserve-stream-lowered" else []),
         "[sink]",
         f'path = "out-{strategy}"',
         "flush_interval_s = 1.0",
@@ -99,7 +111,11 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def measure(
-    strategy: str, report: RunReport, config: config_module.Config, sim_log: list[dict], budget: int
+    strategy: str,
+    report: RunReport,
+    config: config_module.Config,
+    sim_log: list[dict],
+    budgets: dict[str, int],
 ) -> tuple[list[list[object]], list[float], dict[str, int]]:
     rows_by_id: dict[str, float] = {}
     for file in config.sink_path.glob("dataset=*/*.parquet"):
@@ -109,9 +125,12 @@ def measure(
     bootstrap = broker.BrokerSettings.from_env().bootstrap
     topics = Topics(config.kafka.namespace)
     exceeded: dict[str, ev.BudgetExceeded] = {}
+    kept_when_lowered: dict[str, int] = {}
     for event in read_topic(bootstrap, topics.budgets):
         if isinstance(event, ev.BudgetExceeded) and event.dataset not in exceeded:
             exceeded[event.dataset] = event
+        if isinstance(event, ev.LeaseRevoked):
+            kept_when_lowered.setdefault(event.dataset, event.kept)
     generated: dict[str, int] = {}
     for record in sim_log:
         for d in DEMO_DATASETS:
@@ -121,6 +140,9 @@ def measure(
     rows: list[list[object]] = []
     totals = {"budget": 0, "kept": 0, "overshoot": 0, "unused": 0, "waste": 0}
     for name, r in report.datasets.items():
+        # A budget lowered below what was already kept cannot un-keep it: measure
+        # against what the lowering could still control.
+        budget = max(budgets[name], kept_when_lowered.get(name, 0))
         kept = r.completion_tokens
         overshoot = max(0, kept - budget)
         unused = max(0, budget - kept) if r.status == "halted" or strategy == "sample-cap" else 0
@@ -153,6 +175,55 @@ def measure(
     return rows, latencies, totals
 
 
+class BudgetLowerer(threading.Thread):
+    """Lowers each dataset's budget once it has kept half of it, mid-run."""
+
+    def __init__(self, config: config_module.Config, budget: int) -> None:
+        super().__init__(daemon=True)
+        self.config = config
+        self.budget = budget
+        self.stop = threading.Event()
+        self.lowered: dict[str, float] = {}
+        self.budgets: dict[str, int] = {}  # the lowered budget of each dataset
+
+    def run(self) -> None:
+        asyncio.run(self._watch())
+
+    async def _watch(self) -> None:
+        bootstrap = broker.BrokerSettings.from_env().bootstrap
+        topics = Topics(self.config.kafka.namespace)
+        watcher = None
+        while watcher is None and not self.stop.is_set():
+            try:
+                watcher = BudgetWatcher(bootstrap, topics)
+                await watcher.start()
+            except Exception:
+                watcher = None
+                await asyncio.sleep(0.5)
+        if watcher is None:
+            return
+        task = asyncio.create_task(watcher.run())
+        producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all")
+        try:
+            while not self.stop.is_set():
+                for d in self.config.datasets:
+                    snap = watcher.board.snapshot(d.name)
+                    if d.name in self.lowered or snap is None:
+                        continue
+                    if snap.completion_tokens >= self.budget // 2:
+                        lowered = snap.completion_tokens + int(snap.reserved * LOWERED)
+                        self.budgets[d.name] = lowered
+                        event = ev.BudgetSet(dataset=d.name, budget=lowered)
+                        producer.send(topics.budgets, key=d.name.encode(), value=ev.encode(event))
+                        producer.flush()
+                        self.lowered[d.name] = time.time()
+                await asyncio.sleep(0.05)
+        finally:
+            producer.close()
+            task.cancel()
+            await watcher.stop()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--budget", type=int, default=400_000)
@@ -177,7 +248,11 @@ def main() -> None:
         try:
             config_path = write_config(workdir, strategy, paths, f"http://127.0.0.1:{port}", args)
             config = config_module.load(config_path)
+            lowerer = BudgetLowerer(config, args.budget)
+            if strategy == "reserve-stream-lowered":
+                lowerer.start()
             report = run(config, progress=False, dispatchers=args.dispatchers)
+            lowerer.stop.set()
             sim_log = httpx.get(f"http://127.0.0.1:{port}/sim/log", timeout=30).json()
         finally:
             simulator.terminate()
@@ -185,7 +260,8 @@ def main() -> None:
                 simulator.wait(10)
             except subprocess.TimeoutExpired:
                 simulator.kill()
-        rows, latencies, totals = measure(strategy, report, config, sim_log, args.budget)
+        budgets = {d.name: lowerer.budgets.get(d.name, args.budget) for d in config.datasets}
+        rows, latencies, totals = measure(strategy, report, config, sim_log, budgets)
         headers = [
             "dataset",
             "budget",

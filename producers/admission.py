@@ -98,6 +98,7 @@ class Admission:
         self._counter = itertools.count(1)
         self._asks: dict[str, asyncio.Future[ev.Event]] = {}
         self.refused_at: dict[str, float] = {}  # when this dispatcher first refused
+        self.revocations: dict[str, tuple[str, int]] = {}  # dataset -> (lease id, allowance)
         board.lease_listeners[holder] = self._on_ledger_event
         self._maintenance: asyncio.Task[None] | None = None
 
@@ -243,6 +244,8 @@ class Admission:
                 if asked is not None and not asked.done():
                     asked.set_result(event)
                 lease.changed.set()
+                # What its requests in flight may still keep, read by on_revoke.
+                self.revocations[event.dataset] = (event.lease_id, event.allowance)
                 if self.on_revoke is not None:
                     asyncio.get_running_loop().create_task(self.on_revoke(event.dataset))
                 if lease.in_flight == 0:

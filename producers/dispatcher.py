@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import socket
@@ -46,6 +47,12 @@ from tokenbudget.errors import EventDecodeError, InferenceError
 from tokenbudget.kafka import aiokafka_options
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Cap:
+    left: int
+    aborting: bool = False
 
 
 @dataclass(frozen=True)
@@ -106,7 +113,10 @@ class Dispatcher:
         self._slots = asyncio.Semaphore(inference.concurrency)
         self.holder = holder or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.admission: Admission | None = None
-        self._in_flight: dict[str, tuple[str, asyncio.Task[GenerationResult]]] = {}
+        # rid -> (dataset, lease id, the generation task)
+        self._in_flight: dict[str, tuple[str, str, asyncio.Task[GenerationResult]]] = {}
+        self._generated: dict[str, int] = {}  # rid -> tokens streamed so far
+        self._caps: dict[str, _Cap] = {}  # revoked lease id -> what may still be kept
         self._backend: InferenceBackend | None = None
         self.refused_at: dict[str, float] = {}  # first refusal per dataset, this process
 
@@ -213,16 +223,76 @@ class Dispatcher:
         self.refused_at.setdefault(dataset, time.time())
 
     async def _abort_dataset(self, dataset: str) -> None:
-        """Its lease was revoked: stop every request of the dataset now. SGLang is
-        told by rid (a dropped connection alone may not stop it decoding); closing
-        the connection is what stops OpenAI-compatible servers."""
-        for rid, (name, generation) in list(self._in_flight.items()):
-            if name != dataset:
+        """A lease of the dataset was revoked (budget lowered, or lease expired).
+
+        Its requests in flight may keep ``allowance`` tokens between them. When
+        streaming, they run on while what they generated fits (streaming accounting
+        sees it token by token) and are aborted the moment it no longer does;
+        without streaming they are aborted at once. Either way answers are then cut
+        to what fits. SGLang is told by rid (a dropped connection alone may not stop
+        it decoding); closing the connection is what stops OpenAI-compatible servers.
+        """
+        if self.admission is None or dataset not in self.admission.revocations:
+            return
+        lease_id, allowance = self.admission.revocations[dataset]
+        self._caps[lease_id] = _Cap(left=allowance)
+        if not self.config.inference.stream or self._over_allowance(lease_id):
+            await self._abort_lease(lease_id)
+
+    def _over_allowance(self, lease_id: str) -> bool:
+        cap = self._caps.get(lease_id)
+        if cap is None:
+            return False
+        generated = sum(
+            self._generated.get(rid, 0)
+            for rid, (_, lease, _) in self._in_flight.items()
+            if lease == lease_id
+        )
+        return generated >= cap.left
+
+    async def _abort_lease(self, lease_id: str) -> None:
+        cap = self._caps.get(lease_id)
+        if cap is None or cap.aborting:
+            return
+        cap.aborting = True
+        for rid, (_, lease, generation) in list(self._in_flight.items()):
+            if lease != lease_id:
                 continue
             if self._backend is not None:
                 with contextlib.suppress(Exception):
                     await self._backend.abort(rid)
-            generation.cancel()
+            if self._backend is None or self._backend.api != "sglang":
+                generation.cancel()  # closing the stream is the only abort there
+
+    def _on_progress(self, rid: str, tokens: int) -> None:
+        self._generated[rid] = tokens
+        entry = self._in_flight.get(rid)
+        if entry is not None and entry[1] in self._caps and self._over_allowance(entry[1]):
+            asyncio.get_running_loop().create_task(self._abort_lease(entry[1]))
+
+    def _fit_to_cap(self, lease_id: str, result: GenerationResult) -> GenerationResult | None:
+        """Cut an answer of a revoked lease to what its allowance still holds
+        (None: nothing fits). Only completion-token budgets can be cut mid-answer;
+        in other units an answer is kept whole or not at all."""
+        cap = self._caps.get(lease_id)
+        if cap is None:
+            return result
+        unit = self.config.budget.unit
+        cost = unit_cost(unit, result.prompt_tokens, result.completion_tokens)
+        if cost <= cap.left:
+            cap.left -= cost
+            return result
+        if unit != "completion_tokens" or cap.left <= 0 or not result.output_ids:
+            return None
+        keep = cap.left
+        cap.left = 0
+        return dataclasses.replace(
+            result,
+            completion_tokens=keep,
+            output_ids=result.output_ids[:keep],
+            text="",  # the text of a cut answer is not recoverable from ids here
+            finish_reason="length",
+        )
 
     async def _commit_every(self, interval: float) -> None:
         while True:
@@ -273,6 +343,7 @@ class Dispatcher:
             rid = uuid.uuid4().hex
             request = GenerationRequest(
                 rid=rid,
+                on_progress=self._on_progress,
                 max_new_tokens=ticket.max_new_tokens if ticket else max_new,
                 text=prompt.text,
                 messages=prompt.messages,
@@ -284,7 +355,8 @@ class Dispatcher:
                 self.report.sent.append(Dispatched(prompt.dataset, rid, sent_at))
             metrics.IN_FLIGHT.inc()
             generation = asyncio.create_task(backend.generate(request))
-            self._in_flight[rid] = (prompt.dataset, generation)
+            lease_id = ticket.lease_id if ticket else ""
+            self._in_flight[rid] = (prompt.dataset, lease_id, generation)
             try:
                 result = await generation
             except InferenceError as exc:
@@ -310,6 +382,14 @@ class Dispatcher:
             finally:
                 metrics.IN_FLIGHT.dec()
                 self._in_flight.pop(rid, None)
+                self._generated.pop(rid, None)
+            fitted = self._fit_to_cap(lease_id, result)
+            if fitted is None:
+                if ticket:
+                    self.admission.settle(ticket, None)  # type: ignore[union-attr]
+                await self._skip(prompt, "budget lowered: aborted in flight")
+                return
+            result = fitted
             finished_at = time.time()
             metrics.REQUEST_LATENCY.observe(finished_at - sent_at)
             if result.first_token_at is not None:

@@ -113,7 +113,7 @@ class PromptProducer:
             await producer.start()
         try:
             self._done = await asyncio.to_thread(
-                resume.completed_prompt_ids, self.bootstrap, self.topics
+                resume.completed_prompt_ids, self.bootstrap, self.topics, self.config.sink_path
             )
             cursors = [self._open_cursor(d) for d in self.config.datasets]
             self._cursors = cursors

@@ -7,6 +7,11 @@ offsets gives the record of every earlier run of the namespace. The producer ski
 the prompts recorded as completed; prompts that were skipped (budget) or failed
 were not generated, so they are produced again.
 
+The Parquet sink's files are read too (their ``prompt_id`` column only): a row there
+is a completion already stored, which the sink would drop as a duplicate anyway, so
+a changelog that is behind (a ledger stopped before its table writes were flushed)
+never costs a regeneration.
+
 Faust serialises the table's keys and values (``str`` / ``bytes``) with its JSON
 codec, so both may arrive JSON-quoted; raw bytes are accepted too.
 """
@@ -17,9 +22,11 @@ import json
 import logging
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Protocol
 
 from producers.datasets import PromptRow
+from streams.ledger import load_outcome
 from streams.topics import OUTCOME_TABLE, Topics
 from tokenbudget.errors import BrokerError
 from tokenbudget.kafka import kafka_python_options
@@ -49,38 +56,56 @@ def outcome_records(bootstrap: str, topics: Topics, *, timeout: float = 60.0) ->
     )
     records: dict[str, str] = {}
     try:
+        # The topic is created with the namespace's others before any run, so no
+        # partitions means metadata not there yet (a busy broker), not "no history".
+        deadline = time.monotonic() + timeout
         partitions = consumer.partitions_for_topic(topic)
-        if not partitions:
-            return records  # no run of this namespace has recorded anything yet
+        while not partitions:
+            if time.monotonic() > deadline:
+                raise BrokerError(f"no metadata for {topic}: cannot tell which prompts are done")
+            time.sleep(0.5)
+            partitions = consumer.partitions_for_topic(topic)
         tps = [TopicPartition(topic, p) for p in sorted(partitions)]
         consumer.assign(tps)
         consumer.seek_to_beginning(*tps)
         ends = consumer.end_offsets(tps)
-        deadline = time.monotonic() + timeout
         while any(consumer.position(tp) < ends[tp] for tp in tps):
             if time.monotonic() > deadline:
-                raise BrokerError(
-                    f"reading {topic} to its end took longer than {timeout:.0f} s"
-                )
+                raise BrokerError(f"reading {topic} to its end took longer than {timeout:.0f} s")
             for batch in consumer.poll(timeout_ms=500, max_records=10_000).values():
                 for record in batch:
                     key = _text(record.key)
                     if key is None:
                         continue
-                    value = _text(record.value)
-                    if value is None:  # a tombstone
+                    if record.value is None:  # a tombstone
                         records.pop(key, None)
-                    else:
-                        records[key] = value.split(":", 1)[0]
+                        continue
+                    records[key] = load_outcome(record.value).outcome
     finally:
         consumer.close()
     return records
 
 
-def completed_prompt_ids(bootstrap: str, topics: Topics) -> set[str]:
-    """The prompt_ids an earlier run of this namespace completed."""
-    return {pid for pid, outcome in outcome_records(bootstrap, topics).items()
-            if outcome == "completed"}
+def completed_prompt_ids(
+    bootstrap: str, topics: Topics, sink_path: Path | None = None
+) -> set[str]:
+    """The prompt_ids earlier runs completed: recorded so by the ledger of this
+    namespace, or stored in the sink's Parquet files under ``sink_path``."""
+    records = outcome_records(bootstrap, topics)
+    done = {pid for pid, outcome in records.items() if outcome == "completed"}
+    stored: set[str] = set()
+    if sink_path is not None and sink_path.is_dir():
+        from sinks.parquet import existing_prompt_ids
+
+        stored = existing_prompt_ids(sink_path)
+    log.info(
+        "resume: %d prompts completed in %s, %d in Parquet under %s",
+        len(done),
+        topics.changelog(OUTCOME_TABLE),
+        len(stored),
+        sink_path,
+    )
+    return done | stored
 
 
 class _Counted(Protocol):

@@ -10,6 +10,7 @@ Undecodable events go to the dead-letter topic; the worker never stops for them.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import tempfile
 from collections.abc import Callable
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import faust
+import msgspec
 from faust.transport.producer import ProducerBuffer
 
 from sinks import metrics
@@ -42,6 +44,20 @@ class LedgerSettings:
 # the ledger near a thousand events per second; the aiokafka producer batches far
 # more than that on its own.
 ProducerBuffer.max_messages = 20_000
+
+
+BATCH = 1000
+BATCH_WAIT_S = 0.01
+IGNORED = (
+    ev.BudgetExceeded,
+    ev.BudgetRaised,
+    ev.LedgerSnapshot,
+    ev.LeaseGranted,
+    ev.LeaseDenied,
+    ev.LeaseRevoked,
+    ev.DeadLetter,
+    ev.PromptEvent,
+)
 
 
 def build_app(settings: LedgerSettings) -> faust.App:
@@ -104,7 +120,7 @@ def build_app(settings: LedgerSettings) -> faust.App:
     full_every = max(1, round(5.0 / settings.snapshot_interval))
 
     def load(dataset: str) -> ledger.DatasetLedger:
-        raw = datasets.get(dataset)
+        raw = datasets.data.get(dataset)
         return ledger.load_ledger(raw) if raw else ledger.DatasetLedger(dataset=dataset)
 
     async def publish(events: list[ev.Event]) -> None:
@@ -113,72 +129,119 @@ def build_app(settings: LedgerSettings) -> faust.App:
             await fut  # a halt that was not delivered is a budget overshot
             metrics.EVENTS_PRODUCED.labels(topic="budgets").inc()
 
-    async def handle(event: ev.Event) -> None:
-        at = ev.now()
-        transition: ledger.Transition
-        prompt_id: str | None = None
-        match event:
-            case ev.CompletionEvent() | ev.PromptSkipped() | ev.PromptFailed():
-                prompt_id = event.prompt_id
-                raw_prev = outcomes.get(prompt_id)
-                previous = raw_prev.decode() if raw_prev else None
-                transition = ledger.apply_outcome(
-                    load(event.dataset),
-                    event,
-                    previous,  # type: ignore[arg-type]
-                    at,
-                )
-            case ev.BudgetSet():
-                transition = ledger.apply_budget_set(load(event.dataset), event, at)
-            case ev.ProducerDone():
-                transition = ledger.apply_producer_done(load(event.dataset), event)
-            case ev.LeaseRequested():
-                transition = ledger.apply_lease_request(load(event.dataset), event, at)
-            case ev.LeaseRenewed():
-                transition = ledger.apply_lease_renewed(load(event.dataset), event, at)
-            case ev.LeaseReleased():
-                transition = ledger.apply_lease_released(load(event.dataset), event, at)
-            case ev.LeaseExpired():
-                transition = ledger.apply_lease_expired(load(event.dataset), event, at)
-            case _:
-                return  # our own announcements and snapshots come back on this topic
-        if transition.changed:
-            datasets[transition.state.dataset] = ledger.dump_ledger(transition.state)
-            dirty.add(transition.state.dataset)
-        if prompt_id is not None and transition.outcome is not None:
-            outcomes[prompt_id] = transition.outcome.encode()
-        if transition.emit:
-            await publish(transition.emit)
-        if settings.on_state and transition.changed:
-            settings.on_state(transition.state)
+    async def process(batch: list[Any]) -> None:
+        """Apply a batch of events, persist, then announce.
 
-    @app.agent(source, name="ledger")
-    async def ledger_agent(stream: Any) -> None:
-        async for event in stream.events():
+        Each dataset's entry records the last offset applied per source topic, and
+        each prompt's outcome entry the offset of the event that set it, so events
+        Faust hands over again after a crash are recognised whichever of the two
+        writes made it out before the crash. Announcements (grants, halts) leave
+        only after the state they describe is written to the changelog.
+        """
+        at = ev.now()
+        states: dict[str, ledger.DatasetLedger] = {}
+        partition_of: dict[str, int] = {}
+        outcome_entries: dict[str, tuple[int, bytes]] = {}
+        announce: list[ev.Event] = []
+        per_topic: dict[str, int] = {}
+        for event in batch:
             message = event.message
-            metrics.consumed(message.topic, "ledger")
+            per_topic[message.topic] = per_topic.get(message.topic, 0) + 1
             try:
                 decoded = ev.decode(event.value)
             except EventDecodeError as exc:
-                letter = ev.dead_letter(
-                    str(exc),
-                    source_topic=message.topic,
-                    payload=event.value,
-                    partition=message.partition,
-                    offset=message.offset,
-                    key=event.key,
-                )
-                await dead_letter.send(key=event.key, value=ev.encode(letter))
-                metrics.DEAD_LETTERED.labels(topic=metrics.topic_role(message.topic)).inc()
-                log.warning(
-                    "dead-lettered %s[%d]@%d: %s",
-                    message.topic,
-                    message.partition,
-                    message.offset,
-                    exc,
-                )
+                await send_dead_letter(event, exc)
                 continue
-            await handle(decoded)
+            name = getattr(decoded, "dataset", None)
+            if not isinstance(name, str) or isinstance(decoded, IGNORED):
+                continue  # our own announcements and snapshots come back on this topic
+            state = states.get(name) or load(name)
+            if message.offset <= state.applied.get(message.topic, -1):
+                continue  # applied before a restart
+            transition, outcome_entry = apply(state, decoded, message, at, outcome_entries)
+            state = msgspec.structs.replace(
+                transition.state, applied={**state.applied, message.topic: message.offset}
+            )
+            states[name] = state
+            partition_of[name] = message.partition
+            if outcome_entry is not None:
+                outcome_entries[outcome_entry[0]] = (message.partition, outcome_entry[1])
+            announce.extend(transition.emit)
+        for topic, count in per_topic.items():
+            metrics.consumed(topic, "ledger", count)
+        if not states:
+            return
+        sent = []
+        for prompt_id, (partition, value) in outcome_entries.items():
+            outcomes.data[prompt_id] = value
+            sent.append(outcomes.send_changelog(partition, prompt_id, value))
+        for name, state in states.items():
+            value = ledger.dump_ledger(state)
+            datasets.data[name] = value
+            sent.append(datasets.send_changelog(partition_of[name], name, value))
+            dirty.add(name)  # metrics and snapshots follow on the timer
+        if announce:
+            await asyncio.gather(*sent)
+            await publish(announce)
+
+    def apply(
+        state: ledger.DatasetLedger,
+        event: ev.Event,
+        message: Any,
+        at: float,
+        pending: dict[str, tuple[int, bytes]],
+    ) -> tuple[ledger.Transition, tuple[str, bytes] | None]:
+        match event:
+            case ev.CompletionEvent() | ev.PromptSkipped() | ev.PromptFailed():
+                pid = event.prompt_id
+                # .data: the local store, without Faust's per-read sensors
+                raw = pending[pid][1] if pid in pending else outcomes.data.get(pid)
+                entry = ledger.load_outcome(raw) if raw else None
+                if entry and entry.topic == message.topic and entry.offset == message.offset:
+                    previous = entry.prior  # recorded, but the dataset entry was not
+                else:
+                    previous = entry.outcome if entry else None
+                transition = ledger.apply_outcome(state, event, previous, at)  # type: ignore[arg-type]
+                if transition.outcome is None:
+                    return transition, None
+                record = ledger.OutcomeEntry(
+                    transition.outcome, previous, message.topic, message.offset
+                )
+                return transition, (pid, ledger.dump_outcome(record))
+            case ev.BudgetSet():
+                return ledger.apply_budget_set(state, event, at), None
+            case ev.ProducerDone():
+                return ledger.apply_producer_done(state, event), None
+            case ev.LeaseRequested():
+                return ledger.apply_lease_request(state, event, at), None
+            case ev.LeaseRenewed():
+                return ledger.apply_lease_renewed(state, event, at), None
+            case ev.LeaseReleased():
+                return ledger.apply_lease_released(state, event, at), None
+            case ev.LeaseExpired():
+                return ledger.apply_lease_expired(state, event, at), None
+        return ledger.Transition(state), None
+
+    async def send_dead_letter(event: Any, exc: EventDecodeError) -> None:
+        message = event.message
+        letter = ev.dead_letter(
+            str(exc),
+            source_topic=message.topic,
+            payload=event.value,
+            partition=message.partition,
+            offset=message.offset,
+            key=event.key,
+        )
+        await dead_letter.send(key=event.key, value=ev.encode(letter))
+        metrics.DEAD_LETTERED.labels(topic=metrics.topic_role(message.topic)).inc()
+        log.warning(
+            "dead-lettered %s[%d]@%d: %s", message.topic, message.partition, message.offset, exc
+        )
+
+    @app.agent(source, name="ledger")
+    async def ledger_agent(stream: Any) -> None:
+        async for batch in stream.take_events(BATCH, within=BATCH_WAIT_S):
+            await process(list(batch))
 
     @app.timer(settings.snapshot_interval)
     async def publish_snapshots() -> None:

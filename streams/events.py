@@ -178,12 +178,15 @@ class LeaseExpired(_Event, tag="lease_expired", frozen=True):
 
 
 class LeaseRevoked(_Event, tag="lease_revoked", frozen=True):
-    """A budget was lowered below what is kept plus reserved: holders must stop
-    spending, abort what is in flight, and release."""
+    """A budget was lowered below what is kept plus reserved (or the lease expired):
+    the holder must admit nothing more on it, keep at most ``allowance`` more of
+    what it has in flight (cutting the rest at the line), abort, and release."""
 
     dataset: str
     lease_id: str
     holder: str
+    allowance: int = 0
+    kept: int = 0  # what the dataset had kept when the lease was revoked
     at: float = 0.0
 
 

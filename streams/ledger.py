@@ -90,6 +90,9 @@ class DatasetLedger(msgspec.Struct, frozen=True, kw_only=True):
     # The smallest admission that is still useful (1 token to truncate at the line,
     # a whole answer for the ``finish`` policy): below it the dataset is full.
     admit_floor: int = 1
+    # The last offset applied from each source topic: events Faust hands over again
+    # after a restart are recognised by it.
+    applied: dict[str, int] = {}
 
 
 _ledger_encoder = msgspec.msgpack.Encoder()
@@ -102,6 +105,27 @@ def dump_ledger(state: DatasetLedger) -> bytes:
 
 def load_ledger(data: bytes) -> DatasetLedger:
     return _ledger_decoder.decode(data)
+
+
+class OutcomeEntry(msgspec.Struct, array_like=True, frozen=True):
+    """A prompt's recorded outcome and the event that recorded it."""
+
+    outcome: str
+    prior: str | None
+    topic: str
+    offset: int
+
+
+_outcome_encoder = msgspec.msgpack.Encoder()
+_outcome_decoder = msgspec.msgpack.Decoder(OutcomeEntry)
+
+
+def dump_outcome(entry: OutcomeEntry) -> bytes:
+    return _outcome_encoder.encode(entry)
+
+
+def load_outcome(raw: bytes) -> OutcomeEntry:
+    return _outcome_decoder.decode(raw)
 
 
 def used(state: DatasetLedger, unit: BudgetUnit | None = None) -> int:
@@ -410,13 +434,31 @@ def apply_lease_expired(state: DatasetLedger, event: LeaseExpired, at: float) ->
 
 
 def revoke_overdrawn(state: DatasetLedger, at: float) -> tuple[DatasetLedger, list[Event]]:
-    """After a budget was lowered below kept + reserved, revoke every open lease."""
+    """After a budget was lowered below kept + reserved, revoke every open lease.
+
+    What is still free under the new budget is split between the open leases in
+    proportion to what each had outstanding: that is each holder's ``allowance``
+    for what it has in flight, and all that stays reserved for it.
+    """
     if state.budget is None or used(state) + reserved(state) <= state.budget:
         return state, []
+    open_leases = {i: lease for i, lease in state.leases.items() if lease.spent is None}
+    closing = sum(lease.outstanding for lease in state.leases.values() if lease.spent is not None)
+    free = max(0, state.budget - used(state) - closing)
+    outstanding = sum(lease.outstanding for lease in open_leases.values())
+    leases = dict(state.leases)
     emit: list[Event] = []
-    for lease_id, lease in state.leases.items():
-        if lease.spent is None:
-            emit.append(
-                LeaseRevoked(dataset=state.dataset, lease_id=lease_id, holder=lease.holder, at=at)
+    for lease_id, lease in open_leases.items():
+        allowance = free * lease.outstanding // outstanding if outstanding else 0
+        leases[lease_id] = msgspec.structs.replace(lease, granted=lease.committed + allowance)
+        emit.append(
+            LeaseRevoked(
+                dataset=state.dataset,
+                lease_id=lease_id,
+                holder=lease.holder,
+                allowance=allowance,
+                kept=used(state),
+                at=at,
             )
-    return state, emit
+        )
+    return msgspec.structs.replace(state, leases=leases), emit

@@ -16,6 +16,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from producers.halts import BudgetBoard, BudgetWatcher
 from streams import events as ev
@@ -204,16 +205,30 @@ def plain_table(rows: Sequence[StatusRow], now: float) -> str:
     return format_table(HEADERS, [cells(r) for r in rows]) + "\n" + footer(rows, now)
 
 
-def table(rows: Sequence[StatusRow]) -> object:
+def table(rows: Sequence[StatusRow], width: int = 200) -> object:
+    """A rich table for ``--watch``, fitted to ``width`` columns by shortening the
+    dataset names (the numbers and states are never cut)."""
     from rich.table import Table
 
     now = time.time()
-    out = Table(box=None, pad_edge=False, caption=footer(rows, now))
-    for name in HEADERS:
-        out.add_column(name, justify="left" if name in ("dataset", "state") else "right",
-                       no_wrap=True)
-    for r in rows:
-        out.add_row(*cells(r))
+    body = [cells(r) for r in rows]
+    widths = [max([len(name), *(len(row[i]) for row in body)]) for i, name in enumerate(HEADERS)]
+    spare = width - (sum(widths) + len(widths) - 1)
+    if spare < 0:
+        widths[0] = max(len(HEADERS[0]), widths[0] + spare)
+        for row in body:
+            if len(row[0]) > widths[0]:
+                row[0] = row[0][: widths[0] - 1] + "…"
+    out = Table(box=None, pad_edge=False, padding=(0, 1, 0, 0), caption=footer(rows, now))
+    for name, column_width in zip(HEADERS, widths, strict=True):
+        out.add_column(
+            name,
+            justify="left" if name in ("dataset", "state") else "right",
+            no_wrap=True,
+            min_width=column_width,
+        )
+    for row in body:
+        out.add_row(*row)
     return out
 
 
@@ -253,10 +268,13 @@ async def follow(
             while True:
                 print(json.dumps(to_json(render(), time.time())), flush=True)
                 await asyncio.sleep(interval)
-        with Live(table(render()), console=console, auto_refresh=False) as live:  # type: ignore[arg-type]
+        def view() -> Any:
+            return table(render(), console.width)
+
+        with Live(view(), console=console, auto_refresh=False) as live:
             while True:
                 await asyncio.sleep(interval)
-                live.update(table(render()), refresh=True)  # type: ignore[arg-type]
+                live.update(view(), refresh=True)
     finally:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):

@@ -64,6 +64,8 @@ def test_poison_prompts_failures_and_halted_datasets(kafka_bootstrap: str, names
                 {
                     "kafka": {"bootstrap": kafka_bootstrap, "namespace": namespace},
                     "inference": {"url": sim.url, "retries": 1, "backoff_s": 0.01},
+                    # no ledger runs here: halts come from the board, not from leases
+                    "budget": {"admission": "halt"},
                 },
                 environ={},
             )

@@ -150,3 +150,23 @@ def test_format_eta() -> None:
 def test_status_command_line() -> None:
     args = build_parser().parse_args(["status", "--config", "x.toml", "--watch", "--json"])
     assert (args.config, args.watch, args.json, args.interval) == ("x.toml", True, True, 1.0)
+
+
+def test_watch_table_fits_the_terminal_by_shortening_names_only() -> None:
+    import io
+
+    from rich.console import Console
+
+    from tokenbudget.status import table
+
+    tracker = Tracker()
+    tracker.observe(snap("a_rather_long_dataset_name", 1.0, 400_000, budget=400_000,
+                         status="halted", halted=True))
+    tracker.observe(snap("small", 1.0, 51_543, budget=400_000, status="exhausted"))
+    out = io.StringIO()
+    console = Console(file=out, width=80, force_terminal=False)
+    console.print(table(tracker.rows(["a_rather_long_dataset_name", "small"], now=2.0), 80))
+    lines = out.getvalue().splitlines()
+    assert all(len(line) <= 80 for line in lines)
+    assert any(line.rstrip().endswith("exhausted") for line in lines)
+    assert any(line.startswith("a_rather_long") and "…" in line for line in lines)
