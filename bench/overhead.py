@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -117,6 +118,8 @@ def main() -> None:
             + "\n"
         )
         config = config_module.load(config_path)
+        # A fresh output folder: earlier Parquet output counts as work already done.
+        shutil.rmtree(config.sink_path, ignore_errors=True)
         report = run(config, progress=False)
         first, last = float("inf"), 0.0
         for file in config.sink_path.glob("dataset=*/*.parquet"):

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shutil
 import statistics
 import subprocess
 import threading
@@ -248,6 +249,8 @@ def main() -> None:
         try:
             config_path = write_config(workdir, strategy, paths, f"http://127.0.0.1:{port}", args)
             config = config_module.load(config_path)
+            # A fresh output folder: earlier Parquet output counts as work already done.
+            shutil.rmtree(config.sink_path, ignore_errors=True)
             lowerer = BudgetLowerer(config, args.budget)
             if strategy == "reserve-stream-lowered":
                 lowerer.start()

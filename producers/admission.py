@@ -245,7 +245,10 @@ class Admission:
                     asked.set_result(event)
                 lease.changed.set()
                 # What its requests in flight may still keep, read by on_revoke.
-                self.revocations[event.dataset] = (event.lease_id, event.allowance)
+                self.revocations[event.dataset] = (
+                    event.lease_id,
+                    max(0, event.ceiling - lease.spent),
+                )
                 if self.on_revoke is not None:
                     asyncio.get_running_loop().create_task(self.on_revoke(event.dataset))
                 if lease.in_flight == 0:

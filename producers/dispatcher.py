@@ -415,16 +415,16 @@ class Dispatcher:
                 count_source=result.count_source,
                 finished_at=finished_at,
             )
-            try:
-                await self._producer.send_and_wait(
-                    self.topics.completions,
-                    key=prompt.dataset.encode(),
-                    value=ev.encode(completion),
-                )
-            finally:
-                if ticket:
-                    # Counted as spent even if the send failed: it may have landed.
-                    self.admission.settle(ticket, cost)  # type: ignore[union-attr]
+            if ticket:
+                # Spent from here on, before any await: a revocation arriving while
+                # this is being sent must already see it (and a failed send may
+                # still have landed).
+                self.admission.settle(ticket, cost)  # type: ignore[union-attr]
+            await self._producer.send_and_wait(
+                self.topics.completions,
+                key=prompt.dataset.encode(),
+                value=ev.encode(completion),
+            )
             metrics.EVENTS_PRODUCED.labels(topic="completions").inc()
             self.report.completed += 1
             return

@@ -132,7 +132,7 @@ def build_app(settings: LedgerSettings) -> faust.App:
     async def process(batch: list[Any]) -> None:
         """Apply a batch of events, persist, then announce.
 
-        Each dataset's entry records the last offset applied per source topic, and
+        Each dataset's entry records the last offset applied per source partition, and
         each prompt's outcome entry the offset of the event that set it, so events
         Faust hands over again after a crash are recognised whichever of the two
         writes made it out before the crash. Announcements (grants, halts) leave
@@ -156,11 +156,14 @@ def build_app(settings: LedgerSettings) -> faust.App:
             if not isinstance(name, str) or isinstance(decoded, IGNORED):
                 continue  # our own announcements and snapshots come back on this topic
             state = states.get(name) or load(name)
-            if message.offset <= state.applied.get(message.topic, -1):
+            # Per topic *and* partition: clients with different partitioners may
+            # put one dataset's events on different partitions of a topic.
+            source = f"{message.topic}:{message.partition}"
+            if message.offset <= state.applied.get(source, -1):
                 continue  # applied before a restart
             transition, outcome_entry = apply(state, decoded, message, at, outcome_entries)
             state = msgspec.structs.replace(
-                transition.state, applied={**state.applied, message.topic: message.offset}
+                transition.state, applied={**state.applied, source: message.offset}
             )
             states[name] = state
             partition_of[name] = message.partition

@@ -185,7 +185,11 @@ class LeaseRevoked(_Event, tag="lease_revoked", frozen=True):
     dataset: str
     lease_id: str
     holder: str
-    allowance: int = 0
+    allowance: int = 0  # what the lease may still commit beyond what the ledger counted
+    # The most the lease may commit in all (counted + allowance). The holder keeps
+    # ceiling - what it already published, which also covers completions it sent
+    # that the ledger had not counted yet.
+    ceiling: int = 0
     kept: int = 0  # what the dataset had kept when the lease was revoked
     at: float = 0.0
 

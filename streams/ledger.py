@@ -90,7 +90,7 @@ class DatasetLedger(msgspec.Struct, frozen=True, kw_only=True):
     # The smallest admission that is still useful (1 token to truncate at the line,
     # a whole answer for the ``finish`` policy): below it the dataset is full.
     admit_floor: int = 1
-    # The last offset applied from each source topic: events Faust hands over again
+    # The last offset applied from each source "topic:partition": events Faust hands over again
     # after a restart are recognised by it.
     applied: dict[str, int] = {}
 
@@ -457,6 +457,7 @@ def revoke_overdrawn(state: DatasetLedger, at: float) -> tuple[DatasetLedger, li
                 lease_id=lease_id,
                 holder=lease.holder,
                 allowance=allowance,
+                ceiling=lease.committed + allowance,
                 kept=used(state),
                 at=at,
             )
