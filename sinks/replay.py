@@ -847,6 +847,7 @@ def run_cli(args: argparse.Namespace) -> int:
 
 def add_sink_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True)
+    parser.add_argument("--metrics-port", type=int, default=0, help="serve /metrics (0: off)")
 
 
 def run_sink_cli(args: argparse.Namespace) -> int:
@@ -860,6 +861,10 @@ def run_sink_cli(args: argparse.Namespace) -> int:
 
     config = config_module.load(args.config)
     bootstrap = resolve_bootstrap(config)
+    if args.metrics_port:
+        from sinks import metrics
+
+        metrics.serve(config.metrics.host, args.metrics_port)
     sink = ParquetSink(
         bootstrap,
         Topics(config.kafka.namespace),

@@ -65,6 +65,10 @@ async def dispatch_until_stopped(
 def run_dispatch_cli(args: argparse.Namespace) -> int:
     config = config_module.load(args.config)
     bootstrap = resolve_bootstrap(config)
+    if args.metrics_port:
+        from sinks import metrics
+
+        metrics.serve(config.metrics.host, args.metrics_port)
     asyncio.run(
         dispatch_until_stopped(config, bootstrap, Path(args.report) if args.report else None)
     )
@@ -179,6 +183,7 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     dispatch = sub.add_parser("dispatch", help="one dispatcher process (SIGTERM: finish, release)")
     dispatch.add_argument("--config", required=True)
     dispatch.add_argument("--report", help="write refusal times and counts here on exit (JSON)")
+    dispatch.add_argument("--metrics-port", type=int, default=0, help="serve /metrics (0: off)")
     dispatch.set_defaults(func=run_dispatch_cli)
 
     budget = sub.add_parser("budget", help="set or show budgets while a job runs")

@@ -164,6 +164,9 @@ class ExtraDispatchers:
                 "--report",
                 str(report),
             ]
+            if self.config.metrics.port:
+                # run: port, ledger: port + 1, extra dispatchers: port + 2, + 3, ...
+                command += ["--metrics-port", str(self.config.metrics.port + 2 + i)]
             self.processes.append((subprocess.Popen(command, start_new_session=True), report))
 
     def check(self) -> None:
