@@ -126,12 +126,21 @@ def measure(
     bootstrap = broker.BrokerSettings.from_env().bootstrap
     topics = Topics(config.kafka.namespace)
     exceeded: dict[str, ev.BudgetExceeded] = {}
-    kept_when_lowered: dict[str, int] = {}
+    revoked_at: dict[str, float] = {}
     for event in read_topic(bootstrap, topics.budgets):
         if isinstance(event, ev.BudgetExceeded) and event.dataset not in exceeded:
             exceeded[event.dataset] = event
         if isinstance(event, ev.LeaseRevoked):
-            kept_when_lowered.setdefault(event.dataset, event.kept)
+            revoked_at.setdefault(event.dataset, event.at)
+    # What was already published when the lowering took effect cannot be cut: it was
+    # generated under the old budget (some of it not yet counted by the ledger).
+    kept_when_lowered: dict[str, int] = {}
+    for file in config.sink_path.glob("dataset=*/*.parquet"):
+        table = pq.read_table(file, columns=["dataset", "completion_tokens", "finished_at"])
+        for row in table.to_pylist():
+            name = str(row["dataset"])
+            if name in revoked_at and row["finished_at"] <= revoked_at[name]:
+                kept_when_lowered[name] = kept_when_lowered.get(name, 0) + row["completion_tokens"]
     generated: dict[str, int] = {}
     for record in sim_log:
         for d in DEMO_DATASETS:
