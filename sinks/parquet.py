@@ -51,6 +51,7 @@ from kafka.errors import CommitFailedError, RebalanceInProgressError
 from sinks import metrics
 from streams import events as ev
 from streams.topics import Topics
+from tokenbudget.config import Config
 from tokenbudget.errors import BrokerError, EventDecodeError
 from tokenbudget.kafka import kafka_python_options
 
@@ -505,6 +506,16 @@ class SinkSettings:
     row_group_rows: int = 1000
     flush_interval: float = 5.0
     row_group_bytes: int = 32 * 1024 * 1024
+
+    @classmethod
+    def from_config(cls, config: Config) -> SinkSettings:
+        return cls(
+            path=config.sink_path,
+            rotate_rows=config.sink.rotate_rows,
+            rotate_bytes=config.sink.rotate_bytes,
+            row_group_rows=config.sink.row_group_rows,
+            flush_interval=config.sink.flush_interval_s,
+        )
 
     def writer(self) -> WriterSettings:
         return WriterSettings(

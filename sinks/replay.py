@@ -868,13 +868,7 @@ def run_sink_cli(args: argparse.Namespace) -> int:
     sink = ParquetSink(
         bootstrap,
         Topics(config.kafka.namespace),
-        SinkSettings(
-            path=config.sink_path,
-            rotate_rows=config.sink.rotate_rows,
-            rotate_bytes=config.sink.rotate_bytes,
-            row_group_rows=config.sink.row_group_rows,
-            flush_interval=config.sink.flush_interval_s,
-        ),
+        SinkSettings.from_config(config),
     )
     stop = threading.Event()
 

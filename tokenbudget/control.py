@@ -75,6 +75,35 @@ def run_dispatch_cli(args: argparse.Namespace) -> int:
     return 0
 
 
+async def produce_until_done(config: config_module.Config, bootstrap: str) -> None:
+    """The prompt producer on its own: publishes every dataset's prompts (paced by
+    the ledger's snapshots) until each is read to its end or halted."""
+    from producers.prompts import PromptProducer
+    from tokenbudget.runner import publish_budgets
+
+    topics = Topics(config.kafka.namespace)
+    await publish_budgets(config, bootstrap)
+    watcher = BudgetWatcher(bootstrap, topics)
+    await watcher.start()
+    watch_task = asyncio.create_task(watcher.run())
+    try:
+        await watcher.caught_up.wait()
+        reports = await PromptProducer(config, bootstrap, watcher.board).run()
+    finally:
+        watch_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await watch_task
+        await watcher.stop()
+    for name, report in reports.items():
+        print(f"{name}: {report.produced} prompts produced ({report.reason})")
+
+
+def run_produce_cli(args: argparse.Namespace) -> int:
+    config = config_module.load(args.config)
+    asyncio.run(produce_until_done(config, resolve_bootstrap(config)))
+    return 0
+
+
 async def publish_budget(bootstrap: str, topics: Topics, event: ev.BudgetSet) -> None:
     producer = AIOKafkaProducer(**aiokafka_options(bootstrap), acks="all")
     await producer.start()
@@ -185,6 +214,10 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     dispatch.add_argument("--report", help="write refusal times and counts here on exit (JSON)")
     dispatch.add_argument("--metrics-port", type=int, default=0, help="serve /metrics (0: off)")
     dispatch.set_defaults(func=run_dispatch_cli)
+
+    produce = sub.add_parser("produce", help="the prompt producer on its own")
+    produce.add_argument("--config", required=True)
+    produce.set_defaults(func=run_produce_cli)
 
     budget = sub.add_parser("budget", help="set or show budgets while a job runs")
     budget_sub = budget.add_subparsers(dest="budget_command", required=True)

@@ -335,13 +335,7 @@ async def _run_components(
     sink = ParquetSink(
         bootstrap,
         topics,
-        SinkSettings(
-            path=config.sink_path,
-            rotate_rows=config.sink.rotate_rows,
-            rotate_bytes=config.sink.rotate_bytes,
-            row_group_rows=config.sink.row_group_rows,
-            flush_interval=config.sink.flush_interval_s,
-        ),
+        SinkSettings.from_config(config),
     )
     sink_stop = threading.Event()
     sink_thread = threading.Thread(target=sink.run, args=(sink_stop,), name="sink", daemon=True)
