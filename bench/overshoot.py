@@ -35,9 +35,10 @@ from pathlib import Path
 
 import httpx
 import pyarrow.parquet as pq
-from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+from kafka import KafkaProducer
 
 from producers.halts import BudgetWatcher
+from sinks.replay import read_to_end
 from streams import events as ev
 from streams.topics import Topics
 from tokenbudget import broker
@@ -91,20 +92,6 @@ def write_config(
     return config_path
 
 
-def read_topic(bootstrap: str, topic: str) -> list[ev.Event]:
-    consumer = KafkaConsumer(bootstrap_servers=bootstrap, group_id=None)
-    partitions = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic))]
-    consumer.assign(partitions)
-    consumer.seek_to_beginning(*partitions)
-    ends = consumer.end_offsets(partitions)
-    events: list[ev.Event] = []
-    while any(consumer.position(tp) < ends[tp] for tp in partitions):
-        for records in consumer.poll(timeout_ms=500).values():
-            events.extend(ev.decode(r.value) for r in records)
-    consumer.close()
-    return events
-
-
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     index = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
@@ -127,7 +114,9 @@ def measure(
     topics = Topics(config.kafka.namespace)
     exceeded: dict[str, ev.BudgetExceeded] = {}
     revoked_at: dict[str, float] = {}
-    for event in read_topic(bootstrap, topics.budgets):
+    budget_events: list[ev.Event] = []
+    read_to_end(bootstrap, topics.budgets, budget_events.append)
+    for event in budget_events:
         if isinstance(event, ev.BudgetExceeded) and event.dataset not in exceeded:
             exceeded[event.dataset] = event
         if isinstance(event, ev.LeaseRevoked):

@@ -461,14 +461,7 @@ class Dispatcher:
 
     async def _dead_letter(self, reason: str, record: Any) -> None:
         assert self._producer is not None
-        letter = ev.dead_letter(
-            reason,
-            source_topic=record.topic,
-            payload=record.value,
-            partition=record.partition,
-            offset=record.offset,
-            key=record.key,
-        )
+        letter = ev.dead_letter_for(reason, record)
         await self._producer.send_and_wait(
             self.topics.dead_letter,
             key=record.key,

@@ -45,7 +45,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
-from kafka import KafkaConsumer, KafkaProducer, OffsetAndMetadata, TopicPartition
+from kafka import KafkaConsumer, KafkaProducer, OffsetAndMetadata
 from kafka.errors import CommitFailedError, RebalanceInProgressError
 
 from sinks import metrics
@@ -615,14 +615,7 @@ class ParquetSink:
 
     def _dead_letter(self, record: Any, reason: str) -> None:
         assert self._dlq is not None
-        letter = ev.dead_letter(
-            reason,
-            source_topic=record.topic,
-            payload=record.value,
-            partition=record.partition,
-            offset=record.offset,
-            key=record.key,
-        )
+        letter = ev.dead_letter_for(reason, record)
         self._dlq.send(self.topics.dead_letter, key=record.key, value=ev.encode(letter))
         self._dlq.flush()
         metrics.DEAD_LETTERED.labels(topic="completions").inc()
@@ -669,7 +662,3 @@ class ParquetSink:
             self.flush()
         finally:
             self.close()
-
-
-def all_partitions(topic: str, partitions: int) -> list[TopicPartition]:
-    return [TopicPartition(topic, p) for p in range(partitions)]

@@ -12,7 +12,7 @@ of one dataset land in one partition, in order, next to its ledger entry.
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -316,6 +316,19 @@ def decode(data: bytes) -> Event:
 def event_key(event: Event) -> bytes | None:
     dataset = getattr(event, "dataset", None)
     return dataset.encode() if isinstance(dataset, str) else None
+
+
+def dead_letter_for(reason: str, record: Any) -> DeadLetter:
+    """The dead letter for a consumer record (kafka-python's or aiokafka's: both
+    carry ``topic``, ``partition``, ``offset``, ``key`` and ``value``)."""
+    return dead_letter(
+        reason,
+        source_topic=record.topic,
+        payload=record.value,
+        partition=record.partition,
+        offset=record.offset,
+        key=record.key,
+    )
 
 
 def dead_letter(

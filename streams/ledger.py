@@ -14,10 +14,12 @@ table, keyed by ``prompt_id``) and applies :func:`outcome_change`:
     completed -> any        ignore (the first completion is the one kept)
     skipped <-> failed      ignore (first wins)
 
-The two tables are written one after the other, so a crash in between could leave
-the dataset entry updated and the outcome entry not. ``DatasetLedger.last_event_id``
-closes that gap: events of one dataset are processed in order, so only the latest
-one can be half-applied, and it is recognised by its id.
+Repeats of one event are recognised before these functions run: the agent keeps,
+in each dataset's entry, the last offset applied per source topic-partition, and in
+each outcome entry the offset that recorded it (:class:`OutcomeEntry`), so a
+restart that re-delivers events applies none twice, whichever table write made it
+out before the crash. ``DatasetLedger.last_event_id`` additionally makes a second
+copy of the latest outcome event a no-op.
 """
 
 from __future__ import annotations

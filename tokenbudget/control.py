@@ -10,16 +10,15 @@ import signal
 import time
 from pathlib import Path
 
-from aiokafka import AIOKafkaProducer
-
 from producers.dispatcher import Dispatcher
 from producers.halts import BudgetWatcher
+from sinks.replay import live_snapshots
 from streams import events as ev
 from streams.topics import Topics
 from tokenbudget import config as config_module
 from tokenbudget.config import parse_budget
 from tokenbudget.errors import ConfigError
-from tokenbudget.kafka import aiokafka_options, resolve_bootstrap
+from tokenbudget.kafka import publish_events, resolve_bootstrap
 from tokenbudget.report import format_table
 
 
@@ -104,32 +103,6 @@ def run_produce_cli(args: argparse.Namespace) -> int:
     return 0
 
 
-async def publish_budget(bootstrap: str, topics: Topics, event: ev.BudgetSet) -> None:
-    producer = AIOKafkaProducer(**aiokafka_options(bootstrap), acks="all")
-    await producer.start()
-    try:
-        await producer.send_and_wait(
-            topics.budgets, key=event.dataset.encode(), value=ev.encode(event)
-        )
-    finally:
-        await producer.stop()
-
-
-async def read_ledger(bootstrap: str, topics: Topics, timeout: float = 10.0) -> BudgetWatcher:
-    """The ledger's latest snapshot of every dataset, as published on the topic."""
-    watcher = BudgetWatcher(bootstrap, topics)
-    await watcher.start()
-    task = asyncio.create_task(watcher.run())
-    try:
-        await asyncio.wait_for(watcher.caught_up.wait(), timeout)
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await task
-        await watcher.stop()
-    return watcher
-
-
 def run_budget_cli(args: argparse.Namespace) -> int:
     config = config_module.load(args.config)
     bootstrap = resolve_bootstrap(config)
@@ -151,13 +124,10 @@ def run_budget_cli(args: argparse.Namespace) -> int:
             set_at=time.time(),
             set_by="tokenbudget budget set",
         )
-        asyncio.run(publish_budget(bootstrap, topics, event))
+        asyncio.run(publish_events(bootstrap, topics.budgets, [event]))
         print(f"{args.dataset}: budget set to {budget:,} {config.budget.unit}")
         return 0
-    watcher = asyncio.run(read_ledger(bootstrap, topics))
-    snapshots = {
-        name: view.snapshot for name, view in sorted(watcher.board.views.items()) if view.snapshot
-    }
+    snapshots = dict(sorted(live_snapshots(bootstrap, topics).items()))
     if args.json:
         print(
             json.dumps(

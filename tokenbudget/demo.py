@@ -14,7 +14,6 @@ import math
 import shutil
 import socket
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +23,7 @@ import httpx
 from tokenbudget import config as config_module
 from tokenbudget.errors import TokenBudgetError
 from tokenbudget.report import format_table, percent
-from tokenbudget.runner import RunReport, run
+from tokenbudget.runner import RunReport, cli_command, run
 
 
 @dataclass(frozen=True)
@@ -81,21 +80,16 @@ def free_port() -> int:
 
 
 def start_simulator(port: int, tokens_per_second: float) -> subprocess.Popen[bytes]:
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tokenbudget",
-            "simulate",
-            "--port",
-            str(port),
-            "--profile",
-            "demo",
-            "--tokens-per-second",
-            str(tokens_per_second),
-        ],
-        start_new_session=True,
+    command = cli_command(
+        "simulate",
+        "--port",
+        str(port),
+        "--profile",
+        "demo",
+        "--tokens-per-second",
+        str(tokens_per_second),
     )
+    process = subprocess.Popen(command, start_new_session=True)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         try:

@@ -8,6 +8,7 @@ existing cluster. Either way every topic is created before a worker starts.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 from streams.topics import Topics, TopicSpec
@@ -44,6 +45,21 @@ def resolve_bootstrap(config: Config, *, create_topics: bool = True) -> str:
     if create_topics:
         broker.ensure_topics(config.kafka.bootstrap, specs)
     return config.kafka.bootstrap
+
+
+async def publish_events(bootstrap: str, topic: str, events: Sequence[Any]) -> None:
+    """Send events keyed by their dataset and wait until Kafka has them all."""
+    from aiokafka import AIOKafkaProducer
+
+    from streams import events as ev
+
+    producer = AIOKafkaProducer(**aiokafka_options(bootstrap), acks="all")
+    await producer.start()
+    try:
+        for event in events:
+            await producer.send_and_wait(topic, key=ev.event_key(event), value=ev.encode(event))
+    finally:
+        await producer.stop()
 
 
 def aiokafka_options(bootstrap: str) -> dict[str, Any]:

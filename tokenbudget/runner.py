@@ -24,8 +24,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from aiokafka import AIOKafkaProducer
-
 from producers.dispatcher import Dispatcher, DispatchReport
 from producers.halts import BudgetWatcher
 from producers.prompts import ProduceReport, PromptProducer
@@ -35,7 +33,7 @@ from streams import events as ev
 from streams.topics import Topics
 from tokenbudget.config import Config
 from tokenbudget.errors import ConfigError
-from tokenbudget.kafka import GroupLag, aiokafka_options, resolve_bootstrap
+from tokenbudget.kafka import GroupLag, publish_events, resolve_bootstrap
 from tokenbudget.progress import BudgetProgress
 
 log = logging.getLogger(__name__)
@@ -95,6 +93,11 @@ class RunReport:
         }
 
 
+def cli_command(*args: str) -> list[str]:
+    """This tokenbudget, as a subprocess command line."""
+    return [sys.executable, "-m", "tokenbudget", *args]
+
+
 def start_ledger_process(
     bootstrap: str,
     namespace: str,
@@ -102,10 +105,7 @@ def start_ledger_process(
     metrics_port: int = 0,
     metrics_host: str = "127.0.0.1",
 ) -> subprocess.Popen[bytes]:
-    command = [
-        sys.executable,
-        "-m",
-        "tokenbudget",
+    command = cli_command(
         "ledger",
         "--bootstrap",
         bootstrap,
@@ -117,7 +117,7 @@ def start_ledger_process(
         metrics_host,
         "--metrics-port",
         str(metrics_port),
-    ]
+    )
     return subprocess.Popen(command, start_new_session=True)
 
 
@@ -154,16 +154,9 @@ class ExtraDispatchers:
         self._folder = tempfile.TemporaryDirectory(prefix="tokenbudget-dispatch-")
         for i in range(self.count):
             report = Path(self._folder.name) / f"dispatcher-{i}.json"
-            command = [
-                sys.executable,
-                "-m",
-                "tokenbudget",
-                "dispatch",
-                "--config",
-                str(self.config.source),
-                "--report",
-                str(report),
-            ]
+            command = cli_command(
+                "dispatch", "--config", str(self.config.source), "--report", str(report)
+            )
             if self.config.metrics.port:
                 # run: port, ledger: port + 1, extra dispatchers: port + 2, + 3, ...
                 command += ["--metrics-port", str(self.config.metrics.port + 2 + i)]
@@ -194,24 +187,18 @@ class ExtraDispatchers:
 
 
 async def publish_budgets(config: Config, bootstrap: str) -> None:
-    topics = Topics(config.kafka.namespace)
-    producer = AIOKafkaProducer(**aiokafka_options(bootstrap), acks="all")
-    await producer.start()
-    try:
-        for dataset in config.datasets:
-            event = ev.BudgetSet(
-                dataset=dataset.name,
-                budget=dataset.budget,
-                unit=config.budget.unit,
-                set_at=time.time(),
-                set_by=f"config {config.source}",
-            )
-            await producer.send_and_wait(
-                topics.budgets, key=dataset.name.encode(), value=ev.encode(event)
-            )
-            metrics.EVENTS_PRODUCED.labels(topic="budgets").inc()
-    finally:
-        await producer.stop()
+    events = [
+        ev.BudgetSet(
+            dataset=dataset.name,
+            budget=dataset.budget,
+            unit=config.budget.unit,
+            set_at=time.time(),
+            set_by=f"config {config.source}",
+        )
+        for dataset in config.datasets
+    ]
+    await publish_events(bootstrap, Topics(config.kafka.namespace).budgets, events)
+    metrics.EVENTS_PRODUCED.labels(topic="budgets").inc(len(events))
 
 
 async def _wait_drained(

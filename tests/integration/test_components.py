@@ -8,7 +8,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -18,12 +17,9 @@ from streams.topics import Topics
 from tests.integration.test_ledger_worker import wait_for_snapshot
 from tests.integration.test_reservations import write_config, write_prompts
 from tokenbudget import simulator
+from tokenbudget.runner import cli_command
 
 pytestmark = pytest.mark.integration
-
-
-def tokenbudget(*args: str) -> list[str]:
-    return [sys.executable, "-m", "tokenbudget", *args]
 
 
 def test_components_run_apart_and_stop_cleanly_on_sigterm(
@@ -42,13 +38,13 @@ def test_components_run_apart_and_stop_cleanly_on_sigterm(
             [{"name": "d", "path": "d.jsonl", "budget": "20k"}],
         )
         workers = [
-            subprocess.Popen(tokenbudget(name, "--config", str(config)), start_new_session=True)
+            subprocess.Popen(cli_command(name, "--config", str(config)), start_new_session=True)
             for name in ("ledger", "dispatch", "sink")
         ]
         try:
             produced = await asyncio.to_thread(
                 subprocess.run,
-                tokenbudget("produce", "--config", str(config)),
+                cli_command("produce", "--config", str(config)),
                 capture_output=True,
                 text=True,
                 timeout=180,
@@ -62,7 +58,7 @@ def test_components_run_apart_and_stop_cleanly_on_sigterm(
 
             shown = await asyncio.to_thread(
                 subprocess.run,
-                tokenbudget("budget", "show", "--json", "--config", str(config)),
+                cli_command("budget", "show", "--json", "--config", str(config)),
                 capture_output=True,
                 text=True,
                 timeout=60,
