@@ -3,7 +3,12 @@
 Datasets are interleaved row by row so all of them progress together, and each is
 kept at most ``max_queued`` prompts ahead of its recorded outcomes (as the ledger's
 snapshots report them): when a budget halts a dataset, only that many prompts are
-left queued to be skipped, and the rest of the file is never published.
+left queued to be skipped, and the rest of the file is never published as prompts.
+
+Every row still gets an outcome: when a halted dataset is finished, each row not
+sent is recorded as ``PromptSkipped`` (small events, no generation), so the ledger
+accounts for every prompt of the file exactly once, and a later run with a raised
+budget produces them again (only completed prompts are never produced twice).
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ class ProduceReport:
     produced: int = 0
     bad_rows: int = 0
     already_done: int = 0  # completed by an earlier run of the namespace: not produced
+    # rows left unread when the budget halted the dataset: recorded as skipped
+    not_sent: int = 0
     reason: str = "end_of_data"  # or "halted", "limit"
     errors: list[str] = field(default_factory=list)
 
@@ -182,10 +189,13 @@ class PromptProducer:
     async def _finish(self, producer: AIOKafkaProducer, cursor: _Cursor, reason: str) -> None:
         cursor.done = True
         cursor.report.reason = reason
+        if reason == "halted":
+            await self._skip_rest(producer, cursor)
+        report = cursor.report
         done = ev.ProducerDone(
             dataset=cursor.dataset.name,
             # prompts completed by earlier runs count: the ledger has their outcomes
-            produced=cursor.report.produced + cursor.report.already_done,
+            produced=report.produced + report.already_done + report.not_sent,
             reason=reason,  # type: ignore[arg-type]
             at=time.time(),
         )
@@ -202,3 +212,20 @@ class PromptProducer:
                 done.dataset,
                 cursor.report.already_done,
             )
+
+    async def _skip_rest(self, producer: AIOKafkaProducer, cursor: _Cursor) -> None:
+        """Record each row not sent as skipped (the budget is reached)."""
+        name = cursor.dataset.name
+        for row in cursor.rows:  # bad rows are reported (or raise) as while producing
+            skipped = ev.PromptSkipped(
+                prompt_id=row.prompt_id,
+                dataset=name,
+                reason="budget reached: not sent",
+                at=time.time(),
+            )
+            await producer.send(self.topics.outcomes, key=name.encode(), value=ev.encode(skipped))
+            cursor.report.not_sent += 1
+            metrics.SKIPPED_PROMPTS.labels(dataset=name).inc()
+        if cursor.report.not_sent:
+            await producer.flush()
+            metrics.EVENTS_PRODUCED.labels(topic="outcomes").inc(cursor.report.not_sent)

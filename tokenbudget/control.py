@@ -94,7 +94,17 @@ async def produce_until_done(config: config_module.Config, bootstrap: str) -> No
             await watch_task
         await watcher.stop()
     for name, report in reports.items():
-        print(f"{name}: {report.produced} prompts produced ({report.reason})")
+        line = f"{name}: {report.produced} prompts produced ({report.reason})"
+        extras = [
+            f"{count} {label}"
+            for count, label in (
+                (report.not_sent, "not sent, recorded as skipped"),
+                (report.already_done, "already done"),
+                (report.bad_rows, "bad rows skipped"),
+            )
+            if count
+        ]
+        print(line + (f"; {', '.join(extras)}" if extras else ""))
 
 
 def run_produce_cli(args: argparse.Namespace) -> int:

@@ -231,6 +231,26 @@ async def _wait_drained(
         lag.close()
 
 
+async def _wait_ledger_applied(config: Config, bootstrap: str, watcher: BudgetWatcher) -> None:
+    """Wait until the ledger has read every outcome published so far and has
+    published a snapshot of each dataset since (the rows a stopped producer
+    recorded as skipped belong in the report)."""
+    topics = Topics(config.kafka.namespace)
+    lag = await asyncio.to_thread(GroupLag, bootstrap)
+    try:
+        sources = [topics.completions, topics.outcomes]
+        while await asyncio.to_thread(lag.lag, topics.ledger_app_id, sources):
+            await asyncio.sleep(0.25)
+    finally:
+        lag.close()
+    applied_at = time.time()
+    names = [d.name for d in config.datasets]
+    while not all(
+        (s := watcher.board.snapshot(n)) is not None and s.at > applied_at for n in names
+    ):
+        await asyncio.sleep(0.1)
+
+
 async def _wait_for_members(bootstrap: str, group: str, expected: int, timeout: float = 90) -> None:
     lag = await asyncio.to_thread(GroupLag, bootstrap)
     try:
@@ -355,6 +375,8 @@ async def _run_components(
         drain.result()
         producer_stop.set()
         produced = await produce_task
+        if any(report.not_sent for report in produced.values()):
+            await _wait_ledger_applied(config, bootstrap, watcher)
     finally:
         dispatch_stop.set()
         with contextlib.suppress(Exception):
