@@ -27,6 +27,7 @@ from streams import events as ev
 from streams import ledger
 from streams.topics import LEDGER_TABLE, OUTCOME_TABLE, PARTITIONS, Topics
 from tokenbudget.errors import EventDecodeError
+from tokenbudget.security import faust_credentials
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,7 @@ def build_app(settings: LedgerSettings) -> faust.App:
     app = faust.App(
         topics.ledger_app_id,
         broker=f"kafka://{settings.bootstrap}",
+        broker_credentials=faust_credentials(settings.bootstrap),
         store="memory://",
         # Faust keeps a data folder even for the memory store; not in the cwd.
         datadir=str(datadir),

@@ -19,6 +19,13 @@ lives in ``BrokerSettings.home``::
 succeeds (an open port is not readiness). The JVM is detached (own session), so it
 outlives the Python process that started it; ``down`` stops it.
 
+With ``BrokerSettings.sasl_ssl`` the broker also opens a SASL_SSL listener (TLS from a
+PKCS12 keystore; SCRAM-SHA-256/512 and PLAIN users), for testing secured clients. The
+PLAINTEXT listener stays: readiness probes and topic creation use it. SCRAM users are
+written into the metadata when the storage is first formatted (StorageTool
+``--add-scram``), so adding users later needs a wiped home. The rendered
+server.properties then holds passwords and is written readable by its owner only.
+
     python -m tokenbudget.broker up|status|down|wipe
 """
 
@@ -31,6 +38,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -39,13 +47,14 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from streams.topics import TopicSpec, topic_specs
-from tokenbudget.errors import BrokerError, ConfigError
+from tokenbudget import security
+from tokenbudget.errors import BrokerError, ConfigError, KafkaAuthError
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +106,52 @@ def _default_jars_root() -> Path:
     return Path.home() / ".cache" / "tokenbudget"
 
 
+# Users, passwords and keystore passwords are written into server.properties and
+# StorageTool's arguments unquoted: keep them to characters that need no escaping.
+_SAFE_TOKEN = re.compile(r"[A-Za-z0-9_.\-]+")
+
+
+@dataclass(frozen=True)
+class SaslSslListener:
+    """A SASL_SSL listener on 127.0.0.1:``port`` beside the PLAINTEXT one.
+
+    ``keystore`` is a PKCS12 file with the broker's key and certificate. Each of
+    ``users`` (name -> password) may log in with SCRAM-SHA-256, SCRAM-SHA-512 or PLAIN.
+    With ``truststore`` (PKCS12 CA certificates) clients must also present a
+    certificate signed by one of them.
+    """
+
+    port: int
+    keystore: Path
+    keystore_password: str = field(repr=False)
+    users: Mapping[str, str] = field(default_factory=dict, repr=False)
+    truststore: Path | None = None
+    truststore_password: str = field(default="", repr=False)
+
+    def secrets(self) -> list[str]:
+        """Every password in here, to mask them in anything we show."""
+        values = [self.keystore_password, self.truststore_password, *self.users.values()]
+        return [v for v in values if v]
+
+    def check(self) -> None:
+        passwords = {
+            "sasl_ssl.keystore_password": self.keystore_password,
+            **{f"sasl_ssl.users.{name}": pw for name, pw in self.users.items()},
+        }
+        if self.truststore is not None:
+            passwords["sasl_ssl.truststore_password"] = self.truststore_password
+        for key, value in passwords.items():
+            if not _SAFE_TOKEN.fullmatch(value):  # never quote the value itself
+                raise ConfigError(key, "use letters, digits, '_', '-' and '.' only")
+        for name in self.users:
+            if not _SAFE_TOKEN.fullmatch(name):
+                raise ConfigError("sasl_ssl.users", f"{name!r}: letters, digits, '_-.' only")
+        stores = {"sasl_ssl.keystore": self.keystore, "sasl_ssl.truststore": self.truststore}
+        for key, path in stores.items():
+            if path is not None and not path.is_file():
+                raise ConfigError(key, f"{path} is not a file")
+
+
 @dataclass(frozen=True)
 class BrokerSettings:
     """Where and how the local broker runs.
@@ -111,10 +166,15 @@ class BrokerSettings:
     kafka_version: str = DEFAULT_KAFKA_VERSION
     heap_mb: int = 768
     jars_root: Path = field(default_factory=_default_jars_root)
+    sasl_ssl: SaslSslListener | None = None  # None: PLAINTEXT only
 
     @property
     def bootstrap(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def sasl_ssl_bootstrap(self) -> str | None:
+        return f"127.0.0.1:{self.sasl_ssl.port}" if self.sasl_ssl else None
 
     @property
     def libs_dir(self) -> Path:
@@ -211,15 +271,87 @@ def render_properties(settings: BrokerSettings, template: str | None = None) -> 
         )
     else:
         extra = "# Kafka 3.x: no share-coordinator settings.\n"
+    secure = _secure_placeholders(settings.sasl_ssl)
+    if settings.sasl_ssl is not None and "${secure_listener}" not in template:
+        raise BrokerError(
+            "server.properties.template has no secure_listener placeholder: it predates "
+            "SASL_SSL support; use infra/kafka/server.properties.template of this checkout"
+        )
     try:
         return string.Template(template).substitute(
             port=settings.port,
             controller_port=settings.controller_port,
             log_dirs=str(settings.home.resolve() / _DATA_DIR),
             version_specific=extra,
+            **secure,
         )
     except (KeyError, ValueError) as exc:
         raise BrokerError(f"server.properties.template has a bad placeholder: {exc}") from exc
+
+
+_LISTENER = "SASL_SSL"
+_SCRAM_MECHANISMS = ("SCRAM-SHA-256", "SCRAM-SHA-512")
+
+
+def _secure_placeholders(listener: SaslSslListener | None) -> dict[str, str]:
+    """The template's secure_* values: empty strings without a SASL_SSL listener."""
+    if listener is None:
+        return dict.fromkeys(
+            ("secure_listener", "secure_advertised", "secure_protocol", "secure_settings"), ""
+        )
+    listener.check()
+    prefix = f"listener.name.{_LISTENER.lower()}"
+    plain_users = " ".join(f'user_{name}="{pw}"' for name, pw in listener.users.items())
+    lines = [
+        "# SASL_SSL listener (BrokerSettings.sasl_ssl): TLS, then SCRAM or PLAIN.",
+        f"{prefix}.sasl.enabled.mechanisms=PLAIN,{','.join(_SCRAM_MECHANISMS)}",
+        f"{prefix}.ssl.keystore.type=PKCS12",
+        f"{prefix}.ssl.keystore.location={listener.keystore.resolve()}",
+        f"{prefix}.ssl.keystore.password={listener.keystore_password}",
+        f"{prefix}.ssl.key.password={listener.keystore_password}",
+        # PLAIN checks passwords against this JAAS entry; SCRAM against the credentials
+        # StorageTool wrote into the metadata.
+        f"{prefix}.plain.sasl.jaas.config="
+        f"org.apache.kafka.common.security.plain.PlainLoginModule required {plain_users};",
+        *(
+            f"{prefix}.{mechanism.lower()}.sasl.jaas.config="
+            "org.apache.kafka.common.security.scram.ScramLoginModule required;"
+            for mechanism in _SCRAM_MECHANISMS
+        ),
+    ]
+    if listener.truststore is not None:
+        lines += [
+            f"{prefix}.ssl.client.auth=required",
+            f"{prefix}.ssl.truststore.type=PKCS12",
+            f"{prefix}.ssl.truststore.location={listener.truststore.resolve()}",
+            f"{prefix}.ssl.truststore.password={listener.truststore_password}",
+        ]
+    else:
+        lines.append(f"{prefix}.ssl.client.auth=none")
+    address = f"{_LISTENER}://127.0.0.1:{listener.port}"
+    return {
+        "secure_listener": f",{address}",
+        "secure_advertised": f",{address}",
+        "secure_protocol": f",{_LISTENER}:{_LISTENER}",
+        "secure_settings": "\n".join(lines) + "\n",
+    }
+
+
+def _scram_arguments(listener: SaslSslListener | None) -> list[str]:
+    """StorageTool ``--add-scram`` arguments creating every user for both SCRAM hashes."""
+    if listener is None:
+        return []
+    args = []
+    for name, password in listener.users.items():
+        for mechanism in _SCRAM_MECHANISMS:
+            args += ["--add-scram", f"{mechanism}=[name={name},password={password}]"]
+    return args
+
+
+def _mask(text: str, secrets: Sequence[str]) -> str:
+    for secret in secrets:
+        text = text.replace(secret, security.MASK)
+    return text
 
 
 def _jvm_logging_flags(settings: BrokerSettings) -> list[str]:
@@ -269,9 +401,14 @@ def _locked(path: Path) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def _write_atomic(path: Path, text: str, mode: int = 0o666) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
+    tmp.unlink(missing_ok=True)
+    # Created with ``mode`` (less the umask), so a file with passwords is never
+    # readable by others, not even for a moment.
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
     os.replace(tmp, path)
 
 
@@ -507,7 +644,15 @@ def _admin(bootstrap: str, timeout_ms: int = 10_000) -> Any:
         client_id="tokenbudget-broker",
         request_timeout_ms=timeout_ms,
         bootstrap_timeout_ms=timeout_ms,
+        **security.client_options(bootstrap),
     )
+
+
+def _connect_error(bootstrap: str, exc: BaseException) -> BrokerError | KafkaAuthError:
+    refused = security.auth_failure(bootstrap, exc)
+    if refused is not None:
+        return refused
+    return BrokerError(f"cannot reach Kafka at {bootstrap}: {exc!r}")
 
 
 def _probe(bootstrap: str, timeout: float) -> None:
@@ -590,8 +735,8 @@ def ensure_topics(bootstrap: str, specs: Sequence[TopicSpec], *, timeout: float 
     timeout_ms = int(timeout * 1000)
     try:
         admin = _admin(bootstrap, timeout_ms=timeout_ms)
-    except KafkaError as exc:
-        raise BrokerError(f"cannot reach Kafka at {bootstrap}: {exc}") from exc
+    except (KafkaError, OSError) as exc:
+        raise _connect_error(bootstrap, exc) from exc
     try:
         existing = set(admin.list_topics()) & set(wanted)
         missing = [name for name in wanted if name not in existing]
@@ -637,6 +782,9 @@ def ensure_topics(bootstrap: str, specs: Sequence[TopicSpec], *, timeout: float 
                     + ". Delete those topics or wipe the broker home."
                 )
     except KafkaError as exc:
+        refused = security.auth_failure(bootstrap, exc)
+        if refused is not None:  # e.g. a user without the right to create topics
+            raise refused from exc
         raise BrokerError(f"managing topics on {bootstrap} failed: {exc!r}") from exc
     finally:
         admin.close()
@@ -692,11 +840,20 @@ def _version_tuple(version: str) -> tuple[int, ...]:
 
 def _format_storage(settings: BrokerSettings, java: str) -> None:
     home = settings.home.resolve()
+    users = sorted(settings.sasl_ssl.users) if settings.sasl_ssl else []
     if (home / _DATA_DIR / "meta.properties").is_file():
         try:
-            formatted_with = json.loads((home / _FORMAT_FILE).read_text())["kafka_version"]
+            formatted = json.loads((home / _FORMAT_FILE).read_text())
+            formatted_with = formatted["kafka_version"]
         except (OSError, ValueError, KeyError, TypeError):
             return
+        missing = sorted(set(users) - set(formatted.get("scram_users", [])))
+        if missing:
+            raise BrokerError(
+                f"SCRAM users {', '.join(missing)} are not in the metadata of {home / _DATA_DIR}: "
+                "they are only created when the storage is first formatted; wipe the broker "
+                "home (its topics are lost) or use a new one"
+            )
         # Kafka cannot read metadata written by a newer version: say so instead of
         # quoting "No MetadataVersion with feature level 27" from the broker log.
         if _version_tuple(formatted_with)[:2] > _version_tuple(settings.kafka_version)[:2]:
@@ -723,30 +880,44 @@ def _format_storage(settings: BrokerSettings, java: str) -> None:
         cluster_id,
         "-c",
         str(home / _PROPS_FILE),
+        *_scram_arguments(settings.sasl_ssl),
     ]
+    secrets = settings.sasl_ssl.secrets() if settings.sasl_ssl else []
     try:
         proc = subprocess.run(
             cmd, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL
         )
     except (OSError, subprocess.TimeoutExpired) as exc:
-        raise BrokerError(f"formatting Kafka storage in {home / _DATA_DIR} failed: {exc}") from exc
+        # str(TimeoutExpired) quotes the command line, SCRAM passwords included.
+        reason = _mask(str(exc), secrets)
+        where = home / _DATA_DIR
+        raise BrokerError(f"formatting Kafka storage in {where} failed: {reason}") from None
     if proc.returncode != 0:
-        output = "\n".join((proc.stdout + proc.stderr).splitlines()[-30:])
+        output = _mask("\n".join((proc.stdout + proc.stderr).splitlines()[-30:]), secrets)
         raise BrokerError(
             f"formatting Kafka storage in {home / _DATA_DIR} failed (exit {proc.returncode}):"
             f"\n{output}"
         )
     _write_atomic(
         home / _FORMAT_FILE,
-        json.dumps({"kafka_version": settings.kafka_version, "cluster_id": cluster_id}),
+        json.dumps(
+            {
+                "kafka_version": settings.kafka_version,
+                "cluster_id": cluster_id,
+                "scram_users": users,
+            }
+        ),
     )
 
 
 def _check_ports(settings: BrokerSettings) -> None:
-    for name, port, env in (
+    ports = [
         ("port", settings.port, "TOKENBUDGET_KAFKA_PORT"),
         ("controller_port", settings.controller_port, "TOKENBUDGET_KAFKA_CONTROLLER_PORT"),
-    ):
+    ]
+    if settings.sasl_ssl is not None:
+        ports.append(("sasl_ssl.port", settings.sasl_ssl.port, "BrokerSettings.sasl_ssl"))
+    for name, port, env in ports:
         if not _port_free(port):
             raise BrokerError(
                 f"127.0.0.1:{port} ({name}) is in use by another process, not the tokenbudget "
@@ -776,6 +947,7 @@ def _start(settings: BrokerSettings, java: str) -> int:
         "kafka_version": settings.kafka_version,
         "port": settings.port,
         "controller_port": settings.controller_port,
+        "sasl_ssl_port": settings.sasl_ssl.port if settings.sasl_ssl else None,
         "started_at": time.time(),
     }
     _write_atomic(home / _STATE_FILE, json.dumps(state, indent=1))
@@ -803,17 +975,19 @@ def up(
         pid = _running_pid(settings)
         if pid is not None:
             state = _read_state(settings)
+            sasl_port = settings.sasl_ssl.port if settings.sasl_ssl else None
             started = (
                 state.get("kafka_version", settings.kafka_version),
                 state.get("port", settings.port),
                 state.get("controller_port", settings.controller_port),
+                state.get("sasl_ssl_port"),
             )
-            asked = (settings.kafka_version, settings.port, settings.controller_port)
+            asked = (settings.kafka_version, settings.port, settings.controller_port, sasl_port)
             if started != asked:
                 raise BrokerError(
                     f"the broker of {home} (pid {pid}) runs Kafka {started[0]} on ports "
-                    f"{started[1]}/{started[2]}, not Kafka {asked[0]} on {asked[1]}/{asked[2]}; "
-                    "run down first"
+                    f"{started[1]}/{started[2]} (SASL_SSL: {started[3]}), not Kafka {asked[0]} "
+                    f"on {asked[1]}/{asked[2]} (SASL_SSL: {asked[3]}); run down first"
                 )
             wait_ready(settings.bootstrap, timeout, pid=pid, log_path=home / _LOG_FILE)
         else:
@@ -825,7 +999,9 @@ def up(
                     "openjdk-17-jre-headless)"
                 )
             ensure_jars(settings)
-            _write_atomic(home / _PROPS_FILE, render_properties(settings))
+            # With a SASL_SSL listener the file holds passwords: owner only.
+            mode = 0o600 if settings.sasl_ssl else 0o666
+            _write_atomic(home / _PROPS_FILE, render_properties(settings), mode)
             shutil.copyfile(_infra_file(_LOG4J_FILE), home / _LOG4J_FILE)
             _format_storage(settings, java)
             launched = time.monotonic()

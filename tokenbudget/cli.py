@@ -112,7 +112,7 @@ def _status(args: argparse.Namespace) -> int:
     from streams.topics import Topics
     from tokenbudget import broker
     from tokenbudget import config as config_module
-    from tokenbudget.kafka import local_broker_settings
+    from tokenbudget.kafka import local_broker_settings, resolve_bootstrap
     from tokenbudget.status import follow
 
     config = config_module.load(args.config)
@@ -123,7 +123,7 @@ def _status(args: argparse.Namespace) -> int:
             raise TokenBudgetError(f"the local broker ({state.bootstrap}) is not running")
         bootstrap = state.bootstrap
     else:
-        bootstrap = config.kafka.bootstrap
+        bootstrap = resolve_bootstrap(config, create_topics=False)  # registers TLS/SASL
     names = [d.name for d in config.datasets]
     budgets = {d.name: d.budget for d in config.datasets}
     return asyncio.run(

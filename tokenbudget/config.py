@@ -42,6 +42,19 @@ class KafkaConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=Tru
     prompt_retention_ms: int = 7 * 24 * 3600 * 1000
     completion_retention_ms: int = -1
     budget_retention_ms: int = -1  # budgets and outcomes
+    # Security (see README "Secured Kafka"). Secrets are never written here: only the
+    # name of an environment variable (*_env) or a file (*_file) that holds them.
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    sasl_mechanism: Literal["", "PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] = ""
+    sasl_username: str = ""
+    sasl_password_env: str = ""
+    sasl_password_file: str = ""
+    ssl_cafile: str = ""  # PEM CA bundle the broker's certificate must chain to; "": system CAs
+    ssl_certfile: str = ""  # PEM client certificate, when the broker asks for one
+    ssl_keyfile: str = ""  # its PEM private key ("": inside ssl_certfile)
+    ssl_key_password_env: str = ""
+    ssl_key_password_file: str = ""
+    ssl_check_hostname: bool = True
 
 
 class InferenceConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -259,6 +272,7 @@ def build(
 ) -> Config:
     data = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items()}
     _apply_env(data, os.environ if environ is None else environ)
+    _reject_inline_secrets(data, source)
     try:
         raw = msgspec.convert(data, _RawConfig)
     except msgspec.ValidationError as exc:
@@ -295,6 +309,7 @@ def build(
         )
         _check_dataset(raw, d, key, source)
     _check_ranges(raw, source)
+    _check_kafka_security(raw.kafka, source)
     if raw.inference.tokenizer and not _resolve(base, raw.inference.tokenizer).is_dir():
         raise ConfigError(
             "inference.tokenizer",
@@ -312,6 +327,114 @@ def build(
         source=source,
         base_dir=base,
     )
+
+
+# Keys a user may try for a secret, and the key whose *_env / *_file replaces them.
+_INLINE_SECRETS = {
+    ("kafka", "sasl_password"): "kafka.sasl_password",
+    ("kafka", "sasl_plain_password"): "kafka.sasl_password",
+    ("kafka", "password"): "kafka.sasl_password",
+    ("kafka", "ssl_key_password"): "kafka.ssl_key_password",
+    ("kafka", "ssl_password"): "kafka.ssl_key_password",
+    ("inference", "api_key"): "inference.api_key",
+}
+
+
+def _reject_inline_secrets(data: dict[str, Any], source: str) -> None:
+    """A secret written in the config would be copied, committed and shown: refuse it
+    with the fix, before msgspec's generic "unknown field". The message never quotes
+    the value."""
+    for (section, key), target in _INLINE_SECRETS.items():
+        table = data.get(section)
+        if not isinstance(table, dict) or key not in table:
+            continue
+        if target == "inference.api_key":
+            fix = (
+                "put the key in an environment variable and set inference.api_key_env to "
+                "its name (default TOKENBUDGET_API_KEY)"
+            )
+        else:
+            fix = (
+                f"put it in an environment variable and set {target}_env to its name, or "
+                f"in a file only you can read and set {target}_file to its path"
+            )
+        raise ConfigError(
+            f"{section}.{key}", f"secrets are not read from the config: {fix}", source=source
+        )
+
+
+def _check_kafka_security(kafka: KafkaConfig, source: str) -> None:
+    """Security settings that cannot work together, named by their key."""
+    protocol = kafka.security_protocol
+    if kafka.bootstrap == "local" and protocol != "PLAINTEXT":
+        raise ConfigError(
+            "kafka.security_protocol",
+            f'{protocol}: the local broker (bootstrap = "local") listens in PLAINTEXT on '
+            "127.0.0.1; set kafka.bootstrap to HOST:PORT of a secured listener",
+            source=source,
+        )
+    for prefix in ("sasl_password", "ssl_key_password"):
+        if getattr(kafka, f"{prefix}_env") and getattr(kafka, f"{prefix}_file"):
+            raise ConfigError(
+                f"kafka.{prefix}_file",
+                f"set kafka.{prefix}_env or kafka.{prefix}_file, not both",
+                source=source,
+            )
+    sasl = {
+        "sasl_mechanism": kafka.sasl_mechanism,
+        "sasl_username": kafka.sasl_username,
+        "sasl_password_env": kafka.sasl_password_env,
+        "sasl_password_file": kafka.sasl_password_file,
+    }
+    if protocol in ("SASL_PLAINTEXT", "SASL_SSL"):
+        if not kafka.sasl_mechanism:
+            raise ConfigError(
+                "kafka.sasl_mechanism",
+                f"security_protocol {protocol} needs one: PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512",
+                source=source,
+            )
+        if not kafka.sasl_username:
+            raise ConfigError(
+                "kafka.sasl_username", f"security_protocol {protocol} needs one", source=source
+            )
+        if not (kafka.sasl_password_env or kafka.sasl_password_file):
+            raise ConfigError(
+                "kafka.sasl_password_env",
+                f"security_protocol {protocol} needs the password: set kafka.sasl_password_env "
+                "to the name of an environment variable holding it, or kafka.sasl_password_file "
+                "to a file holding it",
+                source=source,
+            )
+    else:
+        for key, value in sasl.items():
+            if value:
+                raise ConfigError(
+                    f"kafka.{key}",
+                    f"only used with security_protocol SASL_PLAINTEXT or SASL_SSL, not {protocol}",
+                    source=source,
+                )
+    tls = {
+        "ssl_cafile": kafka.ssl_cafile,
+        "ssl_certfile": kafka.ssl_certfile,
+        "ssl_keyfile": kafka.ssl_keyfile,
+        "ssl_key_password_env": kafka.ssl_key_password_env,
+        "ssl_key_password_file": kafka.ssl_key_password_file,
+    }
+    if protocol not in ("SSL", "SASL_SSL"):
+        for key, value in tls.items():
+            if value:
+                raise ConfigError(
+                    f"kafka.{key}",
+                    f"only used with security_protocol SSL or SASL_SSL, not {protocol}",
+                    source=source,
+                )
+    for key in ("ssl_keyfile", "ssl_key_password_env", "ssl_key_password_file"):
+        if tls[key] and not kafka.ssl_certfile:
+            raise ConfigError(
+                f"kafka.{key}",
+                "belongs to a client certificate: set kafka.ssl_certfile",
+                source=source,
+            )
 
 
 def _check_dataset(raw: _RawConfig, d: DatasetConfig, key: str, source: str) -> None:

@@ -5,6 +5,7 @@
     ├── DatasetError           a dataset file or row cannot be read
     ├── EventDecodeError       bytes on a topic are not a known event of a known version
     ├── BrokerError            the local Kafka broker cannot be fetched, started or reached
+    ├── KafkaAuthError         a Kafka broker refused our credentials, or TLS failed
     └── InferenceError         the inference server failed a request
         ├── InferenceTransportError   connection refused/reset, timeout
         ├── InferenceServerError      HTTP 5xx (retried)
@@ -52,6 +53,17 @@ class EventDecodeError(TokenBudgetError):
 
 class BrokerError(TokenBudgetError):
     """The local Kafka broker cannot be fetched, started, stopped or reached."""
+
+
+class KafkaAuthError(TokenBudgetError):
+    """The Kafka broker refused our credentials, or TLS with it failed.
+
+    ``keys`` are the config keys that decide it, the ones to check.
+    """
+
+    def __init__(self, message: str, *, keys: list[str]) -> None:
+        self.keys = keys
+        super().__init__(f"{message}; check config keys {', '.join(keys)}")
 
 
 class InferenceError(TokenBudgetError):

@@ -3,6 +3,10 @@
 ``[kafka] bootstrap = "local"`` means the project's own broker (see
 :mod:`tokenbudget.broker`), started on demand; anything else is ``HOST:PORT`` of an
 existing cluster. Either way every topic is created before a worker starts.
+
+Every client is built with :func:`aiokafka_options` or :func:`kafka_python_options`
+(the Faust app with :func:`tokenbudget.security.faust_credentials`), which add the
+TLS/SASL settings :func:`resolve_bootstrap` registered for the address.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from streams.topics import Topics, TopicSpec
-from tokenbudget import broker
+from tokenbudget import broker, security
 from tokenbudget.config import Config
 
 
@@ -38,10 +42,17 @@ def topic_specs(config: Config) -> list[TopicSpec]:
 
 
 def resolve_bootstrap(config: Config, *, create_topics: bool = True) -> str:
-    """Return HOST:PORT, starting the local broker if configured, with topics made."""
+    """Return HOST:PORT, starting the local broker if configured, with topics made.
+
+    For an existing cluster this also registers ``[kafka]``'s security for the address
+    and connects once, so wrong credentials fail here, as
+    :class:`~tokenbudget.errors.KafkaAuthError`, before any worker starts.
+    """
     specs = topic_specs(config) if create_topics else []
     if config.kafka.bootstrap == "local":
         return broker.up(local_broker_settings(config), specs)
+    security.register(config.kafka.bootstrap, security.KafkaSecurity.from_config(config))
+    security.check_credentials(config.kafka.bootstrap)
     if create_topics:
         broker.ensure_topics(config.kafka.bootstrap, specs)
     return config.kafka.bootstrap
@@ -63,11 +74,19 @@ async def publish_events(bootstrap: str, topic: str, events: Sequence[Any]) -> N
 
 
 def aiokafka_options(bootstrap: str) -> dict[str, Any]:
-    return {"bootstrap_servers": bootstrap, "client_id": "tokenbudget"}
+    return {
+        "bootstrap_servers": bootstrap,
+        "client_id": "tokenbudget",
+        **security.client_options(bootstrap),
+    }
 
 
 def kafka_python_options(bootstrap: str) -> dict[str, Any]:
-    return {"bootstrap_servers": bootstrap, "client_id": "tokenbudget"}
+    return {
+        "bootstrap_servers": bootstrap,
+        "client_id": "tokenbudget",
+        **security.client_options(bootstrap),
+    }
 
 
 class GroupLag:

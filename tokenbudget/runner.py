@@ -35,6 +35,7 @@ from tokenbudget.config import Config
 from tokenbudget.errors import ConfigError
 from tokenbudget.kafka import GroupLag, publish_events, resolve_bootstrap
 from tokenbudget.progress import BudgetProgress
+from tokenbudget.security import subprocess_env
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +119,8 @@ def start_ledger_process(
         "--metrics-port",
         str(metrics_port),
     )
-    return subprocess.Popen(command, start_new_session=True)
+    # Given only --bootstrap, the child learns the cluster's TLS/SASL from its env.
+    return subprocess.Popen(command, start_new_session=True, env=subprocess_env(bootstrap))
 
 
 def stop_process(process: subprocess.Popen[bytes], timeout: float = 30) -> None:

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -265,6 +266,112 @@ def test_duplicate_conflicting_specs_rejected() -> None:
     specs = [TopicSpec("a", 4), TopicSpec("a", 2)]
     with pytest.raises(BrokerError, match="twice"):
         broker.ensure_topics("127.0.0.1:1", specs)
+
+
+# --------------------------------------------------------------------------- SASL_SSL
+
+
+def _secured(tmp_path: Path, **listener: Any) -> BrokerSettings:
+    keystore = tmp_path / "broker.p12"
+    keystore.write_bytes(b"not read by these tests")
+    options: dict[str, Any] = {
+        "port": 29094,
+        "keystore": keystore,
+        "keystore_password": "store-pw-1",
+        "users": {"alice": "alice-pw-1", "bob": "bob-pw-2"},
+        **listener,
+    }
+    return BrokerSettings(
+        home=tmp_path / "h",
+        port=29092,
+        controller_port=29093,
+        sasl_ssl=broker.SaslSslListener(**options),
+    )
+
+
+def test_properties_with_a_sasl_ssl_listener(tmp_path: Path) -> None:
+    settings = _secured(tmp_path)
+    props = _props(broker.render_properties(settings))
+    assert props["listeners"] == (
+        "PLAINTEXT://127.0.0.1:29092,CONTROLLER://127.0.0.1:29093,SASL_SSL://127.0.0.1:29094"
+    )
+    assert props["advertised.listeners"] == (
+        "PLAINTEXT://127.0.0.1:29092,SASL_SSL://127.0.0.1:29094"
+    )
+    assert props["listener.security.protocol.map"] == (
+        "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT,SASL_SSL:SASL_SSL"
+    )
+    assert props["inter.broker.listener.name"] == "PLAINTEXT"  # probes and replication
+    prefix = "listener.name.sasl_ssl."
+    assert props[prefix + "sasl.enabled.mechanisms"] == "PLAIN,SCRAM-SHA-256,SCRAM-SHA-512"
+    assert props[prefix + "ssl.keystore.type"] == "PKCS12"
+    assert props[prefix + "ssl.keystore.location"] == str((tmp_path / "broker.p12").resolve())
+    assert props[prefix + "ssl.keystore.password"] == "store-pw-1"
+    assert props[prefix + "ssl.client.auth"] == "none"
+    plain = props[prefix + "plain.sasl.jaas.config"]
+    assert 'user_alice="alice-pw-1"' in plain and 'user_bob="bob-pw-2"' in plain
+    assert plain.startswith("org.apache.kafka.common.security.plain.PlainLoginModule required")
+    assert props[prefix + "scram-sha-512.sasl.jaas.config"].startswith(
+        "org.apache.kafka.common.security.scram.ScramLoginModule required"
+    )
+    assert settings.sasl_ssl_bootstrap == "127.0.0.1:29094"
+
+
+def test_truststore_requires_client_certificates(tmp_path: Path) -> None:
+    truststore = tmp_path / "trust.p12"
+    truststore.write_bytes(b"x")
+    settings = _secured(tmp_path, truststore=truststore, truststore_password="trust-pw")
+    props = _props(broker.render_properties(settings))
+    assert props["listener.name.sasl_ssl.ssl.client.auth"] == "required"
+    assert props["listener.name.sasl_ssl.ssl.truststore.location"] == str(truststore.resolve())
+
+
+def test_scram_users_are_added_at_format_time(tmp_path: Path) -> None:
+    assert broker._scram_arguments(None) == []
+    assert broker._scram_arguments(_secured(tmp_path).sasl_ssl) == [
+        "--add-scram", "SCRAM-SHA-256=[name=alice,password=alice-pw-1]",
+        "--add-scram", "SCRAM-SHA-512=[name=alice,password=alice-pw-1]",
+        "--add-scram", "SCRAM-SHA-256=[name=bob,password=bob-pw-2]",
+        "--add-scram", "SCRAM-SHA-512=[name=bob,password=bob-pw-2]",
+    ]  # fmt: skip
+
+
+def test_listener_passwords_never_show(tmp_path: Path) -> None:
+    settings = _secured(tmp_path)
+    for shown in (repr(settings), str(settings)):
+        assert "store-pw-1" not in shown and "alice-pw-1" not in shown
+    # Unquoted in server.properties and StorageTool's argument: a quote or comma would
+    # break them. The error names the user, never the password.
+    with pytest.raises(ConfigError) as info:
+        broker.render_properties(_secured(tmp_path, users={"alice": 'pw",x'}))
+    assert info.value.key == "sasl_ssl.users.alice" and 'pw",x' not in str(info.value)
+    with pytest.raises(ConfigError, match=r"sasl_ssl\.keystore"):
+        broker.render_properties(_secured(tmp_path, keystore=tmp_path / "absent.p12"))
+
+
+def test_a_failed_format_does_not_show_the_passwords(tmp_path: Path) -> None:
+    settings = _secured(tmp_path)
+    settings.home.mkdir()
+    settings.home.joinpath("server.properties").write_text("")
+    fake_java = tmp_path / "java"
+    fake_java.write_text('#!/bin/sh\necho "Invalid argument: $*" >&2\nexit 1\n')
+    fake_java.chmod(0o755)
+    with pytest.raises(BrokerError) as info:
+        broker._format_storage(settings, str(fake_java))
+    assert "Invalid argument" in str(info.value) and "--add-scram" in str(info.value)
+    assert "alice-pw-1" not in str(info.value) and "bob-pw-2" not in str(info.value)
+
+
+def test_users_added_after_the_first_format_are_refused(tmp_path: Path) -> None:
+    settings = _secured(tmp_path)
+    data = settings.home / "data"
+    data.mkdir(parents=True)
+    (data / "meta.properties").write_text("")
+    (settings.home / "format.json").write_text(
+        json.dumps({"kafka_version": "4.1.1", "cluster_id": "x", "scram_users": ["alice"]})
+    )
+    with pytest.raises(BrokerError, match=r"SCRAM users bob .*wipe"):
+        broker._format_storage(settings, "java-is-not-called")
 
 
 # --------------------------------------------------------------------------- real broker

@@ -318,3 +318,84 @@ def test_env_override_of_a_string_key_is_taken_verbatim(name: str, value: str) -
 def test_env_override_of_a_literal_key_is_taken_verbatim() -> None:
     config = build({}, environ={"TOKENBUDGET__PRODUCER__ON_BAD_ROW": "fail"})
     assert config.producer.on_bad_row == "fail"
+
+
+# ---- Kafka security ----------------------------------------------------------------
+
+SECURED = {
+    "bootstrap": "kafka.example:9093",
+    "security_protocol": "SASL_SSL",
+    "sasl_mechanism": "SCRAM-SHA-512",
+    "sasl_username": "alice",
+    "sasl_password_env": "KAFKA_PASSWORD",
+}
+
+
+def test_secured_kafka_config_holds_names_not_secrets() -> None:
+    config = build({"kafka": {**SECURED, "ssl_cafile": "ca.pem"}}, environ=NO_ENV)
+    assert config.kafka.security_protocol == "SASL_SSL"
+    assert config.kafka.sasl_password_env == "KAFKA_PASSWORD"
+    assert config.kafka.ssl_check_hostname is True
+    assert build({}, environ=NO_ENV).kafka.security_protocol == "PLAINTEXT"
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "fix"),
+    [
+        ("kafka", "sasl_password", "kafka.sasl_password_env"),
+        ("kafka", "password", "kafka.sasl_password_file"),
+        ("kafka", "ssl_key_password", "kafka.ssl_key_password_env"),
+        ("inference", "api_key", "inference.api_key_env"),
+    ],
+)
+def test_a_secret_in_the_config_is_refused_with_the_fix(section: str, key: str, fix: str) -> None:
+    data: dict[str, Any] = {"kafka": dict(SECURED)}
+    data.setdefault(section, {})[key] = "hunter2-in-toml"
+    error = config_error(data)
+    assert error.key == f"{section}.{key}"
+    assert fix in str(error)
+    assert "hunter2" not in str(error)
+
+
+def test_a_secret_in_an_env_override_is_refused_too() -> None:
+    error = config_error(
+        {"kafka": SECURED}, environ={"TOKENBUDGET__KAFKA__SASL_PASSWORD": "hunter2-env"}
+    )
+    assert error.key == "kafka.sasl_password"
+    assert "hunter2" not in str(error)
+
+
+def test_security_env_overrides() -> None:
+    config = build(
+        {"kafka": {"bootstrap": "kafka.example:9093"}},
+        environ={
+            "TOKENBUDGET__KAFKA__SECURITY_PROTOCOL": "SASL_PLAINTEXT",
+            "TOKENBUDGET__KAFKA__SASL_MECHANISM": "PLAIN",
+            "TOKENBUDGET__KAFKA__SASL_USERNAME": "svc",
+            "TOKENBUDGET__KAFKA__SASL_PASSWORD_FILE": "/run/secrets/kafka",
+        },
+    )
+    assert config.kafka.security_protocol == "SASL_PLAINTEXT"
+    assert config.kafka.sasl_password_file == "/run/secrets/kafka"
+
+
+@pytest.mark.parametrize(
+    ("kafka", "key"),
+    [
+        ({"sasl_mechanism": ""}, "kafka.sasl_mechanism"),
+        ({"sasl_mechanism": "GSSAPI"}, "kafka.sasl_mechanism"),
+        ({"sasl_username": ""}, "kafka.sasl_username"),
+        ({"sasl_password_env": ""}, "kafka.sasl_password_env"),
+        ({"sasl_password_file": "pw"}, "kafka.sasl_password_file"),  # and _env: both
+        ({"security_protocol": "TLS"}, "kafka.security_protocol"),
+        ({"security_protocol": "SSL"}, "kafka.sasl_mechanism"),  # SASL keys without SASL
+        ({"security_protocol": "SASL_PLAINTEXT", "ssl_cafile": "ca.pem"}, "kafka.ssl_cafile"),
+        ({"ssl_keyfile": "client.key"}, "kafka.ssl_keyfile"),  # without ssl_certfile
+        ({"ssl_key_password_env": "K"}, "kafka.ssl_key_password_env"),
+        ({"bootstrap": "local"}, "kafka.security_protocol"),  # the local broker: PLAINTEXT
+    ],
+)
+def test_security_combinations_that_cannot_work_are_named(kafka: dict[str, Any], key: str) -> None:
+    error = config_error({"kafka": {**SECURED, **kafka}})
+    assert error.key == key
+    assert key in str(error)
