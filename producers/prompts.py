@@ -43,7 +43,7 @@ class ProduceReport:
     already_done: int = 0  # completed by an earlier run of the namespace: not produced
     # rows left unread when the budget halted the dataset: recorded as skipped
     not_sent: int = 0
-    reason: str = "end_of_data"  # or "halted", "limit"
+    reason: str = "end_of_data"  # or "halted", "limit", "interrupted"
     errors: list[str] = field(default_factory=list)
 
 
@@ -109,9 +109,14 @@ class PromptProducer:
             c.done or self.board.is_halted(c.dataset.name) for c in self._cursors
         )
 
-    async def run(self, stop: asyncio.Event | None = None) -> dict[str, ProduceReport]:
+    async def run(
+        self, stop: asyncio.Event | None = None, interrupt: asyncio.Event | None = None
+    ) -> dict[str, ProduceReport]:
         """Produce until every dataset is read to its end, or, without ``stop``,
-        halted; with ``stop``, halted datasets wait for a raise until it is set."""
+        halted; with ``stop``, halted datasets wait for a raise until it is set.
+
+        ``interrupt`` (SIGTERM) ends it early: what was sent is flushed, and nothing
+        is recorded for the rows not read yet, so a restart carries on from there."""
         own_producer = self._producer is None
         producer = self._producer or AIOKafkaProducer(
             **aiokafka_options(self.bootstrap), acks="all", linger_ms=5
@@ -124,19 +129,28 @@ class PromptProducer:
             )
             cursors = [self._open_cursor(d) for d in self.config.datasets]
             self._cursors = cursors
-            await self._produce(producer, cursors, stop)
+            await self._produce(producer, cursors, stop, interrupt)
         finally:
             if own_producer:
                 await producer.stop()
         return self.reports
 
     async def _produce(
-        self, producer: AIOKafkaProducer, cursors: list[_Cursor], stop: asyncio.Event | None
+        self,
+        producer: AIOKafkaProducer,
+        cursors: list[_Cursor],
+        stop: asyncio.Event | None,
+        interrupt: asyncio.Event | None = None,
     ) -> None:
         window = self.config.max_queued_per_dataset
         while True:
             progressed = False
             active = [c for c in cursors if not c.done]
+            if interrupt is not None and interrupt.is_set():
+                for cursor in active:
+                    cursor.report.reason = "interrupted"
+                await producer.flush()
+                return
             if stop is not None and stop.is_set():
                 for cursor in active:
                     await self._finish(producer, cursor, "halted")

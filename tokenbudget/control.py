@@ -76,18 +76,24 @@ def run_dispatch_cli(args: argparse.Namespace) -> int:
 
 async def produce_until_done(config: config_module.Config, bootstrap: str) -> None:
     """The prompt producer on its own: publishes every dataset's prompts (paced by
-    the ledger's snapshots) until each is read to its end or halted."""
+    the ledger's snapshots) until each is read to its end or halted. SIGTERM stops
+    it early: what was sent is flushed; a restart skips what was completed."""
     from producers.prompts import PromptProducer
     from tokenbudget.runner import publish_budgets
 
     topics = Topics(config.kafka.namespace)
     await publish_budgets(config, bootstrap)
+    interrupt = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, interrupt.set)
     watcher = BudgetWatcher(bootstrap, topics)
     await watcher.start()
     watch_task = asyncio.create_task(watcher.run())
     try:
         await watcher.caught_up.wait()
-        reports = await PromptProducer(config, bootstrap, watcher.board).run()
+        producer = PromptProducer(config, bootstrap, watcher.board)
+        reports = await producer.run(interrupt=interrupt)
     finally:
         watch_task.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):

@@ -81,3 +81,29 @@ def test_rows_read_to_the_end_are_produced_not_skipped(tmp_path: Path) -> None:
     assert not [e for _, e in recorder.sent if isinstance(e, ev.PromptSkipped)]
     prompts = [e for _, e in recorder.sent if isinstance(e, ev.PromptEvent)]
     assert len(prompts) == 3
+
+
+def test_interrupt_stops_without_recording_the_rest(tmp_path: Path) -> None:
+    config = make_config(tmp_path, [json.dumps({"prompt": f"p{i}"}) for i in range(10)])
+    interrupt = asyncio.Event()
+
+    class InterruptedAfterTwo(RecordingProducer):
+        flushed = False
+
+        async def send(self, topic: str, *, key: bytes, value: bytes) -> None:
+            await super().send(topic, key=key, value=value)
+            if len(self.sent) == 2:
+                interrupt.set()  # SIGTERM arrives
+
+        async def flush(self) -> None:
+            self.flushed = True
+
+    recorder = InterruptedAfterTwo()
+    producer = PromptProducer(config, "127.0.0.1:1", BudgetBoard(), producer=recorder)  # type: ignore[arg-type]
+
+    reports = asyncio.run(producer.run(interrupt=interrupt))
+
+    assert (reports["d"].produced, reports["d"].reason) == (2, "interrupted")
+    assert recorder.flushed
+    # Not done, not skipped: a restart produces the other rows.
+    assert [type(e) for _, e in recorder.sent] == [ev.PromptEvent, ev.PromptEvent]
