@@ -9,6 +9,10 @@ the very same tables (same files, row groups and options) from memory, so the
 ratio ceiling / replay shows our overhead (reading Kafka, decoding JSON, building
 columns, the first-completion rule). The topics are deleted at the end.
 
+Completions are written as this build writes them (v2: ids as int32 bytes);
+``--v1-ids`` writes them as version 1 did (ids as JSON numbers), to measure the
+replay of an old topic.
+
     .venv/bin/python bench/replay.py --bootstrap 127.0.0.1:9092 [--events 200000]
 """
 
@@ -16,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import resource
 import shutil
 import sys
 import tempfile
@@ -23,6 +29,7 @@ import time
 import uuid
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pyarrow.parquet as pq
 
@@ -118,7 +125,7 @@ def generate(rng: np.random.Generator, i: int, chars_per_token: float) -> ev.Com
         dataset=DATASETS[i % len(DATASETS)],
         prompt_tokens=int(rng.integers(50, 2000)),
         completion_tokens=n,
-        output_ids=ids.astype(np.int32).tolist(),
+        output_ids=ev.TokenIds(ids),
         finish_reason="stop" if n < 4000 else "length",
         max_new_tokens=4096,
         text=text,
@@ -128,7 +135,16 @@ def generate(rng: np.random.Generator, i: int, chars_per_token: float) -> ev.Com
     )
 
 
-def produce(bootstrap: str, topic: str, events: int, chars_per_token: float, seed: int) -> int:
+def v1_wire(event: ev.CompletionEvent) -> bytes:
+    """The bytes a version 1 writer produced: ids as a JSON array of numbers."""
+    wire = msgspec.json.decode(ev.encode(event))
+    wire.update(v=1, output_ids=event.output_ids.tolist())
+    return msgspec.json.encode(wire)
+
+
+def produce(
+    bootstrap: str, topic: str, events: int, chars_per_token: float, seed: int, v1: bool = False
+) -> int:
     rng = np.random.default_rng(seed)
     producer = KafkaProducer(
         bootstrap_servers=bootstrap,
@@ -150,7 +166,7 @@ def produce(bootstrap: str, topic: str, events: int, chars_per_token: float, see
         else:
             event = generate(rng, i, chars_per_token)
             previous = [*previous[-50:], event]
-        value = ev.encode(event)
+        value = v1_wire(event) if v1 else ev.encode(event)
         total += len(value)
         producer.send(topic, key=event.dataset.encode(), value=value)
         if i and i % 20_000 == 0:
@@ -160,20 +176,26 @@ def produce(bootstrap: str, topic: str, events: int, chars_per_token: float, see
     return total
 
 
-def ceiling(out: Path, scratch: Path) -> tuple[float, int]:
-    """Seconds pyarrow takes to write the replay's tables again, file by file, from
-    memory, with the same options and row groups; and the rows."""
+def cpu_seconds() -> float:
+    """User and system CPU time of this process so far, every thread included."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def ceiling(out: Path, scratch: Path) -> tuple[float, float, int]:
+    """Seconds (and CPU seconds) pyarrow takes to write the replay's tables again,
+    file by file, from memory, with the same options and row groups; and the rows."""
     tables = []
     for file in sorted(out.glob("dataset=*/*.parquet")):
         meta = pq.ParquetFile(file).metadata
         group = meta.row_group(0).num_rows if meta.num_row_groups else 1
         tables.append((pq.read_table(file), group))
     rows = sum(t.num_rows for t, _ in tables)
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), cpu_seconds()
     for i, (table, group) in enumerate(tables):
         with (scratch / f"{i}.parquet").open("wb") as handle:
             write_parquet(table, handle, group)
-    return time.perf_counter() - started, rows
+    return time.perf_counter() - started, cpu_seconds() - cpu, rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -182,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--events", type=int, default=200_000)
     parser.add_argument("--chars-per-token", type=float, default=4.0, help="0: no text")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--v1-ids", action="store_true", help="ids as JSON numbers (old topics)")
     parser.add_argument("--workdir", help="default: a temporary folder, removed after")
     parser.add_argument("--keep-topics", action="store_true")
     parser.add_argument(
@@ -200,19 +223,29 @@ def main(argv: list[str] | None = None) -> int:
         if not args.reuse_namespace:
             started = time.perf_counter()
             produced = produce(
-                args.bootstrap, topics.completions, args.events, args.chars_per_token, args.seed
+                args.bootstrap,
+                topics.completions,
+                args.events,
+                args.chars_per_token,
+                args.seed,
+                v1=args.v1_ids,
             )
             produce_s = time.perf_counter() - started
             print(
-                f"produced {args.events:,} completions ({produced / 1e9:.2f} GB of JSON) "
+                f"produced {args.events:,} completions ({produced / 1e9:.2f} GB of JSON, "
+                f"{'v1' if args.v1_ids else 'v2'} ids) "
                 f"to {topics.completions} in {produce_s:.1f} s",
                 file=sys.stderr,
             )
+        load_before = os.getloadavg()[0]
+        cpu = cpu_seconds()
         summary = replay(
             ReplayOptions(bootstrap=args.bootstrap, topics=topics, to_parquet=out),
             progress=True,
         )
-        ceiling_s, rows = ceiling(out, scratch)
+        replay_cpu_s = cpu_seconds() - cpu
+        ceiling_s, ceiling_cpu_s, rows = ceiling(out, scratch)
+        load_after = os.getloadavg()[0]
     finally:
         if not args.keep_topics:
             admin = KafkaAdminClient(bootstrap_servers=args.bootstrap)
@@ -240,6 +273,13 @@ def main(argv: list[str] | None = None) -> int:
         "ratio": round(ceiling_s / summary.seconds, 3),
         # busy seconds per replay stage (three threads, so they overlap)
         "stage_seconds": {k: round(v, 2) for k, v in summary.stages.items()},
+        # CPU seconds of this process (the broker's are not counted), and the
+        # machine's 1-minute load average before the replay and after the ceiling:
+        # other processes on the box slow the replay's threads more than the
+        # ceiling's single one
+        "replay_cpu_s": round(replay_cpu_s, 2),
+        "pyarrow_ceiling_cpu_s": round(ceiling_cpu_s, 2),
+        "load_average": [round(load_before, 2), round(load_after, 2)],
     }
     assert rows == written == summary.kept, (rows, written, summary.kept)
     if args.json:
@@ -255,6 +295,9 @@ def main(argv: list[str] | None = None) -> int:
             f"ratio (ceiling / replay): {result['ratio']:.1%}\n"
             "replay stages, busy seconds (overlapping threads): "
             + ", ".join(f"{k} {v}" for k, v in result["stage_seconds"].items())
+            + f"\ncpu seconds: replay {result['replay_cpu_s']}, pyarrow alone "
+            f"{result['pyarrow_ceiling_cpu_s']}; load average {load_before:.2f} -> "
+            f"{load_after:.2f} on {os.cpu_count()} cpus"
         )
     return 0
 

@@ -20,11 +20,13 @@ The decoding, the first-completion rule and the file writing are shared with
 ``tokenbudget replay`` (:mod:`sinks.replay`), so a replay of the topic gives the
 same rows as the live sink, whatever duplicates the topic holds.
 
-Speed: an event is decoded with ``output_ids`` left as raw JSON bytes
-(:class:`CompletionRecord`); a batch's id arrays are parsed in one go by Arrow's
-CSV reader (C++, no Python object per token id) into the int32 values buffer of the
-``list<int32>`` column. A batch that does not parse cleanly that way is decoded
-event by event with the full decoder instead, with the same result.
+Speed: no Python object is made per token id. A completion (v2) carries its
+``output_ids`` as little-endian int32 bytes (base64 in the JSON, decoded by msgspec
+in C, :class:`CompletionRecord`); a batch's id bytes are joined into the int32
+values buffer of the ``list<int32>`` column. Older completions (v1, ids as JSON
+numbers, :class:`LegacyCompletionRecord`) keep their ids as raw JSON, parsed per
+batch by Arrow's CSV reader. A batch whose v1 ids do not parse cleanly that way is
+decoded event by event with the full decoder instead, with the same result.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ import pyarrow as pa
 import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 from kafka import KafkaConsumer, KafkaProducer, OffsetAndMetadata
-from kafka.errors import CommitFailedError, RebalanceInProgressError
+from kafka.errors import KafkaError
 
 from sinks import metrics
 from streams import events as ev
@@ -91,12 +93,9 @@ FETCH_OPTIONS = {
 # --------------------------------------------------------------------------- decoding
 
 
-class CompletionRecord(msgspec.Struct, frozen=True, kw_only=True):
-    """A completion event with ``output_ids`` kept as its raw JSON bytes.
-
-    The same fields and types as :class:`streams.events.CompletionEvent`; ``type``
-    must be ``"completion"``. Parsing the ids is left to :func:`records_to_table`.
-    """
+class _CompletionRow(msgspec.Struct, frozen=True, kw_only=True):
+    """The fields of :class:`streams.events.CompletionEvent` but ``output_ids``,
+    with the same types; ``type`` must be ``"completion"``."""
 
     type: Literal["completion"]
     v: int = ev.SCHEMA_VERSION
@@ -105,27 +104,56 @@ class CompletionRecord(msgspec.Struct, frozen=True, kw_only=True):
     dataset: str
     prompt_tokens: int
     completion_tokens: int
-    output_ids: msgspec.Raw
     finish_reason: ev.FinishReason
     max_new_tokens: int
     text: str = ""
     count_source: ev.CountSource = "server"
     attempts: int = 1
+    lease_id: str = ""
+    cost: int = 0
     dispatched_at: float = 0.0
     first_token_at: float | None = None
     finished_at: float = 0.0
 
 
+class CompletionRecord(_CompletionRow, frozen=True, kw_only=True):
+    """A completion with its ``output_ids`` as little-endian int32 bytes (v2)."""
+
+    output_ids: bytes
+
+
+class LegacyCompletionRecord(_CompletionRow, frozen=True, kw_only=True):
+    """A v1 completion: ``output_ids`` kept as the raw JSON array, for
+    :func:`keep_first` to parse a batch of them at once."""
+
+    output_ids: msgspec.Raw
+
+
+Record = CompletionRecord | LegacyCompletionRecord
+
 _record_decoder = msgspec.json.Decoder(CompletionRecord)
+_legacy_decoder = msgspec.json.Decoder(LegacyCompletionRecord)
 
 
-def decode_completion(value: bytes) -> CompletionRecord:
-    """Decode one completions-topic value, or raise EventDecodeError saying why."""
+def decode_completion(value: bytes) -> Record:
+    """Decode one completions-topic value, or raise EventDecodeError saying why.
+
+    The lean decoders only take what is certainly valid; anything else goes through
+    the full decoder (:func:`streams.events.decode`), which says what is wrong.
+    """
+    record: Record | None
     try:
         record = _record_decoder.decode(value)
+        if len(record.output_ids) % 4:  # not whole int32s
+            record = None
     except msgspec.DecodeError:
-        record = None
-    if record is not None and record.v in ev.SUPPORTED_VERSIONS:
+        try:
+            record = _legacy_decoder.decode(value)
+            if memoryview(record.output_ids)[:1] != b"[":  # e.g. a string, not base64
+                record = None
+        except msgspec.DecodeError:
+            record = None
+    if record is not None and record.v in ev.COMPLETION_VERSIONS:
         return record
     event = ev.decode(value)  # raises the precise EventDecodeError
     if not isinstance(event, ev.CompletionEvent):
@@ -159,7 +187,7 @@ class FirstCompletion:
 
 
 def _column_arrays(
-    rows: Sequence[CompletionRecord] | Sequence[ev.CompletionEvent], output_ids: pa.Array
+    rows: Sequence[Record] | Sequence[ev.CompletionEvent], output_ids: pa.Array
 ) -> list[pa.Array]:
     n = len(rows)
     names = [r.dataset for r in rows]
@@ -194,15 +222,10 @@ def _list_array(lengths: np.ndarray, values: np.ndarray | pa.Array) -> pa.ListAr
     return pa.ListArray.from_arrays(pa.array(offsets), values, type=pa.list_(pa.int32()))
 
 
-def _ids_from_lists(id_lists: Sequence[Any]) -> pa.ListArray:
-    lengths = np.fromiter((len(ids) for ids in id_lists), np.int64, len(id_lists))
-    total = int(lengths.sum())
-    values = np.empty(total, dtype=np.int32)
-    position = 0
-    for ids, length in zip(id_lists, lengths.tolist(), strict=True):
-        if length:
-            values[position : position + length] = ids
-            position += length
+def _ids_from_bytes(blobs: Sequence[bytes]) -> pa.ListArray:
+    """The column from each row's little-endian int32 bytes: one join, no per-id work."""
+    lengths = np.fromiter((len(b) >> 2 for b in blobs), np.int64, len(blobs))
+    values = np.frombuffer(b"".join(blobs), ev.TOKEN_ID).astype(np.int32, copy=False)
     return _list_array(lengths, values)
 
 
@@ -261,8 +284,31 @@ def _ids_from_raw(raws: Sequence[msgspec.Raw]) -> pa.ListArray | None:
 
 def completions_to_table(rows: Sequence[ev.CompletionEvent]) -> pa.Table:
     """The rows of fully decoded events (the same table :func:`decode_values` gives)."""
-    ids = _ids_from_lists([r.output_ids for r in rows])
+    ids = _ids_from_bytes([r.output_ids.tobytes() for r in rows])
     return pa.Table.from_arrays(_column_arrays(rows, ids), schema=SCHEMA)
+
+
+def _ids_of_records(rows: Sequence[Record]) -> pa.ListArray | None:
+    """The ``output_ids`` column of decoded records, or None when v1 ids among them
+    are not flat int32 arrays (the caller then decodes event by event)."""
+    binary = [r.output_ids for r in rows if isinstance(r, CompletionRecord)]
+    if len(binary) == len(rows):  # every completion written since v2
+        return _ids_from_bytes(binary)
+    legacy = [r.output_ids for r in rows if isinstance(r, LegacyCompletionRecord)]
+    parsed = _ids_from_raw(legacy)
+    if parsed is None or len(legacy) == len(rows):
+        return parsed
+    # v1 and v2 in one batch (the topic around an upgrade): take each row's ids
+    values = parsed.values.to_numpy(zero_copy_only=False)
+    offsets = parsed.offsets.to_numpy()
+    blobs, j = [], 0
+    for r in rows:
+        if isinstance(r, CompletionRecord):
+            blobs.append(r.output_ids)
+        else:
+            blobs.append(values[offsets[j] : offsets[j + 1]].astype(ev.TOKEN_ID).tobytes())
+            j += 1
+    return _ids_from_bytes(blobs)
 
 
 @dataclass
@@ -270,14 +316,15 @@ class Decoded:
     """A batch of completions-topic values (one partition's, in order), decoded."""
 
     values: Sequence[bytes]
-    records: list[CompletionRecord]
+    records: list[Record]
     positions: list[int]  # index in ``values`` of each record
     errors: list[tuple[int, str]]  # (index in ``values``, reason)
 
 
 def decode_records(values: Sequence[bytes]) -> Decoded:
-    """Step 1 (holds the GIL): every value decoded, ids left raw."""
-    records: list[CompletionRecord] = []
+    """Step 1 (holds the GIL): every value decoded, ids left as bytes (v2) or raw
+    JSON (v1)."""
+    records: list[Record] = []
     positions: list[int] = []
     errors: list[tuple[int, str]] = []
     for i, value in enumerate(values):
@@ -294,7 +341,7 @@ class Kept:
     """The first completions of a batch: one table per dataset, in topic order."""
 
     tables: dict[str, pa.Table]
-    records: dict[str, list[CompletionRecord]]  # the rows of each table
+    records: dict[str, list[Record]]  # the rows of each table
     positions: dict[str, list[int]]  # index in the input values of each row
     errors: list[tuple[int, str]]  # undecodable values (index, reason)
 
@@ -303,23 +350,20 @@ class Kept:
         return sum(len(r) for r in self.records.values())
 
 
-def _full_ids(value: bytes) -> np.ndarray:
+def _full_ids(value: bytes) -> bytes:
     event = ev.decode(value)
     if not isinstance(event, ev.CompletionEvent):  # pragma: no cover - lean decoder agrees
         raise EventDecodeError(f"expected a completion, got {type(event).__name__}")
-    ids = np.asarray(event.output_ids, dtype=np.int64)
-    if ids.size and (ids.min() < -(2**31) or ids.max() >= 2**31):
-        raise EventDecodeError("output_ids: a token id does not fit in int32")
-    return ids
+    return event.output_ids.tobytes()
 
 
 def keep_first(decoded: Decoded, first: FirstCompletion) -> Kept:
     """Step 2: apply the first-completion rule and build each dataset's table.
 
-    The ids of a dataset's kept rows are parsed in one go; if that fails (ids that
-    are not flat int32 arrays), the rule is undone for the group and its values
-    are decoded one by one, so only the bad ones are dropped (as errors) and the
-    rule sees exactly the valid completions, as the ledger does.
+    The ids of a dataset's kept rows are joined (v2) or parsed (v1) in one go; if
+    v1 ids fail to parse (not flat int32 arrays), the rule is undone for the group
+    and its values are decoded one by one, so only the bad ones are dropped (as
+    errors) and the rule sees exactly the valid completions, as the ledger does.
     """
     groups: dict[str, list[int]] = {}
     for i, record in enumerate(decoded.records):
@@ -331,10 +375,10 @@ def keep_first(decoded: Decoded, first: FirstCompletion) -> Kept:
         chosen = [i for i in group if first.keep(decoded.records[i].prompt_id)]
         rows = [decoded.records[i] for i in chosen]
         positions = [decoded.positions[i] for i in chosen]
-        ids = _ids_from_raw([r.output_ids for r in rows]) if rows else None
+        ids = _ids_of_records(rows) if rows else None
         if ids is None and rows:
             first.forget((r.prompt_id for r in rows), duplicates)
-            rows, positions, id_lists = [], [], []
+            rows, positions, blobs = [], [], []
             for i in group:
                 record, position = decoded.records[i], decoded.positions[i]
                 try:
@@ -345,8 +389,8 @@ def keep_first(decoded: Decoded, first: FirstCompletion) -> Kept:
                 if first.keep(record.prompt_id):
                     rows.append(record)
                     positions.append(position)
-                    id_lists.append(ids_i)
-            ids = _ids_from_lists(id_lists)
+                    blobs.append(ids_i)
+            ids = _ids_from_bytes(blobs)
         if not rows or ids is None:
             continue
         out.tables[dataset] = pa.Table.from_arrays(_column_arrays(rows, ids), schema=SCHEMA)
@@ -631,10 +675,11 @@ class ParquetSink:
         if offsets:
             try:
                 self._consumer.commit(offsets)
-            except (CommitFailedError, RebalanceInProgressError) as exc:
-                # The files are durable; the rows after the last commit will be read
-                # again (here or by the partition's next owner) and dropped by
-                # prompt_id, so skipping this commit loses and duplicates nothing.
+            except KafkaError as exc:
+                # A rebalance, or the broker out of reach (restarting): the files are
+                # durable; the rows after the last commit will be read again (here or
+                # by the partition's next owner) and dropped by prompt_id, so skipping
+                # this commit loses and duplicates nothing.
                 log.warning("sink: offsets not committed (%s); they will be re-read", exc)
         self._last_flush = time.monotonic()
 

@@ -1,9 +1,14 @@
 """Every event that crosses a topic, as typed, frozen, versioned structs.
 
 Wire format: JSON (msgspec) with a ``type`` tag and a schema version ``v``. A reader
-accepts the versions in ``SUPPORTED_VERSIONS``; anything else is an
-:class:`~tokenbudget.errors.EventDecodeError`, which workers turn into a dead-letter
-event instead of crashing.
+accepts the versions in ``SUPPORTED_VERSIONS`` (``COMPLETION_VERSIONS`` for
+completions); anything else is an :class:`~tokenbudget.errors.EventDecodeError`,
+which workers turn into a dead-letter event instead of crashing.
+
+Completions are at version 2: ``output_ids`` is the little-endian int32 bytes of the
+ids, which JSON carries as base64 (:class:`TokenIds`). Version 1 carried them as a
+JSON array of numbers; it is still read, to the same event, because the
+completions topic is the permanent record.
 
 Keys: every keyed event is keyed by its dataset name (``event_key``), so all events
 of one dataset land in one partition, in order, next to its ledger entry.
@@ -12,14 +17,19 @@ of one dataset land in one partition, in order, next to its ledger entry.
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, Literal, overload
 
 import msgspec
+import numpy as np
 
 from tokenbudget.errors import EventDecodeError
 
 SCHEMA_VERSION = 1
 SUPPORTED_VERSIONS = frozenset({1})
+# Completions only: v2 carries output_ids as int32 bytes, v1 as JSON numbers.
+COMPLETION_VERSION = 2
+COMPLETION_VERSIONS = frozenset({1, 2})
 
 FinishReason = Literal["stop", "length", "abort"]
 BudgetUnit = Literal["completion_tokens", "total_tokens", "samples"]
@@ -58,15 +68,130 @@ class PromptEvent(_Event, tag="prompt", frozen=True):
     input_ids: list[int] | None = None  # chat template applied locally: sent as ids
 
 
+TOKEN_ID = np.dtype("<i4")  # the wire's byte order, whatever the host's
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+
+
+class TokenIds(Sequence[int]):
+    """A completion's token ids, held as their little-endian int32 bytes.
+
+    Why bytes and not ``list[int]``: those bytes are both the wire form (base64 in
+    the JSON, decoded by msgspec in C) and the values buffer of the Parquet
+    ``list<int32>`` column, so neither the sink nor the ledger makes a Python int
+    per token id (parsing JSON numbers cost as much as writing the Parquet).
+
+    An immutable sequence of ``int``; equal to any sequence of the same ints, so
+    ``event.output_ids == [1, 2]`` holds. Ids outside int32 are rejected.
+    """
+
+    __slots__ = ("_data",)
+    _data: bytes
+
+    def __init__(self, ids: Iterable[int] = ()) -> None:
+        if isinstance(ids, TokenIds):
+            self._data = ids._data
+            return
+        array = np.asarray(ids if isinstance(ids, Sequence | np.ndarray) else list(ids))
+        if array.size == 0:
+            self._data = b""
+            return
+        # bools, floats and ints past int64 (object arrays) are not token ids
+        if array.ndim != 1 or array.dtype.kind not in "iu":
+            raise ValueError("output_ids: token ids must be a flat sequence of integers")
+        low, high = int(array.min()), int(array.max())
+        if low < _INT32_MIN or high > _INT32_MAX:
+            bad = low if low < _INT32_MIN else high
+            raise ValueError(f"output_ids: token id {bad} does not fit in int32")
+        self._data = array.astype(TOKEN_ID).tobytes()
+
+    @classmethod
+    def from_bytes(cls, data: bytes | bytearray | memoryview) -> TokenIds:
+        """Ids from their little-endian int32 bytes (the wire form), not copied
+        when ``data`` is already ``bytes``."""
+        if len(data) % 4:
+            raise ValueError(
+                f"output_ids: {len(data)} bytes is not a whole number of int32 token ids"
+            )
+        ids = cls.__new__(cls)
+        ids._data = bytes(data)
+        return ids
+
+    def tobytes(self) -> bytes:
+        """The little-endian int32 bytes."""
+        return self._data
+
+    def to_numpy(self) -> np.ndarray:
+        """A read-only int32 array over the bytes (no copy on little-endian hosts)."""
+        return np.frombuffer(self._data, TOKEN_ID).astype(np.int32, copy=False)
+
+    def tolist(self) -> list[int]:
+        return self.to_numpy().tolist()  # type: ignore[no-any-return]
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        array = self.to_numpy()
+        return array if dtype is None else array.astype(dtype)
+
+    def __len__(self) -> int:
+        return len(self._data) >> 2
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+    @overload
+    def __getitem__(self, index: slice) -> TokenIds: ...
+    def __getitem__(self, index: int | slice) -> int | TokenIds:
+        if isinstance(index, slice):
+            return TokenIds.from_bytes(self.to_numpy()[index].astype(TOKEN_ID).tobytes())
+        return int(self.to_numpy()[index])
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.tolist())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, TokenIds):
+            return self._data == other._data
+        if isinstance(other, Sequence) and not isinstance(other, str | bytes):
+            return self.tolist() == list(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self._data)
+
+    def __repr__(self) -> str:
+        return f"TokenIds({self.tolist()!r})"
+
+
+def _token_ids_from_wire(obj: Any) -> TokenIds:
+    """``output_ids`` as decoded JSON: base64 of int32 bytes (v2) or numbers (v1)."""
+    if isinstance(obj, str):
+        try:
+            data = msgspec.convert(obj, bytes)  # base64, in C
+        except msgspec.ValidationError as exc:
+            raise ValueError("output_ids: not base64-encoded int32 token ids") from exc
+        return TokenIds.from_bytes(data)
+    if isinstance(obj, list):
+        try:
+            ids = msgspec.convert(obj, list[int], strict=True)  # no bools, floats, strings
+        except msgspec.ValidationError as exc:
+            raise ValueError(f"output_ids: not a list of token ids: {exc}") from exc
+        return TokenIds(ids)
+    raise ValueError(
+        f"output_ids: expected base64 int32 bytes or an array of ids, got {type(obj).__name__}"
+    )
+
+
 class CompletionEvent(_Event, tag="completion", frozen=True):
-    """What the inference server produced for one prompt: the source of truth."""
+    """What the inference server produced for one prompt: the source of truth.
+
+    ``output_ids`` may be given as any sequence of ints; it is held as
+    :class:`TokenIds`, so an event always has (and encodes at) ``COMPLETION_VERSION``.
+    """
 
     request_id: str
     prompt_id: str
     dataset: str
     prompt_tokens: int
     completion_tokens: int
-    output_ids: list[int]
+    output_ids: TokenIds
     finish_reason: FinishReason
     max_new_tokens: int
     text: str = ""
@@ -77,6 +202,16 @@ class CompletionEvent(_Event, tag="completion", frozen=True):
     dispatched_at: float = 0.0
     first_token_at: float | None = None
     finished_at: float = 0.0
+
+    def __post_init__(self) -> None:
+        # Also runs after decoding: a v1 event becomes the v2 event it would have
+        # been, so decode(v1 bytes) == decode(v2 bytes) and re-encoding writes v2.
+        # (``v`` is set here rather than redeclared: a redeclared field would lose
+        # _Event's kw_only and come before the required fields.)
+        if not isinstance(self.output_ids, TokenIds):
+            msgspec.structs.force_setattr(self, "output_ids", TokenIds(self.output_ids))
+        if self.v != COMPLETION_VERSION:
+            msgspec.structs.force_setattr(self, "v", COMPLETION_VERSION)
 
 
 class BudgetSet(_Event, tag="budget_set", frozen=True):
@@ -276,8 +411,24 @@ Event = (
     | LeaseRevoked
 )
 
-_encoder = msgspec.json.Encoder()
-_decoder: msgspec.json.Decoder[Event] = msgspec.json.Decoder(Event)  # type: ignore[arg-type]
+
+def _enc_hook(obj: Any) -> Any:
+    if isinstance(obj, TokenIds):
+        return obj.tobytes()  # msgspec writes bytes as base64
+    raise NotImplementedError(f"cannot encode {type(obj).__name__}")
+
+
+def _dec_hook(kind: type, obj: Any) -> Any:
+    if kind is TokenIds:
+        return _token_ids_from_wire(obj)  # its ValueError becomes a ValidationError
+    raise NotImplementedError(f"cannot decode {kind.__name__}")
+
+
+_encoder = msgspec.json.Encoder(enc_hook=_enc_hook)
+_decoder: msgspec.json.Decoder[Event] = msgspec.json.Decoder(
+    Event,  # type: ignore[arg-type]
+    dec_hook=_dec_hook,
+)
 
 
 def encode(event: Event) -> bytes:
@@ -292,6 +443,11 @@ class _Header(msgspec.Struct):
 _header_decoder = msgspec.json.Decoder(_Header)
 
 
+def supported_versions(tag: str) -> frozenset[int]:
+    """The schema versions this build reads for events of type ``tag``."""
+    return COMPLETION_VERSIONS if tag == "completion" else SUPPORTED_VERSIONS
+
+
 def decode(data: bytes) -> Event:
     """Decode one event, or raise EventDecodeError saying what is wrong with it.
 
@@ -302,10 +458,11 @@ def decode(data: bytes) -> Event:
         header = _header_decoder.decode(data)
     except msgspec.DecodeError as exc:
         raise EventDecodeError(f"not a tokenbudget event: {exc}") from exc
-    if header.v not in SUPPORTED_VERSIONS:
+    supported = supported_versions(header.type)
+    if header.v not in supported:
         raise EventDecodeError(
             f"'{header.type}' event has schema version {header.v}; this build reads "
-            f"versions {sorted(SUPPORTED_VERSIONS)}: upgrade tokenbudget"
+            f"versions {sorted(supported)}: upgrade tokenbudget"
         )
     try:
         return _decoder.decode(data)

@@ -12,11 +12,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pyarrow.parquet as pq
 import pytest
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
 from sinks.parquet import ParquetSink, SinkSettings
+from sinks.replay import read_to_end
 from streams import events as ev
 from streams.topics import Topics
 from tokenbudget import broker
@@ -178,6 +180,58 @@ def test_replay_equals_the_live_sink_and_drops_planted_duplicates(
     assert code == 0 and again["already_in_parquet"] == len(firsts)
     assert again["parquet"]["files"] == 0
     assert rows(tmp_path / "replayed") == expected(firsts)
+
+
+def v1_wire(event: ev.CompletionEvent, **changes: object) -> bytes:
+    """The bytes a version 1 writer produced: ids as a JSON array of numbers."""
+    wire = json.loads(ev.encode(event))
+    wire.update(v=1, output_ids=list(event.output_ids))
+    wire.update(changes)
+    return msgspec.json.encode(wire)
+
+
+def test_a_topic_of_v1_and_v2_completions_replays_as_the_live_sink_writes_it(
+    tmp_path: Path,
+    kafka_bootstrap: str,
+    namespace: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The completions topic is the permanent record: events written before the
+    ids became int32 bytes (v1, JSON numbers) give the same rows; a v2 event whose
+    ids are not whole int32s is dead-lettered by the sink, skipped by the replay."""
+    topics = Topics(namespace)
+    broker.ensure_topics(kafka_bootstrap, topics.specs())
+    events, firsts = with_duplicates(30)
+    upgrade = len(events) // 2  # v1 before, v2 after; duplicates straddle it
+    bad = json.loads(ev.encode(completion("beta", 999)))
+    bad["output_ids"] = "AQAAAAI="  # 5 bytes
+    producer = KafkaProducer(bootstrap_servers=kafka_bootstrap, acks="all", linger_ms=5)
+    for i, event in enumerate(events):
+        assert isinstance(event, ev.CompletionEvent)
+        value = v1_wire(event) if i < upgrade else ev.encode(event)
+        producer.send(topics.completions, key=ev.event_key(event), value=value)
+        if i == upgrade + 3:
+            producer.send(topics.completions, key=b"beta", value=msgspec.json.encode(bad))
+    producer.flush()
+    producer.close()
+
+    run_sink_to_end(kafka_bootstrap, topics, tmp_path / "live", "live", rotate_rows=25)
+    code, summary = replay_json(
+        capsys, "--bootstrap", kafka_bootstrap, "--namespace", topics.namespace,
+        "--to-parquet", str(tmp_path / "replayed"),
+    )  # fmt: skip
+    assert code == 0
+    assert summary["events"] == len(events) + 1
+    assert summary["undecodable"] == 1 and summary["kept"] == len(firsts)
+    assert rows(tmp_path / "replayed") == rows(tmp_path / "live") == expected(firsts)
+    letters: list[ev.Event] = []
+    read_to_end(kafka_bootstrap, topics.dead_letter, letters.append)
+    assert len(letters) == 1
+    letter = letters[0]
+    assert isinstance(letter, ev.DeadLetter)
+    assert letter.source_topic == topics.completions and letter.key == "beta"
+    assert "output_ids" in letter.reason and "not a whole number of int32" in letter.reason
+    assert json.loads(letter.payload)["request_id"] == "beta-r999"
 
 
 class Crash(Exception):

@@ -3,16 +3,21 @@ rule, table building, files and the readers training code uses."""
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 from pathlib import Path
 
+import msgspec
+import pyarrow as pa
 import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 import pytest
 
 from sinks.parquet import (
+    CompletionRecord,
     FirstCompletion,
+    LegacyCompletionRecord,
     PartitionedWriter,
     WriterSettings,
     completions_to_table,
@@ -46,20 +51,63 @@ def completion(
     )
 
 
+def v1_wire(event: ev.CompletionEvent, **changes: object) -> bytes:
+    """The bytes a version 1 writer produced: ids as a JSON array of numbers."""
+    wire = json.loads(ev.encode(event))
+    wire.update(v=1, output_ids=list(event.output_ids))
+    wire.update(changes)
+    return msgspec.json.encode(wire)
+
+
+def v2_wire(event: ev.CompletionEvent, **changes: object) -> bytes:
+    wire = json.loads(ev.encode(event))
+    wire.update(changes)
+    return msgspec.json.encode(wire)
+
+
 def kept_table(values: list[bytes], first: FirstCompletion | None = None):
     kept = keep_first(decode_records(values), first or FirstCompletion())
     return kept, {d: t for d, t in kept.tables.items()}
 
 
-def test_fast_path_equals_full_decoding() -> None:
+@pytest.mark.parametrize("wire", ["v2", "v1", "mixed"])
+def test_fast_path_equals_full_decoding(wire: str) -> None:
     events = [completion(i, dataset=f"d{i % 3}") for i in range(60)]
     events.append(completion(99, n=0))
     events.append(completion(98, n=3))
-    kept, tables = kept_table([ev.encode(e) for e in events])
+    events.append(completion(97, n=4000))
+    old = {"v2": (), "v1": range(len(events)), "mixed": range(0, len(events), 2)}[wire]
+    values = [v1_wire(e) if i in old else ev.encode(e) for i, e in enumerate(events)]
+    kept, tables = kept_table(values)
     assert not kept.errors
+    assert kept.rows == len(events)
     for dataset, table in tables.items():
         expected = completions_to_table([e for e in events if e.dataset == dataset])
         assert table.equals(expected), dataset
+
+
+def test_v1_and_v2_topics_give_identical_files(tmp_path: Path) -> None:
+    """An old topic (ids as JSON numbers) and a new one (int32 bytes) holding the
+    same completions, duplicates included, are written to the same rows."""
+    events = [completion(i, dataset=f"d{i % 3}", n=(i * 37) % 300) for i in range(50)]
+    events += [completion(4, rid="again-4", n=9), completion(7, n=2)]  # second completions
+    for wire, encode in (("v1", v1_wire), ("v2", ev.encode)):
+        assert isinstance(
+            decode_records([encode(events[1])]).records[0],
+            (LegacyCompletionRecord if wire == "v1" else CompletionRecord),
+        )
+        writer = PartitionedWriter(tmp_path / wire, WriterSettings(rotate_rows=16))
+        first = FirstCompletion()
+        values = [encode(e) for e in events]
+        for start in range(0, len(values), 11):
+            writer.add(keep_first(decode_records(values[start : start + 11]), first).tables)
+        writer.flush()
+        assert first.duplicates == 2
+    old = pq.read_table(tmp_path / "v1").sort_by("request_id")
+    new = pq.read_table(tmp_path / "v2").sort_by("request_id")
+    assert old.num_rows == new.num_rows == 50
+    assert old.equals(new)
+    assert old.schema.field("output_ids").type == pa.list_(pa.int32())
 
 
 def test_first_completion_wins_and_duplicates_are_dropped() -> None:
@@ -84,9 +132,9 @@ def test_first_completion_wins_and_duplicates_are_dropped() -> None:
 
 def test_bad_values_are_errors_and_do_not_shadow_a_valid_completion() -> None:
     good = [ev.encode(completion(i)) for i in range(5)]
-    bad_ids = ev.encode(completion(7)).replace(b'"output_ids":[', b'"output_ids":["x",')
-    huge = ev.encode(completion(8)).replace(b'"output_ids":[', b'"output_ids":[4000000000,')
-    spaced = ev.encode(completion(10)).replace(b'"output_ids":[', b'"output_ids":[ 5, ')
+    bad_ids = v1_wire(completion(7)).replace(b'"output_ids":[', b'"output_ids":["x",')
+    huge = v1_wire(completion(8)).replace(b'"output_ids":[', b'"output_ids":[4000000000,')
+    spaced = v1_wire(completion(10)).replace(b'"output_ids":[', b'"output_ids":[ 5, ')
     values = [
         good[0],
         b"not json",
@@ -109,6 +157,33 @@ def test_bad_values_are_errors_and_do_not_shadow_a_valid_completion() -> None:
     assert kept.positions["ds"] == [0, 4, 6, 7]
     assert first.duplicates == 0
     assert first.seen == {"p0", "p7", "p10", "p1"}
+
+
+@pytest.mark.parametrize(
+    ("output_ids", "reason"),
+    [
+        ("AQAAAAI=", "5 bytes is not a whole number of int32 token ids"),
+        ("AQAA*AAA", "not base64"),
+        ("AQAAAA", "not base64"),
+        (17, "expected base64 int32 bytes or an array"),
+        (None, "expected base64 int32 bytes or an array"),
+    ],
+)
+def test_malformed_binary_ids_are_errors_with_the_reason(output_ids: object, reason: str) -> None:
+    """The sink dead-letters these (ParquetSink._take sends every error); a valid
+    completion of the same prompt after one is kept."""
+    values = [
+        ev.encode(completion(1)),
+        v2_wire(completion(2), output_ids=output_ids),
+        ev.encode(completion(2, rid="valid-2")),
+        v1_wire(completion(3)),
+    ]
+    first = FirstCompletion()
+    kept, tables = kept_table(values, first)
+    assert [i for i, _ in kept.errors] == [1]
+    assert reason in kept.errors[0][1] and "output_ids" in kept.errors[0][1]
+    assert tables["ds"].column("request_id").to_pylist() == ["r1", "valid-2", "r3"]
+    assert first.duplicates == 0
 
 
 def test_stale_temporaries_are_removed(tmp_path: Path) -> None:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import base64
 import json
 from typing import Any
 
 import msgspec
+import numpy as np
 import pytest
 
 from streams import events as ev
@@ -108,6 +110,8 @@ def _sample(kind: msgspec.inspect.Type, name: str) -> Any:
         case msgspec.inspect.ListType() | msgspec.inspect.VarTupleType():
             item = _sample(kind.item_type, name)
             return [item, item] if isinstance(kind, msgspec.inspect.ListType) else (item,)
+        case msgspec.inspect.CustomType(cls=ev.TokenIds):
+            return ev.TokenIds([17, 2**31 - 1, -5])
         case msgspec.inspect.StructType():
             return kind.cls(
                 **{f.name: _sample(f.type, f.name) for f in kind.fields if f.name != "v"}
@@ -132,7 +136,8 @@ def test_round_trip_of_every_event_type_with_every_field_set(cls: type[Any]) -> 
 @pytest.mark.parametrize("event", ALL_EVENTS, ids=lambda e: type(e).__name__)
 def test_wire_carries_type_tag_and_version(event: ev.Event) -> None:
     wire = json.loads(ev.encode(event))
-    assert wire["v"] == ev.SCHEMA_VERSION
+    completion = isinstance(event, ev.CompletionEvent)
+    assert wire["v"] == (ev.COMPLETION_VERSION if completion else ev.SCHEMA_VERSION)
     assert isinstance(wire["type"], str)
     assert wire["type"]
 
@@ -263,3 +268,110 @@ def test_dead_letter_of_binary_payload_and_no_key() -> None:
     empty = ev.dead_letter("empty", source_topic="t", payload=None)
     assert empty.payload == ""
     assert ev.decode(ev.encode(letter)) == letter
+
+
+# ------------------------------------------------------------ completion output_ids
+
+
+COMPLETION = next(e for e in ALL_EVENTS if isinstance(e, ev.CompletionEvent))
+
+
+def v1_wire(event: ev.CompletionEvent) -> bytes:
+    """The bytes a version 1 writer produced: ids as a JSON array of numbers."""
+    wire = json.loads(ev.encode(event))
+    wire.update(v=1, output_ids=list(event.output_ids))
+    return msgspec.json.encode(wire)
+
+
+def test_completion_ids_are_little_endian_int32_bytes_on_the_wire() -> None:
+    event = msgspec.structs.replace(COMPLETION, output_ids=[0, 1, 151_643, 2**31 - 1, -1])
+    wire = json.loads(ev.encode(event))
+    assert wire["v"] == ev.COMPLETION_VERSION == 2
+    raw = base64.b64decode(wire["output_ids"], validate=True)
+    assert raw == np.array([0, 1, 151_643, 2**31 - 1, -1], dtype="<i4").tobytes()
+
+
+@pytest.mark.parametrize(
+    "ids", [[], [7], [5, 6, 7, 8], list(range(0, 150_000, 37)), [-1, 2**31 - 1]]
+)
+def test_v1_and_v2_completions_decode_to_the_same_event(ids: list[int]) -> None:
+    event = msgspec.structs.replace(COMPLETION, output_ids=ids)
+    old, new = v1_wire(event), ev.encode(event)
+    assert b'"output_ids":[' in old and b'"v":1' in old
+    assert ev.decode(old) == ev.decode(new) == event
+    assert ev.decode(old).output_ids == ids
+    # a v1 event read back is written again as v2, byte for byte as a new one
+    assert ev.encode(ev.decode(old)) == new
+
+
+def test_constructed_ids_are_held_as_token_ids() -> None:
+    event = msgspec.structs.replace(COMPLETION, output_ids=(3, 4))
+    assert isinstance(event.output_ids, ev.TokenIds)
+    assert event.v == ev.COMPLETION_VERSION
+    from_numpy = msgspec.structs.replace(COMPLETION, output_ids=np.array([3, 4], np.int64))
+    assert from_numpy == event
+
+
+@pytest.mark.parametrize(
+    ("output_ids", "message"),
+    [
+        ("AQAAAA", "not base64"),  # padding missing
+        ("AQAA*AAA", "not base64"),
+        ("AQAAAAI=", "not a whole number of int32"),  # 5 bytes
+        ("AQA=", "not a whole number of int32"),  # 2 bytes
+        (17, "expected base64 int32 bytes or an array"),
+        ({"ids": [1]}, "expected base64 int32 bytes or an array"),
+        ([1, "2"], "output_ids"),
+        ([1.5], "output_ids"),
+        ([True], "output_ids"),
+        ([[1, 2]], "output_ids"),
+        ([2**31], "does not fit in int32"),
+        ([-(2**31) - 1], "does not fit in int32"),
+    ],
+)
+def test_malformed_output_ids_are_a_decode_error(output_ids: object, message: str) -> None:
+    for version in (1, 2):
+        with pytest.raises(EventDecodeError, match=message) as info:
+            ev.decode(_with(COMPLETION, v=version, output_ids=output_ids))
+        assert "output_ids" in str(info.value)
+
+
+def test_completion_versions() -> None:
+    assert ev.supported_versions("completion") == {1, 2}
+    assert ev.supported_versions("budget_set") == {1}
+    with pytest.raises(EventDecodeError, match="'completion' event has schema version 3"):
+        ev.decode(_with(COMPLETION, v=3))
+    with pytest.raises(EventDecodeError, match="upgrade tokenbudget"):
+        ev.decode(_with(BUDGET_SET, v=2))  # only completions moved to version 2
+
+
+def test_token_ids_behave_like_a_sequence_of_ints() -> None:
+    ids = ev.TokenIds([5, 6, 7, 8])
+    assert len(ids) == 4 and ids[0] == 5 and ids[-1] == 8 and isinstance(ids[1], int)
+    assert ids == [5, 6, 7, 8] and ids == (5, 6, 7, 8)
+    assert [5, 6, 7, 8] == ids  # noqa: SIM300 - list.__eq__ defers to TokenIds
+    assert ids != [5, 6, 7] and ids != "abcd" and ids != b"\x05"
+    assert ids[1:3] == ev.TokenIds([6, 7]) and isinstance(ids[::2], ev.TokenIds)
+    assert ids[::-1] == [8, 7, 6, 5]
+    assert list(ids) == ids.tolist() == [5, 6, 7, 8] and 7 in ids
+    assert ev.TokenIds(ids) == ids and hash(ev.TokenIds(ids)) == hash(ids)
+    assert ev.TokenIds(i for i in range(3)) == [0, 1, 2]
+    assert ev.TokenIds() == [] and len(ev.TokenIds([])) == 0
+    assert repr(ids) == "TokenIds([5, 6, 7, 8])"
+    assert ids.tobytes() == np.array([5, 6, 7, 8], "<i4").tobytes()
+    assert ev.TokenIds.from_bytes(ids.tobytes()) == ids
+    array = np.asarray(ids)
+    assert array.dtype == np.int32 and array.tolist() == [5, 6, 7, 8]
+    with pytest.raises(ValueError):
+        array[0] = 1  # a view of the immutable bytes
+
+
+@pytest.mark.parametrize("bad", [[1.5], [True, False], [[1]], [2**31], [-(2**31) - 1], [2**70]])
+def test_token_ids_reject_what_is_not_int32(bad: list[Any]) -> None:
+    with pytest.raises(ValueError, match="output_ids"):
+        ev.TokenIds(bad)
+
+
+def test_token_ids_from_bytes_needs_whole_int32s() -> None:
+    with pytest.raises(ValueError, match="not a whole number of int32"):
+        ev.TokenIds.from_bytes(b"\x01\x00\x00")
