@@ -10,10 +10,13 @@ broker, with N dispatcher processes of the given concurrency, once per strategy:
   reserve-truncate reservations, the last answers cut at the line
   reserve-finish   reservations, answers never cut, the rest of the budget unused
   reserve-stream-lowered  reservations and streaming; once a dataset has kept half
-                   its budget, the budget is lowered to 70% while requests are in
-                   flight: they run on while what they generate fits, then are
-                   aborted (SGLang /abort_request) and cut at the line. Waste is
-                   what they generated beyond the new budget.
+                   its budget (by the ledger's snapshots), the budget is lowered to
+                   what it has kept plus half of what it has reserved, while requests
+                   are in flight: they run on while what they generate fits, then are
+                   aborted (SGLang /abort_request) and cut at the line. A lowered
+                   budget is measured against what was already published when the
+                   ledger's revocation took effect (answers finished by then cannot
+                   be un-kept). Waste is what they generated beyond the new budget.
 
 Per dataset: budget, kept tokens, overshoot %, unused %, waste (tokens the server
 generated that were not kept, from the simulator's own request log), and halt

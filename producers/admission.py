@@ -16,7 +16,9 @@ means the dataset is full for good, and the lease is released.
 Leases are renewed while in use and released when idle, so a dispatcher that dies
 holds budget only until its lease expires. A revoked lease (budget lowered, or
 expired under a slow holder) stops all spending at once and aborts what is in
-flight through ``on_revoke``.
+flight through ``on_revoke``; what those requests may still keep between them is a
+:class:`RevokedCap`. From the moment a lower budget is read on the budgets topic
+until the ledger has applied it, nothing is admitted on the dataset.
 """
 
 from __future__ import annotations
@@ -77,6 +79,51 @@ class _Lease:
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
 
+@dataclass
+class RevokedCap:
+    """What the requests in flight on a revoked lease may still keep, between them.
+
+    ``left`` starts as the lease's allowance (its ceiling less what the holder had
+    already spent). Streamed requests report their tokens as they arrive
+    (:meth:`progress`): the moment what they generated together reaches ``left``,
+    nothing more any of them generates can be kept, so all of them are to be
+    aborted at once. Answers are then kept in the order they come back, the one
+    that crosses the line cut at it (:meth:`fit`).
+    """
+
+    left: int
+    generated: dict[str, int] = field(default_factory=dict)  # rid -> tokens so far
+    aborting: bool = False
+
+    def progress(self, rid: str, tokens: int) -> bool:
+        """Record a request's tokens so far; True once (the first time the
+        requests' tokens reach what may be kept): abort them all now."""
+        self.generated[rid] = tokens
+        return self.check()
+
+    def check(self) -> bool:
+        if self.aborting or sum(self.generated.values()) < self.left:
+            return False
+        self.aborting = True
+        return True
+
+    def fit(self, rid: str, cost: int, cuttable: bool) -> int | None:
+        """How much of an answer costing ``cost`` is kept: all of it, what is left
+        when it can be cut at a token (completion-token budgets), or None."""
+        self.generated.pop(rid, None)
+        if cost <= self.left:
+            self.left -= cost
+            return cost
+        if not cuttable or self.left <= 0:
+            return None
+        keep, self.left = self.left, 0
+        return keep
+
+    def forget(self, rid: str) -> None:
+        """A request that ended with nothing to keep."""
+        self.generated.pop(rid, None)
+
+
 class Admission:
     def __init__(
         self,
@@ -116,6 +163,11 @@ class Admission:
             want = extra + max_new_tokens
             floor = want if policy == "finish" else extra + self.settings.min_new_tokens
         while True:
+            if self.board.lowering(dataset):
+                # A lower budget is on its way to the ledger: admit nothing more under
+                # the old one until the ledger's answer (revocations, if any) is in.
+                await self.board.decided(dataset)
+                continue
             lease = self._lease(dataset)
             if lease.revoked:
                 # Revoked with requests still in flight: spend nothing more and do not

@@ -27,7 +27,7 @@ from typing import Any
 import httpx
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
 
-from producers.admission import Admission, AdmissionSettings, Ticket
+from producers.admission import Admission, AdmissionSettings, RevokedCap, Ticket
 from producers.halts import BudgetBoard
 from producers.inference import (
     GenerationRequest,
@@ -36,6 +36,7 @@ from producers.inference import (
     RetryPolicy,
     Timeouts,
     backend_for_config,
+    http_client,
 )
 from producers.offsets import OffsetTracker
 from sinks import metrics
@@ -48,11 +49,7 @@ from tokenbudget.kafka import aiokafka_options
 
 log = logging.getLogger(__name__)
 
-
-@dataclass
-class _Cap:
-    left: int
-    aborting: bool = False
+PRODUCER_BATCH_BYTES = 512 * 1024
 
 
 @dataclass(frozen=True)
@@ -69,6 +66,32 @@ class DispatchReport:
     failed: int = 0
     dead_lettered: int = 0
     sent: list[Dispatched] = field(default_factory=list)
+
+
+class _Slot:
+    """A request's place at the server, handed over to a place among the answers
+    being published once the server has answered."""
+
+    def __init__(self, server: asyncio.Semaphore, publishing: asyncio.Semaphore) -> None:
+        self._server: asyncio.Semaphore | None = server
+        self._publishing = publishing
+        self._held: asyncio.Semaphore | None = None
+
+    async def hand_over(self) -> None:
+        if self._server is None:
+            return
+        await self._publishing.acquire()
+        self._held = self._publishing
+        self._server.release()
+        self._server = None
+
+    def release(self) -> None:
+        if self._server is not None:
+            self._server.release()
+            self._server = None
+        if self._held is not None:
+            self._held.release()
+            self._held = None
 
 
 class _CommitOnRevoke(ConsumerRebalanceListener):  # type: ignore[misc]
@@ -110,13 +133,17 @@ class Dispatcher:
         )
         self._consumer: AIOKafkaConsumer | None = None
         self._producer: AIOKafkaProducer | None = None
+        # Requests at the server at once; answers being published hold a slot of
+        # their own, so the server's slots are free again as soon as it answers.
         self._slots = asyncio.Semaphore(inference.concurrency)
+        self._publishing = asyncio.Semaphore(inference.concurrency)
         self.holder = holder or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.admission: Admission | None = None
         # rid -> (dataset, lease id, the generation task)
         self._in_flight: dict[str, tuple[str, str, asyncio.Task[GenerationResult]]] = {}
         self._generated: dict[str, int] = {}  # rid -> tokens streamed so far
-        self._caps: dict[str, _Cap] = {}  # revoked lease id -> what may still be kept
+        self._caps: dict[str, RevokedCap] = {}  # revoked lease id -> what may still be kept
+        self._aborts: set[asyncio.Task[None]] = set()
         self._backend: InferenceBackend | None = None
         self.refused_at: dict[str, float] = {}  # first refusal per dataset, this process
 
@@ -152,6 +179,11 @@ class Dispatcher:
             **aiokafka_options(self.bootstrap),
             acks="all",
             linger_ms=2,
+            # aiokafka sends one request per broker at a time, with at most one batch
+            # per partition: with its default 16 KiB batches every completion (tens of
+            # KiB) would be a request of its own, and under load completions queued
+            # for seconds before reaching Kafka, holding their slots meanwhile.
+            max_batch_size=PRODUCER_BATCH_BYTES,
             max_request_size=8 * 1024 * 1024,
         )
         await producer.start()
@@ -175,14 +207,10 @@ class Dispatcher:
                 on_revoke=self._abort_dataset,
             )
             maintenance = asyncio.create_task(self.admission.maintain())
-        limits = httpx.Limits(
-            max_connections=self.config.inference.concurrency + 8,
-            max_keepalive_connections=self.config.inference.concurrency + 8,
-        )
         tasks: set[asyncio.Task[None]] = set()
         committer = asyncio.create_task(self._commit_every(0.5))
         try:
-            async with httpx.AsyncClient(timeout=self.timeouts.to_httpx(), limits=limits) as client:
+            async with http_client(self.config.inference.concurrency, self.timeouts) as client:
                 backend = self._backend_factory(client)
                 self._backend = backend
                 while not stop.is_set():
@@ -225,67 +253,90 @@ class Dispatcher:
     async def _abort_dataset(self, dataset: str) -> None:
         """A lease of the dataset was revoked (budget lowered, or lease expired).
 
-        Its requests in flight may keep ``allowance`` tokens between them. When
-        streaming, they run on while what they generated fits (streaming accounting
-        sees it token by token) and are aborted the moment it no longer does;
-        without streaming they are aborted at once. Either way answers are then cut
-        to what fits. SGLang is told by rid (a dropped connection alone may not stop
-        it decoding); closing the connection is what stops OpenAI-compatible servers.
+        Its requests in flight may keep its allowance between them (a
+        :class:`RevokedCap`). When streaming, they run on while what they generated
+        fits (streaming accounting sees it chunk by chunk, :meth:`_on_progress`) and
+        are all aborted the moment it no longer does; without streaming they are
+        aborted at once. Either way answers are then cut to what fits. SGLang is told
+        by rid (a dropped connection alone may not stop it decoding); closing the
+        connection is what stops OpenAI-compatible servers.
         """
         if self.admission is None or dataset not in self.admission.revocations:
             return
-        lease_id, allowance = self.admission.revocations[dataset]
-        self._caps[lease_id] = _Cap(left=allowance)
-        if not self.config.inference.stream or self._over_allowance(lease_id):
-            await self._abort_lease(lease_id)
-
-    def _over_allowance(self, lease_id: str) -> bool:
-        cap = self._caps.get(lease_id)
+        lease_id, _ = self.admission.revocations[dataset]
+        cap = self._cap(lease_id, dataset)
         if cap is None:
-            return False
-        generated = sum(
-            self._generated.get(rid, 0)
-            for rid, (_, lease, _) in self._in_flight.items()
-            if lease == lease_id
-        )
-        return generated >= cap.left
-
-    async def _abort_lease(self, lease_id: str) -> None:
-        cap = self._caps.get(lease_id)
-        if cap is None or cap.aborting:
             return
-        cap.aborting = True
+        if not self.config.inference.stream:
+            cap.aborting = True
+            self._abort_lease(lease_id)
+        elif cap.check():
+            self._abort_lease(lease_id)
+
+    def _cap(self, lease_id: str, dataset: str) -> RevokedCap | None:
+        """The cap of a revoked lease, made when its revocation is first needed
+        (the revocation is applied to the admission as soon as it is read)."""
+        cap = self._caps.get(lease_id)
+        if cap is not None or self.admission is None or not lease_id:
+            return cap
+        revoked = self.admission.revocations.get(dataset)
+        if revoked is None or revoked[0] != lease_id:
+            return None
+        cap = RevokedCap(left=revoked[1])
+        for rid, (_, lease, _) in self._in_flight.items():
+            if lease == lease_id:
+                cap.generated[rid] = self._generated.get(rid, 0)
+        self._caps[lease_id] = cap
+        return cap
+
+    def _abort_lease(self, lease_id: str) -> None:
+        """Stop every request in flight on the lease, all at once."""
+        backend = self._backend
+        sglang = backend is not None and backend.api == "sglang"
         for rid, (_, lease, generation) in list(self._in_flight.items()):
             if lease != lease_id:
                 continue
-            if self._backend is not None:
-                with contextlib.suppress(Exception):
-                    await self._backend.abort(rid)
-            if self._backend is None or self._backend.api != "sglang":
+            if sglang:
+                assert backend is not None
+                task = asyncio.get_running_loop().create_task(self._abort_request(backend, rid))
+                self._aborts.add(task)
+                task.add_done_callback(self._aborts.discard)
+            else:
                 generation.cancel()  # closing the stream is the only abort there
+
+    async def _abort_request(self, backend: InferenceBackend, rid: str) -> None:
+        try:
+            await backend.abort(rid)
+        except Exception as exc:  # the request may have finished meanwhile
+            log.debug("abort of %s failed: %s", rid, exc)
 
     def _on_progress(self, rid: str, tokens: int) -> None:
         self._generated[rid] = tokens
         entry = self._in_flight.get(rid)
-        if entry is not None and entry[1] in self._caps and self._over_allowance(entry[1]):
-            asyncio.get_running_loop().create_task(self._abort_lease(entry[1]))
+        if entry is None:
+            return
+        dataset, lease_id, _ = entry
+        cap = self._cap(lease_id, dataset)
+        if cap is not None and cap.progress(rid, tokens):
+            self._abort_lease(lease_id)
 
-    def _fit_to_cap(self, lease_id: str, result: GenerationResult) -> GenerationResult | None:
+    def _fit_to_cap(
+        self, lease_id: str, dataset: str, rid: str, result: GenerationResult
+    ) -> GenerationResult | None:
         """Cut an answer of a revoked lease to what its allowance still holds
         (None: nothing fits). Only completion-token budgets can be cut mid-answer;
         in other units an answer is kept whole or not at all."""
-        cap = self._caps.get(lease_id)
+        cap = self._cap(lease_id, dataset)
         if cap is None:
             return result
         unit = self.config.budget.unit
         cost = unit_cost(unit, result.prompt_tokens, result.completion_tokens)
-        if cost <= cap.left:
-            cap.left -= cost
-            return result
-        if unit != "completion_tokens" or cap.left <= 0 or not result.output_ids:
+        cuttable = unit == "completion_tokens" and bool(result.output_ids)
+        keep = cap.fit(rid, cost, cuttable)
+        if keep is None:
             return None
-        keep = cap.left
-        cap.left = 0
+        if keep == cost:
+            return result
         return dataclasses.replace(
             result,
             completion_tokens=keep,
@@ -303,6 +354,7 @@ class Dispatcher:
         topic = record.topic
         partition = record.partition
         offset = record.offset
+        slot = _Slot(self._slots, self._publishing)
         try:
             try:
                 prompt = ev.decode(record.value)
@@ -311,17 +363,19 @@ class Dispatcher:
             except EventDecodeError as exc:
                 await self._dead_letter(str(exc), record)
                 return
-            await self._dispatch(backend, prompt)
+            await self._dispatch(backend, prompt, slot)
         except Exception:
             # Nothing was published for this prompt: leave its offset uncommitted
             # so it is dispatched again after a restart, and say so.
             log.exception("prompt at %s[%d]@%d not settled", topic, partition, offset)
             return
         finally:
-            self._slots.release()
+            slot.release()
         self.tracker.finished(topic, partition, offset)
 
-    async def _dispatch(self, backend: InferenceBackend, prompt: ev.PromptEvent) -> None:
+    async def _dispatch(
+        self, backend: InferenceBackend, prompt: ev.PromptEvent, slot: _Slot | None = None
+    ) -> None:
         assert self._producer is not None
         attempts = 0
         last_error: InferenceError | None = None
@@ -356,9 +410,25 @@ class Dispatcher:
             metrics.IN_FLIGHT.inc()
             generation = asyncio.create_task(backend.generate(request))
             lease_id = ticket.lease_id if ticket else ""
+            # In flight (abortable, counted by its lease's cap) until it is fitted.
             self._in_flight[rid] = (prompt.dataset, lease_id, generation)
             try:
-                result = await generation
+                try:
+                    result = await generation
+                finally:
+                    metrics.IN_FLIGHT.dec()
+                # Stamped before any cap is looked up: a budget lowered after this
+                # moment is known (synced below) before the answer is kept.
+                finished_at = time.time()
+                if slot is not None:
+                    await slot.hand_over()  # the server may take the next request
+                if ticket:
+                    # Every budget event published until now is applied, and a lower
+                    # budget on its way to the ledger has its answer (revocations
+                    # come before the snapshot that shows it): what fits is known.
+                    await self.board.sync()
+                    await self.board.decided(prompt.dataset)
+                fitted = self._fit_to_cap(lease_id, prompt.dataset, rid, result)
             except InferenceError as exc:
                 if ticket:
                     self.admission.settle(ticket, None)  # type: ignore[union-attr]
@@ -380,17 +450,17 @@ class Dispatcher:
                 await self._skip(prompt, "budget lowered: aborted in flight")
                 return
             finally:
-                metrics.IN_FLIGHT.dec()
                 self._in_flight.pop(rid, None)
                 self._generated.pop(rid, None)
-            fitted = self._fit_to_cap(lease_id, result)
+                cap = self._caps.get(lease_id)
+                if cap is not None:
+                    cap.forget(rid)
             if fitted is None:
                 if ticket:
                     self.admission.settle(ticket, None)  # type: ignore[union-attr]
                 await self._skip(prompt, "budget lowered: aborted in flight")
                 return
             result = fitted
-            finished_at = time.time()
             metrics.REQUEST_LATENCY.observe(finished_at - sent_at)
             if result.first_token_at is not None:
                 metrics.TIME_TO_FIRST_TOKEN.observe(max(0.0, result.first_token_at - sent_at))
@@ -403,7 +473,7 @@ class Dispatcher:
                 dataset=prompt.dataset,
                 prompt_tokens=result.prompt_tokens,
                 completion_tokens=result.completion_tokens,
-                output_ids=result.output_ids,
+                output_ids=ev.TokenIds(result.output_ids),
                 finish_reason=result.finish_reason,
                 max_new_tokens=request.max_new_tokens,
                 text=result.text,

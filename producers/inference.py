@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import httpx
+import msgspec
 
 from streams.events import ChatMessage, CountSource, FinishReason
 from tokenbudget.errors import (
@@ -76,6 +77,84 @@ class Timeouts:
 
     def to_httpx(self) -> httpx.Timeout:
         return httpx.Timeout(self.read, connect=self.connect, pool=None)
+
+
+# Connections per pool of :func:`http_client` (see :class:`ShardedTransport`).
+POOL_CONNECTIONS = 16
+
+
+class _Shard:
+    def __init__(self, transport: httpx.AsyncHTTPTransport) -> None:
+        self.transport = transport
+        self.active = 0  # requests sent through it whose response is not closed yet
+
+
+class _CountedStream(httpx.AsyncByteStream):
+    """A response body that tells its shard when it is closed."""
+
+    def __init__(self, inner: Any, shard: _Shard) -> None:
+        self._inner = inner
+        self._shard: _Shard | None = shard
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        async for part in self._inner:
+            yield part
+
+    async def aclose(self) -> None:
+        try:
+            await self._inner.aclose()
+        finally:
+            if self._shard is not None:
+                self._shard.active -= 1
+                self._shard = None
+
+
+class ShardedTransport(httpx.AsyncBaseTransport):
+    """Requests spread over several small connection pools, each to the least busy.
+
+    httpcore's pool re-examines every connection (for each idle one, all of them
+    again) whenever a request starts or ends, so one pool of a few hundred
+    connections spends more CPU than the requests it carries; at concurrency 256 a
+    single pool held a client to ~45 requests/s of a core. Pools of about
+    :data:`POOL_CONNECTIONS` keep that cost small. Each pool may still grow to the
+    full ``limits``, so none ever makes a request wait.
+    """
+
+    def __init__(self, shards: int, limits: httpx.Limits) -> None:
+        tls = httpx.create_ssl_context()  # one for all: each takes ~70 ms to make
+        self._shards = [
+            _Shard(httpx.AsyncHTTPTransport(verify=tls, limits=limits))
+            for _ in range(max(1, shards))
+        ]
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        shard = min(self._shards, key=lambda s: s.active)
+        shard.active += 1
+        try:
+            response = await shard.transport.handle_async_request(request)
+        except BaseException:
+            shard.active -= 1
+            raise
+        response.stream = _CountedStream(response.stream, shard)
+        return response
+
+    async def aclose(self) -> None:
+        for shard in self._shards:
+            await shard.transport.aclose()
+
+
+def http_client(concurrency: int, timeouts: Timeouts) -> httpx.AsyncClient:
+    """The HTTP client for ``concurrency`` requests at once to an inference server,
+    with room for as many abort requests beside them (aborts must not queue behind
+    the requests they stop)."""
+    limits = httpx.Limits(
+        max_connections=2 * concurrency + 8,
+        max_keepalive_connections=2 * concurrency + 8,
+    )
+    shards = -(-concurrency // POOL_CONNECTIONS)
+    return httpx.AsyncClient(
+        timeout=timeouts.to_httpx(), transport=ShardedTransport(shards, limits)
+    )
 
 
 @dataclass(frozen=True)
@@ -209,6 +288,20 @@ class InferenceBackend(ABC):
         """POST and yield each server-sent event's JSON, until ``data: [DONE]`` or
         the end of the body."""
         url = self.base_url + path
+        async for data in self._data(path, body):
+            try:
+                event = json.loads(data)
+            except json.JSONDecodeError as exc:
+                raise InferenceProtocolError(
+                    f"POST {url}: stream chunk is not JSON: {data[:120]!r}"
+                ) from exc
+            _raise_for_error_chunk(url, event, data)
+            yield event
+
+    async def _data(self, path: str, body: dict[str, Any]) -> AsyncIterator[str]:
+        """POST and yield each server-sent event's data, undecoded, until
+        ``data: [DONE]`` or the end of the body."""
+        url = self.base_url + path
         try:
             async with self.client.stream("POST", url, json=body, headers=self.headers) as resp:
                 if resp.status_code >= 400:
@@ -220,17 +313,7 @@ class InferenceBackend(ABC):
                     data = line[5:].strip()
                     if data == "[DONE]":
                         return
-                    try:
-                        event = json.loads(data)
-                    except json.JSONDecodeError as exc:
-                        raise InferenceProtocolError(
-                            f"POST {url}: stream chunk is not JSON: {data[:120]!r}"
-                        ) from exc
-                    if isinstance(event, dict) and (
-                        "error" in event or event.get("object") == "error"
-                    ):
-                        raise InferenceServerError(f"POST {url}: error in stream: {data[:200]}")
-                    yield event
+                    yield data
         except httpx.TimeoutException as exc:
             raise InferenceTransportError(f"POST {url}: timed out ({exc!r})") from exc
         except httpx.TransportError as exc:
@@ -282,6 +365,23 @@ class InferenceBackend(ABC):
         if request.text is None and request.messages:
             return "\n".join(m.content for m in request.messages), None
         return request.text, None
+
+
+def _raise_for_error_chunk(url: str, event: Any, data: str) -> None:
+    if isinstance(event, dict) and ("error" in event or event.get("object") == "error"):
+        raise InferenceServerError(f"POST {url}: error in stream: {data[:200]}")
+
+
+class _ChunkHead(msgspec.Struct):
+    """What progress needs of an SGLang stream chunk; its text and ids are skipped
+    unread (in cumulative streams they repeat the whole answer every chunk)."""
+
+    meta_info: dict[str, Any] | None = None
+    error: Any = None
+    object: Any = None
+
+
+_read_head = msgspec.json.Decoder(_ChunkHead).decode
 
 
 class _SGLangStream:
@@ -365,12 +465,38 @@ class SGLangBackend(InferenceBackend):
                 output_ids = data.get("token_ids") if isinstance(data, dict) else None  # old
             text = str(data.get("text", ""))
         else:
+            url = self.base_url + "/generate"
             acc = _SGLangStream()
-            async for chunk in self._events("/generate", body):
-                acc.add(chunk)
-                if first_token_at is None and (acc.tokens > 0 or acc.text):
+            last = ""  # the latest cumulative chunk, decoded in full only at the end
+            async for data in self._data("/generate", body):
+                if acc.incremental is False:
+                    # Cumulative: each chunk repeats the answer so far; reading only its
+                    # counts keeps a long answer's stream linear, not quadratic.
+                    try:
+                        head = _read_head(data)
+                    except msgspec.DecodeError as exc:
+                        raise InferenceProtocolError(
+                            f"POST {url}: stream chunk is not JSON: {data[:120]!r}"
+                        ) from exc
+                    if head.error is not None or head.object == "error":
+                        raise InferenceServerError(f"POST {url}: error in stream: {data[:200]}")
+                    if isinstance(head.meta_info, dict):
+                        acc.meta = head.meta_info
+                    last = data
+                else:
+                    try:
+                        chunk = json.loads(data)
+                    except json.JSONDecodeError as exc:
+                        raise InferenceProtocolError(
+                            f"POST {url}: stream chunk is not JSON: {data[:120]!r}"
+                        ) from exc
+                    _raise_for_error_chunk(url, chunk, data)
+                    acc.add(chunk)
+                if first_token_at is None and (acc.tokens > 0 or acc.text or last):
                     first_token_at = time.time()
                 self._progress(request, acc.tokens)
+            if last:
+                acc.add(json.loads(last))
             meta = acc.meta
             if not meta or meta.get("finish_reason") is None:
                 raise InferenceTransportError(

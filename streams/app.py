@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -118,6 +119,10 @@ def build_app(settings: LedgerSettings) -> faust.App:
     reservations = app.topic(topics.reservations, key_serializer="raw", value_serializer="raw")
 
     dirty: set[str] = set()
+    # No snapshot leaves between a state's write and its announcements: a dispatcher
+    # takes a snapshot showing a lowered budget as the end of that lowering's
+    # revocations (producers/halts.py).
+    announcing = asyncio.Lock()
     ticks = 0
     full_every = max(1, round(5.0 / settings.snapshot_interval))
 
@@ -180,14 +185,26 @@ def build_app(settings: LedgerSettings) -> faust.App:
         for prompt_id, (partition, value) in outcome_entries.items():
             outcomes.data[prompt_id] = value
             sent.append(outcomes.send_changelog(partition, prompt_id, value))
-        for name, state in states.items():
-            value = ledger.dump_ledger(state)
-            datasets.data[name] = value
-            sent.append(datasets.send_changelog(partition_of[name], name, value))
-            dirty.add(name)  # metrics and snapshots follow on the timer
-        if announce:
-            await asyncio.gather(*sent)
-            await publish(announce)
+        async with announcing:
+            for name, state in states.items():
+                value = ledger.dump_ledger(state)
+                datasets.data[name] = value
+                sent.append(datasets.send_changelog(partition_of[name], name, value))
+                dirty.add(name)  # metrics and snapshots follow on the timer
+            # Every change is written before the batch's events can be committed.
+            # Faust commits a source offset once its event is acked, which happens
+            # when this returns; it does not wait for table changelog writes, so a
+            # worker killed with writes still buffered (a broker restarting, say)
+            # would come back past events whose effects were never written.
+            try:
+                await asyncio.gather(*sent)
+            except Exception:
+                # Memory is ahead of the changelog now: start again from what is
+                # durable (the committed offsets and the changelog).
+                log.critical("ledger: table changelog write failed; exiting", exc_info=True)
+                os._exit(75)
+            if announce:
+                await publish(announce)
 
     def apply(
         state: ledger.DatasetLedger,
@@ -258,16 +275,17 @@ def build_app(settings: LedgerSettings) -> faust.App:
         ticks += 1
         if not dirty:
             return
-        at = ev.now()
-        names = sorted(dirty)
-        dirty.clear()
-        for name in names:
-            state = load(name)
-            snap = ledger.snapshot(state, at)
-            await budgets_out.send(key=name.encode(), value=ev.encode(snap))
-            metrics.EVENTS_PRODUCED.labels(topic="budgets").inc()
-            if settings.on_state:
-                settings.on_state(state)
+        async with announcing:
+            at = ev.now()
+            names = sorted(dirty)
+            dirty.clear()
+            for name in names:
+                state = load(name)
+                snap = ledger.snapshot(state, at)
+                await budgets_out.send(key=name.encode(), value=ev.encode(snap))
+                metrics.EVENTS_PRODUCED.labels(topic="budgets").inc()
+                if settings.on_state:
+                    settings.on_state(state)
 
     @app.timer(1.0)
     async def expire_leases() -> None:

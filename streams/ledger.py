@@ -58,7 +58,10 @@ class Lease(msgspec.Struct, frozen=True, kw_only=True):
 
     While open, all of ``granted`` not yet ``committed`` is reserved. Once the
     holder releases it, ``spent`` says how much it published under the lease, and
-    only what of that has not arrived yet stays reserved.
+    only what of that has not arrived yet stays reserved: all of it, even above
+    ``granted`` (a revoked lease's holder may have published more than its new
+    ceiling before the revocation reached it), so that nothing granted afterwards
+    overlaps completions still on their way.
     """
 
     holder: str
@@ -69,7 +72,7 @@ class Lease(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def outstanding(self) -> int:
-        ceiling = self.granted if self.spent is None else min(self.spent, self.granted)
+        ceiling = self.granted if self.spent is None else self.spent
         return max(0, ceiling - self.committed)
 
 

@@ -14,6 +14,7 @@ import time
 import uuid
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 from aiokafka import AIOKafkaProducer
 
@@ -115,7 +116,13 @@ def test_holders_racing_for_the_last_tokens_never_overshoot(
 
 
 def write_config(
-    folder: Path, bootstrap: str, namespace: str, url: str, datasets: list[dict]
+    folder: Path,
+    bootstrap: str,
+    namespace: str,
+    url: str,
+    datasets: list[dict],
+    *,
+    inference: tuple[str, ...] = ("concurrency = 4",),
 ) -> Path:
     lines = [
         "[kafka]",
@@ -123,7 +130,7 @@ def write_config(
         f'namespace = "{namespace}"',
         "[inference]",
         f'url = "{url}"',
-        "concurrency = 4",
+        *inference,
         "max_new_tokens = 4096",
         "[budget]",
         "lease_ttl_s = 3",
@@ -272,3 +279,71 @@ async def _set_budget(bootstrap: str, topics: Topics, dataset: str, budget: int)
         await producer.send_and_wait(topics.budgets, key=dataset.encode(), value=ev.encode(event))
     finally:
         await producer.stop()
+
+
+def test_budget_lowered_while_streaming_keeps_only_what_fits(
+    tmp_path: Path, kafka_bootstrap: str, namespace: str
+) -> None:
+    """Two dispatchers stream; budgets are lowered while requests are in flight:
+    "short" to what the ledger had counted (below what was already published: many
+    short answers finish every moment), "code" to leave room for a part of what is
+    in flight. Nothing that finished after a lowering took effect may be kept beyond
+    the new budget, including answers that finished before the ledger's revocation
+    reached their dispatcher; streams above the line are aborted."""
+    topics = Topics(namespace)
+    write_prompts(tmp_path / "short.jsonl", "#short", 1500)
+    write_prompts(tmp_path / "code.jsonl", "#code", 400)
+
+    async def scenario() -> tuple:
+        sim = await simulator.start(simulator.SimulatorConfig(port=0, tokens_per_second=3000))
+        config = config_module.load(
+            write_config(
+                tmp_path,
+                kafka_bootstrap,
+                namespace,
+                sim.url,
+                [
+                    {"name": "short", "path": "short.jsonl", "budget": "1M"},
+                    {"name": "code", "path": "code.jsonl", "budget": "1M"},
+                ],
+                inference=("concurrency = 32", "stream = true"),
+            ),
+            environ={},
+        )
+        job = asyncio.create_task(run_async(config, dispatchers=2))
+        try:
+            lowered = {}
+            for name, room in (("short", 0), ("code", 4)):
+                mid = await asyncio.to_thread(
+                    wait_for_snapshot, kafka_bootstrap, topics, name, lambda s: s.samples >= 10
+                )
+                lowered[name] = mid.completion_tokens + (mid.reserved // room if room else 0)
+                await _set_budget(kafka_bootstrap, topics, name, lowered[name])
+            report = await asyncio.wait_for(job, 240)
+            return report, list(sim.log), lowered
+        finally:
+            if not job.done():
+                job.cancel()
+            await sim.stop()
+
+    report, log, lowered = asyncio.run(scenario())
+    budget_events = read_all(kafka_bootstrap, topics.budgets)
+    for name in ("short", "code"):
+        result = report.datasets[name]
+        assert result.status == "halted"
+        revoked = [e for e in budget_events if isinstance(e, ev.LeaseRevoked) and e.dataset == name]
+        assert revoked, "the lowering revoked the leases in use"
+        took_effect = min(e.at for e in revoked)
+        rows = []
+        for file in (tmp_path / "out").glob(f"dataset={name}/*.parquet"):
+            rows += pq.read_table(file, columns=["completion_tokens", "finished_at"]).to_pylist()
+        kept = sum(r["completion_tokens"] for r in rows)
+        assert kept == result.completion_tokens  # the Parquet output agrees with the ledger
+        # Answers published before the lowering took effect cannot be un-kept.
+        published = sum(r["completion_tokens"] for r in rows if r["finished_at"] <= took_effect)
+        assert kept <= max(lowered[name], published), name
+        marker = "#short" if name == "short" else "#code"
+        served = [r for r in log if r.text_head.startswith(marker)]
+        assert sum(r.completion_tokens for r in served) >= kept
+    code = [r for r in log if r.text_head.startswith("#code")]
+    assert any(r.finish == "abort" for r in code), "streams above the new budget were aborted"

@@ -12,7 +12,7 @@ import random
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-from producers.admission import Admission, AdmissionSettings, Ticket
+from producers.admission import Admission, AdmissionSettings, RevokedCap, Ticket
 from producers.halts import BudgetBoard
 from streams import events as ev
 from streams import ledger
@@ -763,3 +763,90 @@ def test_budget_revoked_lease_with_requests_in_flight_is_not_asked_again() -> No
         assert new.lease_id != old.lease_id
 
     run(main())
+
+
+# ---- a lowered budget: no admission under the old one, caps for what is in flight --------
+
+
+def test_admit_waits_while_a_lower_budget_is_on_its_way_to_the_ledger() -> None:
+    async def main() -> None:
+        admission, fake, board = make(10_000, lease_size=1000)
+        first = await admission.admit(DS, 100)
+        assert first is not None
+        board.apply(ev.BudgetSet(dataset=DS, budget=10_000))
+        board.apply(ev.BudgetSet(dataset=DS, budget=600))  # read before the ledger's answer
+        pending = asyncio.create_task(admission.admit(DS, 100))
+        await asyncio.sleep(0.05)
+        # The lease still holds 900, but that balance may be revoked any moment.
+        assert not pending.done()
+        fake.set_budget(600)  # the ledger revokes: kept 0 + reserved 1000 > 600
+        await until(lambda: admission._leases[DS].revoked, "the revocation")
+        board.apply(_snapshot(600))
+        await asyncio.sleep(0.05)
+        assert not pending.done()  # the revoked lease's request is still in flight
+        admission.settle(first, None)
+        second = await pending
+        assert second is not None
+        assert second.lease_id != first.lease_id
+        state = fake.state()
+        assert ledger.used(state) + ledger.reserved(state) <= 600
+
+    run(main())
+
+
+def _snapshot(budget: int, dataset: str = DS) -> ev.LedgerSnapshot:
+    return ev.LedgerSnapshot(
+        dataset=dataset,
+        budget=budget,
+        unit="completion_tokens",
+        completion_tokens=0,
+        prompt_tokens=0,
+        samples=0,
+        skipped=0,
+        failed=0,
+        produced=None,
+        halted=False,
+        status="open",
+        at=ev.now(),
+    )
+
+
+def test_revoked_cap_aborts_all_once_what_they_generated_reaches_it() -> None:
+    cap = RevokedCap(left=100)
+    assert not cap.progress("a", 40)
+    assert not cap.progress("b", 50)
+    assert cap.progress("a", 51)  # 51 + 50 > 100: nothing more of either can be kept
+    assert not cap.progress("b", 60)  # told once
+    assert cap.aborting
+
+
+def test_revoked_cap_with_nothing_left_aborts_at_the_first_token() -> None:
+    cap = RevokedCap(left=0)
+    assert cap.check()
+
+
+def test_revoked_cap_keeps_answers_in_arrival_order_and_cuts_the_one_at_the_line() -> None:
+    cap = RevokedCap(left=100)
+    cap.progress("a", 30)
+    cap.progress("b", 60)
+    cap.progress("c", 40)
+    assert cap.fit("a", 30, cuttable=True) == 30
+    assert cap.generated == {"b": 60, "c": 40}
+    assert cap.fit("b", 60, cuttable=True) == 60
+    assert cap.fit("c", 40, cuttable=True) == 10  # cut at the line
+    assert cap.left == 0
+    assert cap.fit("d", 5, cuttable=True) is None
+
+
+def test_revoked_cap_never_cuts_what_cannot_be_cut() -> None:
+    cap = RevokedCap(left=50)
+    assert cap.fit("a", 80, cuttable=False) is None
+    assert cap.left == 50  # left for an answer that fits whole
+    assert cap.fit("b", 50, cuttable=False) == 50
+
+
+def test_revoked_cap_forgets_requests_that_ended_with_nothing_kept() -> None:
+    cap = RevokedCap(left=100)
+    cap.progress("a", 90)
+    cap.forget("a")
+    assert not cap.progress("b", 99)

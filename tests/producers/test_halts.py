@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
-from producers.halts import BudgetBoard
+import asyncio
+from types import SimpleNamespace
+
+from aiokafka import TopicPartition
+from aiokafka.errors import KafkaError
+
+from producers.halts import BudgetBoard, BudgetWatcher
 from streams import events as ev
+from streams.topics import Topics
 
 
 def snapshot(dataset: str, *, halted: bool, at: float, samples: int = 0) -> ev.LedgerSnapshot:
@@ -130,3 +137,159 @@ def test_other_events_are_ignored() -> None:
     assert not board.changed.is_set()
     assert not board.is_halted("a")
     assert board.views == {}
+
+
+# ---- budgets being lowered ---------------------------------------------------------
+
+
+def budget_snapshot(dataset: str, budget: int, at: float) -> ev.LedgerSnapshot:
+    return ev.LedgerSnapshot(
+        dataset=dataset,
+        budget=budget,
+        unit="completion_tokens",
+        completion_tokens=0,
+        prompt_tokens=0,
+        samples=0,
+        skipped=0,
+        failed=0,
+        produced=None,
+        halted=False,
+        status="open",
+        at=at,
+    )
+
+
+def test_a_lower_budget_is_pending_until_a_snapshot_shows_it_applied() -> None:
+    board = BudgetBoard()
+    board.apply(ev.BudgetSet(dataset="a", budget=1000))
+    assert not board.lowering("a")  # the first budget lowers nothing
+    board.apply(ev.BudgetSet(dataset="a", budget=600))
+    assert board.lowering("a")
+    assert not board.lowering("b")
+    # A snapshot of the ledger before it applied the new budget decides nothing.
+    board.apply(budget_snapshot("a", 1000, at=1.0))
+    assert board.lowering("a")
+    board.apply(budget_snapshot("a", 600, at=2.0))
+    assert not board.lowering("a")
+
+
+def test_a_raise_is_not_a_lowering() -> None:
+    board = BudgetBoard()
+    board.apply(ev.BudgetSet(dataset="a", budget=1000))
+    board.apply(ev.BudgetSet(dataset="a", budget=2000))
+    assert not board.lowering("a")
+
+
+def test_a_lowering_is_judged_against_the_ledgers_budget_without_an_earlier_set() -> None:
+    board = BudgetBoard()
+    board.apply(budget_snapshot("a", 1000, at=1.0))  # read after the first set's retention
+    board.apply(ev.BudgetSet(dataset="a", budget=500))
+    assert board.lowering("a")
+
+
+def test_lowered_then_raised_before_the_ledger_applied_either_waits_for_the_last() -> None:
+    board = BudgetBoard()
+    board.apply(ev.BudgetSet(dataset="a", budget=1000))
+    board.apply(ev.BudgetSet(dataset="a", budget=500))
+    board.apply(ev.BudgetSet(dataset="a", budget=800))
+    board.apply(budget_snapshot("a", 500, at=1.0))
+    assert board.lowering("a")  # the ledger has not read the 800 yet
+    board.apply(budget_snapshot("a", 800, at=2.0))
+    assert not board.lowering("a")
+
+
+def test_decided_returns_once_the_lowering_is_applied() -> None:
+    async def main() -> None:
+        board = BudgetBoard()
+        await asyncio.wait_for(board.decided("a"), 1)  # nothing pending
+        await asyncio.wait_for(board.sync(), 1)  # no watcher: nothing to read
+        board.apply(ev.BudgetSet(dataset="a", budget=1000))
+        board.apply(ev.BudgetSet(dataset="a", budget=400))
+        waiting = asyncio.create_task(board.decided("a"))
+        await asyncio.sleep(0.01)
+        assert not waiting.done()
+        board.apply(budget_snapshot("a", 400, at=1.0))
+        await asyncio.wait_for(waiting, 1)
+
+    asyncio.run(main())
+
+
+# ---- the watcher, on a fake consumer ---------------------------------------------------
+
+
+class FakeConsumer:
+    """Hands out queued budget events like aiokafka's getmany; fails when told to."""
+
+    def __init__(self, tp: TopicPartition) -> None:
+        self.tp = tp
+        self.log: list[bytes] = []  # the partition
+        self.pos = 0
+        self.failures = 0
+        self.end_calls = 0
+
+    def publish(self, event: ev.Event) -> None:
+        self.log.append(ev.encode(event))
+
+    async def getmany(self, timeout_ms: int, max_records: int) -> dict:
+        await asyncio.sleep(0.001)
+        if self.failures:
+            self.failures -= 1
+            raise KafkaError("fetch failed")
+        records = [SimpleNamespace(value=v) for v in self.log[self.pos :]]
+        self.pos = len(self.log)
+        return {self.tp: records} if records else {}
+
+    async def position(self, tp: TopicPartition) -> int:
+        return self.pos
+
+    async def end_offsets(self, tps: list[TopicPartition]) -> dict:
+        self.end_calls += 1
+        return {self.tp: len(self.log)}
+
+
+def watching(consumer: FakeConsumer) -> BudgetWatcher:
+    watcher = BudgetWatcher("127.0.0.1:1", Topics("t"))
+    watcher._consumer = consumer  # type: ignore[assignment]
+    watcher._end = {consumer.tp: 0}
+    watcher.board.syncer = watcher.sync
+    return watcher
+
+
+def test_the_watcher_reads_on_after_a_failed_fetch() -> None:
+    async def main() -> None:
+        consumer = FakeConsumer(TopicPartition("t.budgets", 0))
+        consumer.failures = 2
+        consumer.publish(exceeded("a"))
+        watcher = watching(consumer)
+        task = asyncio.create_task(watcher.run())
+        try:
+            for _ in range(5000):
+                if watcher.board.is_halted("a"):
+                    break
+                await asyncio.sleep(0.001)
+            assert watcher.board.is_halted("a")
+            assert not task.done()
+        finally:
+            task.cancel()
+
+    asyncio.run(main())
+
+
+def test_sync_returns_once_what_was_published_before_it_is_applied() -> None:
+    async def main() -> None:
+        consumer = FakeConsumer(TopicPartition("t.budgets", 0))
+        watcher = watching(consumer)
+        consumer.publish(ev.BudgetSet(dataset="a", budget=1000))
+        consumer.publish(ev.BudgetSet(dataset="a", budget=500))
+        task = asyncio.create_task(watcher.run())
+        try:
+            await asyncio.wait_for(watcher.board.sync(), 5)
+            assert watcher.board.lowering("a")  # both sets were read before it returned
+            # Callers waiting at the same time share one request for the end offsets.
+            calls = consumer.end_calls
+            await asyncio.wait_for(asyncio.gather(*(watcher.board.sync() for _ in range(5))), 5)
+            assert consumer.end_calls - calls <= 2
+        finally:
+            task.cancel()
+
+    asyncio.run(main())

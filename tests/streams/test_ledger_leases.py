@@ -304,6 +304,25 @@ def test_release_keeps_in_flight_reserved_until_the_completions_arrive() -> None
     assert remaining(state) == 750
 
 
+def test_a_revoked_lease_released_above_its_ceiling_keeps_all_it_published_reserved() -> None:
+    state = grant(fresh(1000), want=600)
+    state = apply_outcome(state, completion("r1", completion_tokens=100), None, AT).state
+    # Lowered to 300: the lease may keep 200 more (ceiling 300)...
+    state = apply_budget_set(state, BudgetSet(dataset=DS, budget=300), AT).state
+    assert state.leases["L1"].granted == 300
+    # ...but its holder had published 450 before the revocation reached it.
+    state = apply_lease_released(state, release(spent=450), AT).state
+    assert reserved(state) == 350  # all of it is on its way to the ledger
+    # Raised again before those completions arrive: only what they leave is granted.
+    state = apply_budget_set(state, BudgetSet(dataset=DS, budget=800), AT).state
+    t = apply_lease_request(state, request("L2", "h2", want=1000), AT)
+    [granted] = only(t.emit, LeaseGranted)
+    assert granted.granted == 800 - 450
+    state = apply_outcome(t.state, completion("r2", completion_tokens=350), None, AT).state
+    assert "L1" not in state.leases
+    assert used(state) + granted.granted == 800
+
+
 def test_release_of_an_unknown_lease_is_a_no_op() -> None:
     state = fresh(1000)
     t = apply_lease_released(state, release("nope", spent=5), AT)

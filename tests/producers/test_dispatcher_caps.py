@@ -1,0 +1,235 @@
+"""A budget lowered while requests are in flight, at the dispatcher, without a broker.
+
+The dispatcher runs against the in-memory ledger of ``test_admission`` (leases),
+a recorder standing in for its Kafka producer and a scripted backend whose answers
+and streamed progress the test releases step by step, so each interleaving of
+"answer finished", "lower budget read" and "ledger's revocation read" is exact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from producers.admission import Admission, AdmissionSettings
+from producers.dispatcher import Dispatcher
+from producers.halts import BudgetBoard
+from producers.inference import GenerationRequest, GenerationResult, InferenceBackend
+from streams import events as ev
+from tests.producers.test_admission import DS, TOPICS, FakeLedger, run, until
+from tokenbudget import config as config_module
+
+
+class Recorder:
+    """The dispatcher's producer: keeps what it publishes."""
+
+    def __init__(self) -> None:
+        self.sent: list[ev.Event] = []
+
+    async def send_and_wait(self, topic: str, key: bytes, value: bytes) -> None:
+        self.sent.append(ev.decode(value))
+
+    def completions(self) -> list[ev.CompletionEvent]:
+        return [e for e in self.sent if isinstance(e, ev.CompletionEvent)]
+
+    def skipped(self) -> list[ev.PromptSkipped]:
+        return [e for e in self.sent if isinstance(e, ev.PromptSkipped)]
+
+
+@dataclass
+class _Call:
+    request: GenerationRequest
+    answer: asyncio.Future[int] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
+
+
+class ScriptedBackend(InferenceBackend):
+    """SGLang-like: answers when the test says how many tokens it generated."""
+
+    api = "sglang"
+
+    def __init__(self) -> None:  # no HTTP client: nothing goes on the wire
+        self.calls: dict[str, _Call] = {}
+        self.aborted: list[str] = []
+        self.abort_gate: dict[str, asyncio.Event] = {}  # rid -> released when set
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        call = self.calls[request.rid] = _Call(request)
+        tokens = await call.answer
+        return GenerationResult(
+            rid=request.rid,
+            prompt_tokens=3,
+            completion_tokens=tokens,
+            output_ids=list(range(tokens)),
+            text="t" * tokens,
+            finish_reason="abort" if request.rid in self.aborted else "stop",
+        )
+
+    async def abort(self, rid: str) -> None:
+        self.aborted.append(rid)
+        gate = self.abort_gate.get(rid)
+        if gate is not None:
+            await gate.wait()
+
+    def streamed(self, rid: str, tokens: int) -> None:
+        request = self.calls[rid].request
+        assert request.on_progress is not None
+        request.on_progress(rid, tokens)
+
+    def finish(self, rid: str, tokens: int) -> None:
+        self.calls[rid].answer.set_result(tokens)
+
+    def rid_of(self, index: int) -> str:
+        return list(self.calls)[index]
+
+
+def snapshot(budget: int) -> ev.LedgerSnapshot:
+    return ev.LedgerSnapshot(
+        dataset=DS,
+        budget=budget,
+        unit="completion_tokens",
+        completion_tokens=0,
+        prompt_tokens=0,
+        samples=0,
+        skipped=0,
+        failed=0,
+        produced=None,
+        halted=False,
+        status="open",
+        at=ev.now(),
+    )
+
+
+def make_dispatcher(
+    *, stream: bool, budget: int = 10_000
+) -> tuple[Dispatcher, ScriptedBackend, FakeLedger, BudgetBoard, Recorder]:
+    config = config_module.build(
+        {
+            "kafka": {"bootstrap": "127.0.0.1:1", "namespace": TOPICS.namespace},
+            "inference": {"url": "http://sim", "stream": stream, "concurrency": 8},
+        },
+        environ={},
+    )
+    board = BudgetBoard()
+    fake = FakeLedger(board)
+    fake.set_budget(budget)
+    board.apply(ev.BudgetSet(dataset=DS, budget=budget))
+    dispatcher = Dispatcher(config, "127.0.0.1:1", board, holder="d1")
+    recorder = Recorder()
+    backend = ScriptedBackend()
+    dispatcher._producer = recorder  # type: ignore[assignment]
+    dispatcher._backend = backend
+    dispatcher.admission = Admission(
+        fake,  # type: ignore[arg-type]
+        TOPICS,
+        "d1",
+        board,
+        AdmissionSettings(lease_size=1000),
+        on_revoke=dispatcher._abort_dataset,
+    )
+    return dispatcher, backend, fake, board, recorder
+
+
+def prompt(i: int, max_new_tokens: int = 500) -> ev.PromptEvent:
+    return ev.PromptEvent(
+        prompt_id=f"p{i}",
+        dataset=DS,
+        text=f"q{i}",
+        sampling=ev.SamplingParams(max_new_tokens=max_new_tokens),
+    )
+
+
+def test_an_answer_finished_after_a_lowering_waits_for_the_ledger_and_is_cut() -> None:
+    """The lowering is read when the finished answer syncs, the ledger's revocation
+    only later: the answer must not be published whole meanwhile."""
+
+    async def main() -> None:
+        dispatcher, backend, fake, board, recorder = make_dispatcher(stream=False)
+        lowered = 300
+        syncs = 0
+
+        async def syncer() -> None:
+            nonlocal syncs
+            syncs += 1
+            if syncs == 1:  # published while the request was generating
+                board.apply(ev.BudgetSet(dataset=DS, budget=lowered))
+
+        board.syncer = syncer
+        task = asyncio.create_task(dispatcher._dispatch(backend, prompt(0)))
+        await until(lambda: len(backend.calls) == 1, "the request")
+        backend.finish(backend.rid_of(0), 500)
+        await until(lambda: syncs == 1, "the sync")
+        await asyncio.sleep(0.05)
+        assert recorder.sent == []  # held until the ledger's answer is known
+        fake.set_budget(lowered)  # kept 0 + reserved 1000 > 300: the lease is revoked
+        await until(lambda: dispatcher.admission.revocations != {}, "the revocation")  # type: ignore[union-attr]
+        board.apply(snapshot(lowered))  # the ledger shows the new budget applied
+        await asyncio.wait_for(task, 5)
+        [completion] = recorder.completions()
+        assert completion.completion_tokens == lowered
+        assert completion.output_ids == list(range(lowered))
+        assert completion.finish_reason == "length"
+
+    run(main())
+
+
+def test_an_answer_finished_before_the_lowering_was_published_is_kept_whole() -> None:
+    async def main() -> None:
+        dispatcher, backend, _, board, recorder = make_dispatcher(stream=False)
+        task = asyncio.create_task(dispatcher._dispatch(backend, prompt(0)))
+        await until(lambda: len(backend.calls) == 1, "the request")
+        backend.finish(backend.rid_of(0), 500)
+        await asyncio.wait_for(task, 5)
+        [completion] = recorder.completions()
+        assert completion.completion_tokens == 500
+        assert not board.lowering(DS)
+
+    run(main())
+
+
+def test_streams_are_aborted_together_when_what_they_generated_reaches_the_cap() -> None:
+    async def main() -> None:
+        dispatcher, backend, fake, board, recorder = make_dispatcher(stream=True)
+        tasks = [asyncio.create_task(dispatcher._dispatch(backend, prompt(i))) for i in range(2)]
+        await until(lambda: len(backend.calls) == 2, "two requests")
+        a, b = backend.rid_of(0), backend.rid_of(1)
+        backend.streamed(a, 100)
+        backend.streamed(b, 100)
+        board.apply(ev.BudgetSet(dataset=DS, budget=300))
+        fake.set_budget(300)  # allowance 300 for the two requests in flight
+        board.apply(snapshot(300))
+        await until(lambda: dispatcher.admission.revocations != {}, "the revocation")  # type: ignore[union-attr]
+        await asyncio.sleep(0.01)
+        backend.abort_gate[a] = asyncio.Event()  # a slow abort must not hold back the next
+        backend.streamed(a, 150)
+        assert backend.aborted == []  # 250 generated: both still fit
+        backend.streamed(b, 160)  # 310: nothing more of either can be kept
+        await until(lambda: sorted(backend.aborted) == sorted([a, b]), "both aborts")
+        backend.finish(a, 150)
+        backend.finish(b, 170)  # it ran on a little before the abort landed
+        backend.abort_gate[a].set()
+        await asyncio.wait_for(asyncio.gather(*tasks), 5)
+        kept = sorted(c.completion_tokens for c in recorder.completions())
+        assert kept == [150, 150]  # the allowance exactly: the second one cut at the line
+
+    run(main())
+
+
+def test_a_stream_already_past_its_cap_is_aborted_as_soon_as_the_cap_is_known() -> None:
+    async def main() -> None:
+        dispatcher, backend, fake, board, recorder = make_dispatcher(stream=True)
+        task = asyncio.create_task(dispatcher._dispatch(backend, prompt(0)))
+        await until(lambda: len(backend.calls) == 1, "the request")
+        rid = backend.rid_of(0)
+        backend.streamed(rid, 400)
+        board.apply(ev.BudgetSet(dataset=DS, budget=100))
+        fake.set_budget(100)
+        board.apply(snapshot(100))
+        await until(lambda: backend.aborted == [rid], "the abort")
+        backend.finish(rid, 420)
+        await asyncio.wait_for(task, 5)
+        [completion] = recorder.completions()
+        assert completion.completion_tokens == 100
+
+    run(main())
