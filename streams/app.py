@@ -62,6 +62,16 @@ IGNORED = (
 )
 
 
+def _exit_unless_written(future: asyncio.Future[Any]) -> None:
+    if future.cancelled() or future.exception() is not None:
+        log.critical(
+            "ledger: a table changelog write failed (%s); exiting so the worker restarts "
+            "from its committed offsets",
+            "cancelled" if future.cancelled() else repr(future.exception()),
+        )
+        os._exit(75)
+
+
 def build_app(settings: LedgerSettings) -> faust.App:
     topics = settings.topics
     datadir = Path(tempfile.gettempdir()) / "tokenbudget-faust" / topics.ledger_app_id
@@ -191,19 +201,16 @@ def build_app(settings: LedgerSettings) -> faust.App:
                 datasets.data[name] = value
                 sent.append(datasets.send_changelog(partition_of[name], name, value))
                 dirty.add(name)  # metrics and snapshots follow on the timer
-            # Every change is written before the batch's events can be committed.
-            # Faust commits a source offset once its event is acked, which happens
-            # when this returns; it does not wait for table changelog writes, so a
-            # worker killed with writes still buffered (a broker restarting, say)
-            # would come back past events whose effects were never written.
-            try:
-                await asyncio.gather(*sent)
-            except Exception:
-                # Memory is ahead of the changelog now: start again from what is
-                # durable (the committed offsets and the changelog).
-                log.critical("ledger: table changelog write failed; exiting", exc_info=True)
-                os._exit(75)
+            # A batch's events are acked when this returns, and Faust flushes its
+            # producer before every offset commit, so a commit never covers table
+            # writes still in flight. A write that *failed* (after the client's
+            # retries: a broker gone too long) would be committed past all the same:
+            # the worker exits instead, before the commit can be sent, and starts
+            # again from what is durable (committed offsets and the changelog).
+            for future in sent:
+                future.add_done_callback(_exit_unless_written)
             if announce:
+                await asyncio.gather(*sent)  # a halt announces only what is durable
                 await publish(announce)
 
     def apply(
