@@ -781,7 +781,7 @@ def test_admit_waits_while_a_lower_budget_is_on_its_way_to_the_ledger() -> None:
         assert not pending.done()
         fake.set_budget(600)  # the ledger revokes: kept 0 + reserved 1000 > 600
         await until(lambda: admission._leases[DS].revoked, "the revocation")
-        board.apply(_snapshot(600))
+        board.apply(open_snapshot(600))
         await asyncio.sleep(0.05)
         assert not pending.done()  # the revoked lease's request is still in flight
         admission.settle(first, None)
@@ -794,7 +794,8 @@ def test_admit_waits_while_a_lower_budget_is_on_its_way_to_the_ledger() -> None:
     run(main())
 
 
-def _snapshot(budget: int, dataset: str = DS) -> ev.LedgerSnapshot:
+def open_snapshot(budget: int, dataset: str = DS, at: float | None = None) -> ev.LedgerSnapshot:
+    """The ledger's snapshot of an open dataset with nothing kept yet."""
     return ev.LedgerSnapshot(
         dataset=dataset,
         budget=budget,
@@ -807,7 +808,7 @@ def _snapshot(budget: int, dataset: str = DS) -> ev.LedgerSnapshot:
         produced=None,
         halted=False,
         status="open",
-        at=ev.now(),
+        at=ev.now() if at is None else at,
     )
 
 

@@ -16,7 +16,14 @@ from producers.dispatcher import Dispatcher
 from producers.halts import BudgetBoard
 from producers.inference import GenerationRequest, GenerationResult, InferenceBackend
 from streams import events as ev
-from tests.producers.test_admission import DS, TOPICS, FakeLedger, run, until
+from tests.producers.test_admission import (
+    DS,
+    TOPICS,
+    FakeLedger,
+    open_snapshot,
+    run,
+    until,
+)
 from tokenbudget import config as config_module
 
 
@@ -84,23 +91,6 @@ class ScriptedBackend(InferenceBackend):
         return list(self.calls)[index]
 
 
-def snapshot(budget: int) -> ev.LedgerSnapshot:
-    return ev.LedgerSnapshot(
-        dataset=DS,
-        budget=budget,
-        unit="completion_tokens",
-        completion_tokens=0,
-        prompt_tokens=0,
-        samples=0,
-        skipped=0,
-        failed=0,
-        produced=None,
-        halted=False,
-        status="open",
-        at=ev.now(),
-    )
-
-
 def make_dispatcher(
     *, stream: bool, budget: int = 10_000
 ) -> tuple[Dispatcher, ScriptedBackend, FakeLedger, BudgetBoard, Recorder]:
@@ -164,7 +154,7 @@ def test_an_answer_finished_after_a_lowering_waits_for_the_ledger_and_is_cut() -
         assert recorder.sent == []  # held until the ledger's answer is known
         fake.set_budget(lowered)  # kept 0 + reserved 1000 > 300: the lease is revoked
         await until(lambda: dispatcher.admission.revocations != {}, "the revocation")  # type: ignore[union-attr]
-        board.apply(snapshot(lowered))  # the ledger shows the new budget applied
+        board.apply(open_snapshot(lowered))  # the ledger shows the new budget applied
         await asyncio.wait_for(task, 5)
         [completion] = recorder.completions()
         assert completion.completion_tokens == lowered
@@ -198,7 +188,7 @@ def test_streams_are_aborted_together_when_what_they_generated_reaches_the_cap()
         backend.streamed(b, 100)
         board.apply(ev.BudgetSet(dataset=DS, budget=300))
         fake.set_budget(300)  # allowance 300 for the two requests in flight
-        board.apply(snapshot(300))
+        board.apply(open_snapshot(300))
         await until(lambda: dispatcher.admission.revocations != {}, "the revocation")  # type: ignore[union-attr]
         await asyncio.sleep(0.01)
         backend.abort_gate[a] = asyncio.Event()  # a slow abort must not hold back the next
@@ -225,7 +215,7 @@ def test_a_stream_already_past_its_cap_is_aborted_as_soon_as_the_cap_is_known() 
         backend.streamed(rid, 400)
         board.apply(ev.BudgetSet(dataset=DS, budget=100))
         fake.set_budget(100)
-        board.apply(snapshot(100))
+        board.apply(open_snapshot(100))
         await until(lambda: backend.aborted == [rid], "the abort")
         backend.finish(rid, 420)
         await asyncio.wait_for(task, 5)

@@ -11,6 +11,7 @@ from aiokafka.errors import KafkaError
 from producers.halts import BudgetBoard, BudgetWatcher
 from streams import events as ev
 from streams.topics import Topics
+from tests.producers.test_admission import open_snapshot
 
 
 def snapshot(dataset: str, *, halted: bool, at: float, samples: int = 0) -> ev.LedgerSnapshot:
@@ -142,23 +143,6 @@ def test_other_events_are_ignored() -> None:
 # ---- budgets being lowered ---------------------------------------------------------
 
 
-def budget_snapshot(dataset: str, budget: int, at: float) -> ev.LedgerSnapshot:
-    return ev.LedgerSnapshot(
-        dataset=dataset,
-        budget=budget,
-        unit="completion_tokens",
-        completion_tokens=0,
-        prompt_tokens=0,
-        samples=0,
-        skipped=0,
-        failed=0,
-        produced=None,
-        halted=False,
-        status="open",
-        at=at,
-    )
-
-
 def test_a_lower_budget_is_pending_until_a_snapshot_shows_it_applied() -> None:
     board = BudgetBoard()
     board.apply(ev.BudgetSet(dataset="a", budget=1000))
@@ -167,9 +151,9 @@ def test_a_lower_budget_is_pending_until_a_snapshot_shows_it_applied() -> None:
     assert board.lowering("a")
     assert not board.lowering("b")
     # A snapshot of the ledger before it applied the new budget decides nothing.
-    board.apply(budget_snapshot("a", 1000, at=1.0))
+    board.apply(open_snapshot(1000, "a", at=1.0))
     assert board.lowering("a")
-    board.apply(budget_snapshot("a", 600, at=2.0))
+    board.apply(open_snapshot(600, "a", at=2.0))
     assert not board.lowering("a")
 
 
@@ -182,7 +166,7 @@ def test_a_raise_is_not_a_lowering() -> None:
 
 def test_a_lowering_is_judged_against_the_ledgers_budget_without_an_earlier_set() -> None:
     board = BudgetBoard()
-    board.apply(budget_snapshot("a", 1000, at=1.0))  # read after the first set's retention
+    board.apply(open_snapshot(1000, "a", at=1.0))  # read after the first set's retention
     board.apply(ev.BudgetSet(dataset="a", budget=500))
     assert board.lowering("a")
 
@@ -192,9 +176,9 @@ def test_lowered_then_raised_before_the_ledger_applied_either_waits_for_the_last
     board.apply(ev.BudgetSet(dataset="a", budget=1000))
     board.apply(ev.BudgetSet(dataset="a", budget=500))
     board.apply(ev.BudgetSet(dataset="a", budget=800))
-    board.apply(budget_snapshot("a", 500, at=1.0))
+    board.apply(open_snapshot(500, "a", at=1.0))
     assert board.lowering("a")  # the ledger has not read the 800 yet
-    board.apply(budget_snapshot("a", 800, at=2.0))
+    board.apply(open_snapshot(800, "a", at=2.0))
     assert not board.lowering("a")
 
 
@@ -208,7 +192,7 @@ def test_decided_returns_once_the_lowering_is_applied() -> None:
         waiting = asyncio.create_task(board.decided("a"))
         await asyncio.sleep(0.01)
         assert not waiting.done()
-        board.apply(budget_snapshot("a", 400, at=1.0))
+        board.apply(open_snapshot(400, "a", at=1.0))
         await asyncio.wait_for(waiting, 1)
 
     asyncio.run(main())
