@@ -31,7 +31,6 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
 import pyarrow.parquet as pq
 
 from producers.datasets import read_prompts
@@ -40,10 +39,16 @@ from sinks.replay import live_snapshots, read_to_end
 from streams import events as ev
 from streams.topics import Topics
 from tokenbudget import broker
-from tokenbudget.demo import DEMO_DATASETS, DemoDataset, free_port, write_datasets
+from tokenbudget.demo import (
+    DEMO_DATASETS,
+    DemoDataset,
+    free_port,
+    wait_for_simulator,
+    write_datasets,
+)
 from tokenbudget.errors import DatasetError, TokenBudgetError
 from tokenbudget.kafka import GroupLag
-from tokenbudget.runner import cli_command
+from tokenbudget.runner import cli_command, stop_process
 
 log = logging.getLogger(__name__)
 
@@ -220,16 +225,10 @@ class Component:
             self.process.wait()
 
     def terminate(self, timeout: float = 90) -> int | None:
+        """SIGTERM, SIGKILL after ``timeout``; the exit code (negative if killed)."""
         if self.process is None:
             return None
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
-                return None
+        stop_process(self.process, timeout)
         return self.process.returncode
 
 
@@ -296,18 +295,9 @@ def start_simulator(settings: ChaosSettings, port: int, log_path: Path) -> Compo
     )  # fmt: skip
     sim = Component("simulator", argv, log_path)
     sim.start()
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return sim
-        except httpx.TransportError:
-            pass
-        if sim.exit_code() is not None:
-            break
-        time.sleep(0.2)
-    sim.kill()
-    raise TokenBudgetError(f"the simulator did not come up on port {port}; see {log_path}")
+    assert sim.process is not None
+    wait_for_simulator(sim.process, port, logs=f"; see {log_path}")
+    return sim
 
 
 def valid_rows(name: str, path: Path) -> tuple[set[str], int]:

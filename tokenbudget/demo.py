@@ -90,18 +90,27 @@ def start_simulator(port: int, tokens_per_second: float) -> subprocess.Popen[byt
         str(tokens_per_second),
     )
     process = subprocess.Popen(command, start_new_session=True)
-    deadline = time.monotonic() + 30
+    wait_for_simulator(process, port)
+    return process
+
+
+def wait_for_simulator(
+    process: subprocess.Popen[bytes], port: int, *, timeout: float = 30, logs: str = ""
+) -> None:
+    """Wait until the simulator started as ``process`` answers /health on ``port``;
+    kill it and raise if it exits or does not answer in time."""
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return process
+                return
         except httpx.TransportError:
             pass
         if process.poll() is not None:
             break
         time.sleep(0.2)
     process.kill()
-    raise TokenBudgetError(f"the simulator did not come up on port {port}")
+    raise TokenBudgetError(f"the simulator did not come up on port {port}{logs}")
 
 
 def write_config(workdir: Path, paths: dict[str, Path], port: int, budget: int) -> Path:

@@ -222,10 +222,7 @@ async def _wait_drained(
                 await asyncio.sleep(0.25)
                 continue
             drained_at = time.time()
-            while not all(
-                (s := watcher.board.snapshot(n)) is not None and s.at > drained_at for n in names
-            ):
-                await asyncio.sleep(0.1)
+            await _snapshots_since(watcher, names, drained_at)
             # A budget raised meanwhile reopens its dataset: keep going.
             if producer.settled():
                 return drained_at
@@ -245,11 +242,12 @@ async def _wait_ledger_applied(config: Config, bootstrap: str, watcher: BudgetWa
             await asyncio.sleep(0.25)
     finally:
         lag.close()
-    applied_at = time.time()
-    names = [d.name for d in config.datasets]
-    while not all(
-        (s := watcher.board.snapshot(n)) is not None and s.at > applied_at for n in names
-    ):
+    await _snapshots_since(watcher, [d.name for d in config.datasets], time.time())
+
+
+async def _snapshots_since(watcher: BudgetWatcher, names: list[str], since: float) -> None:
+    """Wait until the ledger has published a snapshot of each dataset after ``since``."""
+    while not all((s := watcher.board.snapshot(n)) is not None and s.at > since for n in names):
         await asyncio.sleep(0.1)
 
 
