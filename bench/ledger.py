@@ -1,12 +1,15 @@
 """Completion events per second one ledger worker sustains.
 
-    .venv/bin/python bench/ledger.py [--events 100000] [--datasets 8]
+    .venv/bin/python bench/ledger.py [--events 100000] [--datasets 8] [--output-tokens 0]
 
 A fresh namespace on the local broker gets its budgets and N small completion
 events (distinct prompts, a lease id on each) while no ledger runs; then one Faust
 ledger worker starts and works through the backlog with its idempotency table and
 reservations. The rate is measured between the first and the last snapshot the
-ledger publishes while catching up, so worker start-up is not counted.
+ledger publishes while catching up, so worker start-up is not counted. The worker's
+peak resident memory is printed too: a catching-up worker buffers up to the stream
+buffer's worth of events, so try ``--output-tokens 4000`` (events the size of long
+real answers) for its memory.
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ from tokenbudget import broker
 from tokenbudget.runner import start_ledger_process, stop_process
 
 
-def produce(bootstrap: str, topics: Topics, events: int, datasets: int) -> None:
+def produce(
+    bootstrap: str, topics: Topics, events: int, datasets: int, output_tokens: int
+) -> None:
     producer = KafkaProducer(
         bootstrap_servers=bootstrap, acks="all", linger_ms=20, batch_size=256 * 1024
     )
@@ -41,7 +46,7 @@ def produce(bootstrap: str, topics: Topics, events: int, datasets: int) -> None:
             dataset=name,
             prompt_tokens=100,
             completion_tokens=1000 + i % 500,
-            output_ids=[],
+            output_ids=list(range(output_tokens)),
             finish_reason="stop",
             max_new_tokens=4096,
             lease_id=f"bench:{name}:1",
@@ -73,27 +78,41 @@ async def watch(
         await watcher.stop()
 
 
+def peak_rss_kb(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    raise RuntimeError(f"no VmHWM in /proc/{pid}/status")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--events", type=int, default=100_000)
     parser.add_argument("--datasets", type=int, default=8)
+    parser.add_argument("--output-tokens", type=int, default=0, help="token ids per event")
     args = parser.parse_args()
     settings = broker.BrokerSettings.from_env()
     bootstrap = broker.up(settings, [])
     topics = Topics(f"bench-ledger-{int(time.time())}")
     broker.ensure_topics(bootstrap, topics.specs())
     t0 = time.monotonic()
-    produce(bootstrap, topics, args.events, args.datasets)
+    produce(bootstrap, topics, args.events, args.datasets, args.output_tokens)
     print(f"produced {args.events:,} completion events in {time.monotonic() - t0:.1f} s")
     ledger = start_ledger_process(bootstrap, topics.namespace, 0.25)
     try:
         start, end, processed = asyncio.run(watch(bootstrap, topics, args.events, args.datasets))
+        peak_rss_mb = peak_rss_kb(ledger.pid) / 1024
     finally:
         stop_process(ledger)
     rate = processed / (end - start)
     print(
         f"ledger: {processed:,} completion events in {end - start:.1f} s = {rate:,.0f} events/s"
         f" (one Faust worker, idempotency table, {args.datasets} datasets)"
+    )
+    print(
+        f"ledger worker peak RSS: {peak_rss_mb:,.0f} MB"
+        f" ({args.output_tokens} token ids per event)"
     )
     admin = KafkaAdminClient(bootstrap_servers=bootstrap)
     names = [spec.name for spec in topics.specs()]

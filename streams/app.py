@@ -17,15 +17,22 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import faust
 import msgspec
-from faust.transport.producer import ProducerBuffer
 
 from sinks import metrics
 from streams import events as ev
 from streams import ledger
+from streams.faust_hot_path import (
+    FastDeliveryConsumer,
+    QuietMonitor,
+    RawSchema,
+    changelog_key_encoder,
+    kafka_producer,
+    write_changelog,
+)
 from streams.topics import LEDGER_TABLE, OUTCOME_TABLE, PARTITIONS, Topics
 from tokenbudget.errors import EventDecodeError
 from tokenbudget.security import faust_credentials
@@ -39,13 +46,6 @@ class LedgerSettings:
     topics: Topics
     snapshot_interval: float = 0.5
     on_state: Callable[[ledger.DatasetLedger], None] | None = None  # metrics hook
-
-
-# Every event writes two table entries, each a changelog message. Faust makes the
-# agent wait whenever more than 100 are unsent, checking every 0.1 s, which caps
-# the ledger near a thousand events per second; the aiokafka producer batches far
-# more than that on its own.
-ProducerBuffer.max_messages = 20_000
 
 
 BATCH = 1000
@@ -64,12 +64,16 @@ IGNORED = (
 
 def _exit_unless_written(future: asyncio.Future[Any]) -> None:
     if future.cancelled() or future.exception() is not None:
-        log.critical(
-            "ledger: a table changelog write failed (%s); exiting so the worker restarts "
-            "from its committed offsets",
-            "cancelled" if future.cancelled() else repr(future.exception()),
-        )
-        os._exit(75)
+        _exit_after_failed_write("cancelled" if future.cancelled() else repr(future.exception()))
+
+
+def _exit_after_failed_write(reason: str) -> NoReturn:
+    log.critical(
+        "ledger: a table changelog write failed (%s); exiting so the worker restarts "
+        "from its committed offsets",
+        reason,
+    )
+    os._exit(75)
 
 
 def build_app(settings: LedgerSettings) -> faust.App:
@@ -91,16 +95,26 @@ def build_app(settings: LedgerSettings) -> faust.App:
         broker_commit_every=1000,
         broker_commit_interval=0.5,
         stream_wait_empty=False,
+        # The stream pauses fetching a partition whenever this many events wait for
+        # the agent, and a paused fetch stalls the worker for a broker round trip:
+        # at Faust's 4,096 the ledger sat idle a third of the time. It bounds the
+        # memory of a catching-up worker at this many events (bench/ledger.py).
+        stream_buffer_maxsize=16384,
         producer_acks=-1,
-        # two changelog messages per event: batch them instead of one request each
         producer_linger=0.005,
+        # One record batch per changelog partition per processed batch: a second
+        # batch for the same partition waits until the first has left.
+        producer_max_batch_size=512 * 1024,
         # A killed worker's partitions move to its replacement after this long;
         # Faust's default (60 s) would stall a restarted ledger for a minute.
         broker_session_timeout=10.0,
         broker_heartbeat_interval=1.0,
         key_serializer="raw",
         value_serializer="raw",
+        Monitor=QuietMonitor,
     )
+    # The worker builds its consumer from this class when it starts.
+    app.transport.Consumer = FastDeliveryConsumer  # type: ignore[misc]
     datasets = app.Table(
         LEDGER_TABLE,
         partitions=PARTITIONS,
@@ -113,15 +127,16 @@ def build_app(settings: LedgerSettings) -> faust.App:
         key_type=str,
         value_type=bytes,
     )
+    datasets_changelog = datasets.changelog_topic.get_topic_name()
+    outcomes_changelog = outcomes.changelog_topic.get_topic_name()
+    dataset_key = changelog_key_encoder(datasets)
+    outcome_key = changelog_key_encoder(outcomes)
     source = app.topic(
         topics.completions,
         topics.outcomes,
         topics.budgets,
         topics.reservations,
-        key_type=bytes,
-        value_type=bytes,
-        key_serializer="raw",
-        value_serializer="raw",
+        schema=RawSchema(key_type=bytes, value_type=bytes),
         partitions=PARTITIONS,
     )
     budgets_out = app.topic(topics.budgets, key_serializer="raw", value_serializer="raw")
@@ -191,16 +206,19 @@ def build_app(settings: LedgerSettings) -> faust.App:
             metrics.consumed(topic, "ledger", count)
         if not states:
             return
-        sent = []
+        outcome_writes: dict[int, list[tuple[bytes, bytes]]] = {}
         for prompt_id, (partition, value) in outcome_entries.items():
             outcomes.data[prompt_id] = value
-            sent.append(outcomes.send_changelog(partition, prompt_id, value))
+            outcome_writes.setdefault(partition, []).append((outcome_key(prompt_id), value))
+        sent = await write_changelogs(outcomes_changelog, outcome_writes)
         async with announcing:
+            ledger_writes: dict[int, list[tuple[bytes, bytes]]] = {}
             for name, state in states.items():
                 value = ledger.dump_ledger(state)
                 datasets.data[name] = value
-                sent.append(datasets.send_changelog(partition_of[name], name, value))
+                ledger_writes.setdefault(partition_of[name], []).append((dataset_key(name), value))
                 dirty.add(name)  # metrics and snapshots follow on the timer
+            sent += await write_changelogs(datasets_changelog, ledger_writes)
             # A batch's events are acked when this returns, and Faust flushes its
             # producer before every offset commit, so a commit never covers table
             # writes still in flight. A write that *failed* (after the client's
@@ -212,6 +230,20 @@ def build_app(settings: LedgerSettings) -> faust.App:
             if announce:
                 await asyncio.gather(*sent)  # a halt announces only what is durable
                 await publish(announce)
+
+    async def write_changelogs(
+        topic: str, writes: dict[int, list[tuple[bytes, bytes]]]
+    ) -> list[asyncio.Future[Any]]:
+        """Queue table changes (key, value per partition); the futures say when each
+        batch is on the broker. The tables' in-memory data is already updated."""
+        producer = kafka_producer(app)
+        sent: list[asyncio.Future[Any]] = []
+        try:
+            for partition, entries in writes.items():
+                sent += await write_changelog(producer, topic, partition, entries)
+        except Exception as exc:  # not queued: a timeout, a closed or failed producer
+            _exit_after_failed_write(repr(exc))
+        return sent
 
     def apply(
         state: ledger.DatasetLedger,
