@@ -591,6 +591,10 @@ class ParquetSink:
         self._last_flush = time.monotonic()
         self._consumer: KafkaConsumer | None = None
         self._dlq: KafkaProducer | None = None
+        # pyarrow imports pandas (when installed) at its first array conversion: up
+        # to a second on a loaded box. Pay it here, before `run` starts dispatching,
+        # not in the first batch, where it holds the GIL the dispatcher shares.
+        pa.array([0])
 
     @property
     def group_id(self) -> str:
