@@ -28,7 +28,8 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -152,9 +153,27 @@ class Admission:
     # -- the two calls a dispatcher makes -------------------------------------------
 
     async def admit(
-        self, dataset: str, max_new_tokens: int, prompt_estimate: int = 0
+        self,
+        dataset: str,
+        max_new_tokens: int,
+        prompt_estimate: int = 0,
+        *,
+        aside: Callable[[], AbstractAsyncContextManager[Any]] | None = None,
     ) -> Ticket | None:
-        """Reserve for one request, or None when the dataset is full."""
+        """Reserve for one request, or None when the dataset is full.
+
+        ``aside``, if given, is entered around every wait for budget (another holder's
+        tokens, leftovers of requests in flight, a lowering on its way), never around
+        the reservation itself: the dispatcher lends its server place to prompts of
+        other datasets meanwhile and has it back before anything is reserved.
+        """
+
+        async def waiting(awaitable: Awaitable[Any]) -> None:
+            if aside is None:
+                await awaitable
+                return
+            async with aside():
+                await awaitable
         unit, policy = self.settings.unit, self.settings.policy
         if unit == "samples":
             want, floor = 1, 1
@@ -166,7 +185,7 @@ class Admission:
             if self.board.lowering(dataset):
                 # A lower budget is on its way to the ledger: admit nothing more under
                 # the old one until the ledger's answer (revocations, if any) is in.
-                await self.board.decided(dataset)
+                await waiting(self.board.decided(dataset))
                 continue
             lease = self._lease(dataset)
             if lease.revoked:
@@ -175,7 +194,7 @@ class Admission:
                 # spin on denials); a fresh lease is opened once they have settled.
                 lease.changed.clear()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(lease.changed.wait(), timeout=1.0)
+                    await waiting(asyncio.wait_for(lease.changed.wait(), timeout=1.0))
                 continue
             # A whole request when the lease covers it; a clamped one only once the
             # ledger has said it has no more to give (the budget's last tokens).
@@ -196,18 +215,18 @@ class Admission:
                 continue  # a fresh lease is opened on the next turn
             if isinstance(reply, ev.LeaseDenied) and reply.remaining < 0:
                 # The ledger has not seen this dataset's budget yet: ask again.
-                await asyncio.sleep(0.2)
+                await waiting(asyncio.sleep(0.2))
                 continue
             if lease.in_flight > 0:
                 # Leftovers of requests in flight may still cover this one.
                 lease.changed.clear()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(lease.changed.wait(), timeout=1.0)
+                    await waiting(asyncio.wait_for(lease.changed.wait(), timeout=1.0))
                 continue
             if isinstance(reply, ev.LeaseDenied) and not reply.full:
                 # The rest is reserved by other holders: it comes back when they
                 # settle, go idle or expire.
-                await asyncio.sleep(0.25)
+                await waiting(asyncio.sleep(0.25))
                 continue
             self.refused_at.setdefault(dataset, time.time())
             if self._leases.get(dataset) is lease:

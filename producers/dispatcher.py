@@ -20,7 +20,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,12 +70,40 @@ class DispatchReport:
 
 class _Slot:
     """A request's place at the server, handed over to a place among the answers
-    being published once the server has answered."""
+    being published once the server has answered; lent to other prompts while its
+    own waits for budget."""
 
-    def __init__(self, server: asyncio.Semaphore, publishing: asyncio.Semaphore) -> None:
+    def __init__(
+        self,
+        server: asyncio.Semaphore,
+        publishing: asyncio.Semaphore,
+        waiting: asyncio.Semaphore | None = None,
+    ) -> None:
         self._server: asyncio.Semaphore | None = server
         self._publishing = publishing
+        self._waiting = waiting
         self._held: asyncio.Semaphore | None = None
+
+    @contextlib.asynccontextmanager
+    async def aside(self) -> AsyncIterator[None]:
+        """Free the server place while the prompt waits for budget, so prompts of
+        other datasets are not queued behind it, and take a place back (waiting
+        like any new prompt) before it goes on. The prompt keeps a place among the
+        waiting instead, so at most as many wait aside as the server has places;
+        past that, it waits where it is."""
+        server, waiting = self._server, self._waiting
+        if server is None or waiting is None or waiting.locked():
+            yield
+            return
+        await waiting.acquire()  # not locked: returns at once
+        server.release()
+        self._server = None
+        try:
+            yield
+        finally:
+            waiting.release()
+            await server.acquire()
+            self._server = server
 
     async def hand_over(self) -> None:
         if self._server is None:
@@ -137,6 +165,7 @@ class Dispatcher:
         # their own, so the server's slots are free again as soon as it answers.
         self._slots = asyncio.Semaphore(inference.concurrency)
         self._publishing = asyncio.Semaphore(inference.concurrency)
+        self._waiting_aside = asyncio.Semaphore(inference.concurrency)
         self.holder = holder or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.admission: Admission | None = None
         # rid -> (dataset, lease id, the generation task)
@@ -354,7 +383,7 @@ class Dispatcher:
         topic = record.topic
         partition = record.partition
         offset = record.offset
-        slot = _Slot(self._slots, self._publishing)
+        slot = _Slot(self._slots, self._publishing, self._waiting_aside)
         try:
             try:
                 prompt = ev.decode(record.value)
@@ -388,7 +417,10 @@ class Dispatcher:
             ticket: Ticket | None = None
             if self.admission is not None:
                 ticket = await self.admission.admit(
-                    prompt.dataset, max_new, prompt_token_estimate(prompt)
+                    prompt.dataset,
+                    max_new,
+                    prompt_token_estimate(prompt),
+                    aside=slot.aside if slot is not None else None,
                 )
                 if ticket is None:
                     await self._skip(prompt, "budget fully used or reserved")

@@ -1,0 +1,99 @@
+"""A prompt waiting for budget lends its server place to prompts of other datasets,
+and takes one back before it reserves anything (no broker: the harness of
+``test_dispatcher_caps``)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from producers.admission import Admission, AdmissionSettings
+from producers.dispatcher import _Slot
+from streams import events as ev
+from streams import ledger
+from tests.producers.test_admission import DS, TOPICS, run, settle_and_complete, until
+from tests.producers.test_dispatcher_caps import make_dispatcher, prompt
+
+
+def test_a_prompt_waiting_for_budget_frees_its_server_place_until_budget_comes() -> None:
+    async def main() -> None:
+        dispatcher, backend, fake, board, recorder = make_dispatcher(stream=False, budget=1000)
+        server, publishing, waiting = (asyncio.Semaphore(1) for _ in range(3))
+        other = Admission(
+            fake,  # type: ignore[arg-type]
+            TOPICS,
+            "other",
+            board,
+            AdmissionSettings(lease_size=1000, policy="finish"),
+        )
+        taken = await other.admit(DS, 1000)  # another dispatcher holds the whole budget
+        assert taken is not None
+
+        await server.acquire()  # as the run loop does before it starts a prompt
+        slot = _Slot(server, publishing, waiting)
+        task = asyncio.create_task(dispatcher._dispatch(backend, prompt(1), slot))
+        await until(
+            lambda: any(
+                isinstance(e, ev.LeaseDenied) and e.holder == "d1" for e in fake.replies
+            ),
+            "a denial for the waiting prompt",
+        )
+        # The place is free for the next prompt (of any dataset) while this one waits.
+        await asyncio.wait_for(server.acquire(), timeout=2.0)
+
+        await settle_and_complete(other, fake, taken, 100)
+        await other.close()
+        await asyncio.sleep(0.6)  # past the waiting prompt's next look at the budget
+        assert backend.calls == {}  # budget is back, but it has no place yet
+        assert ledger.reserved(fake.state()) == 0  # nothing is reserved without a place
+
+        server.release()  # the other prompt is done with the place
+        await until(lambda: len(backend.calls) == 1, "the request at the server")
+        backend.finish(backend.rid_of(0), 400)
+        await asyncio.wait_for(task, timeout=5.0)
+        assert [c.completion_tokens for c in recorder.completions()] == [400]
+        slot.release()
+        assert not server.locked() and not waiting.locked() and not publishing.locked()
+
+    run(main())
+
+
+def test_with_as_many_prompts_aside_as_places_the_next_waits_in_place() -> None:
+    async def main() -> None:
+        server, publishing, waiting = (asyncio.Semaphore(1) for _ in range(3))
+        await waiting.acquire()  # the one place among the waiting is taken
+        await server.acquire()
+        slot = _Slot(server, publishing, waiting)
+        async with slot.aside():
+            assert server.locked()  # kept: nobody else gets it meanwhile
+        slot.release()
+        assert not server.locked()
+
+    run(main())
+
+
+def test_a_prompt_cancelled_while_aside_leaves_every_place_free() -> None:
+    async def main() -> None:
+        server, publishing, waiting = (asyncio.Semaphore(1) for _ in range(3))
+        await server.acquire()
+        slot = _Slot(server, publishing, waiting)
+        entered = asyncio.Event()
+
+        async def wait_aside() -> None:
+            try:
+                async with slot.aside():
+                    entered.set()
+                    await asyncio.Event().wait()
+            finally:
+                slot.release()
+
+        task = asyncio.create_task(wait_aside())
+        await entered.wait()
+        await server.acquire()  # someone else holds the place when it is cancelled
+        task.cancel()
+        await asyncio.sleep(0.01)
+        server.release()
+        await asyncio.sleep(0.01)
+        assert task.done()
+        assert not server.locked() and not waiting.locked()
+
+    run(main())
