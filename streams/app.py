@@ -15,12 +15,13 @@ import logging
 import os
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
 import faust
 import msgspec
+from faust.transport.producer import ProducerBuffer
 
 from sinks import metrics
 from streams import events as ev
@@ -48,6 +49,12 @@ class LedgerSettings:
     on_state: Callable[[ledger.DatasetLedger], None] | None = None  # metrics hook
 
 
+# Faust holds every message delivery while more than this many of its own sends
+# (announcements, snapshots, dead letters) are unsent; its default of 100 stalls
+# the ledger whenever the broker is slow, as in a broker restart.
+ProducerBuffer.max_messages = 20_000
+
+
 BATCH = 1000
 BATCH_WAIT_S = 0.01
 IGNORED = (
@@ -72,6 +79,43 @@ def _exit_after_failed_write(reason: str) -> NoReturn:
         "ledger: a table changelog write failed (%s); exiting so the worker restarts "
         "from its committed offsets",
         reason,
+    )
+    os._exit(75)
+
+
+@dataclass
+class ReceivedOffsets:
+    """The last offset of each source partition handed to this worker, within one
+    consumer generation (a rebalance seeks, so offsets may jump then)."""
+
+    generation: int | None = None
+    last: dict[str, int] = field(default_factory=dict)
+
+    def record(self, generation: int, source: str, offset: int) -> tuple[int, int] | None:
+        """Note ``offset``; return the offsets (first, last) this worker never got if
+        it jumped past some. Our topics are neither compacted nor transactional, so
+        within a generation every offset reaches the worker, in order."""
+        if generation != self.generation:
+            self.generation = generation
+            self.last.clear()
+        previous = self.last.get(source)
+        self.last[source] = offset
+        if previous is not None and offset > previous + 1:
+            return previous + 1, offset - 1
+        return None
+
+
+def _exit_after_skipped_delivery(topic: str, partition: int, skipped: tuple[int, int]) -> NoReturn:
+    # Seen in the chaos run: messages dropped around a flow stop, later ones of the
+    # same partition delivered. Applying them would move the dataset's applied
+    # offset past events it never saw, which would then be skipped as duplicates.
+    # The skipped ones were never acked, so a restart reads them again, in order.
+    log.critical(
+        "ledger: %s[%d] offsets %d..%d were never delivered to this worker; exiting so "
+        "it restarts from its committed offsets",
+        topic,
+        partition,
+        *skipped,
     )
     os._exit(75)
 
@@ -144,6 +188,7 @@ def build_app(settings: LedgerSettings) -> faust.App:
     reservations = app.topic(topics.reservations, key_serializer="raw", value_serializer="raw")
 
     dirty: set[str] = set()
+    received = ReceivedOffsets()
     # No snapshot leaves between a state's write and its announcements: a dispatcher
     # takes a snapshot showing a lowered budget as the end of that lowering's
     # revocations (producers/halts.py).
@@ -179,6 +224,13 @@ def build_app(settings: LedgerSettings) -> faust.App:
         for event in batch:
             message = event.message
             per_topic[message.topic] = per_topic.get(message.topic, 0) + 1
+            skipped = received.record(
+                app.consumer_generation_id,
+                f"{message.topic}:{message.partition}",
+                message.offset,
+            )
+            if skipped is not None:
+                _exit_after_skipped_delivery(message.topic, message.partition, skipped)
             try:
                 decoded = ev.decode(event.value)
             except EventDecodeError as exc:

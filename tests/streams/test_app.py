@@ -51,3 +51,26 @@ def test_a_written_change_lets_it_go_on(exits: list[int]) -> None:
     future.set_result(object())
     app._exit_unless_written(future)
     assert exits == []
+
+
+def test_received_offsets_report_what_was_never_delivered() -> None:
+    received = app.ReceivedOffsets()
+    assert received.record(1, "completions:2", 25) is None
+    assert received.record(1, "completions:2", 26) is None
+    assert received.record(1, "budgets:0", 7) is None  # partitions are tracked apart
+    assert received.record(1, "completions:2", 99) == (27, 98)
+
+
+def test_received_offsets_accept_a_jump_or_a_reread_after_a_rebalance() -> None:
+    received = app.ReceivedOffsets()
+    received.record(1, "completions:2", 25)
+    assert received.record(2, "completions:2", 99) is None  # sought after a rebalance
+    assert received.record(2, "completions:2", 40) is None  # read again from a commit
+    assert received.record(2, "completions:2", 41) is None
+    assert received.record(2, "completions:2", 43) == (42, 42)
+
+
+def test_a_skipped_delivery_ends_the_worker(exits: list[int]) -> None:
+    with pytest.raises(Exited):
+        app._exit_after_skipped_delivery("completions", 2, (27, 98))
+    assert exits == [75]
