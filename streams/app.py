@@ -224,11 +224,10 @@ def build_app(settings: LedgerSettings) -> faust.App:
         for event in batch:
             message = event.message
             per_topic[message.topic] = per_topic.get(message.topic, 0) + 1
-            skipped = received.record(
-                app.consumer_generation_id,
-                f"{message.topic}:{message.partition}",
-                message.offset,
-            )
+            # Per topic *and* partition: clients with different partitioners may
+            # put one dataset's events on different partitions of a topic.
+            source = f"{message.topic}:{message.partition}"
+            skipped = received.record(app.consumer_generation_id, source, message.offset)
             if skipped is not None:
                 _exit_after_skipped_delivery(message.topic, message.partition, skipped)
             try:
@@ -240,9 +239,6 @@ def build_app(settings: LedgerSettings) -> faust.App:
             if not isinstance(name, str) or isinstance(decoded, IGNORED):
                 continue  # our own announcements and snapshots come back on this topic
             state = states.get(name) or load(name)
-            # Per topic *and* partition: clients with different partitioners may
-            # put one dataset's events on different partitions of a topic.
-            source = f"{message.topic}:{message.partition}"
             if message.offset <= state.applied.get(source, -1):
                 continue  # applied before a restart
             transition, outcome_entry = apply(state, decoded, message, at, outcome_entries)

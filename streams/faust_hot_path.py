@@ -156,18 +156,12 @@ async def write_changelog(
     broker has its batch."""
     futures: list[asyncio.Future[Any]] = []
     batch = producer.create_batch()
-    queued = 0
     for key, value in entries:
         if batch.append(key=key, value=value, timestamp=None) is None:
             futures.append(await producer.send_batch(batch, topic, partition=partition))
             batch = producer.create_batch()
-            queued = 0
-            if batch.append(key=key, value=value, timestamp=None) is None:
-                raise ValueError(
-                    f"a {topic} changelog entry of {len(key) + len(value)} bytes is larger "
-                    "than the producer's batch size (producer_max_batch_size)"
-                )
-        queued += 1
-    if queued:
+            # an empty batch takes any one record, however large
+            batch.append(key=key, value=value, timestamp=None)
+    if batch.record_count():
         futures.append(await producer.send_batch(batch, topic, partition=partition))
     return futures
