@@ -26,8 +26,8 @@ from faust.transport.producer import ProducerBuffer
 from sinks import metrics
 from streams import events as ev
 from streams import ledger
+from streams.faust_flow import LedgerApp, LedgerConsumer
 from streams.faust_hot_path import (
-    FastDeliveryConsumer,
     QuietMonitor,
     RawSchema,
     changelog_key_encoder,
@@ -124,7 +124,7 @@ def build_app(settings: LedgerSettings) -> faust.App:
     topics = settings.topics
     datadir = Path(tempfile.gettempdir()) / "tokenbudget-faust" / topics.ledger_app_id
     datadir.mkdir(parents=True, exist_ok=True)
-    app = faust.App(
+    app = LedgerApp(
         topics.ledger_app_id,
         broker=f"kafka://{settings.bootstrap}",
         broker_credentials=faust_credentials(settings.bootstrap),
@@ -158,7 +158,7 @@ def build_app(settings: LedgerSettings) -> faust.App:
         Monitor=QuietMonitor,
     )
     # The worker builds its consumer from this class when it starts.
-    app.transport.Consumer = FastDeliveryConsumer  # type: ignore[misc]
+    app.transport.Consumer = LedgerConsumer  # type: ignore[misc]
     datasets = app.Table(
         LEDGER_TABLE,
         partitions=PARTITIONS,

@@ -1,0 +1,75 @@
+"""Two rebalance races in Faust that lose source events, closed for the ledger.
+
+Both were seen on the real broker, with a ledger restarted after SIGKILL that
+never applied the completions published while it was down (bench/chaos.py hit the
+same: a ledger that applied offsets 99..100 of a partition without 32..98).
+
+* **The resume clears after the seek.** Faust clears every stream queue when
+  partitions are revoked, and again whenever the flow resumes. When a rebalance
+  ends with table recovery, ``Recovery.on_recovery_completed`` resumes the stream
+  partitions, seeks them to their committed offsets, and only then resumes the
+  flow; records the fetcher delivered in between (fetched *after* the seek) are
+  dropped, and nothing seeks again. :class:`ResumeKeepsQueued` keeps the
+  revoke-time clear only. Whatever a queue holds at a resume was delivered after
+  that clear, from partitions this worker holds (the fetcher drops records of
+  other generations and paused partitions), so at worst it is an event the seek
+  delivers again, which the ledger skips by offset.
+* **No committed offset, no seek.** During recovery the fetcher drops records of
+  the paused stream partitions after fetching them, relying on the seek to
+  committed offsets to fetch them again. A partition the group never committed
+  (a ledger killed before its first commit) is not sought at all, so its position
+  stays past the dropped records. :class:`LedgerConsumer` seeks such partitions
+  to their beginning, where ``auto_offset_reset = earliest`` starts them anyway.
+
+Written against faust-streaming 0.15 and mode 0.4 (pinned in pyproject.toml).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import faust
+from mode.utils.objects import cached_property
+from mode.utils.queues import FlowControlEvent
+
+from streams.faust_hot_path import FastDeliveryConsumer
+
+
+class ResumeKeepsQueued(FlowControlEvent):
+    """Flow control whose ``resume`` leaves the queues as they are; ``clear``
+    (which Faust calls when partitions are revoked) still empties them."""
+
+    def resume(self) -> None:
+        self._suspend.clear()
+        self._resume.set()
+
+
+class LedgerApp(faust.App):
+    """A Faust app whose stream queues are cleared on revoke only."""
+
+    @cached_property
+    def flow_control(self) -> FlowControlEvent:
+        return ResumeKeepsQueued(loop=self.loop)
+
+
+def never_committed(committed: Mapping[Any, int | None], changelogs: set[str]) -> list[Any]:
+    """The source partitions in ``committed`` (partition -> committed offset, as
+    aiokafka's ``seek_to_committed`` returns it) without a committed position."""
+    return [
+        tp
+        for tp, offset in committed.items()
+        if (offset is None or offset <= 0) and tp.topic not in changelogs
+    ]
+
+
+class LedgerConsumer(FastDeliveryConsumer):
+    """The ledger's consumer: a seek to committed offsets also rewinds the source
+    partitions that have none."""
+
+    async def seek_to_committed(self) -> Mapping[Any, int]:
+        committed = await super().seek_to_committed()
+        unsought = never_committed(committed, self.app.tables.changelog_topics)
+        if unsought:
+            await self._thread.seek_to_beginning(*unsought)
+        return committed
