@@ -107,9 +107,11 @@ class ReceivedOffsets:
 
 def _exit_after_skipped_delivery(topic: str, partition: int, skipped: tuple[int, int]) -> NoReturn:
     # Seen in the chaos run: messages dropped around a flow stop, later ones of the
-    # same partition delivered. Applying them would move the dataset's applied
-    # offset past events it never saw, which would then be skipped as duplicates.
-    # The skipped ones were never acked, so a restart reads them again, in order.
+    # same partition delivered (the race streams/faust_flow.py has since closed;
+    # this stays as the guard for any other). Applying them would move the
+    # dataset's applied offset past events it never saw, which would then be
+    # skipped as duplicates. The skipped ones were never acked, so a restart reads
+    # them again, in order.
     log.critical(
         "ledger: %s[%d] offsets %d..%d were never delivered to this worker; exiting so "
         "it restarts from its committed offsets",

@@ -149,3 +149,11 @@ def test_no_entries_send_nothing() -> None:
     producer = RecordingProducer(batch_size=512)
     assert asyncio.run(write_changelog(producer, "t", 0, [])) == []
     assert producer.sent == []
+
+
+def test_an_entry_larger_than_the_batch_size_goes_out_alone_in_order() -> None:
+    small, large = (b"a", b"1" * 10), (b"b", b"2" * 2000)
+    entries = [small, large, (b"c", b"3" * 10)]
+    producer = RecordingProducer(batch_size=512)
+    asyncio.run(write_changelog(producer, "t", 0, entries))
+    assert [batch for _, _, batch in producer.sent] == [[small], [large], [entries[2]]]
