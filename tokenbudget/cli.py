@@ -10,6 +10,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from tokenbudget import lifetime
 from tokenbudget.errors import TokenBudgetError
 
 
@@ -42,6 +43,10 @@ def _simulate(args: argparse.Namespace) -> int:
         timeout=args.fail_timeout,
         reset=args.fail_reset,
         malformed=args.fail_malformed,
+        busy=args.fail_busy,
+        unavailable=args.fail_unavailable,
+        reset_mid_stream=args.fail_reset_mid_stream,
+        retry_after_s=args.retry_after,
     )
     simulator.serve(
         simulator.SimulatorConfig(
@@ -56,6 +61,7 @@ def _simulate(args: argparse.Namespace) -> int:
             omit_usage=args.omit_usage,
             omit_token_ids=args.omit_token_ids,
             api_key=os.environ.get(args.api_key_env) if args.api_key_env else None,
+            log_file=args.log_file or None,
         )
     )
     return 0
@@ -171,8 +177,12 @@ def build_parser() -> argparse.ArgumentParser:
                           help="ignore return_token_ids")
     simulate.add_argument("--api-key-env", default="", metavar="VAR",
                           help="require the key in $VAR as a Bearer token")
-    for kind in ("500", "timeout", "reset", "malformed"):
+    for kind in ("500", "timeout", "reset", "malformed", "busy", "unavailable", "reset-mid-stream"):
         simulate.add_argument(f"--fail-{kind}", type=float, default=0.0, metavar="SHARE")
+    simulate.add_argument("--retry-after", type=float, default=1.0, metavar="S",
+                          help="Retry-After of the busy (429) and unavailable (503) faults")
+    simulate.add_argument("--log-file", default="", metavar="PATH",
+                          help="append every request's record here, one JSON line each")
     simulate.set_defaults(func=_simulate)
 
     ledger = sub.add_parser("ledger", help="the Faust budget ledger worker")
@@ -221,6 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    lifetime.watch_parent()  # a child of `run` (or the demo) ends with it
     logging.basicConfig(
         level=os.environ.get("TOKENBUDGET_LOG", "WARNING"),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -21,6 +21,7 @@ from pathlib import Path
 import httpx
 
 from tokenbudget import config as config_module
+from tokenbudget import lifetime
 from tokenbudget.errors import TokenBudgetError
 from tokenbudget.report import format_table, percent
 from tokenbudget.runner import RunReport, cli_command, run
@@ -89,7 +90,7 @@ def start_simulator(port: int, tokens_per_second: float) -> subprocess.Popen[byt
         "--tokens-per-second",
         str(tokens_per_second),
     )
-    process = subprocess.Popen(command, start_new_session=True)
+    process = lifetime.spawn(command)
     wait_for_simulator(process, port)
     return process
 

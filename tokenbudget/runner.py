@@ -31,6 +31,7 @@ from sinks import metrics
 from sinks.parquet import ParquetSink, SinkSettings
 from streams import events as ev
 from streams.topics import Topics
+from tokenbudget import lifetime
 from tokenbudget.config import Config
 from tokenbudget.errors import ConfigError
 from tokenbudget.kafka import GroupLag, publish_events, resolve_bootstrap
@@ -120,18 +121,11 @@ def start_ledger_process(
         str(metrics_port),
     )
     # Given only --bootstrap, the child learns the cluster's TLS/SASL from its env.
-    return subprocess.Popen(command, start_new_session=True, env=subprocess_env(bootstrap))
+    return lifetime.spawn(command, env=subprocess_env(bootstrap))
 
 
 def stop_process(process: subprocess.Popen[bytes], timeout: float = 30) -> None:
-    if process.poll() is not None:
-        return
-    process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(timeout)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
+    lifetime.stop(process, timeout)
 
 
 class ExtraDispatchers:
@@ -162,7 +156,7 @@ class ExtraDispatchers:
             if self.config.metrics.port:
                 # run: port, ledger: port + 1, extra dispatchers: port + 2, + 3, ...
                 command += ["--metrics-port", str(self.config.metrics.port + 2 + i)]
-            self.processes.append((subprocess.Popen(command, start_new_session=True), report))
+            self.processes.append((lifetime.spawn(command), report))
 
     def check(self) -> None:
         for process, _ in self.processes:

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+import numpy as np
 from aiohttp import web
 
 from tokenbudget.errors import ConfigError
@@ -68,12 +69,33 @@ class LengthRule:
 
 @dataclass(frozen=True)
 class Faults:
-    """Shares of requests (0..1) that fail in each way."""
+    """Shares of requests (0..1) that fail in each way.
+
+    ``busy`` answers 429 and ``unavailable`` 503, both with ``Retry-After``
+    (``retry_after_s``), as an overloaded or restarting server does; ``reset_mid_stream``
+    sends part of a streamed answer, then drops the connection (the request decodes on,
+    its tokens are wasted, as when a proxy between client and server restarts).
+    """
 
     http_500: float = 0.0
     timeout: float = 0.0
     reset: float = 0.0
     malformed: float = 0.0
+    busy: float = 0.0
+    unavailable: float = 0.0
+    reset_mid_stream: float = 0.0
+    retry_after_s: float = 1.0
+
+    def shares(self) -> dict[str, float]:
+        return {
+            "http_500": self.http_500,
+            "timeout": self.timeout,
+            "reset": self.reset,
+            "malformed": self.malformed,
+            "busy": self.busy,
+            "unavailable": self.unavailable,
+            "reset_mid_stream": self.reset_mid_stream,
+        }
 
 
 @dataclass(frozen=True)
@@ -94,6 +116,9 @@ class SimulatorConfig:
     omit_token_ids: bool = False
     # Like vLLM's --api-key: generation and /v1/models need "Authorization: Bearer KEY".
     api_key: str | None = None
+    # Append every request's record (RequestRecord, one JSON object per line) here: the
+    # server's own account of what it generated, kept across restarts of the simulator.
+    log_file: str | None = None
 
 
 @dataclass(frozen=True)
@@ -107,6 +132,9 @@ class RequestRecord:
     completion_tokens: int
     finish: str
     text_head: str
+    # crc32 of the little-endian int32 bytes of the ids produced (0 when none)
+    output_crc: int = 0
+    fault: str = ""
 
 
 PROFILES: dict[str, tuple[LengthRule, ...]] = {
@@ -263,6 +291,8 @@ class _Job:
     tick: asyncio.Event = field(default_factory=asyncio.Event)
     done: asyncio.Event = field(default_factory=asyncio.Event)
     wake: asyncio.Future[None] | None = None
+    fault: str = ""
+    cut_at: int | None = None  # reset_mid_stream: the stream breaks after this many tokens
 
     def notify(self) -> None:
         # Swap in a fresh event before setting the old one so waiters never miss a tick
@@ -303,6 +333,8 @@ class _SimServer:
         # One RNG per instance, drawn once per generation request, so a fault schedule
         # replays exactly for the same request order.
         self.fault_rng = random.Random(config.seed)
+        self.outage_until = 0.0  # POST /sim/outage: every request answers 503 until then
+        self._log_file = open(config.log_file, "ab") if config.log_file else None  # noqa: SIM115
         self.app = web.Application(client_max_size=64 * 1024 * 1024)
         self.app.add_routes(
             [
@@ -316,6 +348,7 @@ class _SimServer:
                 web.post("/v1/chat/completions", self.handle_chat),
                 web.get("/metrics", self.handle_metrics),
                 web.get("/sim/log", self.handle_log),
+                web.post("/sim/outage", self.handle_outage),
             ]
         )
 
@@ -392,7 +425,7 @@ class _SimServer:
         c.generation_tokens += job.produced
         if job.finish == "abort":
             c.aborted += 1
-        self.log.append(
+        self._record(
             RequestRecord(
                 rid=job.rid,
                 api=job.api,
@@ -403,10 +436,18 @@ class _SimServer:
                 completion_tokens=job.produced,
                 finish=job.finish or "abort",
                 text_head=job.text_head,
+                output_crc=ids_crc(job.output.ids[: job.produced]),
+                fault=job.fault,
             )
         )
         job.done.set()
         job.notify()
+
+    def _record(self, record: RequestRecord) -> None:
+        self.log.append(record)
+        if self._log_file is not None:
+            self._log_file.write(_encode(record) + b"\n")
+            self._log_file.flush()
 
     def _abort(self, job: _Job) -> None:
         job.abort_requested = True
@@ -414,9 +455,13 @@ class _SimServer:
             _resolve(job.wake)
 
     async def _pump(
-        self, job: _Job, emit: Callable[[int, int, str | None], Awaitable[bool]]
+        self,
+        job: _Job,
+        emit: Callable[[int, int, str | None], Awaitable[bool]],
+        until: int | None = None,
     ) -> None:
-        """Call ``emit(sent, produced, finish)`` on progress until the job ends.
+        """Call ``emit(sent, produced, finish)`` on progress until the job ends (or,
+        with ``until``, once that many tokens were sent unfinished).
 
         ``emit`` returns False once the client is gone; the job keeps decoding anyway.
         """
@@ -424,6 +469,10 @@ class _SimServer:
         while True:
             tick = job.tick
             produced, finish = job.produced, job.finish
+            if until is not None and produced >= until and finish is None:
+                produced = min(produced, until)
+                await emit(sent, produced, None)
+                return
             if produced > sent or finish is not None:
                 if not await emit(sent, produced, finish):
                     return
@@ -435,17 +484,14 @@ class _SimServer:
 
     # ---- faults ----------------------------------------------------------------------
 
-    def _draw_fault(self) -> str | None:
-        f = self.config.faults
+    def _draw_fault(self, stream: bool) -> str | None:
+        if time.time() < self.outage_until:
+            return "outage"
         r = self.fault_rng.random()
-        for kind, share in (
-            ("http_500", f.http_500),
-            ("timeout", f.timeout),
-            ("reset", f.reset),
-            ("malformed", f.malformed),
-        ):
+        for kind, share in self.config.faults.shares().items():
             if r < share:
-                return kind
+                # Only a stream can break off part way; a plain answer is reset whole.
+                return "reset" if kind == "reset_mid_stream" and not stream else kind
             r -= share
         return None
 
@@ -457,7 +503,7 @@ class _SimServer:
         parsed: _Parsed,
         received_at: float,
     ) -> web.StreamResponse:
-        self.log.append(
+        self._record(
             RequestRecord(
                 rid=parsed.rid,
                 api=api,
@@ -468,8 +514,14 @@ class _SimServer:
                 completion_tokens=0,
                 finish="fault",
                 text_head=parsed.text[:80],
+                fault=kind,
             )
         )
+        retry_after = {"Retry-After": f"{self.config.faults.retry_after_s:g}"}
+        if kind == "busy":
+            return _error(api, 429, "simulated: too many requests", headers=retry_after)
+        if kind in ("unavailable", "outage"):
+            return _error(api, 503, "simulated: service unavailable", headers=retry_after)
         if kind == "http_500":
             return _error(api, 500, "simulated internal server error")
         if kind == "timeout":
@@ -515,12 +567,15 @@ class _SimServer:
             if not self._authorized(request):
                 return _error(api, 401, "Unauthorized")
             parsed = parse(payload, request)
-            fault = self._draw_fault()
-            if fault is not None:
+            fault = self._draw_fault(parsed.stream)
+            if fault is not None and fault != "reset_mid_stream":
                 return await self._fault(fault, request, api, parsed, received_at)
             job = self._admit(api, parsed, received_at)
         except _BadRequest as exc:
             return _error(api, 400, str(exc))
+        if fault == "reset_mid_stream":
+            job.fault = fault
+            job.cut_at = max(1, len(job.output.ids) // 2)
         return await respond(request, job, parsed, received_at)
 
     async def _stream(
@@ -547,6 +602,10 @@ class _SimServer:
                 return False
             return True
 
+        if job.cut_at is not None:
+            await self._pump(job, emit, until=job.cut_at)
+            _drop(request)  # the job decodes on: what it generates is lost to the client
+            return resp
         await self._pump(job, emit)
         with contextlib.suppress(ConnectionError):
             await resp.write_eof()
@@ -640,7 +699,19 @@ class _SimServer:
         return web.Response(status=200)
 
     async def handle_health(self, request: web.Request) -> web.Response:
+        if time.time() < self.outage_until:
+            return web.Response(status=503)
         return web.Response(status=200)
+
+    async def handle_outage(self, request: web.Request) -> web.Response:
+        """``{"seconds": S}``: answer every request, /health included, with 503 for S
+        seconds from now (0 ends an outage)."""
+        try:
+            seconds = float(_decode(await request.read() or b"{}").get("seconds", 0))
+        except (msgspec.DecodeError, AttributeError, TypeError, ValueError):
+            return _error("sglang", 400, 'expected {"seconds": S}')
+        self.outage_until = time.time() + max(0.0, seconds)
+        return _json({"until": self.outage_until})
 
     async def handle_model_info(self, request: web.Request) -> web.Response:
         return _json({"model_path": self.config.model, "is_generation": True})
@@ -889,6 +960,8 @@ class _SimServer:
             self._abort(job)
         if self.tasks:
             await asyncio.gather(*self.tasks, return_exceptions=True)
+        if self._log_file is not None:
+            self._log_file.close()
 
 
 # --------------------------------------------------------------------------------------
@@ -961,15 +1034,25 @@ def _sse_response() -> web.StreamResponse:
     )
 
 
-def _error(api: str, status: int, message: str) -> web.Response:
+def _error(
+    api: str, status: int, message: str, headers: dict[str, str] | None = None
+) -> web.Response:
     if api == "sglang":
         # SGLang's native endpoints answer errors as {"error": {"message": ...}}.
-        return _json({"error": {"message": message}}, status)
-    kind = "BadRequestError" if status < 500 else "InternalServerError"
-    return _json(
-        {"object": "error", "message": message, "type": kind, "param": None, "code": status},
-        status,
-    )
+        response = _json({"error": {"message": message}}, status)
+    else:
+        kind = "BadRequestError" if status < 500 else "InternalServerError"
+        body = {"object": "error", "message": message, "type": kind, "param": None, "code": status}
+        response = _json(body, status)
+    response.headers.update(headers or {})
+    return response
+
+
+def ids_crc(ids: Sequence[int]) -> int:
+    """crc32 of token ids as little-endian int32 bytes (how completions carry them)."""
+    if not len(ids):
+        return 0
+    return zlib.crc32(np.asarray(ids, dtype="<i4").tobytes())
 
 
 def _prom_escape(value: str) -> str:
@@ -991,13 +1074,9 @@ def _validate(config: SimulatorConfig) -> None:
         raise ConfigError("simulator.port", f"must be 0..65535, got {config.port}")
     if config.vocab_size < 1:
         raise ConfigError("simulator.vocab_size", f"must be >= 1, got {config.vocab_size}")
-    f = config.faults
-    shares = {
-        "http_500": f.http_500,
-        "timeout": f.timeout,
-        "reset": f.reset,
-        "malformed": f.malformed,
-    }
+    shares = config.faults.shares()
+    if config.faults.retry_after_s < 0:
+        raise ConfigError("simulator.faults.retry_after_s", "must be >= 0")
     for name, share in shares.items():
         if not 0.0 <= share <= 1.0:
             raise ConfigError(f"simulator.faults.{name}", f"must be within 0..1, got {share}")

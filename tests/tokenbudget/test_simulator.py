@@ -19,6 +19,7 @@ from tokenbudget.simulator import (
     RunningSimulator,
     SimulatorConfig,
     completion_length,
+    ids_crc,
     start,
 )
 
@@ -446,3 +447,83 @@ def test_fault_reset_and_timeout() -> None:
 
     run(replace(FAST, faults=Faults(reset=1.0)), reset)
     run(replace(FAST, faults=Faults(timeout=1.0)), hang)
+
+
+def test_busy_and_unavailable_faults_say_when_to_come_back() -> None:
+    async def body(sim: RunningSimulator, c: httpx.AsyncClient) -> None:
+        r = await c.post("/generate", json={"text": "x"})
+        assert (r.status_code, r.headers["Retry-After"]) == (429, "2.5")
+        r = await c.post(
+            "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]}
+        )
+        assert (r.status_code, r.headers["Retry-After"]) == (429, "2.5")
+        assert [(rec.finish, rec.fault) for rec in sim.log] == [("fault", "busy")] * 2
+
+    run(replace(FAST, faults=Faults(busy=1.0, retry_after_s=2.5)), body)
+
+    async def unavailable(sim: RunningSimulator, c: httpx.AsyncClient) -> None:
+        r = await c.post("/v1/completions", json={"prompt": "x"})
+        assert r.status_code == 503 and r.headers["Retry-After"] == "1"
+
+    run(replace(FAST, faults=Faults(unavailable=1.0)), unavailable)
+
+
+def test_a_stream_reset_mid_way_sends_part_of_the_answer_then_drops_the_connection() -> None:
+    slow = replace(FAST, tokens_per_second=2000.0, faults=Faults(reset_mid_stream=1.0))
+
+    async def body(sim: RunningSimulator, c: httpx.AsyncClient) -> None:
+        text = "#code write something long"
+        ids: list[int] = []
+        with pytest.raises(httpx.TransportError):
+            req = {"text": text, "stream": True, "sampling_params": {"max_new_tokens": 400}}
+            async with c.stream("POST", "/generate", json=req) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        ids = json.loads(line[6:])["output_ids"]
+        assert 0 < len(ids) < min(400, natural(text))
+        # The request decodes on at the server: its tokens are generated, not received.
+        for _ in range(200):
+            if sim.log:
+                break
+            await asyncio.sleep(0.02)
+        [record] = sim.log
+        assert record.fault == "reset_mid_stream" and record.completion_tokens > len(ids)
+        # a plain (non-streamed) request is reset whole instead
+        with pytest.raises(httpx.TransportError):
+            await c.post("/generate", json={"text": "y"})
+
+    run(slow, body)
+
+
+def test_an_outage_answers_503_to_everything_health_included_until_it_ends() -> None:
+    async def body(sim: RunningSimulator, c: httpx.AsyncClient) -> None:
+        assert (await c.post("/sim/outage", json={"seconds": 60})).status_code == 200
+        assert (await c.get("/health")).status_code == 503
+        r = await c.post("/generate", json={"text": "x"})
+        assert r.status_code == 503 and "Retry-After" in r.headers
+        await c.post("/sim/outage", json={"seconds": 0})
+        assert (await c.get("/health")).status_code == 200
+        r = await c.post("/generate", json={"text": "x"})
+        assert r.status_code == 200
+        assert [rec.fault for rec in sim.log] == ["outage", ""]
+
+    run(FAST, body)
+
+
+def test_the_request_log_file_is_the_servers_own_account(tmp_path: Any) -> None:
+    log_file = tmp_path / "requests.jsonl"
+
+    async def body(sim: RunningSimulator, c: httpx.AsyncClient) -> None:
+        r = await c.post("/generate", json={"text": "hello", "rid": "a1"})
+        ids = r.json()["output_ids"]
+        lines = [json.loads(line) for line in log_file.read_text().splitlines()]
+        assert [(line["rid"], line["completion_tokens"]) for line in lines] == [("a1", len(ids))]
+        assert lines[0]["output_crc"] == ids_crc(ids) != 0
+
+    run(replace(FAST, log_file=str(log_file)), body)
+    run(replace(FAST, log_file=str(log_file)), _append_one)
+    assert len(log_file.read_text().splitlines()) == 2  # a restart appends
+
+
+async def _append_one(sim: RunningSimulator, c: httpx.AsyncClient) -> None:
+    await c.post("/generate", json={"text": "again", "rid": "a2"})
