@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Protocol
 
 from producers.datasets import PromptRow
-from streams.ledger import load_outcome
+from streams.ledger import is_prompt_key, load_outcome
 from streams.topics import OUTCOME_TABLE, Topics
 from tokenbudget.errors import BrokerError
 from tokenbudget.kafka import kafka_python_options
@@ -75,8 +75,8 @@ def outcome_records(bootstrap: str, topics: Topics, *, timeout: float = 60.0) ->
             for batch in consumer.poll(timeout_ms=500, max_records=10_000).values():
                 for record in batch:
                     key = _text(record.key)
-                    if key is None:
-                        continue
+                    if key is None or not is_prompt_key(key):
+                        continue  # a fenced lease or a copy noted beside the prompts
                     if record.value is None:  # a tombstone
                         records.pop(key, None)
                         continue

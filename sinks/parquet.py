@@ -154,23 +154,49 @@ def decode_completion(value: bytes) -> Record:
         except msgspec.DecodeError:
             record = None
     if record is not None and record.v in ev.COMPLETION_VERSIONS:
-        return record
+        problem = ev.count_problem(
+            record.prompt_tokens,
+            record.completion_tokens,
+            _id_count(record),
+            record.max_new_tokens,
+        )
+        if problem is None:
+            return record
     event = ev.decode(value)  # raises the precise EventDecodeError
     if not isinstance(event, ev.CompletionEvent):
         raise EventDecodeError(f"expected a completion, got {type(event).__name__}")
     raise EventDecodeError("not a completion event")  # pragma: no cover - decoders agree
 
 
+def _id_count(record: Record) -> int:
+    if isinstance(record, CompletionRecord):
+        return len(record.output_ids) >> 2
+    raw = bytes(record.output_ids)
+    inner = raw.strip()[1:-1].strip()
+    return raw.count(b",") + 1 if inner else 0
+
+
 class FirstCompletion:
     """The rule shared by the sink, the replay and the ledger: of the completions of
     one prompt, the first in topic order is kept (all events of a dataset share one
-    partition, so "first" is well defined)."""
+    partition, so "first" is well defined), except a completion of a lease fenced
+    before it in that order (:class:`streams.events.LeaseFenced`): no one keeps that.
+    """
 
-    def __init__(self, seen: Iterable[str] = ()) -> None:
+    def __init__(self, seen: Iterable[str] = (), fenced: Iterable[str] = ()) -> None:
         self.seen: set[str] = set(seen)
+        self.fenced: set[str] = set(fenced)
         self.duplicates = 0
+        # prompt -> dataset of answers not kept because their lease was fenced
+        self.rejected: dict[str, str] = {}
 
-    def keep(self, prompt_id: str) -> bool:
+    def fence(self, lease_id: str) -> None:
+        self.fenced.add(lease_id)
+
+    def keep(self, prompt_id: str, lease_id: str = "", dataset: str = "") -> bool:
+        if lease_id and lease_id in self.fenced:
+            self.rejected.setdefault(prompt_id, dataset)
+            return False
         if prompt_id in self.seen:
             self.duplicates += 1
             return False
@@ -319,21 +345,35 @@ class Decoded:
     records: list[Record]
     positions: list[int]  # index in ``values`` of each record
     errors: list[tuple[int, str]]  # (index in ``values``, reason)
+    fences: list[tuple[int, ev.LeaseFenced]] = field(default_factory=list)  # (index, fence)
 
 
 def decode_records(values: Sequence[bytes]) -> Decoded:
     """Step 1 (holds the GIL): every value decoded, ids left as bytes (v2) or raw
-    JSON (v1)."""
+    JSON (v1); the ledger's lease fences picked out."""
     records: list[Record] = []
     positions: list[int] = []
     errors: list[tuple[int, str]] = []
+    fences: list[tuple[int, ev.LeaseFenced]] = []
     for i, value in enumerate(values):
         try:
             records.append(decode_completion(value))
             positions.append(i)
         except EventDecodeError as exc:
-            errors.append((i, str(exc)))
-    return Decoded(values, records, positions, errors)
+            fence = _as_fence(value)
+            if fence is not None:
+                fences.append((i, fence))
+            else:
+                errors.append((i, str(exc)))
+    return Decoded(values, records, positions, errors, fences)
+
+
+def _as_fence(value: bytes) -> ev.LeaseFenced | None:
+    try:
+        event = ev.decode(value)
+    except EventDecodeError:
+        return None
+    return event if isinstance(event, ev.LeaseFenced) else None
 
 
 @dataclass
@@ -365,6 +405,8 @@ def keep_first(decoded: Decoded, first: FirstCompletion) -> Kept:
     and its values are decoded one by one, so only the bad ones are dropped (as
     errors) and the rule sees exactly the valid completions, as the ledger does.
     """
+    if decoded.fences:
+        return _keep_first_fenced(decoded, first)
     groups: dict[str, list[int]] = {}
     for i, record in enumerate(decoded.records):
         groups.setdefault(record.dataset, []).append(i)
@@ -372,7 +414,7 @@ def keep_first(decoded: Decoded, first: FirstCompletion) -> Kept:
     out = Kept({}, {}, {}, errors)
     for dataset, group in groups.items():
         duplicates = first.duplicates
-        chosen = [i for i in group if first.keep(decoded.records[i].prompt_id)]
+        chosen = [i for i in group if _keep(first, decoded.records[i])]
         rows = [decoded.records[i] for i in chosen]
         positions = [decoded.positions[i] for i in chosen]
         ids = _ids_of_records(rows) if rows else None
@@ -386,7 +428,7 @@ def keep_first(decoded: Decoded, first: FirstCompletion) -> Kept:
                 except EventDecodeError as exc:
                     errors.append((position, str(exc)))
                     continue
-                if first.keep(record.prompt_id):
+                if _keep(first, record):
                     rows.append(record)
                     positions.append(position)
                     blobs.append(ids_i)
@@ -397,6 +439,42 @@ def keep_first(decoded: Decoded, first: FirstCompletion) -> Kept:
         out.records[dataset] = rows
         out.positions[dataset] = positions
     errors.sort()
+    return out
+
+
+def _keep(first: FirstCompletion, record: Record) -> bool:
+    return first.keep(record.prompt_id, record.lease_id, record.dataset)
+
+
+def _keep_first_fenced(decoded: Decoded, first: FirstCompletion) -> Kept:
+    """:func:`keep_first` for a batch with fences in it: the batch is cut at each
+    fence, so the fence applies to exactly the completions after it (rare: a fence
+    is written only when a lease's holder is gone or released with answers due)."""
+    out = Kept({}, {}, {}, list(decoded.errors))
+    start = 0
+    cuts = [*decoded.fences, (len(decoded.values), None)]
+    for index, fence in cuts:
+        chosen = [
+            (record, position)
+            for record, position in zip(decoded.records, decoded.positions, strict=True)
+            if start <= position < index
+        ]
+        part = Decoded(
+            decoded.values, [r for r, _ in chosen], [p for _, p in chosen], [], []
+        )
+        kept = keep_first(part, first)
+        out.errors.extend(kept.errors)
+        for dataset, table in kept.tables.items():
+            if dataset in out.tables:
+                out.tables[dataset] = pa.concat_tables([out.tables[dataset], table])
+            else:
+                out.tables[dataset] = table
+            out.records.setdefault(dataset, []).extend(kept.records[dataset])
+            out.positions.setdefault(dataset, []).extend(kept.positions[dataset])
+        if fence is not None:
+            first.fence(fence.lease_id)
+        start = index + 1
+    out.errors.sort()
     return out
 
 
@@ -416,6 +494,30 @@ def existing_prompt_ids(root: Path) -> set[str]:
         column = pq.read_table(file, columns=["prompt_id"]).column("prompt_id")
         seen.update(column.to_pylist())
     return seen
+
+
+# Leases fenced so far, kept beside the files: a sink restarted past a fence's offset
+# must still refuse what a fenced lease's holder publishes later.
+FENCED_LEASES = ".tokenbudget-fenced-leases"
+
+
+def load_fenced_leases(root: Path) -> set[str]:
+    try:
+        return set((root / FENCED_LEASES).read_text().split())
+    except FileNotFoundError:
+        return set()
+
+
+def save_fenced_leases(root: Path, fenced: set[str]) -> None:
+    """Written whole under a temporary name, then renamed, like the Parquet files."""
+    root.mkdir(parents=True, exist_ok=True)
+    temporary = root / f"{FENCED_LEASES}.tmp"
+    with temporary.open("w") as handle:
+        handle.write("".join(f"{lease}\n" for lease in sorted(fenced)))
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temporary, root / FENCED_LEASES)
+    _fsync_dir(root)
 
 
 def remove_stale_temporaries(root: Path) -> list[Path]:
@@ -586,7 +688,10 @@ class ParquetSink:
         self.settings = settings
         self._group_id = group_id
         remove_stale_temporaries(settings.path)
-        self.first = FirstCompletion(existing_prompt_ids(settings.path))
+        self.first = FirstCompletion(
+            existing_prompt_ids(settings.path), load_fenced_leases(settings.path)
+        )
+        self._fences_saved = len(self.first.fenced)
         self.writer = PartitionedWriter(settings.path, settings.writer())
         self._last_flush = time.monotonic()
         self._consumer: KafkaConsumer | None = None
@@ -672,6 +777,9 @@ class ParquetSink:
         """Write every buffer to its file, then commit what was read."""
         assert self._consumer is not None
         self.writer.flush()
+        if len(self.first.fenced) != self._fences_saved:
+            save_fenced_leases(self.settings.path, self.first.fenced)
+            self._fences_saved = len(self.first.fenced)
         offsets = {
             tp: OffsetAndMetadata(self._consumer.position(tp), "", -1)
             for tp in self._consumer.assignment()

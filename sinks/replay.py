@@ -54,7 +54,9 @@ from sinks.parquet import (
     decode_records,
     existing_prompt_ids,
     keep_first,
+    load_fenced_leases,
     remove_stale_temporaries,
+    save_fenced_leases,
 )
 from streams import events as ev
 from streams.topics import Topics
@@ -323,10 +325,16 @@ def live_snapshots(bootstrap: str, topics: Topics) -> dict[str, ev.LedgerSnapsho
 
 
 def outcome_counts(
-    bootstrap: str, topics: Topics, completed: set[str], datasets: frozenset[str]
+    bootstrap: str,
+    topics: Topics,
+    completed: set[str],
+    datasets: frozenset[str],
+    rejected: dict[str, str] | None = None,
 ) -> dict[str, tuple[int, int]]:
     """(skipped, failed) per dataset with the ledger's rule: a prompt's first skip
-    or failure counts unless the prompt has a completion."""
+    or failure counts unless the prompt has a completion. An answer no one kept
+    because its lease was fenced (``rejected``: prompt -> dataset) counts as a skip
+    of a prompt with no other outcome."""
     first: dict[str, tuple[str, str]] = {}  # prompt_id -> (dataset, outcome)
 
     def apply(event: ev.Event) -> None:
@@ -337,6 +345,9 @@ def outcome_counts(
             first.setdefault(event.prompt_id, (event.dataset, kind))
 
     read_to_end(bootstrap, topics.outcomes, apply)
+    for prompt_id, dataset in (rejected or {}).items():
+        if not datasets or dataset in datasets:
+            first.setdefault(prompt_id, (dataset, "skipped"))
     counts: dict[str, list[int]] = {}
     for prompt_id, (dataset, kind) in first.items():
         if prompt_id in completed:
@@ -573,6 +584,7 @@ def replay(options: ReplayOptions, *, progress: bool = True) -> ReplaySummary:
     if options.to_parquet is not None:
         remove_stale_temporaries(options.to_parquet)
         already = existing_prompt_ids(options.to_parquet)
+        first.fenced.update(load_fenced_leases(options.to_parquet))
         writer = _BackgroundWriter(PartitionedWriter(options.to_parquet, options.writer))
     else:
         already = set()
@@ -599,6 +611,8 @@ def replay(options: ReplayOptions, *, progress: bool = True) -> ReplaySummary:
             processor.close()
         if writer is not None:
             writer.finish()
+            if first.fenced:
+                save_fenced_leases(writer.writer.root, first.fenced)
             summary.stages["write"] = writer.seconds
             summary.parquet = {
                 "path": str(options.to_parquet),
@@ -617,7 +631,9 @@ def replay(options: ReplayOptions, *, progress: bool = True) -> ReplaySummary:
     summary.duplicates = first.duplicates
     if options.ledger:
         completed = first.seen
-        outcomes = outcome_counts(options.bootstrap, options.topics, completed, options.datasets)
+        outcomes = outcome_counts(
+            options.bootstrap, options.topics, completed, options.datasets, first.rejected
+        )
         for name, (skipped, failed) in outcomes.items():
             totals = summary.datasets.setdefault(name, Totals())
             totals.skipped, totals.failed = skipped, failed

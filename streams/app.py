@@ -186,6 +186,7 @@ def build_app(settings: LedgerSettings) -> faust.App:
         partitions=PARTITIONS,
     )
     budgets_out = app.topic(topics.budgets, key_serializer="raw", value_serializer="raw")
+    completions_out = app.topic(topics.completions, key_serializer="raw", value_serializer="raw")
     dead_letter = app.topic(topics.dead_letter, key_serializer="raw", value_serializer="raw")
     reservations = app.topic(topics.reservations, key_serializer="raw", value_serializer="raw")
 
@@ -204,9 +205,12 @@ def build_app(settings: LedgerSettings) -> faust.App:
 
     async def publish(events: list[ev.Event]) -> None:
         for event in events:
-            fut = await budgets_out.send(key=ev.event_key(event), value=ev.encode(event))
+            # A fence goes where the lease's completions go, to order itself among them.
+            fenced = isinstance(event, ev.LeaseFenced)
+            out = completions_out if fenced else budgets_out
+            fut = await out.send(key=ev.event_key(event), value=ev.encode(event))
             await fut  # a halt that was not delivered is a budget overshot
-            metrics.EVENTS_PRODUCED.labels(topic="budgets").inc()
+            metrics.EVENTS_PRODUCED.labels(topic="completions" if fenced else "budgets").inc()
 
     async def process(batch: list[Any]) -> None:
         """Apply a batch of events, persist, then announce.
@@ -243,14 +247,14 @@ def build_app(settings: LedgerSettings) -> faust.App:
             state = states.get(name) or load(name)
             if message.offset <= state.applied.get(source, -1):
                 continue  # applied before a restart
-            transition, outcome_entry = apply(state, decoded, message, at, outcome_entries)
+            transition, entries = apply(state, decoded, message, at, outcome_entries)
             state = msgspec.structs.replace(
                 transition.state, applied={**state.applied, source: message.offset}
             )
             states[name] = state
             partition_of[name] = message.partition
-            if outcome_entry is not None:
-                outcome_entries[outcome_entry[0]] = (message.partition, outcome_entry[1])
+            for key, value in entries:
+                outcome_entries[key] = (message.partition, value)
             announce.extend(transition.emit)
         for topic, count in per_topic.items():
             metrics.consumed(topic, "ledger", count)
@@ -295,43 +299,85 @@ def build_app(settings: LedgerSettings) -> faust.App:
             _exit_after_failed_write(repr(exc))
         return sent
 
+    def recorded(key: str, pending: dict[str, tuple[int, bytes]]) -> ledger.OutcomeEntry | None:
+        # .data: the local store, without Faust's per-read sensors
+        raw = pending[key][1] if key in pending else outcomes.data.get(key)
+        return ledger.load_outcome(raw) if raw else None
+
     def apply(
         state: ledger.DatasetLedger,
         event: ev.Event,
         message: Any,
         at: float,
         pending: dict[str, tuple[int, bytes]],
-    ) -> tuple[ledger.Transition, tuple[str, bytes] | None]:
+    ) -> tuple[ledger.Transition, list[tuple[str, bytes]]]:
+        """The event applied to the dataset's state, and the outcome-table entries it
+        records (prompt outcomes, fenced leases, copies already taken off a lease)."""
         match event:
             case ev.CompletionEvent() | ev.PromptSkipped() | ev.PromptFailed():
-                pid = event.prompt_id
-                # .data: the local store, without Faust's per-read sensors
-                raw = pending[pid][1] if pid in pending else outcomes.data.get(pid)
-                entry = ledger.load_outcome(raw) if raw else None
-                if entry and entry.topic == message.topic and entry.offset == message.offset:
-                    previous = entry.prior  # recorded, but the dataset entry was not
-                else:
-                    previous = entry.outcome if entry else None
-                transition = ledger.apply_outcome(state, event, previous, at)  # type: ignore[arg-type]
-                if transition.outcome is None:
-                    return transition, None
-                record = ledger.OutcomeEntry(
-                    transition.outcome, previous, message.topic, message.offset
-                )
-                return transition, (pid, ledger.dump_outcome(record))
+                return apply_outcome(state, event, message, at, pending)
+            case ev.LeaseFenced():
+                entry = ledger.OutcomeEntry("fenced", None, message.topic, message.offset)
+                key = ledger.FENCE_KEY + event.lease_id
+                written = [] if recorded(key, pending) else [(key, ledger.dump_outcome(entry))]
+                return ledger.apply_lease_fenced(state, event, at), written
             case ev.BudgetSet():
-                return ledger.apply_budget_set(state, event, at), None
+                return ledger.apply_budget_set(state, event, at), []
             case ev.ProducerDone():
-                return ledger.apply_producer_done(state, event), None
+                return ledger.apply_producer_done(state, event), []
             case ev.LeaseRequested():
-                return ledger.apply_lease_request(state, event, at), None
+                return ledger.apply_lease_request(state, event, at), []
             case ev.LeaseRenewed():
-                return ledger.apply_lease_renewed(state, event, at), None
+                return ledger.apply_lease_renewed(state, event, at), []
             case ev.LeaseReleased():
-                return ledger.apply_lease_released(state, event, at), None
+                return ledger.apply_lease_released(state, event, at), []
             case ev.LeaseExpired():
-                return ledger.apply_lease_expired(state, event, at), None
-        return ledger.Transition(state), None
+                return ledger.apply_lease_expired(state, event, at), []
+        return ledger.Transition(state), []
+
+    def apply_outcome(
+        state: ledger.DatasetLedger,
+        event: ev.CompletionEvent | ev.PromptSkipped | ev.PromptFailed,
+        message: Any,
+        at: float,
+        pending: dict[str, tuple[int, bytes]],
+    ) -> tuple[ledger.Transition, list[tuple[str, bytes]]]:
+        pid = event.prompt_id
+        entry = recorded(pid, pending)
+        if entry and entry.topic == message.topic and entry.offset == message.offset:
+            previous = entry.prior  # recorded, but the dataset entry was not
+        else:
+            previous = entry.outcome if entry else None
+        written: list[tuple[str, bytes]] = []
+        fenced = new_copy = False
+        if isinstance(event, ev.CompletionEvent) and event.lease_id:
+            fenced = recorded(ledger.FENCE_KEY + event.lease_id, pending) is not None
+            copy_key = ledger.COPY_KEY + event.request_id
+            new_copy = (
+                not fenced
+                and previous == "completed"
+                and entry is not None
+                and entry.request != event.request_id
+                and recorded(copy_key, pending) is None
+            )
+            if new_copy:
+                copy = ledger.OutcomeEntry("copy", None, message.topic, message.offset)
+                written.append((copy_key, ledger.dump_outcome(copy)))
+        transition = ledger.apply_outcome(
+            state,
+            event,
+            previous,  # type: ignore[arg-type]
+            at,
+            fenced=fenced,
+            new_copy=new_copy,
+        )
+        if transition.outcome is not None:
+            request = event.request_id if isinstance(event, ev.CompletionEvent) else ""
+            record = ledger.OutcomeEntry(
+                transition.outcome, previous, message.topic, message.offset, request
+            )
+            written.append((pid, ledger.dump_outcome(record)))
+        return transition, written
 
     async def send_dead_letter(event: Any, exc: EventDecodeError) -> None:
         message = event.message

@@ -179,6 +179,21 @@ def _token_ids_from_wire(obj: Any) -> TokenIds:
     )
 
 
+def count_problem(
+    prompt_tokens: int, completion_tokens: int, ids: int, max_new_tokens: int
+) -> str | None:
+    """What makes a completion's counts impossible, or None. Every reader (ledger,
+    sink, replay) rejects such a completion the same way, to the dead-letter topic:
+    counting it could take a dataset past its budget."""
+    if prompt_tokens < 0 or completion_tokens < 0:
+        return f"negative token count ({prompt_tokens} prompt, {completion_tokens} completion)"
+    if ids and ids != completion_tokens:
+        return f"completion_tokens {completion_tokens} but {ids} output_ids"
+    if max_new_tokens > 0 and completion_tokens > max_new_tokens:
+        return f"completion_tokens {completion_tokens} above max_new_tokens {max_new_tokens}"
+    return None
+
+
 class CompletionEvent(_Event, tag="completion", frozen=True):
     """What the inference server produced for one prompt: the source of truth.
 
@@ -312,6 +327,19 @@ class LeaseExpired(_Event, tag="lease_expired", frozen=True):
     at: float = 0.0
 
 
+class LeaseFenced(_Event, tag="lease_fenced", frozen=True):
+    """Written by the ledger into the completions topic, in the partition of the
+    lease's dataset, when it closes a lease it cannot hear from any more (expired, or
+    released with answers still to arrive). Every reader of that partition sees the
+    same order: the lease's completions before the fence are counted (so when the
+    ledger reads it back, nothing of the lease is still on its way and its budget is
+    freed), completions of it after the fence are kept by no one."""
+
+    dataset: str
+    lease_id: str
+    at: float = 0.0
+
+
 class LeaseRevoked(_Event, tag="lease_revoked", frozen=True):
     """A budget was lowered below what is kept plus reserved (or the lease expired):
     the holder must admit nothing more on it, keep at most ``allowance`` more of
@@ -326,6 +354,9 @@ class LeaseRevoked(_Event, tag="lease_revoked", frozen=True):
     # that the ledger had not counted yet.
     ceiling: int = 0
     kept: int = 0  # what the dataset had kept when the lease was revoked
+    # Revoked because the holder stopped renewing it: its budget is being freed, and
+    # the holder claims answers still in flight on it anew (a fresh grant) or drops them.
+    expired: bool = False
     at: float = 0.0
 
 
@@ -409,6 +440,7 @@ Event = (
     | LeaseReleased
     | LeaseExpired
     | LeaseRevoked
+    | LeaseFenced
 )
 
 
@@ -465,9 +497,19 @@ def decode(data: bytes) -> Event:
             f"versions {sorted(supported)}: upgrade tokenbudget"
         )
     try:
-        return _decoder.decode(data)
+        event = _decoder.decode(data)
     except msgspec.DecodeError as exc:
         raise EventDecodeError(f"not a tokenbudget event: {exc}") from exc
+    if isinstance(event, CompletionEvent):
+        problem = count_problem(
+            event.prompt_tokens,
+            event.completion_tokens,
+            len(event.output_ids),
+            event.max_new_tokens,
+        )
+        if problem is not None:
+            raise EventDecodeError(f"impossible counts in completion {event.request_id}: {problem}")
+    return event
 
 
 def event_key(event: Event) -> bytes | None:

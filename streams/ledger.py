@@ -39,6 +39,7 @@ from streams.events import (
     Event,
     LeaseDenied,
     LeaseExpired,
+    LeaseFenced,
     LeaseGranted,
     LeaseReleased,
     LeaseRenewed,
@@ -56,12 +57,19 @@ Outcome = Literal["completed", "skipped", "failed"]
 class Lease(msgspec.Struct, frozen=True, kw_only=True):
     """Budget handed to one dispatcher to spend locally, in the budget's unit.
 
-    While open, all of ``granted`` not yet ``committed`` is reserved. Once the
-    holder releases it, ``spent`` says how much it published under the lease, and
-    only what of that has not arrived yet stays reserved: all of it, even above
-    ``granted`` (a revoked lease's holder may have published more than its new
-    ceiling before the revocation reached it), so that nothing granted afterwards
-    overlaps completions still on their way.
+    While open, all of ``granted`` not yet ``committed`` is reserved (``committed``:
+    the cost of its completions that arrived, counted or a later copy of a prompt
+    already completed). Once the holder releases it, ``spent`` says how much it
+    published under the lease, and only what of that has not arrived yet stays
+    reserved: all of it, even above ``granted`` (a revoked lease's holder may have
+    published more than its new ceiling before the revocation reached it), so that
+    nothing granted afterwards overlaps completions still on their way.
+
+    A lease the ledger can no longer hear from (expired) or whose completions are
+    still on their way at release is *closing*: it stays reserved until the ledger
+    reads back the :class:`~streams.events.LeaseFenced` it wrote after it in the
+    completions partition. Only then is everything the lease could have published
+    counted, and its budget free.
     """
 
     holder: str
@@ -69,6 +77,8 @@ class Lease(msgspec.Struct, frozen=True, kw_only=True):
     committed: int = 0
     spent: int | None = None
     expires_at: float = 0.0
+    closing: bool = False
+    fenced_at: float = 0.0  # when its fence was last written (ledger clock)
 
     @property
     def outstanding(self) -> int:
@@ -113,12 +123,24 @@ def load_ledger(data: bytes) -> DatasetLedger:
 
 
 class OutcomeEntry(msgspec.Struct, array_like=True, frozen=True):
-    """A prompt's recorded outcome and the event that recorded it."""
+    """A prompt's recorded outcome and the event that recorded it (and, for a
+    completion, its request id: a repeat of that very request is no new copy)."""
 
     outcome: str
     prior: str | None
     topic: str
     offset: int
+    request: str = ""
+
+
+# Outcome-table keys beside prompt ids (32 hex digits): a fenced lease, and a later
+# copy of a completed prompt whose cost was already taken off its lease.
+FENCE_KEY = "fence:"
+COPY_KEY = "copy:"
+
+
+def is_prompt_key(key: str) -> bool:
+    return not key.startswith((FENCE_KEY, COPY_KEY))
 
 
 _outcome_encoder = msgspec.msgpack.Encoder()
@@ -264,13 +286,27 @@ def apply_outcome(
     event: CompletionEvent | PromptSkipped | PromptFailed,
     previous: Outcome | None,
     at: float,
+    *,
+    fenced: bool = False,
+    new_copy: bool = False,
 ) -> Transition:
-    """Count one prompt outcome, at most once per prompt (see the module docstring)."""
-    eid = event_id(event)
+    """Count one prompt outcome, at most once per prompt (see the module docstring).
+
+    ``fenced``: the completion's lease was fenced before it arrived; no one keeps it,
+    and the prompt counts as skipped unless it has an outcome. ``new_copy``: a
+    completion of a prompt already completed is another request's answer (not a
+    repeat of the one counted): its cost comes off its lease's reservation.
+    """
+    # A rejected answer is not the one a later claim of the same request brings.
+    eid = (
+        f"fenced:{event.request_id}"
+        if fenced and isinstance(event, CompletionEvent)
+        else event_id(event)
+    )
     new: Outcome
     match event:
         case CompletionEvent():
-            new = "completed"
+            new = "skipped" if fenced else "completed"
         case PromptSkipped():
             new = "skipped"
         case PromptFailed():
@@ -280,7 +316,11 @@ def apply_outcome(
         # Applied to the ledger before a crash; only the outcome record is missing.
         return Transition(state, outcome=new if previous != new else None)
     if not outcome_change(previous, new):
-        return Transition(msgspec.structs.replace(state, outcome_events=seen), changed=True)
+        leases = state.leases
+        if isinstance(event, CompletionEvent) and not fenced and new_copy:
+            leases = _commit_to_lease(state, event)
+        updated = msgspec.structs.replace(state, outcome_events=seen, leases=leases)
+        return Transition(updated, changed=True)
 
     counts = {
         "completion_tokens": state.completion_tokens,
@@ -295,7 +335,9 @@ def apply_outcome(
         counts["failed"] -= 1
     trigger = ""
     leases = state.leases
-    if isinstance(event, CompletionEvent):
+    if isinstance(event, CompletionEvent) and fenced:
+        counts["skipped"] += 1
+    elif isinstance(event, CompletionEvent):
         counts["completion_tokens"] += event.completion_tokens
         counts["prompt_tokens"] += event.prompt_tokens
         counts["samples"] += 1
@@ -328,11 +370,9 @@ def apply_producer_done(state: DatasetLedger, event: ProducerDone) -> Transition
 
 
 def _commit_to_lease(state: DatasetLedger, event: CompletionEvent) -> dict[str, Lease]:
-    """Move a counted completion's cost from its lease's reservation to kept.
-
-    Only counted completions move (the outcome table makes that idempotent); a
-    repeat the ledger does not keep leaves its cost reserved until the lease is
-    released or expires, which can only under-use the budget, never overshoot it.
+    """Take an arrived completion's cost off its lease's reservation: to kept when
+    it is counted, or just off when it is a later copy of a completed prompt (it
+    will not arrive again). The outcome table makes either happen once per request.
     """
     lease = state.leases.get(event.lease_id) if event.lease_id else None
     if lease is None:
@@ -359,7 +399,9 @@ def apply_lease_request(state: DatasetLedger, event: LeaseRequested, at: float) 
     state, judged = _check_budget(msgspec.structs.replace(state, admit_floor=floor), at)
     available = remaining(state)
     lease = state.leases.get(event.lease_id)
-    closed = lease is not None and (lease.spent is not None or lease.holder != event.holder)
+    closed = lease is not None and (
+        lease.spent is not None or lease.closing or lease.holder != event.holder
+    )
     if available is None or state.halted or available < floor or closed:
         denied = LeaseDenied(
             dataset=state.dataset,
@@ -394,7 +436,7 @@ def apply_lease_request(state: DatasetLedger, event: LeaseRequested, at: float) 
 
 def apply_lease_renewed(state: DatasetLedger, event: LeaseRenewed, at: float) -> Transition:
     lease = state.leases.get(event.lease_id)
-    if lease is None or lease.holder != event.holder:
+    if lease is None or lease.holder != event.holder or lease.closing:
         return Transition(state)
     leases = dict(state.leases)
     leases[event.lease_id] = msgspec.structs.replace(lease, expires_at=at + event.ttl_s)
@@ -402,40 +444,82 @@ def apply_lease_renewed(state: DatasetLedger, event: LeaseRenewed, at: float) ->
 
 
 def apply_lease_released(state: DatasetLedger, event: LeaseReleased, at: float) -> Transition:
+    """The holder is done: free the lease once what it spent has arrived. With
+    completions still on their way (or lost), it closes through a fence instead:
+    the holder published all of them before releasing, so each is before the fence."""
     lease = state.leases.get(event.lease_id)
-    if lease is None or lease.holder != event.holder:
+    if lease is None or lease.holder != event.holder or lease.spent is not None:
         return Transition(state)
     leases = dict(state.leases)
+    emit: list[Event] = []
     if lease.committed >= event.spent:
         del leases[event.lease_id]
     else:
-        leases[event.lease_id] = msgspec.structs.replace(lease, spent=event.spent)
-    updated, emit = _check_budget(msgspec.structs.replace(state, leases=leases), at)
-    return Transition(updated, emit, changed=True)
+        leases[event.lease_id] = msgspec.structs.replace(
+            lease, spent=event.spent, closing=True, fenced_at=at
+        )
+        emit.append(LeaseFenced(dataset=state.dataset, lease_id=event.lease_id, at=at))
+    updated, more = _check_budget(msgspec.structs.replace(state, leases=leases), at)
+    return Transition(updated, [*emit, *more], changed=True)
+
+
+# A closing lease whose fence has not come back after this long has its fence written
+# again (the first may have been lost with a ledger that crashed before writing it).
+FENCE_RESEND_S = 30.0
 
 
 def expired_leases(state: DatasetLedger, now: float) -> list[str]:
-    return [lease_id for lease_id, lease in state.leases.items() if lease.expires_at <= now]
+    """Open leases past their expiry, and closing ones whose fence is overdue."""
+    return [
+        lease_id
+        for lease_id, lease in state.leases.items()
+        if (lease.fenced_at + FENCE_RESEND_S if lease.closing else lease.expires_at) <= now
+    ]
 
 
 def apply_lease_expired(state: DatasetLedger, event: LeaseExpired, at: float) -> Transition:
-    """Drop a lease whose holder stopped renewing it: its budget is free again.
+    """A lease whose holder stopped renewing it closes through a fence (see
+    :class:`Lease`): its budget stays reserved until the fence is read back, so no
+    completion it published before is left uncovered, and none after is kept.
 
-    Anything it still had in flight arrives as ordinary completions; an open lease
-    is also revoked so a holder that is merely slow stops spending it.
+    An open lease is also revoked, so a holder that is merely slow stops spending it
+    and claims its answers anew. A closing lease whose fence is overdue gets another.
     """
     lease = state.leases.get(event.lease_id)
-    if lease is None or lease.expires_at > at:
+    if lease is None:
+        return Transition(state)
+    if lease.closing:
+        if lease.fenced_at + FENCE_RESEND_S > at:
+            return Transition(state)
+        emit: list[Event] = []
+    elif lease.expires_at > at:
+        return Transition(state)
+    else:
+        emit = [
+            LeaseRevoked(
+                dataset=state.dataset,
+                lease_id=event.lease_id,
+                holder=lease.holder,
+                expired=True,
+                at=at,
+            )
+        ]
+    leases = dict(state.leases)
+    leases[event.lease_id] = msgspec.structs.replace(lease, closing=True, fenced_at=at)
+    emit.append(LeaseFenced(dataset=state.dataset, lease_id=event.lease_id, at=at))
+    return Transition(msgspec.structs.replace(state, leases=leases), emit, changed=True)
+
+
+def apply_lease_fenced(state: DatasetLedger, event: LeaseFenced, at: float) -> Transition:
+    """The ledger read a lease's fence back from the completions partition: every
+    completion the lease published before it has been applied, and none after it
+    will be kept, so whatever the lease still reserves is free."""
+    if event.lease_id not in state.leases:
         return Transition(state)
     leases = dict(state.leases)
     del leases[event.lease_id]
-    emit: list[Event] = []
-    if lease.spent is None:
-        emit.append(
-            LeaseRevoked(dataset=state.dataset, lease_id=event.lease_id, holder=lease.holder, at=at)
-        )
-    updated, more = _check_budget(msgspec.structs.replace(state, leases=leases), at)
-    return Transition(updated, [*emit, *more], changed=True)
+    updated, emit = _check_budget(msgspec.structs.replace(state, leases=leases), at)
+    return Transition(updated, emit, changed=True)
 
 
 def revoke_overdrawn(state: DatasetLedger, at: float) -> tuple[DatasetLedger, list[Event]]:
@@ -447,8 +531,14 @@ def revoke_overdrawn(state: DatasetLedger, at: float) -> tuple[DatasetLedger, li
     """
     if state.budget is None or used(state) + reserved(state) <= state.budget:
         return state, []
-    open_leases = {i: lease for i, lease in state.leases.items() if lease.spent is None}
-    closing = sum(lease.outstanding for lease in state.leases.values() if lease.spent is not None)
+    open_leases = {
+        i: lease for i, lease in state.leases.items() if lease.spent is None and not lease.closing
+    }
+    closing = sum(
+        lease.outstanding
+        for lease in state.leases.values()
+        if lease.spent is not None or lease.closing
+    )
     free = max(0, state.budget - used(state) - closing)
     outstanding = sum(lease.outstanding for lease in open_leases.values())
     leases = dict(state.leases)

@@ -37,6 +37,7 @@ class FakeLedger:
         self.sent: list[ev.Event] = []
         self.replies: list[ev.Event] = []
         self.outcomes: dict[str, ledger.Outcome] = {}
+        self.fenced: set[str] = set()
         self._rid = 0
 
     def state(self, dataset: str = DS) -> ledger.DatasetLedger:
@@ -47,7 +48,15 @@ class FakeLedger:
         loop = asyncio.get_running_loop()
         for event in transition.emit:
             self.replies.append(event)
-            loop.call_soon(self.board.apply, event)
+            if isinstance(event, ev.LeaseFenced):
+                # Written into the completions partition and read back a moment later.
+                loop.call_soon(self._read_fence, event)
+            else:
+                loop.call_soon(self.board.apply, event)
+
+    def _read_fence(self, fence: ev.LeaseFenced) -> None:
+        self.fenced.add(fence.lease_id)
+        self._apply(ledger.apply_lease_fenced(self.state(fence.dataset), fence, ev.now()))
 
     def set_budget(self, budget: int, dataset: str = DS) -> None:
         event = ev.BudgetSet(dataset=dataset, budget=budget, unit=self.unit)
@@ -88,7 +97,9 @@ class FakeLedger:
             max_new_tokens=ticket.max_new_tokens,
             lease_id=ticket.lease_id,
         )
-        self._apply(ledger.apply_outcome(self.state(ticket.dataset), event, None, ev.now()))
+        fenced = ticket.lease_id in self.fenced  # published after its lease's fence
+        state = self.state(ticket.dataset)
+        self._apply(ledger.apply_outcome(state, event, None, ev.now(), fenced=fenced))
 
     def of(self, kind: type[T]) -> list[T]:
         return [e for e in self.sent if isinstance(e, kind)]
@@ -727,7 +738,9 @@ def test_expired_lease_with_requests_in_flight_is_not_reopened() -> None:
         assert old is not None
         _expire(fake, old.lease_id)
         await until(lambda: admission._leases[DS].revoked, "the revocation")
-        assert ledger.reserved(fake.state()) == 0  # the ledger freed the lease
+        # The ledger freed the lease once it read back the fence it wrote after it.
+        await until(lambda: old.lease_id in fake.fenced, "the fence")
+        assert ledger.reserved(fake.state()) == 0
         pending = asyncio.create_task(admission.admit(DS, 500))
         await asyncio.sleep(0.05)
         # No request may reopen the revoked lease id at the ledger: the old

@@ -23,10 +23,13 @@ from sinks.parquet import (
     completions_to_table,
     decode_records,
     keep_first,
+    load_fenced_leases,
     remove_stale_temporaries,
     row_group_size,
+    save_fenced_leases,
 )
 from streams import events as ev
+from tokenbudget.errors import EventDecodeError
 
 
 def completion(
@@ -134,7 +137,7 @@ def test_bad_values_are_errors_and_do_not_shadow_a_valid_completion() -> None:
     good = [ev.encode(completion(i)) for i in range(5)]
     bad_ids = v1_wire(completion(7)).replace(b'"output_ids":[', b'"output_ids":["x",')
     huge = v1_wire(completion(8)).replace(b'"output_ids":[', b'"output_ids":[4000000000,')
-    spaced = v1_wire(completion(10)).replace(b'"output_ids":[', b'"output_ids":[ 5, ')
+    spaced = v1_wire(completion(10)).replace(b'"output_ids":[', b'"output_ids":[ ')
     values = [
         good[0],
         b"not json",
@@ -153,7 +156,7 @@ def test_bad_values_are_errors_and_do_not_shadow_a_valid_completion() -> None:
     assert "int32" in dict(kept.errors)[5]
     table = tables["ds"]
     assert table.column("request_id").to_pylist() == ["r0", "valid-7", "r10", "r1"]
-    assert table.column("output_ids").to_pylist()[2][:1] == [5]
+    assert table.column("output_ids").to_pylist()[2] == list(completion(10).output_ids)
     assert kept.positions["ds"] == [0, 4, 6, 7]
     assert first.duplicates == 0
     assert first.seen == {"p0", "p7", "p10", "p1"}
@@ -184,6 +187,35 @@ def test_malformed_binary_ids_are_errors_with_the_reason(output_ids: object, rea
     assert reason in kept.errors[0][1] and "output_ids" in kept.errors[0][1]
     assert tables["ds"].column("request_id").to_pylist() == ["r1", "valid-2", "r3"]
     assert first.duplicates == 0
+
+
+@pytest.mark.parametrize(
+    ("changes", "reason"),
+    [
+        ({"completion_tokens": -1, "output_ids": ""}, "negative token count"),
+        ({"prompt_tokens": -3}, "negative token count"),
+        ({"completion_tokens": 9}, "completion_tokens 9 but 2 output_ids"),
+        ({"max_new_tokens": 1}, "above max_new_tokens 1"),
+    ],
+)
+@pytest.mark.parametrize("version", [1, 2])
+def test_impossible_counts_are_errors_for_the_sink_as_for_the_ledger(
+    changes: dict[str, object], reason: str, version: int
+) -> None:
+    """A completion whose counts cannot be true is dead-lettered by every reader, so
+    the sink never keeps an answer the ledger refused to count."""
+    bad = completion(4, n=2)
+    if version == 1 and changes.get("output_ids") == "":
+        changes = {**changes, "output_ids": []}
+    wire = (v1_wire if version == 1 else v2_wire)(bad, **changes)
+    with pytest.raises(EventDecodeError, match=reason):
+        ev.decode(wire)
+    values = [ev.encode(completion(1)), wire, ev.encode(completion(4, rid="valid-4"))]
+    first = FirstCompletion()
+    kept, tables = kept_table(values, first)
+    assert [i for i, _ in kept.errors] == [1]
+    assert reason in kept.errors[0][1]
+    assert tables["ds"].column("request_id").to_pylist() == ["r1", "valid-4"]
 
 
 def test_stale_temporaries_are_removed(tmp_path: Path) -> None:
@@ -301,3 +333,41 @@ def test_the_tree_reads_with_hf_datasets(tmp_path: Path, monkeypatch: pytest.Mon
         ).output_ids
     )
     assert os.path.isdir(tmp_path / "hf-cache")
+
+
+def on_lease(event: ev.CompletionEvent, lease_id: str) -> ev.CompletionEvent:
+    return msgspec.structs.replace(event, lease_id=lease_id)
+
+
+def fence(lease_id: str, dataset: str = "ds") -> bytes:
+    return ev.encode(ev.LeaseFenced(dataset=dataset, lease_id=lease_id))
+
+
+def test_a_completion_after_its_lease_fence_is_kept_by_no_one() -> None:
+    """The fence orders itself among the lease's completions: before it they are
+    kept, after it they are not (the ledger counts them as skipped), in the batch and
+    in every later batch, while other leases are unaffected."""
+    values = [
+        ev.encode(on_lease(completion(1), "A")),
+        ev.encode(on_lease(completion(2), "B")),
+        fence("A"),
+        ev.encode(on_lease(completion(3), "A")),  # a frozen holder woke up: too late
+        ev.encode(on_lease(completion(4), "B")),
+        ev.encode(on_lease(completion(3, rid="claimed-3"), "C")),  # its claim, anew
+    ]
+    first = FirstCompletion()
+    kept, tables = kept_table(values, first)
+    assert kept.errors == []
+    assert tables["ds"].column("request_id").to_pylist() == ["r1", "r2", "r4", "claimed-3"]
+    assert kept.positions["ds"] == [0, 1, 4, 5]
+    assert first.fenced == {"A"} and first.rejected == {"p3": "ds"}
+    later, _ = kept_table([ev.encode(on_lease(completion(5), "A"))], first)
+    assert later.rows == 0 and "p5" in first.rejected
+
+
+def test_fenced_leases_survive_a_restart_of_the_sink(tmp_path: Path) -> None:
+    assert load_fenced_leases(tmp_path) == set()
+    save_fenced_leases(tmp_path, {"h1:ds:3", "h2:ds:1"})
+    assert load_fenced_leases(tmp_path) == {"h1:ds:3", "h2:ds:1"}
+    # not a file any reader of the dataset tree picks up
+    assert pads.dataset(tmp_path, format="parquet", partitioning="hive").files == []

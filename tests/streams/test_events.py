@@ -111,7 +111,8 @@ def _sample(kind: msgspec.inspect.Type, name: str) -> Any:
             item = _sample(kind.item_type, name)
             return [item, item] if isinstance(kind, msgspec.inspect.ListType) else (item,)
         case msgspec.inspect.CustomType(cls=ev.TokenIds):
-            return ev.TokenIds([17, 2**31 - 1, -5])
+            # as many ids as the int fields' sample (17): counts and ids agree
+            return ev.TokenIds([17, 2**31 - 1, -5, *range(14)])
         case msgspec.inspect.StructType():
             return kind.cls(
                 **{f.name: _sample(f.type, f.name) for f in kind.fields if f.name != "v"}
@@ -295,7 +296,9 @@ def test_completion_ids_are_little_endian_int32_bytes_on_the_wire() -> None:
     "ids", [[], [7], [5, 6, 7, 8], list(range(0, 150_000, 37)), [-1, 2**31 - 1]]
 )
 def test_v1_and_v2_completions_decode_to_the_same_event(ids: list[int]) -> None:
-    event = msgspec.structs.replace(COMPLETION, output_ids=ids)
+    event = msgspec.structs.replace(
+        COMPLETION, output_ids=ids, completion_tokens=len(ids), max_new_tokens=max(4, len(ids))
+    )
     old, new = v1_wire(event), ev.encode(event)
     assert b'"output_ids":[' in old and b'"v":1' in old
     assert ev.decode(old) == ev.decode(new) == event

@@ -16,6 +16,7 @@ from streams.events import (
     CompletionEvent,
     LeaseDenied,
     LeaseExpired,
+    LeaseFenced,
     LeaseGranted,
     LeaseReleased,
     LeaseRenewed,
@@ -28,6 +29,7 @@ from streams.ledger import (
     Outcome,
     apply_budget_set,
     apply_lease_expired,
+    apply_lease_fenced,
     apply_lease_released,
     apply_lease_renewed,
     apply_lease_request,
@@ -352,25 +354,108 @@ def test_expired_leases() -> None:
     assert sorted(expired_leases(state, AT + 100)) == ["A", "B"]
 
 
-def test_expiry_of_an_open_lease_revokes_it_and_frees_its_budget() -> None:
+def fenced(state: DatasetLedger, lease_id: str = "L1", at: float = AT) -> DatasetLedger:
+    """The ledger reads a lease's fence back from the completions partition."""
+    return apply_lease_fenced(state, LeaseFenced(dataset=DS, lease_id=lease_id), at).state
+
+
+def test_expiry_of_an_open_lease_revokes_it_and_fences_it_before_freeing_its_budget() -> None:
     state = grant(fresh(1000), AT, want=400, ttl_s=10)
     t = apply_lease_expired(state, LeaseExpired(dataset=DS, lease_id="L1"), AT + 10)
     assert t.changed
-    assert t.state.leases == {}
-    assert remaining(t.state) == 1000
-    [revoked] = t.emit
-    assert isinstance(revoked, LeaseRevoked)
+    revoked, fence = t.emit
+    assert isinstance(revoked, LeaseRevoked) and revoked.expired
     assert (revoked.lease_id, revoked.holder) == ("L1", "h1")
+    assert isinstance(fence, LeaseFenced) and fence.lease_id == "L1"
+    # Still reserved: what the holder published before the fence is on its way.
+    assert reserved(t.state) == 400 and remaining(t.state) == 600
+    assert t.state.leases["L1"].closing
+    state = apply_outcome(t.state, completion("r1", completion_tokens=150), None, AT + 11).state
+    assert (used(state), reserved(state)) == (150, 250)
+    state = fenced(state)
+    assert state.leases == {} and remaining(state) == 850
 
 
-def test_expiry_of_a_released_lease_is_not_revoked() -> None:
+def test_a_closing_lease_takes_no_renewal_and_no_new_grant() -> None:
     state = grant(fresh(1000), AT, want=400, ttl_s=10)
-    state = apply_lease_released(state, release(spent=100), AT).state
-    assert reserved(state) == 100
-    t = apply_lease_expired(state, LeaseExpired(dataset=DS, lease_id="L1"), AT + 11)
-    assert t.state.leases == {}
-    assert only(t.emit, LeaseRevoked) == []
-    assert remaining(t.state) == 1000
+    state = apply_lease_expired(state, LeaseExpired(dataset=DS, lease_id="L1"), AT + 10).state
+    renewed = apply_lease_renewed(
+        state, LeaseRenewed(dataset=DS, lease_id="L1", holder="h1"), AT + 11
+    )
+    assert not renewed.changed
+    denied = apply_lease_request(state, request(want=100), AT + 11)
+    assert isinstance(denied.emit[0], LeaseDenied)
+    assert denied.state.leases["L1"].granted == 400
+
+
+def test_released_with_answers_on_their_way_closes_through_a_fence() -> None:
+    state = grant(fresh(1000), AT, want=400, ttl_s=10)
+    t = apply_lease_released(state, release(spent=100), AT)
+    [fence] = only(t.emit, LeaseFenced)
+    assert fence.lease_id == "L1"
+    assert reserved(t.state) == 100
+    # Expiry does not free it either, nor revoke it: it waits for its fence.
+    later = apply_lease_expired(t.state, LeaseExpired(dataset=DS, lease_id="L1"), AT + 11)
+    assert not later.changed and reserved(later.state) == 100
+    # A fence long overdue is written again.
+    overdue = AT + ledger.FENCE_RESEND_S + 1
+    again = apply_lease_expired(t.state, LeaseExpired(dataset=DS, lease_id="L1"), overdue)
+    assert only(again.emit, LeaseRevoked) == [] and len(only(again.emit, LeaseFenced)) == 1
+    assert reserved(again.state) == 100
+    assert remaining(fenced(t.state)) == 1000
+
+
+def test_budget_freed_by_expiry_is_not_granted_twice_when_reservations_run_ahead() -> None:
+    """The interleaving from the issue: the reservations topic read well ahead of the
+    completions topic. Budget 1000; lease A granted 1000; A released having published
+    1000 (not counted yet); A expires; lease B asks for 1000; then both sets of
+    completions arrive. Nothing may be kept beyond the budget."""
+    state = grant(fresh(1000), AT, lease_id="A", want=1000, ttl_s=10)
+    state = apply_lease_released(state, release("A", spent=1000), AT + 1).state
+    state = apply_lease_expired(state, LeaseExpired(dataset=DS, lease_id="A"), AT + 20).state
+    t = apply_lease_request(state, request("B", "h2", want=1000), AT + 21)
+    assert isinstance(t.emit[0], LeaseDenied)  # A's answers still hold the budget
+    state = t.state
+    for i in range(10):
+        answer = completion(f"a{i}", "A", completion_tokens=100)
+        state = apply_outcome(state, answer, None, AT).state
+    assert used(state) == 1000 and state.leases == {}
+    t = apply_lease_request(state, request("B", "h2", want=1000), AT + 22)
+    assert isinstance(t.emit[0], LeaseDenied) and t.emit[0].full
+    assert used(t.state) <= 1000
+
+
+def test_a_completion_after_its_lease_was_fenced_is_not_kept() -> None:
+    state = grant(fresh(1000), AT, want=400, ttl_s=10)
+    state = apply_lease_expired(state, LeaseExpired(dataset=DS, lease_id="L1"), AT + 10).state
+    state = fenced(state)
+    late = completion("r1", completion_tokens=300)
+    t = apply_outcome(state, late, None, AT + 12, fenced=True)
+    assert t.outcome == "skipped"
+    assert (used(t.state), t.state.skipped, t.state.samples) == (0, 1, 0)
+    # The holder claims it anew on a fresh lease: the same request is kept then.
+    claimed = grant(t.state, AT + 13, lease_id="L2", want=300)
+    again = apply_outcome(
+        claimed,
+        completion("r1", "L2", completion_tokens=300),
+        "skipped",
+        AT + 14,
+    )
+    assert again.outcome == "completed"
+    assert (used(again.state), again.state.skipped, again.state.samples) == (300, 0, 1)
+    assert again.state.leases["L2"].committed == 300
+
+
+def test_a_later_copy_of_a_completed_prompt_takes_its_cost_off_its_lease() -> None:
+    state = grant(fresh(1000), AT, lease_id="A", want=300)
+    state = grant(state, AT, lease_id="B", holder="h2", want=300)
+    first = apply_outcome(state, completion("r1", "A", completion_tokens=120), None, AT).state
+    copy = completion("r2", "B", completion_tokens=80, prompt_id="p-r1")
+    t = apply_outcome(first, copy, "completed", AT, new_copy=True)
+    assert t.outcome is None
+    assert used(t.state) == 120  # not counted
+    assert t.state.leases["B"].committed == 80  # but no longer on its way
+    assert reserved(t.state) == reserved(first) - 80
 
 
 def test_expiry_ignored_when_renewed_meanwhile() -> None:
