@@ -73,11 +73,20 @@ class _Lease:
     in_flight: int = 0
     spent: int = 0
     revoked: bool = False
+    # Revoked because it expired at the ledger: its budget may be someone else's now,
+    # so answers in flight on it are claimed anew rather than kept on it.
+    expired: bool = False
     ledger_short: bool = False  # the ledger granted less than asked, or denied
     asked_want: int = 0
     asked: asyncio.Future[ev.Event] | None = None
     last_used: float = field(default_factory=time.monotonic)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    # Until when (monotonic) the ledger cannot have expired it: the last request or
+    # renewal Kafka took, plus the TTL, less a margin for publishing an answer.
+    valid_until: float = float("inf")
+    publishing: int = 0  # completions settled on it whose send Kafka has not acked
+    published: asyncio.Event = field(default_factory=asyncio.Event)
+    releasing: bool = False
 
 
 @dataclass
@@ -142,7 +151,9 @@ class Admission:
         self.board = board
         self.settings = settings
         self.on_revoke = on_revoke
-        self._leases: dict[str, _Lease] = {}
+        self._leases: dict[str, _Lease] = {}  # the current lease of each dataset
+        self._by_id: dict[str, _Lease] = {}  # every lease not yet handed back
+        self._tasks: set[asyncio.Task[None]] = set()
         self._counter = itertools.count(1)
         self._asks: dict[str, asyncio.Future[ev.Event]] = {}
         self.refused_at: dict[str, float] = {}  # when this dispatcher first refused
@@ -233,12 +244,45 @@ class Admission:
                 await self._release(lease)
             return None
 
+    def retire_if_expired(self, ticket: Ticket) -> bool:
+        """Whether the ticket's lease may have expired at the ledger (revoked as
+        expired, or not renewed within its TTL, as after a freeze). If so the lease
+        takes nothing more, and an answer on it is to be claimed anew (:meth:`admit`
+        for its actual cost, after settling this ticket) before it is kept."""
+        lease = self._lease_of(ticket)
+        if lease is None:
+            return True
+        if not (lease.expired or time.monotonic() >= lease.valid_until):
+            return False
+        lease.expired = lease.revoked = True
+        lease.balance = 0
+        lease.changed.set()
+        return True
+
+    def sending(self, ticket: Ticket) -> None:
+        """A completion on ``ticket`` is about to be sent: its lease is not handed back
+        before :meth:`published`, so every completion of a lease is on Kafka before its
+        release, and the ledger never frees budget an answer on its way still needs."""
+        lease = self._lease_of(ticket)
+        if lease is not None:
+            lease.publishing += 1
+            lease.published.clear()
+
+    def published(self, ticket: Ticket) -> None:
+        """The completion announced by :meth:`sending` is on Kafka (or given up)."""
+        lease = self._lease_of(ticket)
+        if lease is None:
+            return
+        lease.publishing -= 1
+        if lease.publishing <= 0:
+            lease.published.set()
+
     def settle(self, ticket: Ticket, published_cost: int | None) -> None:
         """``published_cost``: what the published completion consumed, in the
         budget's unit, or None when nothing was published for this request."""
-        lease = self._leases.get(ticket.dataset)
-        if lease is None or lease.lease_id != ticket.lease_id:
-            return  # its lease was released or revoked meanwhile
+        lease = self._lease_of(ticket)
+        if lease is None:
+            return  # its lease was released meanwhile
         cost = 0 if published_cost is None else published_cost
         if cost > ticket.reserved:
             log.error(
@@ -253,16 +297,27 @@ class Admission:
             lease.balance += max(0, ticket.reserved - cost)
         lease.changed.set()
         if lease.revoked and lease.in_flight == 0:
-            asyncio.get_running_loop().create_task(self._release(lease))
+            self._spawn(self._release(lease))
 
     # -- lease lifecycle --------------------------------------------------------------
+
+    def _lease_of(self, ticket: Ticket) -> _Lease | None:
+        lease = self._by_id.get(ticket.lease_id)
+        return lease if lease is not None and lease.dataset == ticket.dataset else None
 
     def _lease(self, dataset: str) -> _Lease:
         lease = self._leases.get(dataset)
         if lease is None or (lease.revoked and lease.in_flight == 0):
             lease = _Lease(dataset, f"{self.holder}:{dataset}:{next(self._counter)}")
+            lease.published.set()
             self._leases[dataset] = lease
+            self._by_id[lease.lease_id] = lease
         return lease
+
+    def _spawn(self, coroutine: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _ask(self, lease: _Lease, want: int, min_grant: int) -> ev.Event | None:
         """One request to the ledger per lease at a time; every caller waits for
@@ -280,7 +335,7 @@ class Admission:
                 ttl_s=self.settings.lease_ttl_s,
                 at=time.time(),
             )
-            await self._send(request)
+            await self._send_extending(lease, request)
         try:
             return await asyncio.wait_for(asyncio.shield(lease.asked), timeout=10.0)
         except TimeoutError:
@@ -310,24 +365,34 @@ class Admission:
                 if lease is None or lease.lease_id != event.lease_id or lease.revoked:
                     return
                 lease.revoked = True
+                lease.expired = event.expired
                 lease.balance = 0
                 asked = self._asks.pop(event.lease_id, None)
                 if asked is not None and not asked.done():
                     asked.set_result(event)
                 lease.changed.set()
-                # What its requests in flight may still keep, read by on_revoke.
-                self.revocations[event.dataset] = (
-                    event.lease_id,
-                    max(0, event.ceiling - lease.spent),
-                )
-                if self.on_revoke is not None:
-                    asyncio.get_running_loop().create_task(self.on_revoke(event.dataset))
+                if not event.expired:
+                    # What its requests in flight may still keep, read by on_revoke.
+                    # (Answers on an expired lease are claimed anew instead.)
+                    self.revocations[event.dataset] = (
+                        event.lease_id,
+                        max(0, event.ceiling - lease.spent),
+                    )
+                    if self.on_revoke is not None:
+                        self._spawn(self.on_revoke(event.dataset))
                 if lease.in_flight == 0:
-                    asyncio.get_running_loop().create_task(self._release(lease))
+                    self._spawn(self._release(lease))
 
     async def _release(self, lease: _Lease) -> None:
+        """Hand a lease back once Kafka has every completion published on it (see
+        :meth:`published`); its ``spent`` tells the ledger what is still on its way."""
         if self._leases.get(lease.dataset) is lease:
             del self._leases[lease.dataset]
+        if lease.releasing:
+            return
+        lease.releasing = True
+        await lease.published.wait()
+        self._by_id.pop(lease.lease_id, None)
         await self._send(
             ev.LeaseReleased(
                 dataset=lease.dataset,
@@ -343,31 +408,55 @@ class Admission:
             self.topics.reservations, key=ev.event_key(event), value=ev.encode(event)
         )
 
+    async def _send_extending(self, lease: _Lease, event: ev.Event) -> None:
+        """Send a request or renewal; once Kafka has it, the ledger cannot expire the
+        lease before the TTL has passed from the moment it was sent."""
+        sent_at = time.monotonic()
+        await self._send(event)
+        margin = min(2.0, self.settings.lease_ttl_s / 4)
+        until = sent_at + self.settings.lease_ttl_s - margin
+        lease.valid_until = until if lease.valid_until == float("inf") else max(
+            lease.valid_until, until
+        )
+
     async def maintain(self) -> None:
-        """Renew leases in use, release idle ones; run as a background task."""
+        """Renew leases in use, release idle ones; run as a background task. A failed
+        send (a broker away) is tried again on the next round: this task never ends
+        on its own, or every lease would expire under requests still using it."""
         interval = max(0.5, self.settings.lease_ttl_s / 3)
         while True:
             await asyncio.sleep(min(interval, self.settings.idle_release_s))
-            now = time.monotonic()
-            for lease in list(self._leases.values()):
-                if lease.revoked:
-                    continue
-                idle = lease.in_flight == 0 and now - lease.last_used > self.settings.idle_release_s
-                if idle:
-                    await self._release(lease)
-                else:
-                    await self._send(
-                        ev.LeaseRenewed(
-                            dataset=lease.dataset,
-                            lease_id=lease.lease_id,
-                            holder=self.holder,
-                            ttl_s=self.settings.lease_ttl_s,
-                            at=time.time(),
-                        )
-                    )
+            try:
+                await self._maintain_once()
+            except Exception as exc:
+                log.warning("lease renewal failed, trying again: %r", exc)
+
+    async def _maintain_once(self) -> None:
+        now = time.monotonic()
+        for lease in list(self._leases.values()):
+            if lease.revoked:
+                continue
+            idle = lease.in_flight == 0 and now - lease.last_used > self.settings.idle_release_s
+            if idle:
+                await self._release(lease)
+            else:
+                renewal = ev.LeaseRenewed(
+                    dataset=lease.dataset,
+                    lease_id=lease.lease_id,
+                    holder=self.holder,
+                    ttl_s=self.settings.lease_ttl_s,
+                    at=time.time(),
+                )
+                await self._send_extending(lease, renewal)
+
+    async def hand_back_idle(self) -> None:
+        """Release every lease with no request in flight now (dispatch is pausing)."""
+        for lease in list(self._leases.values()):
+            if lease.in_flight == 0 and not lease.revoked:
+                await self._release(lease)
 
     async def close(self) -> None:
         """Hand every lease back (graceful stop: nothing is left in flight)."""
-        for lease in list(self._leases.values()):
+        for lease in list(self._by_id.values()):
             await self._release(lease)
         self.board.lease_listeners.pop(self.holder, None)

@@ -26,6 +26,7 @@ from typing import Any
 
 import httpx
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
+from aiokafka.errors import KafkaError
 
 from producers.admission import Admission, AdmissionSettings, RevokedCap, Ticket
 from producers.halts import BudgetBoard
@@ -39,17 +40,21 @@ from producers.inference import (
     http_client,
 )
 from producers.offsets import OffsetTracker
+from producers.server_gate import GateSettings, ServerGate
 from sinks import metrics
 from streams import events as ev
 from streams.ledger import unit_cost
 from streams.topics import Topics
 from tokenbudget.config import Config
-from tokenbudget.errors import EventDecodeError, InferenceError
+from tokenbudget.errors import EventDecodeError, InferenceError, ServerOutageError
 from tokenbudget.kafka import aiokafka_options
 
 log = logging.getLogger(__name__)
 
 PRODUCER_BATCH_BYTES = 512 * 1024
+# Errors outside the inference request (not Kafka's: those are waited out) after which
+# a prompt is recorded as failed rather than tried again.
+UNEXPECTED_ERRORS = 5
 
 
 @dataclass(frozen=True)
@@ -145,6 +150,7 @@ class Dispatcher:
         backend_factory: Callable[[httpx.AsyncClient], InferenceBackend] | None = None,
         keep_log: bool = False,
         holder: str | None = None,
+        instance: str | None = None,
     ) -> None:
         self.config = config
         self.bootstrap = bootstrap
@@ -167,6 +173,8 @@ class Dispatcher:
         self._publishing = asyncio.Semaphore(inference.concurrency)
         self._waiting_aside = asyncio.Semaphore(inference.concurrency)
         self.holder = holder or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        # Static group membership (Kafka's group.instance.id), when named.
+        self.instance = instance
         self.admission: Admission | None = None
         # rid -> (dataset, lease id, the generation task)
         self._in_flight: dict[str, tuple[str, str, asyncio.Task[GenerationResult]]] = {}
@@ -174,6 +182,8 @@ class Dispatcher:
         self._caps: dict[str, RevokedCap] = {}  # revoked lease id -> what may still be kept
         self._aborts: set[asyncio.Task[None]] = set()
         self._backend: InferenceBackend | None = None
+        self.gate: ServerGate | None = None
+        self._reported_problems: set[str] = set()
         self.refused_at: dict[str, float] = {}  # first refusal per dataset, this process
 
     @property
@@ -195,13 +205,24 @@ class Dispatcher:
                 await self._consumer.commit(to_commit)
 
     async def run(self, stop: asyncio.Event) -> DispatchReport:
+        hold_ms = int(self.config.inference.prompt_hold_s * 1000)
         consumer = AIOKafkaConsumer(
             **aiokafka_options(self.bootstrap),
             group_id=self.group_id,
+            # A restarted dispatcher of the same name takes its prompts straight back.
+            group_instance_id=self.instance,
             enable_auto_commit=False,
             auto_offset_reset="earliest",
             max_poll_records=self.config.inference.concurrency,
             fetch_max_wait_ms=100,
+            # A dispatcher that stops heartbeating (frozen, cut off, killed) keeps its
+            # prompts this long: back within it, it claims the answers it holds
+            # instead of others generating them again.
+            session_timeout_ms=hold_ms,
+            heartbeat_interval_ms=min(3000, hold_ms // 3),
+            # Waiting for a free place at the server is not a stuck consumer: only a
+            # missing heartbeat (above) takes its prompts away.
+            max_poll_interval_ms=24 * 3600 * 1000,
         )
         consumer.subscribe([self.topics.prompts], listener=_CommitOnRevoke(self))
         producer = AIOKafkaProducer(
@@ -242,7 +263,8 @@ class Dispatcher:
             async with http_client(self.config.inference.concurrency, self.timeouts) as client:
                 backend = self._backend_factory(client)
                 self._backend = backend
-                while not stop.is_set():
+                self.gate = self._gate(backend)
+                while not stop.is_set() and self.gate.outage is None:
                     batches = await consumer.getmany(
                         timeout_ms=200, max_records=self.config.inference.concurrency
                     )
@@ -257,7 +279,11 @@ class Dispatcher:
                 # Graceful stop: finish what was started, then commit it.
                 if tasks:
                     await asyncio.gather(*tasks, return_exceptions=True)
+                if self.gate.outage is not None:
+                    raise self.gate.outage
         finally:
+            if self.gate is not None:
+                await self.gate.close()
             committer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await committer
@@ -275,6 +301,24 @@ class Dispatcher:
             await producer.stop()
             self._consumer = self._producer = None
         return self.report
+
+    def _gate(self, backend: InferenceBackend) -> ServerGate:
+        inference = self.config.inference
+
+        async def hand_back() -> None:
+            if self.admission is not None:
+                await self.admission.hand_back_idle()
+
+        return ServerGate(
+            backend.health,
+            GateSettings(
+                pause_after=inference.pause_after_failures,
+                health_interval_s=inference.health_interval_s,
+                outage_timeout_s=inference.outage_timeout_s,
+            ),
+            url=inference.url,
+            on_pause=hand_back,
+        )
 
     def admission_refused(self, dataset: str) -> None:
         self.refused_at.setdefault(dataset, time.time())
@@ -366,13 +410,7 @@ class Dispatcher:
             return None
         if keep == cost:
             return result
-        return dataclasses.replace(
-            result,
-            completion_tokens=keep,
-            output_ids=result.output_ids[:keep],
-            text="",  # the text of a cut answer is not recoverable from ids here
-            finish_reason="length",
-        )
+        return cut_answer(result, keep)
 
     async def _commit_every(self, interval: float) -> None:
         while True:
@@ -380,9 +418,13 @@ class Dispatcher:
             await self.commit()
 
     async def _handle(self, backend: InferenceBackend, record: Any) -> None:
-        topic = record.topic
-        partition = record.partition
-        offset = record.offset
+        """Give the prompt at ``record`` its outcome, then let its offset be committed.
+
+        Nothing but a stop (cancellation) leaves a prompt without an outcome: an error
+        outside the inference request (a broker away, a bug) is retried with backoff,
+        and a prompt it keeps failing is recorded as failed, so the partition's commit
+        point never sticks behind it.
+        """
         slot = _Slot(self._slots, self._publishing, self._waiting_aside)
         try:
             try:
@@ -391,25 +433,50 @@ class Dispatcher:
                     raise EventDecodeError(f"expected a prompt, got {type(prompt).__name__}")
             except EventDecodeError as exc:
                 await self._dead_letter(str(exc), record)
-                return
-            await self._dispatch(backend, prompt, slot)
-        except Exception:
-            # Nothing was published for this prompt: leave its offset uncommitted
-            # so it is dispatched again after a restart, and say so.
-            log.exception("prompt at %s[%d]@%d not settled", topic, partition, offset)
-            return
+            else:
+                await self._settle_prompt(backend, prompt, slot)
         finally:
             slot.release()
-        self.tracker.finished(topic, partition, offset)
+        self.tracker.finished(record.topic, record.partition, record.offset)
+
+    async def _settle_prompt(
+        self, backend: InferenceBackend, prompt: ev.PromptEvent, slot: _Slot
+    ) -> None:
+        errors = 0
+        while True:
+            try:
+                await self._dispatch(backend, prompt, slot)
+                return
+            except (asyncio.CancelledError, ServerOutageError):
+                raise
+            except Exception as exc:
+                errors += 1
+                log.warning(
+                    "prompt %s of %s: %r (attempt %d); trying again",
+                    prompt.prompt_id,
+                    prompt.dataset,
+                    exc,
+                    errors,
+                    exc_info=errors == 1,
+                )
+                if errors >= UNEXPECTED_ERRORS and not isinstance(exc, KafkaError):
+                    await self._fail(prompt, errors, f"dispatch failed: {exc!r}")
+                    return
+                async with slot.aside():
+                    await asyncio.sleep(self.retry.delay(min(errors, 6)))
 
     async def _dispatch(
         self, backend: InferenceBackend, prompt: ev.PromptEvent, slot: _Slot | None = None
     ) -> None:
+        """Admit, generate, fit, publish; retry what the server's errors allow."""
         assert self._producer is not None
         attempts = 0
+        failures = 0  # failures that do not say the server is away
         last_error: InferenceError | None = None
         max_new = prompt.sampling.max_new_tokens or self.config.inference.max_new_tokens
-        while attempts <= self.retry.retries:
+        while True:
+            if self.gate is not None:
+                await self.gate.wait_open()
             if self.board.is_halted(prompt.dataset):
                 self.admission_refused(prompt.dataset)
                 await self._skip(prompt, "budget reached")
@@ -426,111 +493,258 @@ class Dispatcher:
                     await self._skip(prompt, "budget fully used or reserved")
                     return
             attempts += 1
-            rid = uuid.uuid4().hex
-            request = GenerationRequest(
-                rid=rid,
-                on_progress=self._on_progress,
-                max_new_tokens=ticket.max_new_tokens if ticket else max_new,
-                text=prompt.text,
-                messages=prompt.messages,
-                input_ids=tuple(prompt.input_ids) if prompt.input_ids is not None else None,
-                temperature=prompt.sampling.temperature,
-            )
-            sent_at = time.time()
-            if self.keep_log:
-                self.report.sent.append(Dispatched(prompt.dataset, rid, sent_at))
-            metrics.IN_FLIGHT.inc()
-            generation = asyncio.create_task(backend.generate(request))
-            lease_id = ticket.lease_id if ticket else ""
-            # In flight (abortable, counted by its lease's cap) until it is fitted.
-            self._in_flight[rid] = (prompt.dataset, lease_id, generation)
             try:
-                try:
-                    result = await generation
-                finally:
-                    metrics.IN_FLIGHT.dec()
-                # Stamped before any cap is looked up: a budget lowered after this
-                # moment is known (synced below) before the answer is kept.
-                finished_at = time.time()
-                if slot is not None:
-                    await slot.hand_over()  # the server may take the next request
-                if ticket:
-                    # Every budget event published until now is applied, and a lower
-                    # budget on its way to the ledger has its answer (revocations
-                    # come before the snapshot that shows it): what fits is known.
-                    await self.board.sync()
-                    await self.board.decided(prompt.dataset)
-                fitted = self._fit_to_cap(lease_id, prompt.dataset, rid, result)
+                await self._attempt(backend, prompt, ticket, max_new, attempts, slot)
             except InferenceError as exc:
-                if ticket:
-                    self.admission.settle(ticket, None)  # type: ignore[union-attr]
                 last_error = exc
                 metrics.INFERENCE_ERRORS.labels(kind=type(exc).__name__).inc()
                 log.warning("%s attempt %d failed: %s", prompt.prompt_id, attempts, exc)
+                if self.gate is not None:
+                    self.gate.failed(exc)
                 if not exc.retryable:
                     break
-                if attempts <= self.retry.retries:
-                    await asyncio.sleep(self.retry.delay(attempts))
+                if not exc.server_away:
+                    failures += 1
+                    if failures > self.retry.retries:
+                        break
+                delay = self.retry.delay(min(attempts, 8), exc.retry_after)
+                if slot is not None:
+                    async with slot.aside():
+                        await asyncio.sleep(delay)
+                else:
+                    await asyncio.sleep(delay)
                 continue
-            except asyncio.CancelledError:
-                current = asyncio.current_task()
-                if current is not None and current.cancelling():
-                    raise
-                # Aborted because its lease was revoked: nothing of it is kept.
-                if ticket:
-                    self.admission.settle(ticket, None)  # type: ignore[union-attr]
+            if self.gate is not None:
+                self.gate.succeeded()
+            return
+        await self._fail(prompt, attempts, f"gave up after {attempts} attempt(s): {last_error}")
+
+    async def _attempt(
+        self,
+        backend: InferenceBackend,
+        prompt: ev.PromptEvent,
+        ticket: Ticket | None,
+        max_new: int,
+        attempts: int,
+        slot: _Slot | None,
+    ) -> None:
+        """One request: generate, fit the answer to what it may keep, publish it. The
+        ticket is settled on every path (an error, a cancellation included)."""
+        rid = uuid.uuid4().hex
+        request = GenerationRequest(
+            rid=rid,
+            on_progress=self._on_progress,
+            max_new_tokens=ticket.max_new_tokens if ticket else max_new,
+            text=prompt.text,
+            messages=prompt.messages,
+            input_ids=tuple(prompt.input_ids) if prompt.input_ids is not None else None,
+            temperature=prompt.sampling.temperature,
+        )
+        tickets = [ticket] if ticket is not None else []  # settled on every path
+        settled: list[Ticket] = []
+        try:
+            generated = await self._generate(backend, prompt, request, ticket, slot)
+            if generated is None:
                 await self._skip(prompt, "budget lowered: aborted in flight")
                 return
-            finally:
-                self._in_flight.pop(rid, None)
-                self._generated.pop(rid, None)
-                cap = self._caps.get(lease_id)
-                if cap is not None:
-                    cap.forget(rid)
-            if fitted is None:
-                if ticket:
-                    self.admission.settle(ticket, None)  # type: ignore[union-attr]
-                await self._skip(prompt, "budget lowered: aborted in flight")
+            answer, sent_at, finished_at = generated
+            answer = self._within_request(backend, answer, request.max_new_tokens)
+            kept = await self._kept(prompt, ticket, rid, answer, slot, settled)
+            if kept is None:
+                await self._skip(prompt, "budget lowered or lease expired: answer not kept")
                 return
-            result = fitted
+            ticket, result = kept
+            if ticket is not None and ticket not in tickets:
+                tickets.append(ticket)
             metrics.REQUEST_LATENCY.observe(finished_at - sent_at)
             if result.first_token_at is not None:
                 metrics.TIME_TO_FIRST_TOKEN.observe(max(0.0, result.first_token_at - sent_at))
-            cost = unit_cost(
-                self.config.budget.unit, result.prompt_tokens, result.completion_tokens
+            completion = self._completion(
+                prompt, request, result, ticket, attempts, sent_at, finished_at
             )
-            completion = ev.CompletionEvent(
-                request_id=rid,
-                prompt_id=prompt.prompt_id,
-                dataset=prompt.dataset,
-                prompt_tokens=result.prompt_tokens,
-                completion_tokens=result.completion_tokens,
-                output_ids=ev.TokenIds(result.output_ids),
-                finish_reason=result.finish_reason,
-                max_new_tokens=request.max_new_tokens,
-                text=result.text,
-                attempts=attempts,
-                lease_id=ticket.lease_id if ticket else "",
-                cost=cost,
-                dispatched_at=sent_at,
-                first_token_at=result.first_token_at,
-                count_source=result.count_source,
-                finished_at=finished_at,
-            )
-            if ticket:
+            if ticket is not None:
                 # Spent from here on, before any await: a revocation arriving while
-                # this is being sent must already see it (and a failed send may
-                # still have landed).
-                self.admission.settle(ticket, cost)  # type: ignore[union-attr]
-            await self._producer.send_and_wait(
-                self.topics.completions,
-                key=prompt.dataset.encode(),
-                value=ev.encode(completion),
-            )
+                # this is being sent must already see it.
+                self.admission.sending(ticket)  # type: ignore[union-attr]
+                self.admission.settle(ticket, completion.cost)  # type: ignore[union-attr]
+                settled.append(ticket)
+            try:
+                await self._publish(self.topics.completions, prompt.dataset, completion)
+            finally:
+                if ticket is not None:
+                    self.admission.published(ticket)  # type: ignore[union-attr]
             metrics.EVENTS_PRODUCED.labels(topic="completions").inc()
             self.report.completed += 1
-            return
-        reason = f"gave up after {attempts} attempt(s): {last_error}"
+        finally:
+            for unsettled in tickets:
+                if unsettled not in settled:
+                    self.admission.settle(unsettled, None)  # type: ignore[union-attr]
+
+    async def _generate(
+        self,
+        backend: InferenceBackend,
+        prompt: ev.PromptEvent,
+        request: GenerationRequest,
+        ticket: Ticket | None,
+        slot: _Slot | None,
+    ) -> tuple[GenerationResult, float, float] | None:
+        """The server's answer with when it was sent and finished; None when it was
+        aborted because its lease was revoked (a lowered budget)."""
+        rid = request.rid
+        sent_at = time.time()
+        if self.keep_log:
+            self.report.sent.append(Dispatched(prompt.dataset, rid, sent_at))
+        metrics.IN_FLIGHT.inc()
+        generation = asyncio.create_task(backend.generate(request))
+        lease_id = ticket.lease_id if ticket else ""
+        # In flight (abortable, counted by its lease's cap) until it is fitted.
+        self._in_flight[rid] = (prompt.dataset, lease_id, generation)
+        try:
+            try:
+                result = await generation
+            finally:
+                metrics.IN_FLIGHT.dec()
+            # Stamped before any cap is looked up: a budget lowered after this
+            # moment is known (synced below) before the answer is kept.
+            finished_at = time.time()
+            if slot is not None:
+                await slot.hand_over()  # the server may take the next request
+            if ticket:
+                # Every budget event published until now is applied, and a lower
+                # budget on its way to the ledger has its answer (revocations come
+                # before the snapshot that shows it): what fits is known.
+                await self.board.sync()
+                await self.board.decided(prompt.dataset)
+            return result, sent_at, finished_at
+        except asyncio.CancelledError:
+            self._forget_in_cap(lease_id, rid)
+            current = asyncio.current_task()
+            if current is not None and current.cancelling():
+                raise
+            return None  # aborted because its lease was revoked
+        except BaseException:
+            self._forget_in_cap(lease_id, rid)
+            raise
+        finally:
+            self._in_flight.pop(rid, None)
+            self._generated.pop(rid, None)
+
+    def _forget_in_cap(self, lease_id: str, rid: str) -> None:
+        cap = self._caps.get(lease_id)
+        if cap is not None:
+            cap.forget(rid)
+
+    def _within_request(
+        self, backend: InferenceBackend, result: GenerationResult, max_new_tokens: int
+    ) -> GenerationResult:
+        """The answer as the request allowed it: ids and count agreeing, at most
+        ``max_new_tokens`` (a server that ignored the limit, or a recount that came out
+        higher, is cut to it and reported once per server)."""
+        checked, problem = within_request(result, max_new_tokens)
+        if problem is not None:
+            metrics.SERVER_COUNT_CORRECTIONS.labels(kind=problem).inc()
+            if problem not in self._reported_problems:
+                self._reported_problems.add(problem)
+                log.error(
+                    "the inference server %s returned %s (first seen: %d ids, %d counted, "
+                    "max_new_tokens %d); such answers are cut to the request's limit",
+                    backend.base_url,
+                    PROBLEMS[problem],
+                    len(result.output_ids),
+                    result.completion_tokens,
+                    max_new_tokens,
+                )
+        return checked
+
+    async def _kept(
+        self,
+        prompt: ev.PromptEvent,
+        ticket: Ticket | None,
+        rid: str,
+        answer: GenerationResult,
+        slot: _Slot | None,
+        settled: list[Ticket],
+    ) -> tuple[Ticket | None, GenerationResult] | None:
+        """What of the answer is kept, and on which ticket: its own; a fresh one when
+        its lease may have expired meanwhile (the old one is settled, into
+        ``settled``); or, on a lease revoked by a lowered budget, what its allowance
+        holds. None: nothing of it fits."""
+        if ticket is None or self.admission is None:
+            return ticket, answer
+        if self.admission.retire_if_expired(ticket):
+            # Its budget may be someone else's now: claim the answer anew.
+            self.admission.settle(ticket, None)
+            settled.append(ticket)
+            return await self._claim(prompt, answer, slot)
+        fitted = self._fit_to_cap(ticket.lease_id, prompt.dataset, rid, answer)
+        return None if fitted is None else (ticket, fitted)
+
+    async def _claim(
+        self, prompt: ev.PromptEvent, result: GenerationResult, slot: _Slot | None
+    ) -> tuple[Ticket, GenerationResult] | None:
+        """A fresh ticket for an answer already generated, for what it actually costs
+        (cut at the line when only part of it fits a completion-token budget), or None
+        when the budget has no room left for it: GPU work done is kept when it can be."""
+        assert self.admission is not None
+        claimed = await self.admission.admit(
+            prompt.dataset,
+            result.completion_tokens,
+            result.prompt_tokens,
+            aside=slot.aside if slot is not None else None,
+        )
+        metrics.CLAIMS.labels(result="kept" if claimed else "refused").inc()
+        if claimed is None:
+            return None
+        if claimed.max_new_tokens >= result.completion_tokens:
+            return claimed, result
+        return claimed, cut_answer(result, claimed.max_new_tokens)
+
+    def _completion(
+        self,
+        prompt: ev.PromptEvent,
+        request: GenerationRequest,
+        result: GenerationResult,
+        ticket: Ticket | None,
+        attempts: int,
+        sent_at: float,
+        finished_at: float,
+    ) -> ev.CompletionEvent:
+        return ev.CompletionEvent(
+            request_id=request.rid,
+            prompt_id=prompt.prompt_id,
+            dataset=prompt.dataset,
+            prompt_tokens=result.prompt_tokens,
+            completion_tokens=result.completion_tokens,
+            output_ids=ev.TokenIds(result.output_ids),
+            finish_reason=result.finish_reason,
+            max_new_tokens=request.max_new_tokens,
+            text=result.text,
+            attempts=attempts,
+            lease_id=ticket.lease_id if ticket else "",
+            cost=unit_cost(self.config.budget.unit, result.prompt_tokens, result.completion_tokens),
+            dispatched_at=sent_at,
+            first_token_at=result.first_token_at,
+            count_source=result.count_source,
+            finished_at=finished_at,
+        )
+
+    async def _publish(self, topic: str, dataset: str, event: ev.Event) -> None:
+        """Send until Kafka has it: an outcome is never given up on (a broker away is
+        waited out). The same event sent twice is harmless: readers keep the first
+        outcome of a prompt, and a repeated request id is recognised."""
+        assert self._producer is not None
+        value = ev.encode(event)
+        delay = 0.2
+        while True:
+            try:
+                await self._producer.send_and_wait(topic, key=dataset.encode(), value=value)
+                return
+            except KafkaError as exc:
+                log.warning("publishing to %s failed (%r); trying again", topic, exc)
+                await asyncio.sleep(delay)
+                delay = min(5.0, delay * 2)
+
+    async def _fail(self, prompt: ev.PromptEvent, attempts: int, reason: str) -> None:
         failed = ev.PromptFailed(
             prompt_id=prompt.prompt_id,
             dataset=prompt.dataset,
@@ -539,24 +753,17 @@ class Dispatcher:
             at=time.time(),
         )
         letter = ev.dead_letter(reason, source_topic=self.topics.prompts, payload=ev.encode(prompt))
-        await self._producer.send_and_wait(
-            self.topics.dead_letter, key=prompt.dataset.encode(), value=ev.encode(letter)
-        )
-        await self._producer.send_and_wait(
-            self.topics.outcomes, key=prompt.dataset.encode(), value=ev.encode(failed)
-        )
+        await self._publish(self.topics.dead_letter, prompt.dataset, letter)
+        await self._publish(self.topics.outcomes, prompt.dataset, failed)
         self.report.failed += 1
         metrics.DEAD_LETTERED.labels(topic="prompts").inc()
         metrics.EVENTS_PRODUCED.labels(topic="outcomes").inc()
 
     async def _skip(self, prompt: ev.PromptEvent, reason: str) -> None:
-        assert self._producer is not None
         skipped = ev.PromptSkipped(
             prompt_id=prompt.prompt_id, dataset=prompt.dataset, reason=reason, at=time.time()
         )
-        await self._producer.send_and_wait(
-            self.topics.outcomes, key=prompt.dataset.encode(), value=ev.encode(skipped)
-        )
+        await self._publish(self.topics.outcomes, prompt.dataset, skipped)
         self.report.skipped += 1
         metrics.SKIPPED_PROMPTS.labels(dataset=prompt.dataset).inc()
         metrics.EVENTS_PRODUCED.labels(topic="outcomes").inc()
@@ -572,6 +779,39 @@ class Dispatcher:
         self.report.dead_lettered += 1
         metrics.DEAD_LETTERED.labels(topic="prompts").inc()
         log.warning("dead-lettered a prompt event: %s", reason)
+
+
+PROBLEMS = {
+    "over_request": "more tokens than max_new_tokens",
+    "ids_mismatch": "a completion_tokens count that disagrees with its token ids",
+}
+
+
+def within_request(
+    result: GenerationResult, max_new_tokens: int
+) -> tuple[GenerationResult, str | None]:
+    """The answer with ids and count agreeing and at most ``max_new_tokens`` tokens,
+    and what was wrong with it, if anything. Token ids, when the server returned
+    them, are the answer; a count without ids (a tokenizer recount) is capped."""
+    problem: str | None = None
+    if result.output_ids and len(result.output_ids) != result.completion_tokens:
+        problem = "ids_mismatch"
+        result = dataclasses.replace(result, completion_tokens=len(result.output_ids))
+    if result.completion_tokens > max_new_tokens:
+        problem = problem or "over_request"
+        result = cut_answer(result, max_new_tokens)
+    return result, problem
+
+
+def cut_answer(result: GenerationResult, keep: int) -> GenerationResult:
+    """The first ``keep`` tokens of an answer, as a server stopping there would give."""
+    return dataclasses.replace(
+        result,
+        completion_tokens=keep,
+        output_ids=result.output_ids[:keep],
+        text="" if result.output_ids else result.text,
+        finish_reason="length",
+    )
 
 
 def prompt_token_estimate(prompt: ev.PromptEvent) -> int:

@@ -26,6 +26,7 @@ here, into the :class:`~tokenbudget.errors.InferenceError` tree; callers retry o
 from __future__ import annotations
 
 import asyncio
+import email.utils
 import json
 import os
 import random
@@ -45,11 +46,37 @@ from tokenbudget.errors import (
     InferenceRequestError,
     InferenceServerError,
     InferenceTransportError,
+    InferenceUnavailableError,
 )
 
 if TYPE_CHECKING:
     from producers.tokenizers import LocalTokenizer
     from tokenbudget.config import Config
+
+# Statuses that say the server is busy or away, not that the request is wrong.
+AWAY_STATUSES = frozenset({408, 429, 502, 503, 504})
+# A Retry-After beyond this is taken as this: a job waits, it does not sleep for days.
+RETRY_AFTER_MAX_S = 600.0
+
+
+def parse_retry_after(value: str | None, now: float | None = None) -> float | None:
+    """Seconds from ``Retry-After`` (delay-seconds or an HTTP date), capped at
+    :data:`RETRY_AFTER_MAX_S`; None when absent or unreadable."""
+    if not value:
+        return None
+    value = value.strip()
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError):
+            return None
+        seconds = when.timestamp() - (time.time() if now is None else now)
+    if seconds != seconds:  # NaN
+        return None
+    return min(RETRY_AFTER_MAX_S, max(0.0, seconds))
+
 
 # on_progress(rid, completion tokens so far): called on every streamed chunk.
 ProgressCallback = Callable[[str, int], None]
@@ -165,9 +192,11 @@ class RetryPolicy:
     backoff: float = 0.5
     backoff_max: float = 10.0
 
-    def delay(self, attempt: int) -> float:
+    def delay(self, attempt: int, retry_after: float | None = None) -> float:
+        """Seconds before attempt ``attempt + 1``: exponential with jitter, and never
+        less than the server's ``Retry-After``."""
         base = min(self.backoff_max, self.backoff * (2 ** (attempt - 1)))
-        return base * (0.5 + random.random() / 2)
+        return max(base * (0.5 + random.random() / 2), retry_after or 0.0)
 
 
 @dataclass(frozen=True)
@@ -260,11 +289,19 @@ class InferenceBackend(ABC):
 
     # ---- plumbing ---------------------------------------------------------------------
 
-    def _raise_for_status(self, method: str, url: str, status: int, text: str) -> None:
+    def _raise_for_status(
+        self, method: str, url: str, response: httpx.Response, text: str
+    ) -> None:
+        status = response.status_code
+        if status < 400:
+            return
+        message = f"{method} {url}: HTTP {status}: {text[:200]}"
+        if status in AWAY_STATUSES:
+            retry_after = parse_retry_after(response.headers.get("Retry-After"))
+            raise InferenceUnavailableError(message, retry_after=retry_after)
         if status >= 500:
-            raise InferenceServerError(f"{method} {url}: HTTP {status}: {text[:200]}")
-        if status >= 400:
-            raise InferenceRequestError(f"{method} {url}: HTTP {status}: {text[:200]}")
+            raise InferenceServerError(message)
+        raise InferenceRequestError(message)
 
     async def _request(self, method: str, path: str, body: dict[str, Any] | None) -> Any:
         url = self.base_url + path
@@ -274,7 +311,7 @@ class InferenceBackend(ABC):
             raise InferenceTransportError(f"{method} {url}: timed out ({exc!r})") from exc
         except httpx.TransportError as exc:
             raise InferenceTransportError(f"{method} {url}: {exc!r}") from exc
-        self._raise_for_status(method, url, response.status_code, response.text)
+        self._raise_for_status(method, url, response, response.text)
         if not response.content:
             return None
         try:
@@ -306,7 +343,7 @@ class InferenceBackend(ABC):
             async with self.client.stream("POST", url, json=body, headers=self.headers) as resp:
                 if resp.status_code >= 400:
                     text = (await resp.aread()).decode("utf-8", "replace")
-                    self._raise_for_status("POST", url, resp.status_code, text)
+                    self._raise_for_status("POST", url, resp, text)
                 async for line in resp.aiter_lines():
                     if not line.startswith("data:"):
                         continue  # blank separators, comments, event:/id: fields

@@ -108,6 +108,26 @@ INFERENCE_ERRORS = Counter(
     "tokenbudget_inference_errors_total", "Failed inference attempts by kind", ["kind"]
 )
 
+#: counter: answers cut at the dispatcher because the server broke its request's
+#: limit ("over_request": more tokens than max_new_tokens; "ids_mismatch": a count
+#: that disagrees with the token ids returned)
+SERVER_COUNT_CORRECTIONS = Counter(
+    "tokenbudget_server_count_corrections_total",
+    "Answers corrected at the dispatcher because the server broke the request's limit",
+    ["kind"],
+)
+#: counter: answers on a lease that may have expired, claimed anew ("kept") or not
+#: ("refused": the budget had no room left for them)
+CLAIMS = Counter(
+    "tokenbudget_claims_total",
+    "Answers on an expired lease claimed anew from the ledger, by result",
+    ["result"],
+)
+#: counter: times dispatch paused because the inference server was away
+SERVER_PAUSES = Counter(
+    "tokenbudget_server_pauses_total", "Times dispatch paused because the server was away"
+)
+
 # --- Kafka ------------------------------------------------------------------------
 
 #: counter: events produced, per topic role

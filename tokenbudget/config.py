@@ -66,9 +66,18 @@ class InferenceConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only
     temperature: float | None = None
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 600.0
+    # Failures of one prompt that do not say the server is away (another HTTP 5xx, a
+    # malformed answer) before it fails for good; "away" ones (429/408/502/503/504,
+    # refused, reset, timed out) are retried for as long as the server is away.
     retries: int = 3
     backoff_s: float = 0.5
     backoff_max_s: float = 10.0
+    pause_after_failures: int = 5  # "away" failures in a row that pause dispatch
+    health_interval_s: float = 2.0  # while paused: how often /health is asked
+    outage_timeout_s: float = 3600.0  # a server away longer ends the run (0: never)
+    # A dispatcher that stops answering (frozen, cut off, killed) keeps its prompts
+    # this long before others take them over; back within it, it claims its answers.
+    prompt_hold_s: float = 60.0
     stream: bool = False  # SSE streaming (first-token time, per-chunk progress)
     api_key_env: str = "TOKENBUDGET_API_KEY"  # env var whose value is sent as a Bearer token
     tokenizer: str = ""  # local tokenizer folder: chat templates, counts the server omits
@@ -484,6 +493,20 @@ def _check_ranges(raw: _RawConfig, source: str) -> None:
         raise ConfigError("budget.lease_ttl_s", "must be >= 2 seconds", source=source)
     if raw.inference.retries < 0:
         raise ConfigError("inference.retries", "must be >= 0", source=source)
+    if raw.inference.pause_after_failures < 1:
+        raise ConfigError("inference.pause_after_failures", "must be >= 1", source=source)
+    if raw.inference.health_interval_s <= 0:
+        raise ConfigError("inference.health_interval_s", "must be > 0", source=source)
+    if raw.inference.outage_timeout_s < 0:
+        raise ConfigError(
+            "inference.outage_timeout_s", "must be >= 0 (0: wait for ever)", source=source
+        )
+    if not 6 <= raw.inference.prompt_hold_s <= 1800:
+        raise ConfigError(
+            "inference.prompt_hold_s",
+            "must be within 6..1800 seconds (the broker's group.min/max.session.timeout.ms)",
+            source=source,
+        )
     if not raw.inference.url.startswith(("http://", "https://")):
         raise ConfigError(
             "inference.url", f"{raw.inference.url!r} is not an http(s) URL", source=source

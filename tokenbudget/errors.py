@@ -6,11 +6,17 @@
     ├── EventDecodeError       bytes on a topic are not a known event of a known version
     ├── BrokerError            the local Kafka broker cannot be fetched, started or reached
     ├── KafkaAuthError         a Kafka broker refused our credentials, or TLS failed
-    └── InferenceError         the inference server failed a request
-        ├── InferenceTransportError   connection refused/reset, timeout
-        ├── InferenceServerError      HTTP 5xx (retried)
-        ├── InferenceRequestError     HTTP 4xx (not retried)
-        └── InferenceProtocolError    the body is not the wire format we expect
+    ├── InferenceError         the inference server failed a request
+    │   ├── InferenceTransportError   connection refused/reset, timeout (server away)
+    │   ├── InferenceUnavailableError HTTP 429, 408, 502, 503, 504 (server away)
+    │   ├── InferenceServerError      another HTTP 5xx (retried)
+    │   ├── InferenceRequestError     another HTTP 4xx: the request is wrong (not retried)
+    │   └── InferenceProtocolError    the body is not the wire format we expect (retried)
+    └── ServerOutageError      the inference server stayed away longer than allowed
+
+"Server away" errors say nothing about the request: they are retried for as long as
+the server is away (dispatch pauses meanwhile) and never fail a prompt. The other
+retried errors fail a prompt after ``[inference] retries`` of them.
 
 Errors from libraries are translated at one boundary per module with
 ``raise ... from exc`` so the user sees where and what to fix, and the cause stays
@@ -70,12 +76,28 @@ class InferenceError(TokenBudgetError):
     """The inference server failed a request."""
 
     retryable: bool = False
+    # The server is busy or unreachable: the request itself is not to blame.
+    server_away: bool = False
+    retry_after: float | None = None  # seconds the server asked us to wait
 
 
 class InferenceTransportError(InferenceError):
     """The connection failed or timed out before a complete answer arrived."""
 
     retryable = True
+    server_away = True
+
+
+class InferenceUnavailableError(InferenceError):
+    """The server is overloaded, restarting or behind a failing proxy (HTTP 429, 408,
+    502, 503, 504); ``retry_after`` is its ``Retry-After``, when it sent one."""
+
+    retryable = True
+    server_away = True
+
+    def __init__(self, message: str, *, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class InferenceServerError(InferenceError):
@@ -92,3 +114,7 @@ class InferenceProtocolError(InferenceError):
     """The server's answer is not the wire format the configured API speaks."""
 
     retryable = True
+
+
+class ServerOutageError(TokenBudgetError):
+    """The inference server stayed away longer than ``[inference] outage_timeout_s``."""

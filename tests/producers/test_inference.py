@@ -12,6 +12,7 @@ import pytest
 
 from producers import inference
 from producers.inference import (
+    RETRY_AFTER_MAX_S,
     GenerationRequest,
     GenerationResult,
     InferenceBackend,
@@ -21,6 +22,7 @@ from producers.inference import (
     SGLangBackend,
     generate_with_retries,
     make_backend,
+    parse_retry_after,
 )
 from streams.events import ChatMessage
 from tokenbudget import simulator
@@ -30,6 +32,7 @@ from tokenbudget.errors import (
     InferenceRequestError,
     InferenceServerError,
     InferenceTransportError,
+    InferenceUnavailableError,
 )
 from tokenbudget.simulator import Faults, RunningSimulator, SimulatorConfig
 
@@ -331,8 +334,48 @@ def test_openai_without_token_ids_counts_from_usage() -> None:
 
 @pytest.mark.parametrize(("status", "error"), [(404, InferenceRequestError),
                                                (422, InferenceRequestError),
-                                               (503, InferenceServerError)])  # fmt: skip
+                                               (500, InferenceServerError),
+                                               (408, InferenceUnavailableError),
+                                               (429, InferenceUnavailableError),
+                                               (502, InferenceUnavailableError),
+                                               (503, InferenceUnavailableError),
+                                               (504, InferenceUnavailableError)])  # fmt: skip
 def test_status_codes(status: int, error: type[InferenceError]) -> None:
     backend = _answering({"error": "no"}, status)("openai-chat")
-    with pytest.raises(error, match=str(status)):
+    with pytest.raises(error, match=str(status)) as raised:
         asyncio.run(_generate(backend))
+    # Only "busy or away" statuses spare the prompt; a wrong request fails it.
+    assert raised.value.server_away == (error is InferenceUnavailableError)
+    assert raised.value.retryable == (error is not InferenceRequestError)
+
+
+@pytest.mark.parametrize("api", ["sglang", "openai-completions", "openai-chat"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_retry_after_of_a_busy_server_reaches_the_error(api: str, stream: bool) -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(429, json={"error": "busy"}, headers={"Retry-After": "7"})
+
+    async def go() -> None:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            backend = make_backend(api, client, "http://server", stream=stream)
+            await backend.generate(request("busy"))
+
+    with pytest.raises(InferenceUnavailableError) as raised:
+        asyncio.run(go())
+    assert raised.value.retry_after == 7.0
+
+
+def test_parse_retry_after() -> None:
+    assert parse_retry_after("12") == 12.0
+    assert parse_retry_after(" 0.5 ") == 0.5
+    assert parse_retry_after("-3") == 0.0
+    assert parse_retry_after("100000") == RETRY_AFTER_MAX_S
+    assert parse_retry_after("Thu, 01 Jan 1970 00:01:40 GMT", now=40.0) == 60.0
+    assert parse_retry_after("soon") is None
+    assert parse_retry_after(None) is None
+
+
+def test_retry_delay_is_never_shorter_than_retry_after() -> None:
+    policy = RetryPolicy(retries=3, backoff=0.1, backoff_max=1.0)
+    assert all(policy.delay(attempt, 5.0) == 5.0 for attempt in range(1, 6))
+    assert all(policy.delay(attempt) <= 1.0 for attempt in range(1, 6))
