@@ -37,6 +37,7 @@ class DatasetView:
     halted: bool = False
     halted_at: float | None = None  # when this process saw the halt
     snapshot: ev.LedgerSnapshot | None = None
+    epoch: int = 0  # the highest ledger epoch seen for the dataset
 
 
 @dataclass
@@ -83,6 +84,11 @@ class BudgetBoard:
 
     def apply(self, event: ev.Event, seen_at: float | None = None) -> None:
         seen_at = time.time() if seen_at is None else seen_at
+        if isinstance(event, ev.LedgerEvents):
+            view = self.view(event.dataset)
+            if event.epoch < view.epoch:
+                return  # from a ledger worker that had lost the dataset's partition
+            view.epoch = event.epoch
         match event:
             case ev.BudgetExceeded():
                 self._set_halted(event.dataset, True, seen_at)
@@ -97,8 +103,11 @@ class BudgetBoard:
                     listener(event)
                 return
             case ev.LedgerSnapshot():
+                # A new owner's clock may be behind its predecessor's: its first
+                # snapshot wins by epoch (an older owner's were dropped above).
                 view = self.view(event.dataset)
-                if view.snapshot is None or event.at >= view.snapshot.at:
+                current = view.snapshot
+                if current is None or event.epoch > current.epoch or event.at >= current.at:
                     view.snapshot = event
                     self._set_halted(event.dataset, event.halted, seen_at)
                 pending = self._lowering.get(event.dataset)

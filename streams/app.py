@@ -25,7 +25,7 @@ from faust.transport.producer import ProducerBuffer
 
 from sinks import metrics
 from streams import events as ev
-from streams import ledger
+from streams import faust_ownership, ledger
 from streams.faust_flow import LedgerApp, LedgerConsumer
 from streams.faust_hot_path import (
     QuietMonitor,
@@ -57,6 +57,7 @@ ProducerBuffer.max_messages = 20_000
 
 BATCH = 1000
 BATCH_WAIT_S = 0.01
+SESSION_TIMEOUT_S = 10.0
 IGNORED = (
     ev.BudgetExceeded,
     ev.BudgetRaised,
@@ -153,7 +154,7 @@ def build_app(settings: LedgerSettings) -> faust.App:
         producer_max_batch_size=512 * 1024,
         # A killed worker's partitions move to its replacement after this long;
         # Faust's default (60 s) would stall a restarted ledger for a minute.
-        broker_session_timeout=10.0,
+        broker_session_timeout=SESSION_TIMEOUT_S,
         broker_heartbeat_interval=1.0,
         key_serializer="raw",
         value_serializer="raw",
@@ -174,14 +175,15 @@ def build_app(settings: LedgerSettings) -> faust.App:
         value_type=bytes,
     )
     datasets_changelog = datasets.changelog_topic.get_topic_name()
+    sources = [topics.completions, topics.outcomes, topics.budgets, topics.reservations]
+    ownership = faust_ownership.Ownership(app, sources, datasets_changelog, SESSION_TIMEOUT_S)
+    faust_ownership.recover_preferring(datasets, ledger.newer_owner)
+    faust_ownership.recover_preferring(outcomes, ledger.not_a_lost_completion)
     outcomes_changelog = outcomes.changelog_topic.get_topic_name()
     dataset_key = changelog_key_encoder(datasets)
     outcome_key = changelog_key_encoder(outcomes)
     source = app.topic(
-        topics.completions,
-        topics.outcomes,
-        topics.budgets,
-        topics.reservations,
+        *sources,
         schema=RawSchema(key_type=bytes, value_type=bytes),
         partitions=PARTITIONS,
     )
@@ -191,6 +193,9 @@ def build_app(settings: LedgerSettings) -> faust.App:
     reservations = app.topic(topics.reservations, key_serializer="raw", value_serializer="raw")
 
     dirty: set[str] = set()
+    # Table writes not yet on the broker: a snapshot waits for them, so that no reader
+    # ever sees counts a restarted (or the next) owner would not recover.
+    unwritten: list[asyncio.Future[Any]] = []
     received = ReceivedOffsets()
     # No snapshot leaves between a state's write and its announcements: a dispatcher
     # takes a snapshot showing a lowered budget as the end of that lowering's
@@ -204,13 +209,35 @@ def build_app(settings: LedgerSettings) -> faust.App:
         return ledger.load_ledger(raw) if raw else ledger.DatasetLedger(dataset=dataset)
 
     async def publish(events: list[ev.Event]) -> None:
+        """Announce, stamped with this worker's epoch for each dataset's partition;
+        nothing for a partition it may no longer speak for (a rebalance started)."""
         for event in events:
+            epoch = ownership.epoch(dataset_partition(str(getattr(event, "dataset", ""))))
+            if epoch is None:
+                log.info("not announcing %s: its partition is being handed over", event)
+                continue
+            event = msgspec.structs.replace(event, epoch=epoch)  # type: ignore[type-var]
             # A fence goes where the lease's completions go, to order itself among them.
             fenced = isinstance(event, ev.LeaseFenced)
             out = completions_out if fenced else budgets_out
             fut = await out.send(key=ev.event_key(event), value=ev.encode(event))
             await fut  # a halt that was not delivered is a budget overshot
             metrics.EVENTS_PRODUCED.labels(topic="completions" if fenced else "budgets").inc()
+
+    def dataset_partition(dataset: str) -> int:
+        return faust_ownership.partition_of(dataset, PARTITIONS)
+
+    async def still_owner() -> None:
+        """Before writing state: a worker frozen past its session may have been
+        expelled; its next heartbeat says. Expelled, it must not write: it exits and
+        starts again from what is durable (committed offsets, the changelog)."""
+        if ownership.current() or await ownership.confirmed(timeout=SESSION_TIMEOUT_S):
+            return
+        log.critical(
+            "ledger: no longer sure to own its partitions (a heartbeat older than the "
+            "session); exiting so it rejoins the group and recovers"
+        )
+        os._exit(75)
 
     async def process(batch: list[Any]) -> None:
         """Apply a batch of events, persist, then announce.
@@ -260,6 +287,7 @@ def build_app(settings: LedgerSettings) -> faust.App:
             metrics.consumed(topic, "ledger", count)
         if not states:
             return
+        await still_owner()
         outcome_writes: dict[int, list[tuple[bytes, bytes]]] = {}
         for prompt_id, (partition, value) in outcome_entries.items():
             outcomes.data[prompt_id] = value
@@ -268,7 +296,8 @@ def build_app(settings: LedgerSettings) -> faust.App:
         async with announcing:
             ledger_writes: dict[int, list[tuple[bytes, bytes]]] = {}
             for name, state in states.items():
-                value = ledger.dump_ledger(state)
+                epoch = ownership.write_epoch(partition_of[name])
+                value = ledger.dump_ledger(msgspec.structs.replace(state, epoch=epoch))
                 datasets.data[name] = value
                 ledger_writes.setdefault(partition_of[name], []).append((dataset_key(name), value))
                 dirty.add(name)  # metrics and snapshots follow on the timer
@@ -281,6 +310,7 @@ def build_app(settings: LedgerSettings) -> faust.App:
             # again from what is durable (committed offsets and the changelog).
             for future in sent:
                 future.add_done_callback(_exit_unless_written)
+            unwritten[:] = [f for f in unwritten if not f.done()] + sent
             if announce:
                 await asyncio.gather(*sent)  # a halt announces only what is durable
                 await publish(announce)
@@ -411,12 +441,16 @@ def build_app(settings: LedgerSettings) -> faust.App:
         if not dirty:
             return
         async with announcing:
+            await asyncio.gather(*unwritten)  # only what a recovery would find again
             at = ev.now()
             names = sorted(dirty)
             dirty.clear()
             for name in names:
+                epoch = ownership.epoch(dataset_partition(name))
+                if epoch is None:
+                    continue  # not ours (any more): its owner speaks for it
                 state = load(name)
-                snap = ledger.snapshot(state, at)
+                snap = msgspec.structs.replace(ledger.snapshot(state, at), epoch=epoch)
                 await budgets_out.send(key=name.encode(), value=ev.encode(snap))
                 metrics.EVENTS_PRODUCED.labels(topic="budgets").inc()
                 if settings.on_state:
@@ -428,6 +462,8 @@ def build_app(settings: LedgerSettings) -> faust.App:
         # through the reservations topic like any other lease change.
         now = ev.now()
         for name in list(datasets):
+            if ownership.epoch(dataset_partition(str(name))) is None:
+                continue
             for lease_id in ledger.expired_leases(load(str(name)), now):
                 expired = ev.LeaseExpired(dataset=str(name), lease_id=lease_id, at=now)
                 await reservations.send(key=str(name).encode(), value=ev.encode(expired))

@@ -55,6 +55,22 @@ class _Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
     v: int = SCHEMA_VERSION
 
 
+class _LedgerEvent(_Event, frozen=True, kw_only=True):
+    """What the ledger announces about a dataset. ``epoch`` says which ownership of
+    the dataset's partition wrote it (:func:`ledger_epoch`): a reader that has seen a
+    dataset's events at some epoch drops those of lower epochs, which can only come
+    from a ledger worker that lost the partition and did not know yet."""
+
+    epoch: int = 0
+
+
+def ledger_epoch(recovered_to: int, assigned_at: float) -> int:
+    """The epoch of a ledger worker's ownership of a partition: the end offset of the
+    partition's table changelog when it took it (it only grows), then the time it did
+    (for takeovers with no write in between), as one comparable integer."""
+    return (recovered_to << 32) | (int(assigned_at) & 0xFFFFFFFF)
+
+
 class PromptEvent(_Event, tag="prompt", frozen=True):
     """One prompt to generate from. ``prompt_id`` is stable across runs."""
 
@@ -239,7 +255,7 @@ class BudgetSet(_Event, tag="budget_set", frozen=True):
     set_by: str = ""
 
 
-class BudgetExceeded(_Event, tag="budget_exceeded", frozen=True):
+class BudgetExceeded(_LedgerEvent, tag="budget_exceeded", frozen=True):
     """The ledger saw the dataset reach its budget: producers must stop it now."""
 
     dataset: str
@@ -250,7 +266,7 @@ class BudgetExceeded(_Event, tag="budget_exceeded", frozen=True):
     at: float = 0.0
 
 
-class BudgetRaised(_Event, tag="budget_raised", frozen=True):
+class BudgetRaised(_LedgerEvent, tag="budget_raised", frozen=True):
     """A halted dataset's budget was raised above what it used: it is open again."""
 
     dataset: str
@@ -277,7 +293,7 @@ class LeaseRequested(_Event, tag="lease_requested", frozen=True):
     at: float = 0.0
 
 
-class LeaseGranted(_Event, tag="lease_granted", frozen=True):
+class LeaseGranted(_LedgerEvent, tag="lease_granted", frozen=True):
     dataset: str
     lease_id: str
     holder: str
@@ -286,7 +302,7 @@ class LeaseGranted(_Event, tag="lease_granted", frozen=True):
     at: float = 0.0
 
 
-class LeaseDenied(_Event, tag="lease_denied", frozen=True):
+class LeaseDenied(_LedgerEvent, tag="lease_denied", frozen=True):
     dataset: str
     lease_id: str
     holder: str
@@ -327,7 +343,7 @@ class LeaseExpired(_Event, tag="lease_expired", frozen=True):
     at: float = 0.0
 
 
-class LeaseFenced(_Event, tag="lease_fenced", frozen=True):
+class LeaseFenced(_LedgerEvent, tag="lease_fenced", frozen=True):
     """Written by the ledger into the completions topic, in the partition of the
     lease's dataset, when it closes a lease it cannot hear from any more (expired, or
     released with answers still to arrive). Every reader of that partition sees the
@@ -340,7 +356,7 @@ class LeaseFenced(_Event, tag="lease_fenced", frozen=True):
     at: float = 0.0
 
 
-class LeaseRevoked(_Event, tag="lease_revoked", frozen=True):
+class LeaseRevoked(_LedgerEvent, tag="lease_revoked", frozen=True):
     """A budget was lowered below what is kept plus reserved (or the lease expired):
     the holder must admit nothing more on it, keep at most ``allowance`` more of
     what it has in flight (cutting the rest at the line), abort, and release."""
@@ -363,7 +379,7 @@ class LeaseRevoked(_Event, tag="lease_revoked", frozen=True):
 DatasetStatus = Literal["open", "halted", "exhausted"]
 
 
-class LedgerSnapshot(_Event, tag="ledger_snapshot", frozen=True):
+class LedgerSnapshot(_LedgerEvent, tag="ledger_snapshot", frozen=True):
     """The ledger's view of one dataset, published when it changes."""
 
     dataset: str
@@ -441,6 +457,18 @@ Event = (
     | LeaseExpired
     | LeaseRevoked
     | LeaseFenced
+)
+
+
+# What the ledger announces, each with its writer's epoch (see _LedgerEvent).
+LedgerEvents = (
+    BudgetExceeded,
+    BudgetRaised,
+    LeaseGranted,
+    LeaseDenied,
+    LeaseFenced,
+    LeaseRevoked,
+    LedgerSnapshot,
 )
 
 

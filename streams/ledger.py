@@ -108,6 +108,9 @@ class DatasetLedger(msgspec.Struct, frozen=True, kw_only=True):
     # The last offset applied from each source "topic:partition": events Faust hands over again
     # after a restart are recognised by it.
     applied: dict[str, int] = {}
+    # The epoch of the worker that wrote this state (streams.events.ledger_epoch): at
+    # recovery a state written by a worker that had lost the partition is not taken.
+    epoch: int = 0
 
 
 _ledger_encoder = msgspec.msgpack.Encoder()
@@ -120,6 +123,12 @@ def dump_ledger(state: DatasetLedger) -> bytes:
 
 def load_ledger(data: bytes) -> DatasetLedger:
     return _ledger_decoder.decode(data)
+
+
+def newer_owner(current: bytes, record: bytes) -> bool:
+    """Recovery rule of the dataset table: a changelog record replaces the state
+    unless an owner of a later epoch wrote the state it would replace."""
+    return load_ledger(record).epoch >= load_ledger(current).epoch
 
 
 class OutcomeEntry(msgspec.Struct, array_like=True, frozen=True):
@@ -149,6 +158,15 @@ _outcome_decoder = msgspec.msgpack.Decoder(OutcomeEntry)
 
 def dump_outcome(entry: OutcomeEntry) -> bytes:
     return _outcome_encoder.encode(entry)
+
+
+def not_a_lost_completion(current: bytes, record: bytes) -> bool:
+    """Recovery rule of the outcome table: a prompt recorded as completed stays so
+    (a later record saying otherwise can only come from a worker that had lost the
+    partition: the ledger itself never moves a prompt away from completed)."""
+    return (
+        load_outcome(current).outcome != "completed" or load_outcome(record).outcome == "completed"
+    )
 
 
 def load_outcome(raw: bytes) -> OutcomeEntry:

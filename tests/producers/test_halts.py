@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
+import msgspec
 from aiokafka import TopicPartition
 from aiokafka.errors import KafkaError
 
@@ -277,3 +278,37 @@ def test_sync_returns_once_what_was_published_before_it_is_applied() -> None:
             task.cancel()
 
     asyncio.run(main())
+
+
+def test_events_of_a_stale_ledger_worker_are_dropped_by_epoch() -> None:
+    """Two workers spoke for one dataset (one had lost the partition and did not know):
+    readers keep the newer ownership's view, whatever the order or the clocks."""
+    board = BudgetBoard()
+    replies: list[ev.Event] = []
+    board.lease_listeners["h1"] = replies.append
+    old, new = ev.ledger_epoch(100, 50.0), ev.ledger_epoch(140, 70.0)
+    board.apply(
+        msgspec.structs.replace(snapshot("a", halted=True, at=10.0, samples=110), epoch=old)
+    )
+    # The new owner's clock is behind: its snapshot still wins by epoch.
+    fresh = msgspec.structs.replace(snapshot("a", halted=False, at=5.0, samples=14), epoch=new)
+    board.apply(fresh)
+    assert board.snapshot("a") == fresh and not board.is_halted("a")
+    board.apply(
+        msgspec.structs.replace(snapshot("a", halted=True, at=11.0, samples=110), epoch=old)
+    )
+    board.apply(ev.BudgetExceeded(dataset="a", budget=1, used=1, epoch=old))
+    assert board.snapshot("a") == fresh and not board.is_halted("a")
+    stale_grant = ev.LeaseGranted(
+        dataset="a", lease_id="h1:a:1", holder="h1", granted=500, expires_at=0.0, epoch=old
+    )
+    board.apply(stale_grant)
+    assert replies == []
+    grant = msgspec.structs.replace(stale_grant, epoch=new)
+    board.apply(grant)
+    assert replies == [grant]
+
+
+def test_epochs_order_by_recovery_point_then_time() -> None:
+    assert ev.ledger_epoch(10, 1_000.0) < ev.ledger_epoch(11, 900.0)
+    assert ev.ledger_epoch(10, 1_000.0) < ev.ledger_epoch(10, 1_001.0)
