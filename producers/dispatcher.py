@@ -40,6 +40,7 @@ from producers.inference import (
     http_client,
 )
 from producers.offsets import OffsetTracker
+from producers.resume import OutcomeView
 from producers.server_gate import GateSettings, ServerGate
 from sinks import metrics
 from streams import events as ev
@@ -70,6 +71,7 @@ class DispatchReport:
     skipped: int = 0
     failed: int = 0
     dead_lettered: int = 0
+    already_completed: int = 0  # handed over again, already completed: not generated
     sent: list[Dispatched] = field(default_factory=list)
 
 
@@ -137,7 +139,10 @@ class _CommitOnRevoke(ConsumerRebalanceListener):  # type: ignore[misc]
             self.dispatcher.tracker.forget(tp.topic, tp.partition)
 
     async def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
-        return None
+        # Prompts that come back (their dispatcher crashed between publishing and
+        # committing) may be done by now: know which before dispatching them.
+        with contextlib.suppress(Exception):  # then they are generated again, harmlessly
+            await asyncio.to_thread(self.dispatcher.outcomes.refresh)
 
 
 class Dispatcher:
@@ -183,6 +188,7 @@ class Dispatcher:
         self._aborts: set[asyncio.Task[None]] = set()
         self._backend: InferenceBackend | None = None
         self.gate: ServerGate | None = None
+        self.outcomes = OutcomeView(bootstrap, self.topics)
         self._reported_problems: set[str] = set()
         self.refused_at: dict[str, float] = {}  # first refusal per dataset, this process
 
@@ -237,6 +243,7 @@ class Dispatcher:
             max_request_size=8 * 1024 * 1024,
         )
         await producer.start()
+        await asyncio.to_thread(self.outcomes.refresh)
         await consumer.start()
         self._consumer, self._producer = consumer, producer
         maintenance: asyncio.Task[None] | None = None
@@ -299,6 +306,7 @@ class Dispatcher:
             await self.commit()
             await consumer.stop()
             await producer.stop()
+            await asyncio.to_thread(self.outcomes.close)
             self._consumer = self._producer = None
         return self.report
 
@@ -470,6 +478,9 @@ class Dispatcher:
     ) -> None:
         """Admit, generate, fit, publish; retry what the server's errors allow."""
         assert self._producer is not None
+        if prompt.prompt_id in self.outcomes.completed:
+            self.report.already_completed += 1  # its outcome is recorded already
+            return
         attempts = 0
         failures = 0  # failures that do not say the server is away
         last_error: InferenceError | None = None

@@ -41,6 +41,9 @@ class ProduceReport:
     produced: int = 0
     bad_rows: int = 0
     already_done: int = 0  # completed by an earlier run of the namespace: not produced
+    # still on the prompts topic from an earlier run (dispatched when their turn
+    # comes): not produced again
+    already_queued: int = 0
     # rows left unread when the budget halted the dataset: recorded as skipped
     not_sent: int = 0
     reason: str = "end_of_data"  # or "halted", "limit", "interrupted"
@@ -72,7 +75,12 @@ class PromptProducer:
         self._producer = producer
         self.reports: dict[str, ProduceReport] = {}
         self._done: set[str] = set()  # completed by earlier runs (producers.resume)
+        self._queued: set[str] = set()  # on the prompts topic, not yet dispatched
         self._cursors: list[_Cursor] = []
+
+    @property
+    def dispatch_group(self) -> str:
+        return f"{self.topics.namespace}-dispatch"
 
     def _outcomes(self, dataset: str) -> int:
         snap = self.board.snapshot(dataset)
@@ -98,6 +106,7 @@ class PromptProducer:
             ),
             self._done,
             report,
+            self._queued,
         )
         self.reports[dataset.name] = report
         return _Cursor(dataset, rows, report, self._outcomes(dataset.name))
@@ -126,6 +135,9 @@ class PromptProducer:
         try:
             self._done = await asyncio.to_thread(
                 resume.completed_prompt_ids, self.bootstrap, self.topics, self.config.sink_path
+            )
+            self._queued = await asyncio.to_thread(
+                resume.queued_prompt_ids, self.bootstrap, self.topics, self.dispatch_group
             )
             cursors = [self._open_cursor(d) for d in self.config.datasets]
             self._cursors = cursors
@@ -208,8 +220,10 @@ class PromptProducer:
         report = cursor.report
         done = ev.ProducerDone(
             dataset=cursor.dataset.name,
-            # prompts completed by earlier runs count: the ledger has their outcomes
-            produced=report.produced + report.already_done + report.not_sent,
+            # prompts completed by earlier runs count (the ledger has their outcomes),
+            # and so do those still queued from them (they get theirs when dispatched)
+            produced=report.produced + report.already_done + report.already_queued
+            + report.not_sent,
             reason=reason,  # type: ignore[arg-type]
             at=time.time(),
         )

@@ -23,7 +23,9 @@ import logging
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
+
+import msgspec
 
 from producers.datasets import PromptRow
 from streams.ledger import is_prompt_key, load_outcome
@@ -56,15 +58,8 @@ def outcome_records(bootstrap: str, topics: Topics, *, timeout: float = 60.0) ->
     )
     records: dict[str, str] = {}
     try:
-        # The topic is created with the namespace's others before any run, so no
-        # partitions means metadata not there yet (a busy broker), not "no history".
         deadline = time.monotonic() + timeout
-        partitions = consumer.partitions_for_topic(topic)
-        while not partitions:
-            if time.monotonic() > deadline:
-                raise BrokerError(f"no metadata for {topic}: cannot tell which prompts are done")
-            time.sleep(0.5)
-            partitions = consumer.partitions_for_topic(topic)
+        partitions = _wait_for_partitions(consumer, topic, timeout)
         tps = [TopicPartition(topic, p) for p in sorted(partitions)]
         consumer.assign(tps)
         consumer.seek_to_beginning(*tps)
@@ -84,6 +79,109 @@ def outcome_records(bootstrap: str, topics: Topics, *, timeout: float = 60.0) ->
     finally:
         consumer.close()
     return records
+
+
+class OutcomeView:
+    """The prompts the ledger has recorded as completed, read from the outcome
+    table's changelog and brought up to date on :meth:`refresh` (blocking: run it in
+    a thread). A dispatcher consults it so that a prompt handed to it again (its
+    previous dispatcher crashed after publishing, before committing) is not
+    generated a second time."""
+
+    def __init__(self, bootstrap: str, topics: Topics) -> None:
+        self.bootstrap = bootstrap
+        self.topic = topics.changelog(OUTCOME_TABLE)
+        self.completed: set[str] = set()
+        self._consumer: Any = None
+
+    def refresh(self, timeout: float = 60.0) -> None:
+        from kafka import KafkaConsumer, TopicPartition
+
+        if self._consumer is None:
+            consumer = KafkaConsumer(
+                **kafka_python_options(self.bootstrap), group_id=None, enable_auto_commit=False
+            )
+            partitions = _wait_for_partitions(consumer, self.topic, timeout)
+            tps = [TopicPartition(self.topic, p) for p in sorted(partitions)]
+            consumer.assign(tps)
+            consumer.seek_to_beginning(*tps)
+            self._consumer = consumer
+        consumer = self._consumer
+        tps = list(consumer.assignment())
+        ends = consumer.end_offsets(tps)
+        deadline = time.monotonic() + timeout
+        while any(consumer.position(tp) < ends[tp] for tp in tps):
+            if time.monotonic() > deadline:
+                raise BrokerError(f"reading {self.topic} took longer than {timeout:.0f} s")
+            for batch in consumer.poll(timeout_ms=500, max_records=10_000).values():
+                for record in batch:
+                    key = _text(record.key)
+                    if key is None or record.value is None or not is_prompt_key(key):
+                        continue
+                    if load_outcome(record.value).outcome == "completed":
+                        self.completed.add(key)
+
+    def close(self) -> None:
+        if self._consumer is not None:
+            self._consumer.close()
+            self._consumer = None
+
+
+def _wait_for_partitions(consumer: Any, topic: str, timeout: float) -> set[int]:
+    # The topic is created with the namespace's others before any run, so no
+    # partitions means metadata not there yet (a busy broker), not "no history".
+    deadline = time.monotonic() + timeout
+    partitions = consumer.partitions_for_topic(topic)
+    while not partitions:
+        if time.monotonic() > deadline:
+            raise BrokerError(f"no metadata for {topic}: cannot tell which prompts are done")
+        time.sleep(0.5)
+        partitions = consumer.partitions_for_topic(topic)
+    return set(partitions)
+
+
+class _PromptHead(msgspec.Struct):
+    prompt_id: str = ""
+    dataset: str = ""
+
+
+_prompt_head = msgspec.json.Decoder(_PromptHead).decode
+
+
+def queued_prompt_ids(bootstrap: str, topics: Topics, group: str) -> set[str]:
+    """The prompts on the prompts topic that the dispatchers' group has not
+    committed yet: they will be dispatched (again), so a rerun does not produce them
+    a second time (blocking: run it in a thread)."""
+    from kafka import KafkaConsumer, TopicPartition
+
+    consumer = KafkaConsumer(
+        **kafka_python_options(bootstrap), group_id=group, enable_auto_commit=False
+    )
+    queued: set[str] = set()
+    try:
+        partitions = _wait_for_partitions(consumer, topics.prompts, 60.0)
+        tps = [TopicPartition(topics.prompts, p) for p in sorted(partitions)]
+        consumer.assign(tps)
+        ends = consumer.end_offsets(tps)
+        starts = consumer.beginning_offsets(tps)
+        for tp in tps:
+            committed = consumer.committed(tp)
+            consumer.seek(tp, max(starts[tp], committed if committed is not None else 0))
+        deadline = time.monotonic() + 60.0
+        while any(consumer.position(tp) < ends[tp] for tp in tps):
+            if time.monotonic() > deadline:
+                raise BrokerError(f"reading {topics.prompts} to its end took over 60 s")
+            for batch in consumer.poll(timeout_ms=500, max_records=10_000).values():
+                for record in batch:
+                    try:
+                        head = _prompt_head(record.value)
+                    except msgspec.DecodeError:
+                        continue  # the dispatcher dead-letters it
+                    if head.prompt_id:
+                        queued.add(head.prompt_id)
+    finally:
+        consumer.close(autocommit=False)
+    return queued
 
 
 def completed_prompt_ids(
@@ -110,12 +208,22 @@ def completed_prompt_ids(
 
 class _Counted(Protocol):
     already_done: int
+    already_queued: int
 
 
-def skip_done(rows: Iterator[PromptRow], done: set[str], report: _Counted) -> Iterator[PromptRow]:
-    """Drop the prompts in ``done``, counting them in ``report.already_done``."""
+def skip_done(
+    rows: Iterator[PromptRow],
+    done: set[str],
+    report: _Counted,
+    queued: frozenset[str] | set[str] = frozenset(),
+) -> Iterator[PromptRow]:
+    """Drop the prompts in ``done`` and in ``queued`` (on the prompts topic still,
+    to be dispatched), counting them in ``report.already_done`` / ``already_queued``."""
     for row in rows:
         if row.prompt_id in done:
             report.already_done += 1
+            continue
+        if row.prompt_id in queued:
+            report.already_queued += 1
             continue
         yield row

@@ -23,7 +23,10 @@ from tokenbudget.report import format_table
 
 
 async def dispatch_until_stopped(
-    config: config_module.Config, bootstrap: str, report_path: Path | None = None
+    config: config_module.Config,
+    bootstrap: str,
+    report_path: Path | None = None,
+    instance: str | None = None,
 ) -> None:
     """One dispatcher process: runs until SIGTERM/SIGINT, then finishes what it
     started, hands back its leases, commits and exits."""
@@ -35,7 +38,7 @@ async def dispatch_until_stopped(
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    dispatcher = Dispatcher(config, bootstrap, watcher.board)
+    dispatcher = Dispatcher(config, bootstrap, watcher.board, instance=instance)
     try:
         await dispatcher.run(stop)
     finally:
@@ -68,9 +71,8 @@ def run_dispatch_cli(args: argparse.Namespace) -> int:
         from sinks import metrics
 
         metrics.serve(config.metrics.host, args.metrics_port)
-    asyncio.run(
-        dispatch_until_stopped(config, bootstrap, Path(args.report) if args.report else None)
-    )
+    report = Path(args.report) if args.report else None
+    asyncio.run(dispatch_until_stopped(config, bootstrap, report, args.instance or None))
     return 0
 
 
@@ -199,6 +201,12 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     dispatch.add_argument("--config", required=True)
     dispatch.add_argument("--report", help="write refusal times and counts here on exit (JSON)")
     dispatch.add_argument("--metrics-port", type=int, default=0, help="serve /metrics (0: off)")
+    dispatch.add_argument(
+        "--instance",
+        default="",
+        help="a name unique in the job: restarted under it, the dispatcher takes its "
+        "prompts straight back (Kafka static group membership)",
+    )
     dispatch.set_defaults(func=run_dispatch_cli)
 
     produce = sub.add_parser("produce", help="the prompt producer on its own")

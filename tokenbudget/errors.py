@@ -12,7 +12,8 @@
     │   ├── InferenceServerError      another HTTP 5xx (retried)
     │   ├── InferenceRequestError     another HTTP 4xx: the request is wrong (not retried)
     │   └── InferenceProtocolError    the body is not the wire format we expect (retried)
-    └── ServerOutageError      the inference server stayed away longer than allowed
+    ├── ServerOutageError      the inference server stayed away longer than allowed
+    └── WorkerFailedError      a worker process of ``run`` kept exiting on its own
 
 "Server away" errors say nothing about the request: they are retried for as long as
 the server is away (dispatch pauses meanwhile) and never fail a prompt. The other
@@ -118,3 +119,7 @@ class InferenceProtocolError(InferenceError):
 
 class ServerOutageError(TokenBudgetError):
     """The inference server stayed away longer than ``[inference] outage_timeout_s``."""
+
+
+class WorkerFailedError(TokenBudgetError):
+    """A worker process of ``run`` (the ledger, a dispatcher) kept exiting on its own."""

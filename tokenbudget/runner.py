@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -21,6 +22,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,7 +35,7 @@ from streams import events as ev
 from streams.topics import Topics
 from tokenbudget import lifetime
 from tokenbudget.config import Config
-from tokenbudget.errors import ConfigError
+from tokenbudget.errors import ConfigError, WorkerFailedError
 from tokenbudget.kafka import GroupLag, publish_events, resolve_bootstrap
 from tokenbudget.progress import BudgetProgress
 from tokenbudget.security import subprocess_env
@@ -72,6 +74,7 @@ class RunReport:
     halt_seen_at: dict[str, float | None] = field(default_factory=dict)
     # per dataset, when each dispatcher process first refused it (halt latency)
     refused_at: dict[str, list[float]] = field(default_factory=dict)
+    restarts: list[Restart] = field(default_factory=list)  # children started again
 
     def already_done(self, dataset: str) -> int:
         """Prompts not produced because an earlier run of the namespace completed them."""
@@ -91,8 +94,15 @@ class RunReport:
                     "already_done": self.already_done(name),
                 }
                 for name, r in self.datasets.items()
-            }
+            },
+            "restarts": [vars(r) for r in self.restarts],
         }
+
+
+def dispatcher_instance(namespace: str, index: int) -> str:
+    """The static group member name of ``run``'s dispatcher ``index`` (0: its own):
+    a rerun's dispatchers take the prompts of a killed run's straight back."""
+    return f"{namespace}-dispatch-{index}"
 
 
 def cli_command(*args: str) -> list[str]:
@@ -128,6 +138,63 @@ def stop_process(process: subprocess.Popen[bytes], timeout: float = 30) -> None:
     lifetime.stop(process, timeout)
 
 
+@dataclass
+class Restart:
+    """A child of ``run`` that exited without being asked to, and was started again."""
+
+    name: str
+    pid: int
+    code: int | None
+    at: float
+
+
+class Supervised:
+    """A child process of ``run`` (the ledger, an extra dispatcher), started again
+    whenever it exits without being asked to: killed from outside (the OOM killer, an
+    operator), or ending itself to restart from what is durable (the ledger's 75). A
+    child that keeps dying (``max_restarts`` within ``window_s``) ends the run."""
+
+    def __init__(
+        self,
+        name: str,
+        start: Callable[[], subprocess.Popen[bytes]],
+        *,
+        max_restarts: int = 5,
+        window_s: float = 60.0,
+    ) -> None:
+        self.name = name
+        self._start = start
+        self.max_restarts = max_restarts
+        self.window_s = window_s
+        self.process = start()
+        self.restarts: list[Restart] = []
+
+    def check(self) -> Restart | None:
+        code = self.process.poll()
+        if code is None:
+            return None
+        now = time.time()
+        recent = [r for r in self.restarts if now - r.at < self.window_s]
+        if len(recent) >= self.max_restarts:
+            raise WorkerFailedError(
+                f"the {self.name} exited {len(recent) + 1} times within "
+                f"{self.window_s:.0f} s (last exit code {code}); see its messages above"
+            )
+        restart = Restart(self.name, self.process.pid, code, now)
+        self.restarts.append(restart)
+        log.warning(
+            "the %s (pid %d) exited with code %s: starting it again",
+            self.name,
+            self.process.pid,
+            code,
+        )
+        self.process = self._start()
+        return restart
+
+    def stop(self, timeout: float = 30) -> int | None:
+        return lifetime.stop(self.process, timeout)
+
+
 class ExtraDispatchers:
     """``run --dispatchers N``: N-1 ``tokenbudget dispatch`` processes beside the
     in-process one, all in the same consumer group, sharing budgets via leases."""
@@ -135,7 +202,7 @@ class ExtraDispatchers:
     def __init__(self, config: Config, count: int) -> None:
         self.config = config
         self.count = max(0, count)
-        self.processes: list[tuple[subprocess.Popen[bytes], Path]] = []
+        self.processes: list[tuple[Supervised, Path]] = []
         self._folder: tempfile.TemporaryDirectory[str] | None = None
         if self.count and not Path(config.source).is_file():
             raise ConfigError(
@@ -148,32 +215,38 @@ class ExtraDispatchers:
         if not self.count:
             return
         self._folder = tempfile.TemporaryDirectory(prefix="tokenbudget-dispatch-")
+        namespace = self.config.kafka.namespace
         for i in range(self.count):
             report = Path(self._folder.name) / f"dispatcher-{i}.json"
             command = cli_command(
-                "dispatch", "--config", str(self.config.source), "--report", str(report)
+                "dispatch",
+                "--config",
+                str(self.config.source),
+                "--report",
+                str(report),
+                "--instance",
+                dispatcher_instance(namespace, i + 1),
             )
             if self.config.metrics.port:
                 # run: port, ledger: port + 1, extra dispatchers: port + 2, + 3, ...
                 command += ["--metrics-port", str(self.config.metrics.port + 2 + i)]
-            self.processes.append((lifetime.spawn(command), report))
+            child = Supervised(f"dispatcher {i + 1}", functools.partial(lifetime.spawn, command))
+            self.processes.append((child, report))
 
-    def check(self) -> None:
-        for process, _ in self.processes:
-            if process.poll() is not None:
-                raise RuntimeError(f"a dispatcher process exited with code {process.returncode}")
+    def check(self) -> list[Restart]:
+        return [r for child, _ in self.processes if (r := child.check()) is not None]
+
+    @property
+    def restarts(self) -> list[Restart]:
+        return [r for child, _ in self.processes for r in child.restarts]
 
     def stop(self) -> dict[str, list[float]]:
         refused: dict[str, list[float]] = {}
-        for process, _ in self.processes:
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        for process, report in self.processes:
-            try:
-                process.wait(60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        for child, _ in self.processes:
+            if child.process.poll() is None:
+                child.process.send_signal(signal.SIGTERM)
+        for child, report in self.processes:
+            child.stop(60)
             if report.exists():
                 for dataset, at in json.loads(report.read_text())["refused_at"].items():
                     refused.setdefault(dataset, []).append(float(at))
@@ -293,13 +366,17 @@ async def run_async(
         lag_sampler.start()
     await publish_budgets(config, bootstrap)
     ledger = (
-        start_ledger_process(
-            bootstrap,
-            topics.namespace,
-            config.budget.snapshot_interval_s,
-            # the ledger owns the budget gauges: it serves them on the next port
-            config.metrics.port + 1 if config.metrics.port else 0,
-            config.metrics.host,
+        Supervised(
+            "ledger worker",
+            functools.partial(
+                start_ledger_process,
+                bootstrap,
+                topics.namespace,
+                config.budget.snapshot_interval_s,
+                # the ledger owns the budget gauges: it serves them on the next port
+                config.metrics.port + 1 if config.metrics.port else 0,
+                config.metrics.host,
+            ),
         )
         if ledger_process
         else None
@@ -311,14 +388,14 @@ async def run_async(
     finally:
         await asyncio.to_thread(lag_sampler.stop)
         if ledger is not None:
-            await asyncio.to_thread(stop_process, ledger)
+            await asyncio.to_thread(ledger.stop)
 
 
 async def _run_components(
     config: Config,
     bootstrap: str,
     topics: Topics,
-    ledger: subprocess.Popen[bytes] | None,
+    ledger: Supervised | None,
     started: float,
     keep_dispatch_log: bool = False,
     progress: bool = False,
@@ -342,7 +419,13 @@ async def _run_components(
     sink_thread = threading.Thread(target=sink.run, args=(sink_stop,), name="sink", daemon=True)
     sink_thread.start()
 
-    dispatcher = Dispatcher(config, bootstrap, watcher.board, keep_log=keep_dispatch_log)
+    dispatcher = Dispatcher(
+        config,
+        bootstrap,
+        watcher.board,
+        keep_log=keep_dispatch_log,
+        instance=dispatcher_instance(topics.namespace, 0),
+    )
     dispatch_stop = asyncio.Event()
     dispatch_task = asyncio.create_task(dispatcher.run(dispatch_stop))
     extra.start()
@@ -363,8 +446,8 @@ async def _run_components(
             for task in done:
                 if task is not drain and task.exception() is not None:
                     raise task.exception()  # type: ignore[misc]
-            if ledger is not None and ledger.poll() is not None:
-                raise RuntimeError(f"ledger worker exited with code {ledger.returncode}")
+            if ledger is not None:
+                ledger.check()
             extra.check()
         drain.result()
         producer_stop.set()
@@ -412,6 +495,7 @@ async def _run_components(
         seconds=time.monotonic() - started,
         halt_seen_at={d.name: watcher.board.view(d.name).halted_at for d in config.datasets},
         refused_at=refused,
+        restarts=[*(ledger.restarts if ledger is not None else []), *extra.restarts],
     )
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from producers import resume
+from producers.datasets import read_prompts
 from producers.halts import BudgetBoard
 from producers.prompts import PromptProducer
 from streams import events as ev
@@ -45,6 +46,7 @@ def make_config(tmp_path: Path, rows: list[str]) -> config_module.Config:
 @pytest.fixture(autouse=True)
 def nothing_done_before(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(resume, "completed_prompt_ids", lambda *a, **k: set())
+    monkeypatch.setattr(resume, "queued_prompt_ids", lambda *a, **k: set())
 
 
 def test_rows_of_a_halted_dataset_are_recorded_as_skipped_not_sent(tmp_path: Path) -> None:
@@ -107,3 +109,24 @@ def test_interrupt_stops_without_recording_the_rest(tmp_path: Path) -> None:
     assert recorder.flushed
     # Not done, not skipped: a restart produces the other rows.
     assert [type(e) for _, e in recorder.sent] == [ev.PromptEvent, ev.PromptEvent]
+
+
+def test_prompts_still_queued_from_a_killed_run_are_not_produced_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run killed after producing leaves prompts on the topic that its dispatchers
+    never committed: the rerun's dispatchers get them, so the rerun's producer must
+    not publish them a second time (each would be generated twice)."""
+    config = make_config(tmp_path, [json.dumps({"prompt": f"p{i}"}) for i in range(4)])
+    ids = [row.prompt_id for row in read_prompts("d", tmp_path / "d.jsonl")]
+    monkeypatch.setattr(resume, "queued_prompt_ids", lambda *a, **k: {ids[1], ids[3]})
+    recorder = RecordingProducer()
+    producer = PromptProducer(config, "127.0.0.1:1", BudgetBoard(), producer=recorder)  # type: ignore[arg-type]
+
+    report = asyncio.run(producer.run())["d"]
+
+    sent = [e.prompt_id for _, e in recorder.sent if isinstance(e, ev.PromptEvent)]
+    assert sent == [ids[0], ids[2]]
+    assert (report.produced, report.already_queued) == (2, 2)
+    done = [e for _, e in recorder.sent if isinstance(e, ev.ProducerDone)]
+    assert [d.produced for d in done] == [4]  # every row gets an outcome, once
