@@ -90,6 +90,7 @@ class RunReport:
                     "prompt_tokens": r.prompt_tokens,
                     "samples": r.samples,
                     "skipped": r.skipped,
+                    "failed": r.failed,
                     "status": r.status,
                     "already_done": self.already_done(name),
                 }
