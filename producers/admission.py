@@ -360,17 +360,19 @@ class Admission:
                 if current:
                     assert lease is not None
                     lease.changed.set()
+                    if isinstance(event, ev.LeaseDenied) and event.closed:
+                        # Fenced at the ledger (its revocation not heard, or lost):
+                        # as good as expired.
+                        self._revoke(lease, expired=True)
             case ev.LeaseRevoked():
                 lease = self._leases.get(event.dataset)
-                if lease is None or lease.lease_id != event.lease_id or lease.revoked:
+                if lease is None or lease.lease_id != event.lease_id:
                     return
-                lease.revoked = True
-                lease.expired = event.expired
-                lease.balance = 0
+                if not self._revoke(lease, event.expired):
+                    return
                 asked = self._asks.pop(event.lease_id, None)
                 if asked is not None and not asked.done():
                     asked.set_result(event)
-                lease.changed.set()
                 if not event.expired:
                     # What its requests in flight may still keep, read by on_revoke.
                     # (Answers on an expired lease are claimed anew instead.)
@@ -380,8 +382,19 @@ class Admission:
                     )
                     if self.on_revoke is not None:
                         self._spawn(self.on_revoke(event.dataset))
-                if lease.in_flight == 0:
-                    self._spawn(self._release(lease))
+
+    def _revoke(self, lease: _Lease, expired: bool) -> bool:
+        """Stop spending a lease (released once its requests in flight settle);
+        False if it was revoked already."""
+        if lease.revoked:
+            return False
+        lease.revoked = True
+        lease.expired = expired
+        lease.balance = 0
+        lease.changed.set()
+        if lease.in_flight == 0:
+            self._spawn(self._release(lease))
+        return True
 
     async def _release(self, lease: _Lease) -> None:
         """Hand a lease back once Kafka has every completion published on it (see

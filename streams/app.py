@@ -356,7 +356,8 @@ def build_app(settings: LedgerSettings) -> faust.App:
             case ev.ProducerDone():
                 return ledger.apply_producer_done(state, event), []
             case ev.LeaseRequested():
-                return ledger.apply_lease_request(state, event, at), []
+                fenced = recorded(ledger.FENCE_KEY + event.lease_id, pending) is not None
+                return ledger.apply_lease_request(state, event, at, fenced=fenced), []
             case ev.LeaseRenewed():
                 return ledger.apply_lease_renewed(state, event, at), []
             case ev.LeaseReleased():

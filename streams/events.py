@@ -311,6 +311,9 @@ class LeaseDenied(_LedgerEvent, tag="lease_denied", frozen=True):
     # useful request: the dataset is done. False: budget is only tied up in other
     # holders' leases for now, so ask again later.
     full: bool = False
+    # True when the lease itself takes nothing more (released, fenced, or another
+    # holder's): its holder opens a fresh one instead of asking again on it.
+    closed: bool = False
     at: float = 0.0
 
 

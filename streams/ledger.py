@@ -405,11 +405,14 @@ def _commit_to_lease(state: DatasetLedger, event: CompletionEvent) -> dict[str, 
     return leases
 
 
-def apply_lease_request(state: DatasetLedger, event: LeaseRequested, at: float) -> Transition:
+def apply_lease_request(
+    state: DatasetLedger, event: LeaseRequested, at: float, *, fenced: bool = False
+) -> Transition:
     """Grant ``min(want, remaining)`` on the asker's lease, or deny below ``min_grant``.
 
     This is the only place budget is handed out, and it runs in the single writer
-    for the dataset, so grants never add up to more than the budget.
+    for the dataset, so grants never add up to more than the budget. ``fenced``: the
+    lease was fenced (and forgotten) already; nothing published on it would be kept.
     """
     floor = max(1, event.min_grant)
     # The floor decides whether the dataset counts as full, so re-judge with it
@@ -417,8 +420,9 @@ def apply_lease_request(state: DatasetLedger, event: LeaseRequested, at: float) 
     state, judged = _check_budget(msgspec.structs.replace(state, admit_floor=floor), at)
     available = remaining(state)
     lease = state.leases.get(event.lease_id)
-    closed = lease is not None and (
-        lease.spent is not None or lease.closing or lease.holder != event.holder
+    closed = fenced or (
+        lease is not None
+        and (lease.spent is not None or lease.closing or lease.holder != event.holder)
     )
     if available is None or state.halted or available < floor or closed:
         denied = LeaseDenied(
@@ -427,6 +431,7 @@ def apply_lease_request(state: DatasetLedger, event: LeaseRequested, at: float) 
             holder=event.holder,
             remaining=-1 if available is None else available,
             full=state.budget is not None and state.budget - used(state) < floor,
+            closed=closed,
             at=at,
         )
         return Transition(state, [denied, *judged], changed=True)
@@ -545,7 +550,8 @@ def revoke_overdrawn(state: DatasetLedger, at: float) -> tuple[DatasetLedger, li
 
     What is still free under the new budget is split between the open leases in
     proportion to what each had outstanding: that is each holder's ``allowance``
-    for what it has in flight, and all that stays reserved for it.
+    for what it has in flight. Its whole grant stays reserved until it releases
+    (then what it published, until that arrives).
     """
     if state.budget is None or used(state) + reserved(state) <= state.budget:
         return state, []
@@ -559,11 +565,11 @@ def revoke_overdrawn(state: DatasetLedger, at: float) -> tuple[DatasetLedger, li
     )
     free = max(0, state.budget - used(state) - closing)
     outstanding = sum(lease.outstanding for lease in open_leases.values())
-    leases = dict(state.leases)
     emit: list[Event] = []
     for lease_id, lease in open_leases.items():
         allowance = free * lease.outstanding // outstanding if outstanding else 0
-        leases[lease_id] = msgspec.structs.replace(lease, granted=lease.committed + allowance)
+        # The lease stays reserved at its grant: until the holder hears of this, it
+        # may publish up to it, and a budget raised meanwhile must not hand that out.
         emit.append(
             LeaseRevoked(
                 dataset=state.dataset,
@@ -575,4 +581,4 @@ def revoke_overdrawn(state: DatasetLedger, at: float) -> tuple[DatasetLedger, li
                 at=at,
             )
         )
-    return msgspec.structs.replace(state, leases=leases), emit
+    return state, emit

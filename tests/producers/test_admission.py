@@ -74,7 +74,8 @@ class FakeLedger:
         at = ev.now()
         match event:
             case ev.LeaseRequested():
-                t = ledger.apply_lease_request(self.state(event.dataset), event, at)
+                fenced = event.lease_id in self.fenced
+                t = ledger.apply_lease_request(self.state(event.dataset), event, at, fenced=fenced)
             case ev.LeaseRenewed():
                 t = ledger.apply_lease_renewed(self.state(event.dataset), event, at)
             case ev.LeaseReleased():
@@ -585,6 +586,30 @@ def test_revoked_idle_lease_is_released_at_once() -> None:
         assert again.reserved == 100
         state = fake.state()
         assert ledger.used(state) + ledger.reserved(state) <= 500
+
+    run(main())
+
+
+def test_a_lease_fenced_without_word_reaching_its_holder_is_given_up_for_a_fresh_one() -> None:
+    """The ledger expired and fenced the lease, and its revocation never arrived (a
+    ledger that died before writing it): the next ask on it is denied as closed, and
+    the holder moves to a fresh lease instead of asking on the dead one forever."""
+
+    async def main() -> None:
+        admission, fake, _ = make(10_000, lease_size=200)
+        first = await admission.admit(DS, 100)
+        assert first is not None
+        await settle_and_complete(admission, fake, first, 100)
+        lease = fake.state().leases[first.lease_id]
+        expired = ev.LeaseExpired(dataset=DS, lease_id=first.lease_id)
+        t = ledger.apply_lease_expired(fake.state(), expired, lease.expires_at)
+        fake.states[DS] = t.state  # its LeaseRevoked is lost
+        [fence] = [e for e in t.emit if isinstance(e, ev.LeaseFenced)]
+        fake._read_fence(fence)
+        second = await asyncio.wait_for(admission.admit(DS, 150), 10)
+        assert second is not None
+        assert second.lease_id != first.lease_id
+        assert second.reserved == 150
 
     run(main())
 

@@ -310,8 +310,9 @@ def test_a_revoked_lease_released_above_its_ceiling_keeps_all_it_published_reser
     state = grant(fresh(1000), want=600)
     state = apply_outcome(state, completion("r1", completion_tokens=100), None, AT).state
     # Lowered to 300: the lease may keep 200 more (ceiling 300)...
-    state = apply_budget_set(state, BudgetSet(dataset=DS, budget=300), AT).state
-    assert state.leases["L1"].granted == 300
+    t = apply_budget_set(state, BudgetSet(dataset=DS, budget=300), AT)
+    assert only(t.emit, LeaseRevoked)[0].ceiling == 300
+    state = t.state
     # ...but its holder had published 450 before the revocation reached it.
     state = apply_lease_released(state, release(spent=450), AT).state
     assert reserved(state) == 350  # all of it is on its way to the ledger
@@ -323,6 +324,29 @@ def test_a_revoked_lease_released_above_its_ceiling_keeps_all_it_published_reser
     state = apply_outcome(t.state, completion("r2", completion_tokens=350), None, AT).state
     assert "L1" not in state.leases
     assert used(state) + granted.granted == 800
+
+
+def test_a_budget_lowered_then_raised_before_the_holder_heard_grants_nothing_it_holds() -> None:
+    """Lowering revokes the lease, but its holder may publish up to its whole grant
+    before it hears: a raise meanwhile hands out only what that grant leaves."""
+    state = grant(fresh(1000), want=600)
+    state = apply_budget_set(state, BudgetSet(dataset=DS, budget=300), AT).state
+    state = apply_budget_set(state, BudgetSet(dataset=DS, budget=1000), AT).state
+    t = apply_lease_request(state, request("L2", "h2", want=1000), AT)
+    [granted] = only(t.emit, LeaseGranted)
+    assert granted.granted == 400
+    state = apply_outcome(t.state, completion("r1", completion_tokens=600), None, AT).state
+    assert used(state) + granted.granted == 1000
+
+
+def test_a_fenced_and_forgotten_lease_is_granted_nothing_more() -> None:
+    state = grant(fresh(1000), want=100, ttl_s=10)
+    state = apply_lease_expired(state, LeaseExpired(dataset=DS, lease_id="L1"), AT + 10).state
+    state = fenced(state)
+    assert state.leases == {}
+    t = apply_lease_request(state, request(want=100), AT + 11, fenced=True)
+    assert isinstance(t.emit[0], LeaseDenied)
+    assert reserved(t.state) == 0
 
 
 def test_release_of_an_unknown_lease_is_a_no_op() -> None:
