@@ -1,16 +1,17 @@
-"""Chaos: kill every component at random moments, restart the broker, break the server.
+"""Chaos: jobs hit by faults from outside, graded by the server's own request log.
 
-    .venv/bin/python bench/chaos.py [--cycles 20] [--seed 7] [--budget 300000]
-                                    [--fault-share 0.08] [--dispatchers 2] [--json]
+    .venv/bin/python bench/chaos.py [--faults 100] [--per-job 6] [--outage-every 25]
+                                    [--outage-s 60] [--seed 7] [--workdir DIR] [--json]
 
-Runs the demo's eight datasets as separate processes (ledger, dispatchers, sink,
-producer) on a broker of its own (temporary home, free ports), against the
-simulator failing ``--fault-share`` of requests (5xx, hang, reset, cut-off JSON,
-evenly). Every few seconds one component is SIGKILLed and started again; halfway,
-the broker is restarted. Then it checks and prints, per dataset and in total:
-prompts in, outcomes out per kind, lost, duplicated request_ids in Parquet, ledger
-totals against Parquet totals, overshoot. Exits 1 unless lost = 0, duplicates = 0,
-overshoot = 0 and every component stopped cleanly on SIGTERM at the end.
+Runs ``tokenbudget run --dispatchers 2`` jobs on a broker of its own against the
+simulator failing 10% of requests (429, 503, 500, streams reset half way). Job 0
+runs without faults (the baseline). In the others, faults are placed one at a time,
+spread over each job's phases: SIGKILL of ``run`` itself (then the same command
+again), of its ledger, of an extra dispatcher, of the broker's JVM; the ledger
+frozen (SIGSTOP) for twice the lease TTL; and every ``--outage-every`` faults a
+server outage of ``--outage-s`` seconds. Prints, from the server's request log and
+the dataset files: lost, duplicated, overshoot; orphans; unexpected crashes; faults
+per phase; waste against the work in flight at the faults. Exits 1 unless all are 0.
 """
 
 from __future__ import annotations
@@ -21,34 +22,35 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tokenbudget.chaos import ChaosSettings, report_json, run_chaos
+from tokenbudget.chaos import ChaosSettings, run_chaos
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cycles", type=int, default=20)
+    parser.add_argument("--faults", type=int, default=100)
+    parser.add_argument("--per-job", type=int, default=6)
+    parser.add_argument("--outage-every", type=int, default=25)
+    parser.add_argument("--outage-s", type=float, default=60.0)
+    parser.add_argument("--fault-share", type=float, default=0.10)
     parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument("--budget", type=int, default=300_000, help="per dataset")
-    parser.add_argument("--fault-share", type=float, default=0.08)
-    parser.add_argument("--dispatchers", type=int, default=2)
-    parser.add_argument("--concurrency", type=int, default=32, help="per dispatcher")
     parser.add_argument("--workdir", help="keep data, logs and Parquet here")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s", stream=sys.stderr)
     logging.getLogger("tokenbudget.chaos").setLevel(logging.INFO)
+    logging.getLogger("aiokafka").setLevel(logging.CRITICAL)  # the broker is killed on purpose
     with tempfile.TemporaryDirectory(prefix="tokenbudget-chaos-") as scratch:
         settings = ChaosSettings(
             workdir=Path(args.workdir or scratch),
-            cycles=args.cycles,
-            seed=args.seed,
-            budget=args.budget,
+            faults=args.faults,
+            per_job=args.per_job,
+            outage_every=args.outage_every,
+            outage_s=args.outage_s,
             fault_share=args.fault_share,
-            dispatchers=args.dispatchers,
-            concurrency=args.concurrency,
+            seed=args.seed,
         )
         report = run_chaos(settings)
-    print(report_json(report) if args.json else "\n".join(report.lines()))
+    print(report.to_json() if args.json else "\n".join(report.lines()))
     return 0 if report.ok else 1
 
 

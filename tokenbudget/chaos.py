@@ -1,21 +1,27 @@
-"""Chaos: the multi-dataset scenario under kills, a broker restart and a faulty server.
+"""Chaos: jobs run as a user runs them, hit by faults from outside, graded by the
+inference server's own request log.
 
-The pipeline runs as separate processes (``ledger``, ``dispatch`` x N, ``sink``,
-``produce``) on a broker of its own, against the simulator answering a share of
-requests with 5xx, a hang (read timeout), a reset connection or a body cut off mid
-JSON. At random moments one component is SIGKILLed and started again; once, the
-broker itself is restarted. Then the run is let finish, stopped with SIGTERM, and
-the books are checked against what went in:
+Each job is ``tokenbudget run --dispatchers N`` (with its ledger and extra
+dispatchers as children) on a broker of the harness's own, against the simulator
+failing a share of requests (429 and 503 with Retry-After, 500, streams reset half
+way). While a job runs, the harness places faults one at a time, spread over the
+job's phases (before the first halt, after it, during the final drain):
 
-* every valid dataset row has exactly one recorded outcome (completed, skipped,
-  failed) in the ledger's outcome table: lost = 0;
-* Parquet holds each ``request_id`` and each ``prompt_id`` once, exactly the
-  prompts recorded as completed;
-* per dataset, the ledger's kept tokens and samples equal Parquet's, and kept
-  tokens never exceed the budget.
+* ``run``: SIGKILL of ``tokenbudget run`` alone (as the OOM killer does); every
+  process it started must end with it, and the same command is run again;
+* ``ledger`` / ``dispatcher``: SIGKILL of one of its children (``run`` restarts it);
+* ``broker``: SIGKILL of the Kafka broker's JVM, started again moments later;
+* ``freeze``: SIGSTOP of the ledger for twice the leases' TTL, then SIGCONT;
+* ``outage``: the server answers 503 to everything, ``/health`` included, for a while.
 
-``bench/chaos.py`` runs the full version (20+ cycles) and prints the report; the
-test suite runs a short one. Both call :func:`run_chaos`.
+Then the job is let finish and judged by :mod:`tokenbudget.oracle` from the server's
+log and the dataset files: lost, duplicated, overshoot, rows not from the server.
+Also counted: orphans (a process that outlived a killed ``run``) and unexpected
+crashes (a ``run`` that failed, or a child ``run`` restarted that the harness did
+not kill). Job 0 runs without faults: the baseline for time and waste.
+
+``bench/chaos.py`` runs 100+ faults; the test suite runs a short version. Both call
+:func:`run_chaos`.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import json
 import logging
 import os
 import random
+import re
 import signal
 import subprocess
 import time
@@ -31,492 +38,401 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import pyarrow.parquet as pq
-
-from producers.datasets import read_prompts
 from producers.resume import outcome_records
-from sinks.replay import live_snapshots, read_to_end
-from streams import events as ev
 from streams.topics import Topics
-from tokenbudget import broker
-from tokenbudget.demo import (
-    DEMO_DATASETS,
-    DemoDataset,
-    free_port,
-    wait_for_simulator,
-    write_datasets,
+from tokenbudget import broker, oracle
+from tokenbudget.demo import free_port
+from tokenbudget.jobs import (
+    Simulator,
+    Watch,
+    children_of,
+    end_run,
+    kill_tree_root,
+    rows,
+    start_run,
+    start_simulator,
+    survivors,
+    write_job,
 )
-from tokenbudget.errors import DatasetError, TokenBudgetError
-from tokenbudget.kafka import GroupLag
-from tokenbudget.runner import cli_command, stop_process
 
 log = logging.getLogger(__name__)
 
-KINDS = ("ledger", "dispatch", "sink", "produce")
+FAULTS = ("run", "ledger", "dispatcher", "broker", "freeze")
+PHASES = ("before the first halt", "after a halt", "during the drain")
 
-# Rows no reader may accept, one per way a row goes wrong; each must be reported
-# with its file and line and skipped (``[producer] on_bad_row = "skip"``).
-BAD_ROWS = (
-    '{"prompt": "cut off',  # bad JSON
-    '{"id": "no-prompt-field"}',  # missing field
-    '{"prompt": ""}',  # empty prompt
-    '{"prompt": 42}',  # wrong type
-)
+# Rows no reader accepts; each must be reported and skipped, not lost or counted.
+BAD_ROWS = ('{"prompt": "cut off', '{"id": "no-prompt-field"}', '{"prompt": ""}')
 
 
 @dataclass(frozen=True)
 class ChaosSettings:
     workdir: Path
-    cycles: int = 20
+    faults: int = 100  # placed in all, over as many jobs as it takes
+    per_job: int = 6  # faults placed in one job
+    outage_every: int = 25  # every so many faults, a server outage
+    outage_s: float = 60.0
     seed: int = 7
-    budget: int = 300_000  # per dataset
-    datasets: tuple[DemoDataset, ...] = DEMO_DATASETS
     dispatchers: int = 2
-    concurrency: int = 32
-    max_new_tokens: int = 8192
-    tokens_per_second: float = 3000.0  # per request, in the simulator
-    fault_share: float = 0.08  # of requests, split evenly over the four faults
-    retries: int = 1  # a prompt fails (dead-lettered) after retries + 1 attempts
-    kill_gap_s: tuple[float, float] = (1.0, 4.0)  # between kills
-    restart_after_s: tuple[float, float] = (0.2, 2.0)  # a killed component is down this long
-    broker_restart_cycle: int | None = None  # None: halfway through the cycles
-    deadline_s: float = 900.0  # for the run to settle after the last cycle
+    concurrency: int = 8  # per dispatcher
+    fault_share: float = 0.10  # of requests: 429, 503, 500, reset mid-stream evenly
+    tokens_per_second: float = 1500.0  # per request, in the simulator
+    lease_ttl_s: float = 3.0
+    scale: int = 1  # multiplies every dataset's rows and budget
+    broker_down_s: tuple[float, float] = (1.0, 4.0)
+    job_deadline_s: float = 900.0
+    baseline: bool = True  # a job without faults first
 
 
 @dataclass
-class DatasetBooks:
-    budget: int
-    prompts_in: int = 0
-    completed: int = 0
-    skipped: int = 0
-    failed: int = 0
-    lost: int = 0
-    ledger_tokens: int = 0
-    ledger_samples: int = 0
-    parquet_tokens: int = 0
-    parquet_rows: int = 0
+class Placed:
+    kind: str
+    phase: str
+    at: float  # wall clock, comparable with the server log
+    pid: int = 0
 
-    @property
-    def overshoot(self) -> int:
-        return max(0, max(self.ledger_tokens, self.parquet_tokens) - self.budget)
+
+@dataclass
+class JobResult:
+    number: int
+    verdict: oracle.Verdict
+    seconds: float
+    placed: list[Placed] = field(default_factory=list)
+    runs: int = 0
+    orphans: list[str] = field(default_factory=list)
+    crashes: list[str] = field(default_factory=list)
+    in_flight_at_faults: int = 0  # tokens of the answers the server was generating
 
 
 @dataclass
 class ChaosReport:
-    datasets: dict[str, DatasetBooks] = field(default_factory=dict)
-    kills: Counter[str] = field(default_factory=Counter)
-    crashes: Counter[str] = field(default_factory=Counter)  # exited on their own
-    broker_restarts: int = 0
-    bad_rows: int = 0
-    dead_letters: int = 0
-    unknown_outcomes: int = 0  # outcomes for prompt ids no dataset holds
-    duplicate_request_ids: int = 0
-    duplicate_prompt_ids: int = 0
-    completed_not_in_parquet: int = 0
-    parquet_not_completed: int = 0
-    exit_codes: dict[str, int | None] = field(default_factory=dict)
-    # share of the valid rows with an outcome when each kill landed
-    progress_at_kills: list[float] = field(default_factory=list)
+    jobs: list[JobResult] = field(default_factory=list)
     seconds: float = 0.0
 
     @property
-    def lost(self) -> int:
-        return sum(b.lost for b in self.datasets.values())
+    def faulted(self) -> list[JobResult]:
+        return [j for j in self.jobs if j.placed]
 
     @property
-    def overshoot(self) -> int:
-        return sum(b.overshoot for b in self.datasets.values())
+    def baseline(self) -> JobResult | None:
+        return next((j for j in self.jobs if not j.placed), None)
+
+    def total(self, attribute: str) -> int:
+        return sum(getattr(j.verdict, attribute) for j in self.jobs)
 
     @property
-    def ledger_matches_parquet(self) -> bool:
-        return all(
-            b.ledger_tokens == b.parquet_tokens and b.ledger_samples == b.parquet_rows
-            for b in self.datasets.values()
-        )
+    def faults(self) -> Counter[str]:
+        return Counter(p.kind for j in self.jobs for p in j.placed)
+
+    @property
+    def phases(self) -> Counter[str]:
+        return Counter(p.phase for j in self.jobs for p in j.placed)
+
+    @property
+    def orphans(self) -> int:
+        return sum(len(j.orphans) for j in self.jobs)
+
+    @property
+    def crashes(self) -> int:
+        return sum(len(j.crashes) for j in self.jobs)
 
     @property
     def ok(self) -> bool:
         return (
-            self.lost == 0
-            and self.unknown_outcomes == 0
-            and self.duplicate_request_ids == 0
-            and self.duplicate_prompt_ids == 0
-            and self.completed_not_in_parquet == 0
-            and self.parquet_not_completed == 0
-            and self.ledger_matches_parquet
-            and self.overshoot == 0
-            and all(code == 0 for code in self.exit_codes.values())
+            bool(self.jobs)
+            and all(j.verdict.ok for j in self.jobs)
+            and self.orphans == 0
+            and self.crashes == 0
         )
 
     def lines(self) -> list[str]:
-        out = [
-            f"{'dataset':<22}{'budget':>10}{'in':>7}{'done':>7}{'skip':>7}{'fail':>6}"
-            f"{'lost':>6}{'ledger_tok':>12}{'parquet_tok':>12}{'overshoot':>10}"
-        ]
-        for name, b in self.datasets.items():
+        out = []
+        for j in self.jobs:
+            kinds = Counter(p.kind for p in j.placed)
             out.append(
-                f"{name:<22}{b.budget:>10,}{b.prompts_in:>7}{b.completed:>7}{b.skipped:>7}"
-                f"{b.failed:>6}{b.lost:>6}{b.ledger_tokens:>12,}{b.parquet_tokens:>12,}"
-                f"{b.overshoot:>10,}"
+                f"job {j.number}: {j.seconds:.0f} s, {j.runs} run(s), faults "
+                f"{dict(kinds) or 'none (baseline)'}; kept {j.verdict.kept_tokens:,} of "
+                f"{j.verdict.generated_tokens:,} generated (waste {j.verdict.waste:,}; in "
+                f"flight at its faults {j.in_flight_at_faults:,}); "
+                f"{'ok' if j.verdict.ok else 'NOT OK: ' + '; '.join(j.verdict.lines()[-1:])}"
             )
-        total_in = sum(b.prompts_in for b in self.datasets.values())
-        kinds = {
-            k: sum(getattr(b, k) for b in self.datasets.values())
-            for k in ("completed", "skipped", "failed")
-        }
-        kills = ", ".join(f"{k} {self.kills[k]}" for k in KINDS)
-        mid_run = sum(1 for p in self.progress_at_kills if p < 1.0)
-        spread = (
-            f"{min(self.progress_at_kills):.0%}..{max(self.progress_at_kills):.0%}"
-            if self.progress_at_kills
-            else "-"
-        )
+        faulted = self.faulted
+        waste = sum(j.verdict.waste for j in faulted)
+        in_flight = sum(j.in_flight_at_faults for j in faulted)
+        generated = sum(j.verdict.generated_tokens for j in faulted)
+        base = self.baseline
         out += [
-            f"kill/restart cycles: {sum(self.kills.values())} ({kills}); "
-            f"broker restarts: {self.broker_restarts}; "
-            f"exited on their own and restarted: {sum(self.crashes.values())}"
-            + (f" ({dict(self.crashes)})" if self.crashes else ""),
-            f"kills that landed before every prompt had its outcome: {mid_run} of "
-            f"{len(self.progress_at_kills)} (progress at the kills: {spread})",
-            f"prompts in: {total_in:,} (bad rows reported and skipped: {self.bad_rows}); "
-            f"outcomes out: completed {kinds['completed']:,}, skipped {kinds['skipped']:,}, "
-            f"failed {kinds['failed']:,} (dead letters: {self.dead_letters:,})",
-            f"lost = {self.lost}, unknown outcomes = {self.unknown_outcomes}, "
-            f"duplicated request_ids in Parquet = {self.duplicate_request_ids}, "
-            f"duplicated prompt_ids = {self.duplicate_prompt_ids}, "
-            f"completed but not in Parquet = {self.completed_not_in_parquet}, "
-            f"in Parquet but not completed = {self.parquet_not_completed}",
-            f"ledger totals = Parquet totals: {'yes' if self.ledger_matches_parquet else 'NO'}; "
-            f"overshoot = {self.overshoot:,} tokens; "
-            f"exit codes after SIGTERM: {self.exit_codes}",
-            f"{self.seconds:.0f} s; {'OK' if self.ok else 'FAILED'}",
+            f"faults placed: {sum(self.faults.values())} "
+            f"({', '.join(f'{k} {n}' for k, n in sorted(self.faults.items()))}) "
+            f"in {len(faulted)} jobs",
+            "by phase: " + ", ".join(f"{p} {self.phases[p]}" for p in PHASES),
+            f"lost {self.total('lost')}, duplicated {self.total('duplicates')}, "
+            f"overshoot {self.total('overshoot')} (from the server log and the dataset files); "
+            f"rows not from the server {self.total('rows_not_from_server')}, unlike it "
+            f"{self.total('rows_unlike_server')}; orphans {self.orphans}; "
+            f"unexpected crashes {self.crashes}"
+            + (f" ({'; '.join(c for j in self.jobs for c in j.crashes)})" if self.crashes else ""),
+            f"waste under faults: {waste:,} of {generated:,} generated tokens "
+            f"({waste / generated if generated else 0:.1%}); work in flight at the faults "
+            f"{in_flight:,} tokens; waste / in flight = "
+            f"{waste / in_flight if in_flight else 0:.2f}",
         ]
+        if base is not None:
+            mean = sum(j.seconds for j in faulted) / len(faulted) if faulted else 0
+            out.append(
+                f"baseline job without faults: {base.seconds:.0f} s, waste "
+                f"{base.verdict.waste:,} of {base.verdict.generated_tokens:,}; "
+                f"jobs with faults: {mean:.0f} s on average"
+            )
+        out.append(f"{self.seconds:.0f} s; {'OK' if self.ok else 'FAILED'}")
         return out
 
-
-class Component:
-    """One pipeline process, started again after it is killed."""
-
-    def __init__(self, name: str, argv: list[str], log_path: Path) -> None:
-        self.name = name
-        self.argv = argv
-        self.log_path = log_path
-        self.process: subprocess.Popen[bytes] | None = None
-
-    @property
-    def kind(self) -> str:
-        return self.name.split("-")[0]
-
-    def start(self) -> None:
-        with self.log_path.open("ab") as out:
-            out.write(f"\n==== start {time.strftime('%H:%M:%S')}\n".encode())
-            out.flush()
-            # Its own session: a SIGKILL to the group takes the whole process tree.
-            self.process = subprocess.Popen(
-                self.argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-            )
-
-    def exit_code(self) -> int | None:
-        return None if self.process is None else self.process.poll()
-
-    def kill(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
-
-    def terminate(self, timeout: float = 90) -> int | None:
-        """SIGTERM, SIGKILL after ``timeout``; the exit code (negative if killed)."""
-        if self.process is None:
-            return None
-        stop_process(self.process, timeout)
-        return self.process.returncode
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "ok": self.ok,
+                "lost": self.total("lost"),
+                "duplicated": self.total("duplicates"),
+                "overshoot": self.total("overshoot"),
+                "orphans": self.orphans,
+                "unexpected_crashes": self.crashes,
+                "faults": dict(self.faults),
+                "phases": dict(self.phases),
+                "jobs": [
+                    {
+                        "seconds": round(j.seconds, 1),
+                        "faults": [p.kind for p in j.placed],
+                        "generated": j.verdict.generated_tokens,
+                        "kept": j.verdict.kept_tokens,
+                        "in_flight_at_faults": j.in_flight_at_faults,
+                        "ok": j.verdict.ok,
+                    }
+                    for j in self.jobs
+                ],
+            },
+            indent=2,
+        )
 
 
-def plant_bad_rows(path: Path) -> int:
-    """Insert the bad rows among the first lines of a dataset file."""
-    lines = path.read_text().splitlines()
+def job_datasets(workdir: Path, scale: int) -> dict[str, tuple[Path, int]]:
+    data = workdir / "data"
+    data.mkdir(parents=True, exist_ok=True)
+    jobs = {
+        "long": (rows(data / "long.jsonl", "#long-code", 60 * scale), 60_000 * scale),
+        "short": (rows(data / "short.jsonl", "#short", 150 * scale), 20_000 * scale),
+        "chat": (rows(data / "chat.jsonl", "#chat", 80 * scale, chat=True), 40_000 * scale),
+        # runs out of rows before its budget: every valid row must be kept
+        "small": (rows(data / "small.jsonl", "#code", 6), 1_000_000),
+    }
+    small = jobs["small"][0]
+    lines = small.read_text().splitlines()
     for offset, row in enumerate(BAD_ROWS):
-        lines.insert(2 + 3 * offset, row)
-    path.write_text("\n".join(lines) + "\n")
-    return len(BAD_ROWS)
+        lines.insert(1 + 2 * offset, row)
+    small.write_text("\n".join(lines) + "\n")
+    return jobs
 
 
-def write_config(
-    settings: ChaosSettings, bootstrap: str, namespace: str, url: str, paths: dict[str, Path]
-) -> Path:
-    lines = [
-        "[kafka]",
-        f'bootstrap = "{bootstrap}"',
-        f'namespace = "{namespace}"',
-        "[inference]",
-        f'url = "{url}"',
-        'api = "sglang"',
-        f"concurrency = {settings.concurrency}",
-        f"max_new_tokens = {settings.max_new_tokens}",
-        f"retries = {settings.retries}",
-        "backoff_s = 0.2",
-        "backoff_max_s = 1.0",
-        "connect_timeout_s = 2.0",
-        # The hang fault never answers: a short read timeout turns it into a retry.
-        "read_timeout_s = 8.0",
-        "[budget]",
-        # A killed dispatcher's lease comes back after this long.
-        "lease_ttl_s = 4.0",
-        "[producer]",
-        'on_bad_row = "skip"',
-        "[sink]",
-        'path = "out"',
-        "flush_interval_s = 1.0",
+def phase(statuses: dict[str, str], datasets: int) -> int:
+    """0 before any budget is reached, 1 while some datasets are still open, 2 once
+    none is (halted at its budget, or out of rows)."""
+    if len(statuses) == datasets and "open" not in statuses.values():
+        return 2
+    return 1 if "halted" in statuses.values() else 0
+
+
+_RESTART = re.compile(r"the (\w[\w -]*) \(pid (\d+)\) exited with code (-?\d+|None)")
+
+
+def unexpected_restarts(run_log: Path, harmed: set[int]) -> list[str]:
+    """Children ``run`` restarted (from its log) that the harness did not kill or
+    freeze."""
+    text = run_log.read_text(errors="replace") if run_log.exists() else ""
+    return [
+        f"{m.group(1)} exited {m.group(3)}"
+        for m in _RESTART.finditer(text)
+        if int(m.group(2)) not in harmed
     ]
-    for name, path in paths.items():
-        lines += [
-            "[[datasets]]",
-            f'name = "{name}"',
-            f'path = "{path}"',
-            f"budget = {settings.budget}",
-        ]
-    config = settings.workdir / "tokenbudget.toml"
-    config.write_text("\n".join(lines) + "\n")
-    return config
-
-
-def start_simulator(settings: ChaosSettings, port: int, log_path: Path) -> Component:
-    share = settings.fault_share / 4
-    argv = cli_command(
-        "simulate",
-        "--port", str(port),
-        "--profile", "demo",
-        "--tokens-per-second", str(settings.tokens_per_second),
-        "--seed", str(settings.seed),
-        "--fail-500", str(share),
-        "--fail-timeout", str(share),
-        "--fail-reset", str(share),
-        "--fail-malformed", str(share),
-    )  # fmt: skip
-    sim = Component("simulator", argv, log_path)
-    sim.start()
-    assert sim.process is not None
-    wait_for_simulator(sim.process, port, logs=f"; see {log_path}")
-    return sim
-
-
-def valid_rows(name: str, path: Path) -> tuple[set[str], int]:
-    """The prompt ids a reader accepts from ``path``, and how many rows it rejects."""
-    bad: list[DatasetError] = []
-    ids = {row.prompt_id for row in read_prompts(name, path, on_bad_row=bad.append)}
-    return ids, len(bad)
 
 
 class Chaos:
     def __init__(self, settings: ChaosSettings) -> None:
         self.settings = settings
         self.rng = random.Random(settings.seed)
-        self.report = ChaosReport()
-        workdir = settings.workdir.resolve()
-        workdir.mkdir(parents=True, exist_ok=True)
-        self.workdir = workdir
-        self.logs = workdir / "logs"
-        self.logs.mkdir(exist_ok=True)
+        self.workdir = settings.workdir.resolve()
+        self.workdir.mkdir(parents=True, exist_ok=True)
         defaults = broker.BrokerSettings.from_env()
         self.broker = broker.BrokerSettings(
-            home=workdir / "broker",
+            home=self.workdir / "broker",
             port=free_port(),
             controller_port=free_port(),
             kafka_version=defaults.kafka_version,
             jars_root=defaults.jars_root,
         )
-        self.topics = Topics(f"chaos{settings.seed}x{int(time.time())}")
-        self.components: list[Component] = []
-        self.finished: set[str] = set()  # components that ended their work (exit 0)
-        self.rows_in = 0
-
-    # ---- the run -------------------------------------------------------------------
+        self.bootstrap = ""
+        self.report = ChaosReport()
+        self.placed_total = 0
+        self.rotated = 0  # faults other than outages placed, for the rotation
 
     def run(self) -> ChaosReport:
         started = time.monotonic()
-        s = self.settings
-        paths = write_datasets(self.workdir / "data", s.budget)
-        paths = {d.name: paths[d.name] for d in s.datasets}
-        plant_bad_rows(next(iter(paths.values())))
-        self.rows_in = sum(len(valid_rows(name, path)[0]) for name, path in paths.items())
-        bootstrap = broker.up(self.broker, self.topics.specs())
-        port = free_port()
-        sim = start_simulator(s, port, self.logs / "simulator.log")
+        self.bootstrap = broker.up(self.broker, [])
         try:
-            config = write_config(
-                s, bootstrap, self.topics.namespace, f"http://127.0.0.1:{port}", paths
-            )
-            names = ["ledger", *(f"dispatch-{i}" for i in range(s.dispatchers)), "sink", "produce"]
-            for name in names:
-                kind = name.split("-")[0]
-                component = Component(
-                    name, cli_command(kind, "--config", str(config)), self.logs / f"{name}.log"
-                )
-                component.start()
-                self.components.append(component)
-            self._cycles()
-            self._settle(bootstrap, paths)
-            for component in self.components:
-                self.report.exit_codes[component.name] = component.terminate()
-        finally:
-            for component in self.components:
-                component.kill()
-            sim.terminate(10)
-        try:
-            self._check(bootstrap, paths, self.workdir / "out")
+            if self.settings.baseline:
+                self.report.jobs.append(self._job(0, faults=0))
+            number = 1
+            while self.placed_total < self.settings.faults:
+                want = min(self.settings.per_job, self.settings.faults - self.placed_total)
+                self.report.jobs.append(self._job(number, want))
+                number += 1
         finally:
             broker.down(self.broker)
         self.report.seconds = time.monotonic() - started
         return self.report
 
-    def _supervise(self) -> None:
-        """Start again what exited on its own: a crash, unless it finished its work."""
-        for component in self.components:
-            code = component.exit_code()
-            if code is None or component.name in self.finished:
-                continue
-            if code == 0 and component.kind == "produce":
-                self.finished.add(component.name)  # every dataset read or halted
-                continue
-            self.report.crashes[component.name] += 1
-            log.warning("%s exited with %s: starting it again", component.name, code)
-            component.start()
+    # ---- one job -------------------------------------------------------------------
 
-    def _wait(self, seconds: float) -> None:
-        end = time.monotonic() + seconds
-        while time.monotonic() < end:
-            self._supervise()
-            time.sleep(min(0.2, max(0.0, end - time.monotonic())))
-
-    def _cycles(self) -> None:
+    def _job(self, number: int, faults: int) -> JobResult:
         s = self.settings
-        broker_cycle = s.cycles // 2 if s.broker_restart_cycle is None else s.broker_restart_cycle
-        order: list[Component] = []
-        for cycle in range(s.cycles):
-            if not order:  # every component is hit once per round, in a random order
-                order = list(self.components)
-                self.rng.shuffle(order)
-            victim = order.pop()
-            self._wait(self.rng.uniform(*s.kill_gap_s))
-            progress = self._progress()
-            if progress is not None:
-                self.report.progress_at_kills.append(progress)
-            log.info("cycle %d: SIGKILL %s", cycle + 1, victim.name)
-            victim.kill()
-            self.finished.discard(victim.name)  # a finished producer is started again
-            self.report.kills[victim.kind] += 1
-            if cycle == broker_cycle:
-                log.info("cycle %d: restarting the broker", cycle + 1)
-                broker.down(self.broker)
-                self.report.broker_restarts += 1
-                broker.up(self.broker, self.topics.specs())
-            time.sleep(self.rng.uniform(*s.restart_after_s))
-            victim.start()
-
-    def _progress(self) -> float | None:
-        """Share of the valid rows that have an outcome, as the ledger last said."""
+        workdir = self.workdir / f"job-{number}"
+        workdir.mkdir(parents=True, exist_ok=True)
+        namespace = f"chaos{s.seed}j{number}x{int(time.time())}"
+        broker.ensure_topics(self.bootstrap, Topics(namespace).specs())
+        datasets = job_datasets(workdir, s.scale)
+        share = f"{s.fault_share / 4:g}"
+        sim = start_simulator(
+            workdir,
+            "--tokens-per-second", str(s.tokens_per_second),
+            "--seed", str(s.seed + number),
+            "--fail-busy", share,
+            "--fail-unavailable", share,
+            "--fail-500", share,
+            "--fail-reset-mid-stream", share,
+            "--retry-after", "0.5",
+        )  # fmt: skip
+        config = write_job(
+            workdir,
+            self.bootstrap,
+            namespace,
+            sim.url,
+            datasets,
+            inference={"stream": True, "concurrency": s.concurrency, "retries": 2},
+            budget={"lease_ttl_s": s.lease_ttl_s},
+            producer={"on_bad_row": "skip"},
+        )
+        result = JobResult(number, oracle.Verdict(), 0.0)
+        started = time.monotonic()
+        watch = Watch(self.bootstrap, namespace)
         try:
-            snapshots = live_snapshots(self.broker.bootstrap, self.topics)
-        except TokenBudgetError:
-            return None
-        done = sum(s.samples + s.skipped + s.failed for s in snapshots.values())
-        return done / self.rows_in if self.rows_in else 1.0
-
-    def _settle(self, bootstrap: str, paths: dict[str, Path]) -> None:
-        """Wait until every valid row has an outcome in the ledger, the producer has
-        finished and the sink has read every completion."""
-        expected = {name: len(valid_rows(name, path)[0]) for name, path in paths.items()}
-        deadline = time.monotonic() + self.settings.deadline_s
-        lag = GroupLag(bootstrap)
-        try:
-            while time.monotonic() < deadline:
-                self._wait(2.0)
-                if "produce" not in self.finished:
-                    continue
-                snapshots = live_snapshots(bootstrap, self.topics)
-                accounted = {
-                    name: (s.samples + s.skipped + s.failed) if (s := snapshots.get(name)) else 0
-                    for name in paths
-                }
-                if any(accounted[name] < expected[name] for name in paths):
-                    continue
-                group = f"{self.topics.namespace}-sink"
-                if lag.lag(group, [self.topics.completions]) == 0:
-                    return
-            raise TokenBudgetError(
-                f"the chaos run did not settle within {self.settings.deadline_s:.0f} s after its "
-                f"last cycle; logs in {self.logs}"
-            )
+            self._drive(result, config, sim, watch, faults, len(datasets))
         finally:
-            lag.close()
+            watch.close()
+            sim.stop()
+        result.seconds = time.monotonic() - started
+        outcomes = outcome_records(self.bootstrap, Topics(namespace))
+        result.verdict = oracle.judge(workdir / "out", sim.log, datasets, outcomes)
+        answers = oracle.read_server_log(sim.log).values()
+        result.in_flight_at_faults = sum(
+            a.completion_tokens
+            for p in result.placed
+            for a in answers
+            if a.received_at <= p.at < a.finished_at
+        )
+        log.info("job %d: %s", number, result.verdict.lines()[-1])
+        return result
 
-    # ---- the books -----------------------------------------------------------------
+    def _drive(
+        self,
+        result: JobResult,
+        config: Path,
+        sim: Simulator,
+        watch: Watch,
+        faults: int,
+        datasets: int,
+    ) -> None:
+        """Run the job to its end, placing ``faults`` faults on the way: the first
+        third before the first halt, the next after it, the rest during the drain."""
+        s = self.settings
+        run_log = config.parent / "run.out"
+        deadline = time.monotonic() + s.job_deadline_s
+        harmed: set[int] = set()
+        plan = [min(2, i * 3 // faults) for i in range(faults)]
+        run: subprocess.Popen[bytes] | None = None
+        try:
+            while True:
+                if time.monotonic() > deadline:
+                    result.crashes.append(f"job {result.number} did not finish in time")
+                    return
+                if run is None:
+                    run = start_run(config, "--dispatchers", str(s.dispatchers), log=run_log)
+                    result.runs += 1
+                code = run.poll()
+                if code is not None:
+                    if code == 0:
+                        return
+                    result.crashes.append(f"run exited {code} by itself")
+                    run = None
+                    continue
+                if plan and phase(watch.statuses(), datasets) >= plan[0]:
+                    time.sleep(self.rng.uniform(0.0, 1.5))
+                    if run.poll() is None:
+                        plan.pop(0)
+                        run = self._place(result, run, sim, watch, harmed, datasets)
+                time.sleep(0.1)
+        finally:
+            end_run(run)
+            result.crashes += unexpected_restarts(run_log, harmed)
 
-    def _check(self, bootstrap: str, paths: dict[str, Path], out: Path) -> None:
-        report = self.report
-        valid: dict[str, set[str]] = {}
-        for name, path in paths.items():
-            valid[name], bad = valid_rows(name, path)
-            report.bad_rows += bad
-        owner = {pid: name for name, ids in valid.items() for pid in ids}
-        outcomes = outcome_records(bootstrap, self.topics)
-        snapshots = live_snapshots(bootstrap, self.topics)
+    def _place(
+        self,
+        result: JobResult,
+        run: subprocess.Popen[bytes],
+        sim: Simulator,
+        watch: Watch,
+        harmed: set[int],
+        datasets: int,
+    ) -> subprocess.Popen[bytes] | None:
+        """Place the next fault; the run still going after it (None: it was killed)."""
+        s = self.settings
+        self.placed_total += 1
+        if self.placed_total % s.outage_every == 0:
+            kind = "outage"
+        else:
+            kind = FAULTS[self.rotated % len(FAULTS)]
+            self.rotated += 1
+        placed = Placed(kind, PHASES[phase(watch.statuses(), datasets)], time.time())
+        result.placed.append(placed)
+        log.info("job %d: %s %s", result.number, kind, placed.phase)
+        children = children_of(run.pid)
+        ledger = [p for p, cmd in children.items() if " ledger " in cmd]
+        extra = [p for p, cmd in children.items() if " dispatch " in cmd]
+        if kind == "run":
+            orphans = survivors(kill_tree_root(run))
+            result.orphans += [f"{cmd} (pid {pid})" for pid, cmd in orphans.items()]
+            return None
+        if kind == "outage":
+            sim.outage(s.outage_s)
+        elif kind == "broker":
+            self._kill_broker()
+        elif kind in ("ledger", "dispatcher", "freeze"):
+            victims = ledger if kind != "dispatcher" else extra
+            if not victims:
+                return run  # between a child's death and its restart: placed on nothing
+            placed.pid = victims[0]
+            harmed.add(placed.pid)
+            if kind == "freeze":
+                os.kill(placed.pid, signal.SIGSTOP)
+                time.sleep(2 * s.lease_ttl_s)
+                os.kill(placed.pid, signal.SIGCONT)
+            else:
+                os.kill(placed.pid, signal.SIGKILL)
+        return run
 
-        rows = []
-        for file in sorted(out.glob("dataset=*/*.parquet")):
-            rows += pq.read_table(
-                file, columns=["request_id", "prompt_id", "dataset", "completion_tokens"]
-            ).to_pylist()
-        request_ids = Counter(r["request_id"] for r in rows)
-        prompt_ids = Counter(r["prompt_id"] for r in rows)
-        report.duplicate_request_ids = sum(n - 1 for n in request_ids.values())
-        report.duplicate_prompt_ids = sum(n - 1 for n in prompt_ids.values())
-        completed = {pid for pid, outcome in outcomes.items() if outcome == "completed"}
-        report.completed_not_in_parquet = len(completed - set(prompt_ids))
-        report.parquet_not_completed = len(set(prompt_ids) - completed)
-        report.unknown_outcomes = sum(1 for pid in outcomes if pid not in owner)
-
-        letters = 0
-
-        def count_letter(event: ev.Event) -> None:
-            nonlocal letters
-            letters += isinstance(event, ev.DeadLetter)
-
-        read_to_end(bootstrap, self.topics.dead_letter, count_letter)
-        report.dead_letters = letters
-
-        for name in paths:
-            books = DatasetBooks(budget=self.settings.budget, prompts_in=len(valid[name]))
-            kinds = Counter(outcomes[pid] for pid in valid[name] if pid in outcomes)
-            books.completed, books.skipped, books.failed = (
-                kinds["completed"],
-                kinds["skipped"],
-                kinds["failed"],
-            )
-            books.lost = books.prompts_in - sum(kinds.values())
-            snap = snapshots.get(name)
-            if snap is not None:
-                books.ledger_tokens, books.ledger_samples = snap.completion_tokens, snap.samples
-            mine = [r for r in rows if r["dataset"] == name]
-            books.parquet_rows = len(mine)
-            books.parquet_tokens = sum(r["completion_tokens"] for r in mine)
-            report.datasets[name] = books
+    def _kill_broker(self) -> None:
+        pid_file = self.broker.home / "broker.pid"
+        pid = int(pid_file.read_text().strip())
+        os.kill(pid, signal.SIGKILL)
+        time.sleep(self.rng.uniform(*self.settings.broker_down_s))
+        broker.up(self.broker, [])
 
 
 def run_chaos(settings: ChaosSettings) -> ChaosReport:
     return Chaos(settings).run()
-
-
-def report_json(report: ChaosReport) -> str:
-    return json.dumps(
-        {
-            "ok": report.ok,
-            "lost": report.lost,
-            "duplicate_request_ids": report.duplicate_request_ids,
-            "overshoot": report.overshoot,
-            "kills": dict(report.kills),
-            "broker_restarts": report.broker_restarts,
-            "datasets": {name: vars(b) for name, b in report.datasets.items()},
-        },
-        indent=2,
-    )

@@ -19,9 +19,13 @@ from pathlib import Path
 
 import pytest
 
+from producers.halts import BudgetBoard
 from producers.resume import outcome_records
+from sinks.replay import read_to_end
+from streams import events as ev
 from streams.topics import Topics
-from tests.integration.jobs import (
+from tokenbudget import broker, oracle
+from tokenbudget.jobs import (
     Watch,
     children_of,
     end_run,
@@ -34,7 +38,7 @@ from tests.integration.jobs import (
     wait_until,
     write_job,
 )
-from tokenbudget import broker, oracle
+from tokenbudget.runner import start_ledger_process
 
 pytestmark = pytest.mark.integration
 
@@ -237,3 +241,54 @@ def test_a_frozen_dispatcher_keeps_its_prompts_and_claims_its_answers(
     verdict = judge(tmp_path, kafka_bootstrap, namespace, jobs)
     assert_exact(verdict, jobs)
     assert verdict.waste == 0, "\n".join(verdict.lines())
+
+
+@pytest.mark.timeout(600)
+def test_a_second_ledger_worker_mid_run_then_the_first_killed_never_sends_counts_back(
+    tmp_path: Path, kafka_bootstrap: str, namespace: str
+) -> None:
+    """A second ``tokenbudget ledger`` joins mid-run (the datasets are shared out
+    between the two), then the first is SIGKILLed (run starts it again: another
+    rebalance). Read back from the budgets topic as any reader reads it, no dataset's
+    counts ever go backwards, and the job ends exact."""
+    broker.ensure_topics(kafka_bootstrap, Topics(namespace).specs())
+    jobs = datasets(tmp_path)
+    sim = start_simulator(tmp_path, "--tokens-per-second", "500")
+    config = write_job(tmp_path, kafka_bootstrap, namespace, sim.url, jobs)
+    watch = Watch(kafka_bootstrap, namespace)
+    log = tmp_path / "run.out"
+    run: subprocess.Popen[bytes] | None = None
+    second: subprocess.Popen[bytes] | None = None
+    try:
+        run = start_run(config, log=log)
+        wait_until(lambda: watch.samples() > 5, "the first answers")
+        [first] = [p for p, cmd in children_of(run.pid).items() if " ledger " in cmd]
+        second = start_ledger_process(kafka_bootstrap, namespace, 0.5)
+        seen = watch.samples()
+        wait_until(lambda: watch.samples() > seen + 15, "answers counted by two workers")
+        os.kill(first, signal.SIGKILL)
+        assert run.wait(300) == 0, log.read_text()[-3000:]
+        report = run_output(run, log)
+    finally:
+        end_run(run)
+        end_run(second)
+        watch.close()
+        sim.stop()
+    assert [r["name"] for r in report["restarts"]] == ["ledger worker"]
+
+    events: list[ev.Event] = []
+    read_to_end(kafka_bootstrap, Topics(namespace).budgets, events.append)
+    epochs = {e.epoch for e in events if isinstance(e, ev.LedgerSnapshot)}
+    assert len(epochs) >= 3, epochs  # three owners at least: the first, the second, the restarted
+    board = BudgetBoard()
+    counts: dict[str, tuple[int, int]] = {}
+    for event in events:
+        board.apply(event)
+        for name, view in board.views.items():
+            if view.snapshot is None:
+                continue
+            now = (view.snapshot.completion_tokens, view.snapshot.samples)
+            before = counts.get(name, (0, 0))
+            assert now[0] >= before[0] and now[1] >= before[1], (name, before, now)
+            counts[name] = now
+    assert_exact(judge(tmp_path, kafka_bootstrap, namespace, jobs), jobs)

@@ -1,4 +1,5 @@
-"""Whole jobs as a user runs them, for the fault tests: the simulator as a process of
+"""Whole jobs as a user runs them, for the fault tests and the chaos harness
+(developer tools; the product does not import this): the simulator as a process of
 its own (its request log is the oracle's ground truth), ``tokenbudget run`` as a
 process of its own (so it can be killed), and the processes it starts found by the
 parent pid they were given."""
