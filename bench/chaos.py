@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -36,6 +37,8 @@ def main() -> int:
     parser.add_argument("--workdir", help="keep data, logs and Parquet here")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    # Stopped from outside: clean up (the broker, the jobs' processes) on the way out.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s", stream=sys.stderr)
     logging.getLogger("tokenbudget.chaos").setLevel(logging.INFO)
     logging.getLogger("aiokafka").setLevel(logging.CRITICAL)  # the broker is killed on purpose

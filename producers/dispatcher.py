@@ -97,7 +97,21 @@ class _Slot:
         other datasets are not queued behind it, and take a place back (waiting
         like any new prompt) before it goes on. The prompt keeps a place among the
         waiting instead, so at most as many wait aside as the server has places;
-        past that, it waits where it is."""
+        past that, it waits where it is.
+
+        An answer waiting to be claimed anew (its lease expired) lends its place among
+        the answers being published instead, always: the budget it waits for may be
+        held by a request of the same lease that needs such a place to settle."""
+        held = self._held
+        if held is not None:
+            held.release()
+            self._held = None
+            try:
+                yield
+            finally:
+                await held.acquire()
+                self._held = held
+            return
         server, waiting = self._server, self._waiting
         if server is None or waiting is None or waiting.locked():
             yield

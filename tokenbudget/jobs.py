@@ -25,6 +25,7 @@ from producers.halts import BudgetBoard, BudgetWatcher
 from sinks.replay import read_to_end
 from streams import events as ev
 from streams.topics import Topics
+from tokenbudget import lifetime
 from tokenbudget.demo import free_port, wait_for_simulator
 from tokenbudget.lifetime import PARENT_ENV
 from tokenbudget.runner import cli_command
@@ -56,7 +57,7 @@ def start_simulator(workdir: Path, *args: str, port: int | None = None) -> Simul
         "simulate", "--port", str(port), "--profile", "demo", "--log-file", str(log), *args
     )
     with (workdir / "simulator.out").open("ab") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+        process = lifetime.spawn(command, stdout=out, stderr=subprocess.STDOUT)
     wait_for_simulator(process, port)
     return Simulator(process, port, log)
 
@@ -113,15 +114,15 @@ def write_job(
 
 
 def start_run(config: Path, *args: str, log: Path | None = None) -> subprocess.Popen[bytes]:
-    """``tokenbudget run --json`` in a session of its own, as a user's shell starts it."""
-    out = (log or config.parent / "run.out").open("ab")
-    return subprocess.Popen(
-        cli_command("run", "--config", str(config), "--json", *args),
-        stdout=out,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        env={**os.environ, "TOKENBUDGET_LOG": "INFO"},
-    )
+    """``tokenbudget run --json`` in a session of its own, as a user's shell starts it
+    (and ending with the caller, should the caller die first)."""
+    with (log or config.parent / "run.out").open("ab") as out:
+        return lifetime.spawn(
+            cli_command("run", "--config", str(config), "--json", *args),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "TOKENBUDGET_LOG": "INFO"},
+        )
 
 
 def end_run(process: subprocess.Popen[bytes] | None) -> None:

@@ -32,9 +32,7 @@ def test_a_prompt_waiting_for_budget_frees_its_server_place_until_budget_comes()
         slot = _Slot(server, publishing, waiting)
         task = asyncio.create_task(dispatcher._dispatch(backend, prompt(1), slot))
         await until(
-            lambda: any(
-                isinstance(e, ev.LeaseDenied) and e.holder == "d1" for e in fake.replies
-            ),
+            lambda: any(isinstance(e, ev.LeaseDenied) and e.holder == "d1" for e in fake.replies),
             "a denial for the waiting prompt",
         )
         # The place is free for the next prompt (of any dataset) while this one waits.
@@ -95,5 +93,40 @@ def test_a_prompt_cancelled_while_aside_leaves_every_place_free() -> None:
         await asyncio.sleep(0.01)
         assert task.done()
         assert not server.locked() and not waiting.locked()
+
+    run(main())
+
+
+def test_an_answer_waiting_to_be_claimed_lends_its_place_among_those_being_published() -> None:
+    """Two answers of one lease in flight when the ledger expires it (a frozen
+    dispatcher, a broker away): the first to finish waits to claim budget anew until
+    the lease's other request has settled, and that one needs a place among the
+    answers being published to settle. The waiting claim lends its place meanwhile,
+    or neither could ever go on."""
+
+    async def main() -> None:
+        dispatcher, backend, _, board, recorder = make_dispatcher(stream=False)
+        server, publishing, waiting = asyncio.Semaphore(2), asyncio.Semaphore(1), None
+
+        async def handle(i: int) -> None:  # as the run loop does
+            await server.acquire()
+            slot = _Slot(server, publishing, waiting)
+            try:
+                await dispatcher._dispatch(backend, prompt(i), slot)
+            finally:
+                slot.release()
+
+        tasks = [asyncio.create_task(handle(i)) for i in range(2)]
+        await until(lambda: len(backend.calls) == 2, "both requests at the server")
+        lease = dispatcher.admission._leases[DS]  # type: ignore[union-attr]
+        board.apply(ev.LeaseRevoked(dataset=DS, lease_id=lease.lease_id, holder="d1", expired=True))
+        backend.finish(backend.rid_of(0), 300)
+        await asyncio.sleep(0.2)  # the first answer now waits for its claim
+        backend.finish(backend.rid_of(1), 200)
+        await asyncio.wait_for(asyncio.gather(*tasks), timeout=5.0)
+        kept = sorted(c.completion_tokens for c in recorder.completions())
+        assert kept == [200, 300]
+        assert all(c.lease_id != lease.lease_id for c in recorder.completions())
+        assert not server.locked() and not publishing.locked()
 
     run(main())
