@@ -224,7 +224,8 @@ class Dispatcher:
             with contextlib.suppress(Exception):  # retried on the next tick
                 await self._consumer.commit(to_commit)
 
-    async def run(self, stop: asyncio.Event) -> DispatchReport:
+    def _clients(self) -> tuple[AIOKafkaConsumer, AIOKafkaProducer]:
+        """The prompts consumer and the events producer, not started yet."""
         hold_ms = int(self.config.inference.prompt_hold_s * 1000)
         consumer = AIOKafkaConsumer(
             **aiokafka_options(self.bootstrap),
@@ -256,27 +257,34 @@ class Dispatcher:
             max_batch_size=PRODUCER_BATCH_BYTES,
             max_request_size=8 * 1024 * 1024,
         )
+        return consumer, producer
+
+    def _admission(self, producer: AIOKafkaProducer) -> Admission:
+        budget = self.config.budget
+        return Admission(
+            producer,
+            self.topics,
+            self.holder,
+            self.board,
+            AdmissionSettings(
+                unit=budget.unit,
+                policy=budget.on_boundary,
+                min_new_tokens=budget.min_new_tokens,
+                lease_size=self.config.lease_tokens,
+                lease_ttl_s=budget.lease_ttl_s,
+            ),
+            on_revoke=self._abort_dataset,
+        )
+
+    async def run(self, stop: asyncio.Event) -> DispatchReport:
+        consumer, producer = self._clients()
         await producer.start()
         await asyncio.to_thread(self.outcomes.refresh)
         await consumer.start()
         self._consumer, self._producer = consumer, producer
         maintenance: asyncio.Task[None] | None = None
         if self.config.budget.admission == "reserve":
-            budget = self.config.budget
-            self.admission = Admission(
-                producer,
-                self.topics,
-                self.holder,
-                self.board,
-                AdmissionSettings(
-                    unit=budget.unit,
-                    policy=budget.on_boundary,
-                    min_new_tokens=budget.min_new_tokens,
-                    lease_size=self.config.lease_tokens,
-                    lease_ttl_s=budget.lease_ttl_s,
-                ),
-                on_revoke=self._abort_dataset,
-            )
+            self.admission = self._admission(producer)
             maintenance = asyncio.create_task(self.admission.maintain())
         tasks: set[asyncio.Task[None]] = set()
         committer = asyncio.create_task(self._commit_every(0.5))

@@ -25,9 +25,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from producers.dispatcher import Dispatcher, DispatchReport
-from producers.halts import BudgetWatcher
+from producers.halts import BudgetBoard, BudgetWatcher
 from producers.prompts import ProduceReport, PromptProducer
 from sinks import metrics
 from sinks.parquet import ParquetSink, SinkSettings
@@ -392,6 +393,46 @@ async def run_async(
             await asyncio.to_thread(ledger.stop)
 
 
+async def _supervise(
+    drain: asyncio.Task[Any],
+    workers: list[asyncio.Task[Any]],
+    ledger: Supervised | None,
+    extra: ExtraDispatchers,
+) -> None:
+    """Wait for ``drain``, failing as soon as an in-process worker fails, and
+    starting again a child process that ended."""
+    pending: set[asyncio.Task[Any]] = {drain, *workers}
+    while not drain.done():
+        done, pending = await asyncio.wait(
+            pending, timeout=1.0, return_when=asyncio.FIRST_COMPLETED
+        )
+        for task in done:
+            if task is not drain and task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]
+        if ledger is not None:
+            ledger.check()
+        extra.check()
+    drain.result()
+
+
+def _results(config: Config, board: BudgetBoard) -> dict[str, DatasetResult]:
+    results = {}
+    for dataset in config.datasets:
+        snap = board.snapshot(dataset.name)
+        assert snap is not None
+        results[dataset.name] = DatasetResult(
+            budget=snap.budget or dataset.budget,
+            completion_tokens=snap.completion_tokens,
+            prompt_tokens=snap.prompt_tokens,
+            samples=snap.samples,
+            skipped=snap.skipped,
+            failed=snap.failed,
+            status="halted" if snap.halted else "exhausted",
+            unit=snap.unit,
+        )
+    return results
+
+
 async def _run_components(
     config: Config,
     bootstrap: str,
@@ -439,18 +480,7 @@ async def _run_components(
     produce_task = asyncio.create_task(producer.run(producer_stop))
     try:
         drain = asyncio.create_task(_wait_drained(config, bootstrap, producer, watcher))
-        pending = {drain, produce_task, dispatch_task}
-        while not drain.done():
-            done, pending = await asyncio.wait(
-                pending, timeout=1.0, return_when=asyncio.FIRST_COMPLETED
-            )
-            for task in done:
-                if task is not drain and task.exception() is not None:
-                    raise task.exception()  # type: ignore[misc]
-            if ledger is not None:
-                ledger.check()
-            extra.check()
-        drain.result()
+        await _supervise(drain, [produce_task, dispatch_task], ledger, extra)
         producer_stop.set()
         produced = await produce_task
         if any(report.not_sent for report in produced.values()):
@@ -474,22 +504,8 @@ async def _run_components(
             await watch_task
         await watcher.stop()
 
-    results = {}
-    for dataset in config.datasets:
-        snap = watcher.board.snapshot(dataset.name)
-        assert snap is not None
-        results[dataset.name] = DatasetResult(
-            budget=snap.budget or dataset.budget,
-            completion_tokens=snap.completion_tokens,
-            prompt_tokens=snap.prompt_tokens,
-            samples=snap.samples,
-            skipped=snap.skipped,
-            failed=snap.failed,
-            status="halted" if snap.halted else "exhausted",
-            unit=snap.unit,
-        )
     return RunReport(
-        datasets=results,
+        datasets=_results(config, watcher.board),
         produced=produced,
         dispatch=dispatcher.report,
         parquet_rows=dict(sink.rows_written),
