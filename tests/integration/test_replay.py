@@ -404,8 +404,14 @@ def test_replay_ledger_detects_a_planted_discrepancy(
     tokens = sum(e.completion_tokens for e in firsts if e.dataset == "gamma")
     assert summary["ledger"]["live"]["gamma"]["completion_tokens"] == tokens
 
-    # Plant a discrepancy: a snapshot newer than the ledger's, with wrong totals.
+    # Plant a discrepancy: a snapshot newer than the ledger's, with wrong totals, as
+    # the dataset's current owner would write it (readers drop older owners' events).
     real = summary["ledger"]["live"]["beta"]
+    written: list[ev.Event] = []
+    read_to_end(kafka_bootstrap, topics.budgets, written.append)
+    owner = max(
+        e.epoch for e in written if isinstance(e, ev.LedgerSnapshot) and e.dataset == "beta"
+    )
     fake = ev.LedgerSnapshot(
         dataset="beta",
         budget=10_000_000,
@@ -419,6 +425,7 @@ def test_replay_ledger_detects_a_planted_discrepancy(
         halted=False,
         status="open",
         at=time.time() + 1,
+        epoch=owner,
     )
     publish(kafka_bootstrap, topics.budgets, [fake])
     code, summary = replay_json(
