@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from producers.dispatcher import Dispatcher, DispatchReport
 from producers.halts import BudgetBoard, BudgetWatcher
@@ -393,25 +393,28 @@ async def run_async(
             await asyncio.to_thread(ledger.stop)
 
 
-async def _supervise(
-    drain: asyncio.Task[Any],
-    workers: list[asyncio.Task[Any]],
-    ledger: Supervised | None,
-    extra: ExtraDispatchers,
+class _Child(Protocol):
+    def check(self) -> object: ...
+
+
+async def supervise(
+    drain: asyncio.Task[Any], workers: list[asyncio.Task[Any]], children: list[_Child]
 ) -> None:
     """Wait for ``drain``, failing as soon as an in-process worker fails, and
-    starting again a child process that ended."""
+    starting again a child process that ended (cancelling ``drain`` if it fails)."""
     pending: set[asyncio.Task[Any]] = {drain, *workers}
-    while not drain.done():
-        done, pending = await asyncio.wait(
-            pending, timeout=1.0, return_when=asyncio.FIRST_COMPLETED
-        )
-        for task in done:
-            if task is not drain and task.exception() is not None:
-                raise task.exception()  # type: ignore[misc]
-        if ledger is not None:
-            ledger.check()
-        extra.check()
+    try:
+        while not drain.done():
+            done, pending = await asyncio.wait(
+                pending, timeout=1.0, return_when=asyncio.FIRST_COMPLETED
+            )
+            for task in done:
+                if task is not drain and task.exception() is not None:
+                    raise task.exception()  # type: ignore[misc]
+            for child in children:
+                child.check()
+    finally:
+        drain.cancel()
     drain.result()
 
 
@@ -475,16 +478,19 @@ async def _run_components(
         # Prompts handed out before every dispatcher joined would move at the
         # rebalance and be generated twice: wait for the group to settle first.
         await _wait_for_members(bootstrap, dispatcher.group_id, extra.count + 1)
+    children: list[_Child] = [extra] if ledger is None else [ledger, extra]
     producer = PromptProducer(config, bootstrap, watcher.board)
     producer_stop = asyncio.Event()
     produce_task = asyncio.create_task(producer.run(producer_stop))
     try:
         drain = asyncio.create_task(_wait_drained(config, bootstrap, producer, watcher))
-        await _supervise(drain, [produce_task, dispatch_task], ledger, extra)
+        await supervise(drain, [produce_task, dispatch_task], children)
         producer_stop.set()
         produced = await produce_task
         if any(report.not_sent for report in produced.values()):
-            await _wait_ledger_applied(config, bootstrap, watcher)
+            # The ledger may die here too: it is started again while we wait for it.
+            applied = asyncio.create_task(_wait_ledger_applied(config, bootstrap, watcher))
+            await supervise(applied, [dispatch_task], children)
     finally:
         dispatch_stop.set()
         with contextlib.suppress(Exception):
