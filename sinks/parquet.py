@@ -806,8 +806,16 @@ class ParquetSink:
 
     def run(self, stop: threading.Event, *, drain: bool = True) -> None:
         """Consume until ``stop`` is set, then (with ``drain``) read to the end of the
-        topic; flush and commit."""
-        self.start()
+        topic; flush and commit. A broker that does not answer at start (restarting,
+        say) is waited for."""
+        while True:
+            try:
+                self.start()
+                break
+            except KafkaError as exc:
+                log.warning("sink: Kafka does not answer (%r); trying again", exc)
+                if stop.wait(2.0):
+                    return
         try:
             while not stop.is_set():
                 self.poll_once()

@@ -79,7 +79,7 @@ class ChaosSettings:
     lease_ttl_s: float = 3.0
     scale: int = 1  # multiplies every dataset's rows and budget
     broker_down_s: tuple[float, float] = (1.0, 4.0)
-    job_deadline_s: float = 900.0
+    job_deadline_s: float = 480.0  # a job still running after this is a failure
     baseline: bool = True  # a job without faults first
 
 

@@ -80,7 +80,10 @@ def _ledger(args: argparse.Namespace) -> int:
         namespace = config.kafka.namespace
         interval = config.budget.snapshot_interval_s
     elif args.bootstrap:
+        from tokenbudget.kafka import wait_reachable
+
         bootstrap, namespace, interval = args.bootstrap, args.namespace, args.snapshot_interval
+        wait_reachable(bootstrap)  # Faust gives up at once on a broker restarting
     else:
         raise TokenBudgetError("ledger needs --config FILE, or --bootstrap HOST:PORT")
     from sinks import metrics

@@ -12,12 +12,38 @@ TLS/SASL settings :func:`resolve_bootstrap` registered for the address.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
 from streams.topics import Topics, TopicSpec
 from tokenbudget import broker, security
 from tokenbudget.config import Config
+from tokenbudget.errors import BrokerError
+
+log = logging.getLogger(__name__)
+
+# How long a command waits at start for an existing cluster that does not answer.
+STARTUP_WAIT_S = 60.0
+
+
+def wait_reachable(bootstrap: str, timeout: float = STARTUP_WAIT_S) -> None:
+    """Return once Kafka at ``bootstrap`` answers a metadata request; raise
+    :class:`BrokerError` if it has not within ``timeout`` seconds."""
+    from kafka import KafkaAdminClient
+    from kafka.errors import KafkaError
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            KafkaAdminClient(**kafka_python_options(bootstrap)).close()
+            return
+        except KafkaError as exc:
+            if time.monotonic() > deadline:
+                raise BrokerError(f"cannot reach Kafka at {bootstrap}: {exc!r}") from exc
+            log.warning("Kafka at %s does not answer (%r); trying again", bootstrap, exc)
+            time.sleep(2.0)
 
 
 def local_broker_settings(config: Config) -> broker.BrokerSettings:
@@ -52,10 +78,19 @@ def resolve_bootstrap(config: Config, *, create_topics: bool = True) -> str:
     if config.kafka.bootstrap == "local":
         return broker.up(local_broker_settings(config), specs)
     security.register(config.kafka.bootstrap, security.KafkaSecurity.from_config(config))
-    security.check_credentials(config.kafka.bootstrap)
-    if create_topics:
-        broker.ensure_topics(config.kafka.bootstrap, specs)
-    return config.kafka.bootstrap
+    # A broker restarting as a job (re)starts is waited out; wrong credentials are not.
+    deadline = time.monotonic() + STARTUP_WAIT_S
+    while True:
+        try:
+            security.check_credentials(config.kafka.bootstrap)
+            if create_topics:
+                broker.ensure_topics(config.kafka.bootstrap, specs)
+            return config.kafka.bootstrap
+        except BrokerError as exc:
+            if time.monotonic() > deadline:
+                raise
+            log.warning("%s; trying again for up to %.0f s", exc, STARTUP_WAIT_S)
+            time.sleep(2.0)
 
 
 async def publish_events(bootstrap: str, topic: str, events: Sequence[Any]) -> None:

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from kafka.errors import KafkaError
+
 from producers.dispatcher import Dispatcher, DispatchReport
 from producers.halts import BudgetBoard, BudgetWatcher
 from producers.prompts import ProduceReport, PromptProducer
@@ -272,11 +274,32 @@ async def publish_budgets(config: Config, bootstrap: str) -> None:
     metrics.EVENTS_PRODUCED.labels(topic="budgets").inc(len(events))
 
 
+async def _group_lag(bootstrap: str) -> GroupLag:
+    """A lag reader, once Kafka answers (a broker restarting is waited out)."""
+    delay = 0.5
+    while True:
+        try:
+            return await asyncio.to_thread(GroupLag, bootstrap)
+        except KafkaError as exc:
+            log.warning("Kafka at %s does not answer (%r); trying again", bootstrap, exc)
+            await asyncio.sleep(delay)
+            delay = min(5.0, delay * 2)
+
+
+async def _lag(lag: GroupLag, group: str, topics: list[str]) -> int | None:
+    """The group's lag on ``topics``; None while Kafka does not answer."""
+    try:
+        return await asyncio.to_thread(lag.lag, group, topics)
+    except KafkaError as exc:
+        log.warning("reading the lag of %s failed (%r); trying again", group, exc)
+        return None
+
+
 async def _wait_drained(
     config: Config, bootstrap: str, producer: PromptProducer, watcher: BudgetWatcher
 ) -> float:
     topics = Topics(config.kafka.namespace)
-    lag = await asyncio.to_thread(GroupLag, bootstrap)
+    lag = await _group_lag(bootstrap)
     checks = [
         (f"{topics.namespace}-dispatch", [topics.prompts]),
         (topics.ledger_app_id, [topics.completions, topics.outcomes]),
@@ -286,8 +309,8 @@ async def _wait_drained(
         while True:
             while not producer.settled():
                 await asyncio.sleep(0.1)
-            lags = [await asyncio.to_thread(lag.lag, group, t) for group, t in checks]
-            if any(lags):
+            lags = [await _lag(lag, group, t) for group, t in checks]
+            if any(n != 0 for n in lags):
                 await asyncio.sleep(0.25)
                 continue
             drained_at = time.time()
@@ -304,10 +327,10 @@ async def _wait_ledger_applied(config: Config, bootstrap: str, watcher: BudgetWa
     published a snapshot of each dataset since (the rows a stopped producer
     recorded as skipped belong in the report)."""
     topics = Topics(config.kafka.namespace)
-    lag = await asyncio.to_thread(GroupLag, bootstrap)
+    lag = await _group_lag(bootstrap)
     try:
         sources = [topics.completions, topics.outcomes]
-        while await asyncio.to_thread(lag.lag, topics.ledger_app_id, sources):
+        while await _lag(lag, topics.ledger_app_id, sources) != 0:
             await asyncio.sleep(0.25)
     finally:
         lag.close()
@@ -320,13 +343,24 @@ async def _snapshots_since(watcher: BudgetWatcher, names: list[str], since: floa
         await asyncio.sleep(0.1)
 
 
-async def _wait_for_members(bootstrap: str, group: str, expected: int, timeout: float = 90) -> None:
-    lag = await asyncio.to_thread(GroupLag, bootstrap)
+async def _wait_for_members(
+    bootstrap: str, group: str, expected: int, children: list[_Child], timeout: float = 300
+) -> None:
+    """Wait for ``expected`` members in ``group``, starting again a child that ended
+    meanwhile (a dispatcher that could not reach a restarting broker, say)."""
+    lag = await _group_lag(bootstrap)
     try:
         deadline = time.monotonic() + timeout
-        while await asyncio.to_thread(lag.members, group) < expected:
+        while True:
+            try:
+                if await asyncio.to_thread(lag.members, group) >= expected:
+                    return
+            except KafkaError as exc:
+                log.warning("reading the members of %s failed (%r); trying again", group, exc)
             if time.monotonic() > deadline:
                 raise RuntimeError(f"only some of {expected} dispatchers joined {group}")
+            for child in children:
+                child.check()
             await asyncio.sleep(0.25)
     finally:
         lag.close()
@@ -447,6 +481,7 @@ async def _run_components(
     dispatchers: int = 1,
 ) -> RunReport:
     extra = ExtraDispatchers(config, dispatchers - 1)
+    children: list[_Child] = [extra] if ledger is None else [ledger, extra]
     watcher = BudgetWatcher(bootstrap, topics)
     await watcher.start()
     watch_task = asyncio.create_task(watcher.run())
@@ -477,8 +512,7 @@ async def _run_components(
     if extra.count:
         # Prompts handed out before every dispatcher joined would move at the
         # rebalance and be generated twice: wait for the group to settle first.
-        await _wait_for_members(bootstrap, dispatcher.group_id, extra.count + 1)
-    children: list[_Child] = [extra] if ledger is None else [ledger, extra]
+        await _wait_for_members(bootstrap, dispatcher.group_id, extra.count + 1, children)
     producer = PromptProducer(config, bootstrap, watcher.board)
     producer_stop = asyncio.Event()
     produce_task = asyncio.create_task(producer.run(producer_stop))
