@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import kafka.errors
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import KafkaError
 
@@ -276,11 +277,28 @@ class Dispatcher:
             on_revoke=self._abort_dataset,
         )
 
+    async def _started_clients(self) -> tuple[AIOKafkaConsumer, AIOKafkaProducer]:
+        """The clients, started once Kafka answers (a broker restarting as the
+        dispatcher starts is waited out, with fresh clients each time)."""
+        delay = 0.5
+        while True:
+            consumer, producer = self._clients()
+            try:
+                await producer.start()
+                await asyncio.to_thread(self.outcomes.refresh)
+                await consumer.start()
+                return consumer, producer
+            except (KafkaError, kafka.errors.KafkaError, OSError) as exc:
+                log.warning("dispatcher: Kafka does not answer (%r); trying again", exc)
+                with contextlib.suppress(Exception):
+                    await consumer.stop()
+                with contextlib.suppress(Exception):
+                    await producer.stop()
+                await asyncio.sleep(delay)
+                delay = min(5.0, delay * 2)
+
     async def run(self, stop: asyncio.Event) -> DispatchReport:
-        consumer, producer = self._clients()
-        await producer.start()
-        await asyncio.to_thread(self.outcomes.refresh)
-        await consumer.start()
+        consumer, producer = await self._started_clients()
         self._consumer, self._producer = consumer, producer
         maintenance: asyncio.Task[None] | None = None
         if self.config.budget.admission == "reserve":

@@ -17,12 +17,14 @@ ledger had set when the completion finished.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.errors import KafkaError
 
 from streams import events as ev
 from streams.topics import Topics
@@ -150,14 +152,24 @@ class BudgetWatcher:
         self._sync_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        consumer = AIOKafkaConsumer(
-            **aiokafka_options(self.bootstrap),
-            group_id=None,
-            enable_auto_commit=False,
-            auto_offset_reset="earliest",
-            fetch_max_wait_ms=50,
-        )
-        await consumer.start()
+        delay = 0.5
+        while True:  # a broker restarting as we start is waited out
+            consumer = AIOKafkaConsumer(
+                **aiokafka_options(self.bootstrap),
+                group_id=None,
+                enable_auto_commit=False,
+                auto_offset_reset="earliest",
+                fetch_max_wait_ms=50,
+            )
+            try:
+                await consumer.start()
+                break
+            except KafkaError as exc:
+                log.warning("budgets reader: Kafka does not answer (%r); trying again", exc)
+                with contextlib.suppress(Exception):
+                    await consumer.stop()
+                await asyncio.sleep(delay)
+                delay = min(5.0, delay * 2)
         partitions: set[int] = set()
         deadline = time.monotonic() + 15
         while not partitions:

@@ -344,10 +344,10 @@ async def _snapshots_since(watcher: BudgetWatcher, names: list[str], since: floa
 
 
 async def _wait_for_members(
-    bootstrap: str, group: str, expected: int, children: list[_Child], timeout: float = 300
+    bootstrap: str, group: str, expected: int, timeout: float = 300
 ) -> None:
-    """Wait for ``expected`` members in ``group``, starting again a child that ended
-    meanwhile (a dispatcher that could not reach a restarting broker, say)."""
+    """Wait for ``expected`` members in ``group`` (run under :func:`supervise`, so a
+    dispatcher that ended meanwhile is started again)."""
     lag = await _group_lag(bootstrap)
     try:
         deadline = time.monotonic() + timeout
@@ -359,8 +359,6 @@ async def _wait_for_members(
                 log.warning("reading the members of %s failed (%r); trying again", group, exc)
             if time.monotonic() > deadline:
                 raise RuntimeError(f"only some of {expected} dispatchers joined {group}")
-            for child in children:
-                child.check()
             await asyncio.sleep(0.25)
     finally:
         lag.close()
@@ -512,7 +510,8 @@ async def _run_components(
     if extra.count:
         # Prompts handed out before every dispatcher joined would move at the
         # rebalance and be generated twice: wait for the group to settle first.
-        await _wait_for_members(bootstrap, dispatcher.group_id, extra.count + 1, children)
+        joined = _wait_for_members(bootstrap, dispatcher.group_id, extra.count + 1)
+        await supervise(asyncio.create_task(joined), [dispatch_task], children)
     producer = PromptProducer(config, bootstrap, watcher.board)
     producer_stop = asyncio.Event()
     produce_task = asyncio.create_task(producer.run(producer_stop))
