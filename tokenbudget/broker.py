@@ -45,6 +45,7 @@ import socket
 import string
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
@@ -167,6 +168,13 @@ class BrokerSettings:
     heap_mb: int = 768
     jars_root: Path = field(default_factory=_default_jars_root)
     sasl_ssl: SaslSslListener | None = None  # None: PLAINTEXT only
+    # One node of a cluster (tokenbudget.cluster): its id, every controller as
+    # ``id@host:port`` ("": this node alone), and the cluster's replication defaults.
+    node_id: int = 1
+    quorum_voters: str = ""
+    replication_factor: int = 1
+    min_insync_replicas: int = 1
+    cluster_id: str = ""  # "": a new one when the storage is first formatted
 
     @property
     def bootstrap(self) -> str:
@@ -265,9 +273,9 @@ def render_properties(settings: BrokerSettings, template: str | None = None) -> 
         template = _infra_file("server.properties.template").read_text()
     if settings.major_version >= 4:
         extra = (
-            "# Share groups' state topic (Kafka 4.x), one node.\n"
-            "share.coordinator.state.topic.replication.factor=1\n"
-            "share.coordinator.state.topic.min.isr=1\n"
+            "# Share groups' state topic (Kafka 4.x).\n"
+            f"share.coordinator.state.topic.replication.factor={settings.replication_factor}\n"
+            f"share.coordinator.state.topic.min.isr={settings.min_insync_replicas}\n"
         )
     else:
         extra = "# Kafka 3.x: no share-coordinator settings.\n"
@@ -283,6 +291,11 @@ def render_properties(settings: BrokerSettings, template: str | None = None) -> 
             controller_port=settings.controller_port,
             log_dirs=str(settings.home.resolve() / _DATA_DIR),
             version_specific=extra,
+            node_id=settings.node_id,
+            quorum_voters=settings.quorum_voters
+            or f"{settings.node_id}@127.0.0.1:{settings.controller_port}",
+            replication_factor=settings.replication_factor,
+            min_insync_replicas=settings.min_insync_replicas,
             **secure,
         )
     except (KeyError, ValueError) as exc:
@@ -554,6 +567,11 @@ def _find_orphan(settings: BrokerSettings) -> int | None:
     return None
 
 
+def running_pid(settings: BrokerSettings) -> int | None:
+    """The pid of the broker JVM running on ``settings.home``, if one runs."""
+    return _running_pid(settings)
+
+
 def _running_pid(settings: BrokerSettings) -> int | None:
     pid_file = settings.home / _PID_FILE
     try:
@@ -708,20 +726,136 @@ def wait_ready(
         time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
 
 
-def _partition_counts(admin: Any, names: Sequence[str]) -> dict[str, int]:
-    counts = {}
-    for topic in admin.describe_topics(list(names)):
-        if topic.get("error_code", 0) == 0:
-            counts[topic["name"]] = len(topic.get("partitions") or [])
-    return counts
+def _cluster_replication(admin: Any) -> int | None:
+    """The cluster's ``default.replication.factor``, or None when it may not be read
+    (a user without DescribeConfigs): topics are then created with -1, "the broker's
+    default", and existing ones are not checked."""
+    from kafka.admin import ConfigResource, ConfigResourceType
+    from kafka.errors import KafkaError
+
+    try:
+        brokers = admin.describe_cluster()["brokers"]
+        node = str(brokers[0]["broker_id"])
+        resource = ConfigResource(
+            ConfigResourceType.BROKER, node, configs={"default.replication.factor": None}
+        )
+        described = admin.describe_configs([resource], config_filter="all")
+        return int(described["broker"][node]["default.replication.factor"]["value"])
+    except (KafkaError, LookupError, TypeError, ValueError) as exc:
+        log.warning("cannot read the cluster's default.replication.factor (%r)", exc)
+        return None
+
+
+def _wanted_replication(spec: TopicSpec, default: int | None) -> int:
+    if spec.replication_factor > 0:
+        return spec.replication_factor
+    return default if default is not None else -1
+
+
+def _create_topics(
+    admin: Any, bootstrap: str, specs: Sequence[TopicSpec], default: int | None, timeout_ms: int
+) -> list[str]:
+    """Create ``specs``; the names this call created (others raced us to it)."""
+    result = admin.create_topics(
+        {
+            spec.name: {
+                "num_partitions": spec.partitions,
+                "replication_factor": _wanted_replication(spec, default),
+                "configs": {k: str(v) for k, v in spec.configs.items()},
+            }
+            for spec in specs
+        },
+        timeout_ms=timeout_ms,
+        raise_errors=False,
+    )
+    raced, failed = set(), []
+    for topic in result.get("topics", []):
+        code = topic.get("error_code", 0)
+        if code == 36:  # TOPIC_ALREADY_EXISTS: created concurrently
+            raced.add(topic["name"])
+        elif code != 0:
+            failed.append(f"{topic['name']}: error {code} {topic.get('error_message')}")
+    if failed:
+        raise BrokerError(f"creating topics on {bootstrap} failed: {'; '.join(failed)}")
+    created = [spec.name for spec in specs if spec.name not in raced]
+    admin.wait_for_topics(created, timeout_ms=timeout_ms)
+    log.info("created topics %s", ", ".join(created))
+    return created
+
+
+def reassignment_plan(
+    topics: Sequence[dict[str, Any]], brokers: Sequence[int], replication: int
+) -> dict[str, Any]:
+    """A ``kafka-reassign-partitions.sh`` plan that raises every partition of
+    ``topics`` (as describe_topics returns them) to ``replication`` replicas, keeping
+    the current ones first and spreading the new ones over ``brokers``."""
+    partitions = []
+    for topic in topics:
+        for part in sorted(topic["partitions"], key=lambda p: p["partition_index"]):
+            replicas = list(part["replica_nodes"])
+            spare = [b for b in brokers if b not in replicas]
+            shift = part["partition_index"] % len(spare) if spare else 0
+            spare = spare[shift:] + spare[:shift]
+            replicas += spare[: max(0, replication - len(replicas))]
+            partitions.append(
+                {"topic": topic["name"], "partition": part["partition_index"], "replicas": replicas}
+            )
+    return {"version": 1, "partitions": partitions}
+
+
+def _check_existing(
+    admin: Any, bootstrap: str, specs: Sequence[TopicSpec], default: int | None
+) -> None:
+    """Topics that exist already must have the spec's partitions (Faust needs source
+    topics and table changelogs to match) and at least the replicas asked for."""
+    described = {t["name"]: t for t in admin.describe_topics([s.name for s in specs])}
+    wrong, thin = [], []
+    for spec in specs:
+        topic = described.get(spec.name)
+        if topic is None or topic.get("error_code", 0) != 0:
+            continue
+        parts = topic.get("partitions") or []
+        if len(parts) != spec.partitions:
+            wrong.append(f"{spec.name} has {len(parts)} partitions, wants {spec.partitions}")
+        replication = _wanted_replication(spec, default)
+        if replication > 0 and min(len(p["replica_nodes"]) for p in parts) < replication:
+            thin.append((topic, replication))
+    if wrong:
+        raise BrokerError(
+            "existing topics have the wrong partition count (Faust needs source topics "
+            "and table changelogs to match): " + "; ".join(wrong) + ". Delete those "
+            "topics, set [kafka] partitions to match, or wipe the broker home."
+        )
+    if thin:
+        raise _under_replicated(admin, bootstrap, thin)
+
+
+def _under_replicated(
+    admin: Any, bootstrap: str, thin: list[tuple[dict[str, Any], int]]
+) -> BrokerError:
+    brokers = sorted(b["broker_id"] for b in admin.describe_cluster()["brokers"])
+    replication = max(r for _, r in thin)
+    plan = reassignment_plan([t for t, _ in thin], brokers, replication)
+    path = Path(tempfile.gettempdir()) / f"tokenbudget-reassign-{os.getpid()}.json"
+    _write_atomic(path, json.dumps(plan, indent=1) + "\n")
+    names = ", ".join(
+        f"{t['name']} ({min(len(p['replica_nodes']) for p in t['partitions'])} < {r})"
+        for t, r in thin
+    )
+    return BrokerError(
+        f"existing topics have fewer replicas than asked: {names}; a lost broker would "
+        f"lose their data. Raise them with: kafka-reassign-partitions.sh --bootstrap-server "
+        f"{bootstrap} --reassignment-json-file {path} --execute (the plan is written "
+        "there), or lower [kafka] replication_factor"
+    )
 
 
 def ensure_topics(bootstrap: str, specs: Sequence[TopicSpec], *, timeout: float = 30) -> None:
-    """Create the missing topics (replication 1, the spec's partitions and configs).
+    """Create the missing topics (the spec's partitions, replication and configs; a
+    replication of -1 is the cluster's ``default.replication.factor``).
 
     Existing topics are left as they are, except that a partition count different from
-    the spec raises BrokerError: Faust needs a source topic and its table's changelog
-    to have equal partition counts.
+    the spec, or fewer replicas than asked, raises BrokerError naming the fix.
     """
     wanted: dict[str, TopicSpec] = {}
     for spec in specs:
@@ -738,49 +872,14 @@ def ensure_topics(bootstrap: str, specs: Sequence[TopicSpec], *, timeout: float 
     except (KafkaError, OSError) as exc:
         raise _connect_error(bootstrap, exc) from exc
     try:
+        default = _cluster_replication(admin)
         existing = set(admin.list_topics()) & set(wanted)
-        missing = [name for name in wanted if name not in existing]
+        missing = [spec for name, spec in wanted.items() if name not in existing]
         if missing:
-            result = admin.create_topics(
-                {
-                    name: {
-                        "num_partitions": wanted[name].partitions,
-                        "replication_factor": 1,
-                        "configs": {k: str(v) for k, v in wanted[name].configs.items()},
-                    }
-                    for name in missing
-                },
-                timeout_ms=timeout_ms,
-                raise_errors=False,
-            )
-            failed = []
-            for topic in result.get("topics", []):
-                code = topic.get("error_code", 0)
-                if code == 0:
-                    continue
-                if code == 36:  # TOPIC_ALREADY_EXISTS: created concurrently
-                    existing.add(topic["name"])
-                    continue
-                failed.append(f"{topic['name']}: error {code} {topic.get('error_message')}")
-            if failed:
-                raise BrokerError(f"creating topics on {bootstrap} failed: {'; '.join(failed)}")
-            created = [name for name in missing if name not in existing]
-            admin.wait_for_topics(created, timeout_ms=timeout_ms)
-            log.info("created topics %s", ", ".join(created))
+            created = _create_topics(admin, bootstrap, missing, default, timeout_ms)
+            existing |= {spec.name for spec in missing} - set(created)
         if existing:
-            counts = _partition_counts(admin, sorted(existing))
-            wrong = [
-                f"{name} has {counts.get(name)} partitions, wants {wanted[name].partitions}"
-                for name in sorted(existing)
-                if counts.get(name) != wanted[name].partitions
-            ]
-            if wrong:
-                raise BrokerError(
-                    "existing topics have the wrong partition count (Faust needs source "
-                    "topics and table changelogs to match): "
-                    + "; ".join(wrong)
-                    + ". Delete those topics or wipe the broker home."
-                )
+            _check_existing(admin, bootstrap, [wanted[n] for n in sorted(existing)], default)
     except KafkaError as exc:
         refused = security.auth_failure(bootstrap, exc)
         if refused is not None:  # e.g. a user without the right to create topics
@@ -821,7 +920,7 @@ def _warm_up_groups(bootstrap: str, timeout: float = 20) -> None:
 # --------------------------------------------------------------------------- lifecycle
 
 
-def _new_cluster_id() -> str:
+def new_cluster_id() -> str:
     """A Kafka Uuid as ``kafka-storage random-uuid`` prints it (url-safe base64, no
     padding, never starting with '-'), without starting a JVM for it."""
     while True:
@@ -864,9 +963,11 @@ def _format_storage(settings: BrokerSettings, java: str) -> None:
             )
         return
     id_file = home / _CLUSTER_ID_FILE
-    cluster_id = id_file.read_text().strip() if id_file.is_file() else ""
+    cluster_id = settings.cluster_id
+    if not cluster_id and id_file.is_file():
+        cluster_id = id_file.read_text().strip()
     if not cluster_id:
-        cluster_id = _new_cluster_id()
+        cluster_id = new_cluster_id()
         _write_atomic(id_file, cluster_id + "\n")
     cmd = [
         java,
@@ -954,6 +1055,28 @@ def _start(settings: BrokerSettings, java: str) -> int:
     return proc.pid
 
 
+def launch(settings: BrokerSettings) -> int:
+    """Start the broker JVM of ``settings`` detached, without waiting for it: fetch
+    the jars, render the properties, format the storage on first use. Returns its pid.
+    The caller holds the home's lock (or owns the home, as a cluster node does)."""
+    home = settings.home.resolve()
+    _check_ports(settings)
+    java = shutil.which("java")
+    if java is None:
+        raise BrokerError(
+            "java is not on PATH; Kafka needs a JDK 17+ (apt-get install openjdk-17-jre-headless)"
+        )
+    ensure_jars(settings)
+    # With a SASL_SSL listener the file holds passwords: owner only.
+    mode = 0o600 if settings.sasl_ssl else 0o666
+    _write_atomic(home / _PROPS_FILE, render_properties(settings), mode)
+    shutil.copyfile(_infra_file(_LOG4J_FILE), home / _LOG4J_FILE)
+    _format_storage(settings, java)
+    pid = _start(settings, java)
+    log.info("started Kafka %s (pid %d) on %s", settings.kafka_version, pid, settings.bootstrap)
+    return pid
+
+
 def up(
     settings: BrokerSettings,
     topics: Sequence[TopicSpec] | None = None,
@@ -991,24 +1114,8 @@ def up(
                 )
             wait_ready(settings.bootstrap, timeout, pid=pid, log_path=home / _LOG_FILE)
         else:
-            _check_ports(settings)
-            java = shutil.which("java")
-            if java is None:
-                raise BrokerError(
-                    "java is not on PATH; Kafka needs a JDK 17+ (apt-get install "
-                    "openjdk-17-jre-headless)"
-                )
-            ensure_jars(settings)
-            # With a SASL_SSL listener the file holds passwords: owner only.
-            mode = 0o600 if settings.sasl_ssl else 0o666
-            _write_atomic(home / _PROPS_FILE, render_properties(settings), mode)
-            shutil.copyfile(_infra_file(_LOG4J_FILE), home / _LOG4J_FILE)
-            _format_storage(settings, java)
             launched = time.monotonic()
-            pid = _start(settings, java)
-            log.info(
-                "started Kafka %s (pid %d) on %s", settings.kafka_version, pid, settings.bootstrap
-            )
+            pid = launch(settings)
             try:
                 wait_ready(settings.bootstrap, timeout, pid=pid, log_path=home / _LOG_FILE)
             except BrokerError:
