@@ -49,7 +49,7 @@ from streams.ledger import unit_cost
 from streams.topics import Topics
 from tokenbudget.config import Config
 from tokenbudget.errors import EventDecodeError, InferenceError, ServerOutageError
-from tokenbudget.kafka import aiokafka_options
+from tokenbudget.kafka import aiokafka_options, aiokafka_producer_options
 
 log = logging.getLogger(__name__)
 
@@ -248,8 +248,7 @@ class Dispatcher:
         )
         consumer.subscribe([self.topics.prompts], listener=_CommitOnRevoke(self))
         producer = AIOKafkaProducer(
-            **aiokafka_options(self.bootstrap),
-            acks="all",
+            **aiokafka_producer_options(self.bootstrap),
             linger_ms=2,
             # aiokafka sends one request per broker at a time, with at most one batch
             # per partition: with its default 16 KiB batches every completion (tens of

@@ -30,7 +30,7 @@ from streams import events as ev
 from streams.topics import Topics
 from tokenbudget.config import Config, Dataset
 from tokenbudget.errors import DatasetError
-from tokenbudget.kafka import aiokafka_options
+from tokenbudget.kafka import aiokafka_producer_options
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ class PromptProducer:
         is recorded for the rows not read yet, so a restart carries on from there."""
         own_producer = self._producer is None
         producer = self._producer or AIOKafkaProducer(
-            **aiokafka_options(self.bootstrap), acks="all", linger_ms=5
+            **aiokafka_producer_options(self.bootstrap), linger_ms=5
         )
         if own_producer:
             await producer.start()
@@ -222,7 +222,9 @@ class PromptProducer:
             dataset=cursor.dataset.name,
             # prompts completed by earlier runs count (the ledger has their outcomes),
             # and so do those still queued from them (they get theirs when dispatched)
-            produced=report.produced + report.already_done + report.already_queued
+            produced=report.produced
+            + report.already_done
+            + report.already_queued
             + report.not_sent,
             reason=reason,  # type: ignore[arg-type]
             at=time.time(),

@@ -55,7 +55,7 @@ from streams import events as ev
 from streams.topics import Topics
 from tokenbudget.config import Config
 from tokenbudget.errors import BrokerError, EventDecodeError
-from tokenbudget.kafka import kafka_python_options
+from tokenbudget.kafka import kafka_python_options, kafka_python_producer_options
 
 log = logging.getLogger(__name__)
 
@@ -459,9 +459,7 @@ def _keep_first_fenced(decoded: Decoded, first: FirstCompletion) -> Kept:
             for record, position in zip(decoded.records, decoded.positions, strict=True)
             if start <= position < index
         ]
-        part = Decoded(
-            decoded.values, [r for r, _ in chosen], [p for _, p in chosen], [], []
-        )
+        part = Decoded(decoded.values, [r for r, _ in chosen], [p for _, p in chosen], [], [])
         kept = keep_first(part, first)
         out.errors.extend(kept.errors)
         for dataset, table in kept.tables.items():
@@ -733,7 +731,7 @@ class ParquetSink:
                 raise BrokerError(f"topic {self.topics.completions} does not exist")
             time.sleep(0.2)
         self._consumer.subscribe([self.topics.completions])
-        self._dlq = KafkaProducer(**kafka_python_options(self.bootstrap), acks="all")
+        self._dlq = KafkaProducer(**kafka_python_producer_options(self.bootstrap))
 
     def close(self) -> None:
         if self._consumer is not None:

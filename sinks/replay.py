@@ -61,7 +61,7 @@ from sinks.parquet import (
 from streams import events as ev
 from streams.topics import Topics
 from tokenbudget.errors import BrokerError, EventDecodeError, TokenBudgetError
-from tokenbudget.kafka import aiokafka_options, kafka_python_options
+from tokenbudget.kafka import aiokafka_options, kafka_python_options, kafka_python_producer_options
 
 REPLAY_WRITER = WriterSettings(rotate_rows=20_000, rotate_bytes=256 * 1024 * 1024)
 REPLAY_FETCH_OPTIONS = {
@@ -597,8 +597,7 @@ def replay(options: ReplayOptions, *, progress: bool = True) -> ReplaySummary:
             options.bootstrap, [TopicSpec(options.to_topic, configs=completion_topic_configs())]
         )
         producer = KafkaProducer(
-            **kafka_python_options(options.bootstrap),
-            acks="all",
+            **kafka_python_producer_options(options.bootstrap),
             linger_ms=20,
             batch_size=1024 * 1024,
             max_request_size=16 * 1024 * 1024,

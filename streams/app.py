@@ -26,7 +26,7 @@ from faust.transport.producer import ProducerBuffer
 from sinks import metrics
 from streams import events as ev
 from streams import faust_ownership, ledger
-from streams.faust_flow import LedgerApp, LedgerConsumer
+from streams.faust_flow import LedgerApp, LedgerConsumer, LedgerProducer
 from streams.faust_hot_path import (
     QuietMonitor,
     RawSchema,
@@ -34,9 +34,9 @@ from streams.faust_hot_path import (
     kafka_producer,
     write_changelog,
 )
-from streams.topics import LEDGER_TABLE, OUTCOME_TABLE, PARTITIONS, Topics
+from streams.topics import LEDGER_TABLE, OUTCOME_TABLE, Topics
 from tokenbudget.errors import EventDecodeError
-from tokenbudget.security import faust_credentials
+from tokenbudget.security import faust_brokers, faust_credentials
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,8 @@ class LedgerSettings:
     topics: Topics
     snapshot_interval: float = 0.5
     on_state: Callable[[ledger.DatasetLedger], None] | None = None  # metrics hook
+    # Of the topics Faust may create itself (every other one exists before it starts).
+    replication_factor: int = 1
 
 
 # Faust holds every message delivery while more than this many of its own sends
@@ -129,13 +131,14 @@ def build_app(settings: LedgerSettings) -> faust.App:
     datadir.mkdir(parents=True, exist_ok=True)
     app = LedgerApp(
         topics.ledger_app_id,
-        broker=f"kafka://{settings.bootstrap}",
+        broker=faust_brokers(settings.bootstrap),
         broker_credentials=faust_credentials(settings.bootstrap),
         store="memory://",
         # Faust keeps a data folder even for the memory store; not in the cwd.
         datadir=str(datadir),
         web_enabled=False,
-        topic_partitions=PARTITIONS,
+        topic_partitions=topics.partitions,
+        topic_replication_factor=settings.replication_factor,
         topic_allow_declare=True,
         table_standby_replicas=0,
         consumer_auto_offset_reset="earliest",
@@ -162,15 +165,16 @@ def build_app(settings: LedgerSettings) -> faust.App:
     )
     # The worker builds its consumer from this class when it starts.
     app.transport.Consumer = LedgerConsumer  # type: ignore[misc]
+    app.transport.Producer = LedgerProducer  # type: ignore[misc]
     datasets = app.Table(
         LEDGER_TABLE,
-        partitions=PARTITIONS,
+        partitions=topics.partitions,
         key_type=str,
         value_type=bytes,
     )
     outcomes = app.Table(
         OUTCOME_TABLE,
-        partitions=PARTITIONS,
+        partitions=topics.partitions,
         key_type=str,
         value_type=bytes,
     )
@@ -185,7 +189,7 @@ def build_app(settings: LedgerSettings) -> faust.App:
     source = app.topic(
         *sources,
         schema=RawSchema(key_type=bytes, value_type=bytes),
-        partitions=PARTITIONS,
+        partitions=topics.partitions,
     )
     budgets_out = app.topic(topics.budgets, key_serializer="raw", value_serializer="raw")
     completions_out = app.topic(topics.completions, key_serializer="raw", value_serializer="raw")
@@ -225,7 +229,7 @@ def build_app(settings: LedgerSettings) -> faust.App:
             metrics.EVENTS_PRODUCED.labels(topic="completions" if fenced else "budgets").inc()
 
     def dataset_partition(dataset: str) -> int:
-        return faust_ownership.partition_of(dataset, PARTITIONS)
+        return faust_ownership.partition_of(dataset, topics.partitions)
 
     async def still_owner() -> None:
         """Before writing state: a worker frozen past its session may have been

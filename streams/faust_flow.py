@@ -30,6 +30,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import faust
+from faust.transport.drivers.aiokafka import Producer as AIOKafkaProducer
 from mode.utils.objects import cached_property
 from mode.utils.queues import FlowControlEvent
 
@@ -73,3 +74,12 @@ class LedgerConsumer(FastDeliveryConsumer):
         if unsought:
             await self._thread.seek_to_beginning(*unsought)
         return committed
+
+
+class LedgerProducer(AIOKafkaProducer):
+    """Faust's producer, idempotent: a send retried across a leader election or a
+    lost connection is written once, not twice. Faust turns idempotence on only
+    inside transactions (``_settings_extra``); its ``acks`` setting stays -1."""
+
+    def _settings_extra(self) -> Mapping[str, Any]:
+        return {**super()._settings_extra(), "acks": "all", "enable_idempotence": True}

@@ -3,8 +3,10 @@
 Topics are created up front (the broker runs with ``auto.create.topics.enable=false``)
 because Faust does not consume a topic that appears after its worker started, and
 raises PartitionsMismatch when a source topic and its table changelog differ in
-partition count. All keyed topics share ``PARTITIONS`` so the ledger tables are
-co-partitioned with every stream the ledger reads.
+partition count. All keyed topics share one partition count (``[kafka] partitions``,
+default ``PARTITIONS``) so the ledger tables are co-partitioned with every stream the
+ledger reads. Replication is the cluster's default unless ``[kafka]
+replication_factor`` says otherwise, for every topic, Faust's own included.
 
 Every name hangs off a namespace (``[kafka] namespace``), so several independent
 jobs, or the tests, can share one broker without seeing each other's events.
@@ -29,6 +31,7 @@ class TopicSpec:
     name: str
     partitions: int = PARTITIONS
     configs: dict[str, str] = field(default_factory=dict)
+    replication_factor: int = -1  # -1: the cluster's default.replication.factor
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,7 @@ class Topics:
     """The topic names of one namespace."""
 
     namespace: str = DEFAULT_NAMESPACE
+    partitions: int = PARTITIONS
 
     @property
     def prompts(self) -> str:
@@ -72,30 +76,46 @@ class Topics:
         """Faust's name for a table's changelog topic."""
         return f"{self.ledger_app_id}-{table}-changelog"
 
+    @property
+    def ledger_leader(self) -> str:
+        """Faust's partition-assignor leader topic (one partition)."""
+        return f"{self.ledger_app_id}-__assignor-__leader"
+
     def specs(
         self,
         *,
         prompt_retention_ms: int = 7 * 24 * 3600 * 1000,
         completion_retention_ms: int = -1,
         budget_retention_ms: int = -1,
+        replication_factor: int = -1,
+        min_insync_replicas: int = -1,
     ) -> list[TopicSpec]:
         """The topics to create before any worker starts.
 
         Completions and budget events (budgets, outcomes) are the record of what the
         GPUs produced and by default are kept forever so they can be replayed
         (``tokenbudget replay``); -1 means forever. Prompts can be regenerated from
-        the datasets, so they expire.
+        the datasets, so they expire. ``replication_factor`` and
+        ``min_insync_replicas`` of -1 leave them to the cluster's defaults.
         """
-        return [
-            TopicSpec(self.prompts, configs={"retention.ms": str(prompt_retention_ms)}),
-            TopicSpec(self.completions, configs=completion_topic_configs(completion_retention_ms)),
-            TopicSpec(self.budgets, configs=_retention(budget_retention_ms)),
-            TopicSpec(self.outcomes, configs=_retention(budget_retention_ms)),
-            TopicSpec(self.reservations, configs={"retention.ms": str(prompt_retention_ms)}),
-            TopicSpec(self.dead_letter, configs={**_KEEP_FOREVER, **_LARGE_MESSAGES}),
-            TopicSpec(self.changelog(LEDGER_TABLE), configs={"cleanup.policy": "compact"}),
-            TopicSpec(self.changelog(OUTCOME_TABLE), configs={"cleanup.policy": "compact"}),
+        keyed = {
+            self.prompts: {"retention.ms": str(prompt_retention_ms)},
+            self.completions: completion_topic_configs(completion_retention_ms),
+            self.budgets: _retention(budget_retention_ms),
+            self.outcomes: _retention(budget_retention_ms),
+            self.reservations: {"retention.ms": str(prompt_retention_ms)},
+            self.dead_letter: {**_KEEP_FOREVER, **_LARGE_MESSAGES},
+            self.changelog(LEDGER_TABLE): {"cleanup.policy": "compact"},
+            self.changelog(OUTCOME_TABLE): {"cleanup.policy": "compact"},
+        }
+        isr = {"min.insync.replicas": str(min_insync_replicas)} if min_insync_replicas > 0 else {}
+        specs = [
+            TopicSpec(name, self.partitions, {**configs, **isr}, replication_factor)
+            for name, configs in keyed.items()
         ]
+        # Faust would create it on first start with its own replication setting.
+        specs.append(TopicSpec(self.ledger_leader, 1, dict(isr), replication_factor))
+        return specs
 
 
 def _retention(retention_ms: int) -> dict[str, str]:

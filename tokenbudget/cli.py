@@ -87,14 +87,26 @@ def _ledger(args: argparse.Namespace) -> int:
     else:
         raise TokenBudgetError("ledger needs --config FILE, or --bootstrap HOST:PORT")
     from sinks import metrics
+    from tokenbudget import broker
+    from tokenbudget.kafka import topic_layout
 
+    # The worker follows the topics as they are (made by run, or by an operator).
+    layout = topic_layout(bootstrap, Topics(namespace).completions)
+    if layout is None:
+        broker.ensure_topics(bootstrap, Topics(namespace).specs())
+        layout = topic_layout(bootstrap, Topics(namespace).completions)
+        assert layout is not None
     gauges = metrics.LedgerGauges()
     if args.metrics_port:
         metrics.serve(args.metrics_host, args.metrics_port)
     sys.argv = [sys.argv[0], "worker"]  # Faust's Worker reads argv
     run_worker(
         LedgerSettings(
-            bootstrap, Topics(namespace), snapshot_interval=interval, on_state=gauges.observe
+            bootstrap,
+            Topics(namespace, layout.partitions),
+            snapshot_interval=interval,
+            on_state=gauges.observe,
+            replication_factor=layout.replication_factor,
         )
     )
     return 0
@@ -105,7 +117,12 @@ def _run(args: argparse.Namespace) -> int:
     from tokenbudget.runner import run
 
     config = config_module.load(args.config)
-    report = run(config, progress=False if args.json else None, dispatchers=args.dispatchers)
+    report = run(
+        config,
+        progress=False if args.json else None,
+        dispatchers=args.dispatchers,
+        ledgers=args.ledgers,
+    )
     if args.json:
         print(json.dumps(report.to_json(), indent=2))
     else:
@@ -202,6 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--json", action="store_true")
     run.add_argument(
         "--dispatchers", type=int, default=1, help="dispatcher processes sharing the budgets"
+    )
+    run.add_argument(
+        "--ledgers", type=int, default=1, help="ledger worker processes sharing the datasets"
     )
     run.set_defaults(func=_run)
 

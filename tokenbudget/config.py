@@ -42,6 +42,13 @@ class KafkaConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=Tru
     prompt_retention_ms: int = 7 * 24 * 3600 * 1000
     completion_retention_ms: int = -1
     budget_retention_ms: int = -1  # budgets and outcomes
+    # Topics tokenbudget creates: -1 lets the cluster decide (its
+    # default.replication.factor and min.insync.replicas); the local broker has 1.
+    replication_factor: int = -1
+    min_insync_replicas: int = -1
+    # Partitions of every topic it creates: bounds how many ledger workers and
+    # dispatchers share the work (one partition has one reader per group).
+    partitions: int = 4
     # Security (see README "Secured Kafka"). Secrets are never written here: only the
     # name of an environment variable (*_env) or a file (*_file) that holds them.
     security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
@@ -325,8 +332,10 @@ def build(
             f"{_resolve(base, raw.inference.tokenizer)} is not a folder with a saved tokenizer",
             source=source,
         )
+    # Clients split the list on commas only: " h2:9092" would be a host with a space.
+    bootstrap = ",".join(item.strip() for item in raw.kafka.bootstrap.split(","))
     return Config(
-        kafka=raw.kafka,
+        kafka=msgspec.structs.replace(raw.kafka, bootstrap=bootstrap),
         inference=raw.inference,
         budget=raw.budget,
         sink=raw.sink,
@@ -466,7 +475,8 @@ def _check_dataset(raw: _RawConfig, d: DatasetConfig, key: str, source: str) -> 
             )
     if d.turns == "all" and d.format == "prompt":
         raise ConfigError(
-            f"{key}.turns", "'all' needs conversations (format openai, sharegpt, hf or auto)",
+            f"{key}.turns",
+            "'all' needs conversations (format openai, sharegpt, hf or auto)",
             source=source,
         )
     if d.split and d.format not in ("hf", "auto"):
@@ -513,6 +523,51 @@ def _check_ranges(raw: _RawConfig, source: str) -> None:
         )
     if not re.fullmatch(r"[A-Za-z0-9_\-]+", raw.kafka.namespace):
         raise ConfigError("kafka.namespace", "use letters, digits, '_' and '-'", source=source)
+    _check_replication(raw.kafka, source)
+    _check_bootstrap(raw.kafka.bootstrap, source)
+
+
+_ADDRESS_RE = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.\-]+):\d{1,5}$")
+
+
+def _check_bootstrap(bootstrap: str, source: str) -> None:
+    if bootstrap == "local":
+        return
+    for item in bootstrap.split(","):
+        if not _ADDRESS_RE.match(item.strip()):
+            raise ConfigError(
+                "kafka.bootstrap",
+                f'{item.strip()!r} is not HOST:PORT; write "local" for the project\'s own '
+                'broker, or a list such as "kafka1:9092,kafka2:9092,kafka3:9092"',
+                source=source,
+            )
+
+
+def _check_replication(kafka: KafkaConfig, source: str) -> None:
+    if not 1 <= kafka.partitions <= 1000:
+        raise ConfigError("kafka.partitions", "must be within 1..1000", source=source)
+    for key in ("replication_factor", "min_insync_replicas"):
+        value = getattr(kafka, key)
+        if value == 0 or value < -1:
+            raise ConfigError(
+                f"kafka.{key}",
+                f"must be >= 1, or -1 for the cluster's default; got {value}",
+                source=source,
+            )
+    if 0 < kafka.replication_factor < kafka.min_insync_replicas:
+        raise ConfigError(
+            "kafka.min_insync_replicas",
+            f"{kafka.min_insync_replicas} exceeds kafka.replication_factor "
+            f"{kafka.replication_factor}: no write with acks=all could ever succeed",
+            source=source,
+        )
+    if kafka.bootstrap == "local" and kafka.replication_factor > 1:
+        raise ConfigError(
+            "kafka.replication_factor",
+            "the local broker is one node: leave it at -1 (or 1), or point kafka.bootstrap "
+            "at a cluster",
+            source=source,
+        )
 
 
 def load(path: str | Path, *, environ: Mapping[str, str] | None = None) -> Config:

@@ -59,12 +59,38 @@ def local_broker_settings(config: Config) -> broker.BrokerSettings:
 
 
 def topic_specs(config: Config) -> list[TopicSpec]:
-    """The namespace's topics, with the configured retentions."""
-    return Topics(config.kafka.namespace).specs(
+    """The namespace's topics, with the configured partitions, replication and
+    retentions."""
+    return Topics(config.kafka.namespace, config.kafka.partitions).specs(
         prompt_retention_ms=config.kafka.prompt_retention_ms,
         completion_retention_ms=config.kafka.completion_retention_ms,
         budget_retention_ms=config.kafka.budget_retention_ms,
+        replication_factor=config.kafka.replication_factor,
+        min_insync_replicas=config.kafka.min_insync_replicas,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class TopicLayout:
+    partitions: int
+    replication_factor: int  # the fewest replicas of any partition
+
+
+def topic_layout(bootstrap: str, topic: str) -> TopicLayout | None:
+    """How ``topic`` is laid out on the cluster; None if it does not exist."""
+    from kafka import KafkaAdminClient
+
+    admin = KafkaAdminClient(**kafka_python_options(bootstrap))
+    try:
+        described = admin.describe_topics([topic])
+    finally:
+        admin.close()
+    for found in described:
+        parts = found.get("partitions") or []
+        if found.get("error_code", 0) == 0 and parts:
+            replicas = min(len(p["replica_nodes"]) for p in parts)
+            return TopicLayout(len(parts), replicas)
+    return None
 
 
 def resolve_bootstrap(config: Config, *, create_topics: bool = True) -> str:
@@ -99,7 +125,7 @@ async def publish_events(bootstrap: str, topic: str, events: Sequence[Any]) -> N
 
     from streams import events as ev
 
-    producer = AIOKafkaProducer(**aiokafka_options(bootstrap), acks="all")
+    producer = AIOKafkaProducer(**aiokafka_producer_options(bootstrap))
     await producer.start()
     try:
         for event in events:
@@ -113,6 +139,35 @@ def aiokafka_options(bootstrap: str) -> dict[str, Any]:
         "bootstrap_servers": bootstrap,
         "client_id": "tokenbudget",
         **security.client_options(bootstrap),
+    }
+
+
+# Producers fit for a cluster: a write counts once every in-sync replica has it
+# (acks=all), a send retried after a lost connection or a leader election is written
+# once (idempotence), and retries go on for as long as the delivery timeout, well past
+# the seconds a leader election takes, instead of surfacing as an error.
+DELIVERY_TIMEOUT_MS = 120_000
+
+
+def aiokafka_producer_options(bootstrap: str) -> dict[str, Any]:
+    """aiokafka retries a batch until ``request_timeout_ms`` has passed since it was
+    queued: that is its delivery timeout."""
+    return {
+        **aiokafka_options(bootstrap),
+        "acks": "all",
+        "enable_idempotence": True,
+        "request_timeout_ms": DELIVERY_TIMEOUT_MS,
+        "retry_backoff_ms": 250,
+    }
+
+
+def kafka_python_producer_options(bootstrap: str) -> dict[str, Any]:
+    return {
+        **kafka_python_options(bootstrap),
+        "acks": "all",
+        "enable_idempotence": True,
+        "delivery_timeout_ms": DELIVERY_TIMEOUT_MS,
+        "retry_backoff_ms": 250,
     }
 
 

@@ -326,6 +326,15 @@ def faust_credentials(bootstrap: str) -> Any:
     return security_for(bootstrap).faust_credentials()
 
 
+def faust_brokers(bootstrap: str) -> list[str]:
+    """``HOST:PORT[,HOST:PORT...]`` as Faust's ``broker`` setting wants it: one
+    ``kafka://`` URL per address (kafka-python and aiokafka take the string as is)."""
+    return [
+        f"kafka://[{host}]:{port}" if ":" in host else f"kafka://{host}:{port}"
+        for host, port in _addresses(bootstrap)
+    ]
+
+
 # ---------------------------------------------------------------- failures to connect
 
 _AUTH_ERRORS = ("SaslAuthenticationFailed", "AuthenticationFailed")
