@@ -199,6 +199,56 @@ class Supervised:
         return lifetime.stop(self.process, timeout)
 
 
+class LedgerWorkers:
+    """``run --ledgers N``: N ``tokenbudget ledger`` processes in one Faust group,
+    sharing the datasets by partition; a killed one's datasets move to the others
+    (and back when it is started again).
+
+    Metrics ports: ``run`` serves on P, the first ledger on P + 1 (it owns the budget
+    gauges), extra dispatchers on P + 2 ... P + D, further ledgers after them."""
+
+    def __init__(self, config: Config, bootstrap: str, count: int, dispatchers: int) -> None:
+        if count < 1:
+            raise ConfigError("--ledgers", f"must be >= 1, got {count}", source="command line")
+        if count > config.kafka.partitions:
+            log.warning(
+                "%d ledger workers for %d partitions: %d of them will have nothing to do "
+                "(raise [kafka] partitions for new topics)",
+                count,
+                config.kafka.partitions,
+                count - config.kafka.partitions,
+            )
+        port = config.metrics.port
+        self.workers = []
+        for i in range(count):
+            offset = 1 if i == 0 else max(1, dispatchers) + i
+            start = functools.partial(
+                start_ledger_process,
+                bootstrap,
+                config.kafka.namespace,
+                config.budget.snapshot_interval_s,
+                port + offset if port else 0,
+                config.metrics.host,
+            )
+            self.workers.append(
+                Supervised("ledger worker" if count == 1 else f"ledger worker {i + 1}", start)
+            )
+
+    def check(self) -> list[Restart]:
+        return [r for worker in self.workers if (r := worker.check()) is not None]
+
+    @property
+    def restarts(self) -> list[Restart]:
+        return [r for worker in self.workers for r in worker.restarts]
+
+    def stop(self) -> None:
+        for worker in self.workers:
+            if worker.process.poll() is None:
+                worker.process.send_signal(signal.SIGTERM)
+        for worker in self.workers:
+            worker.stop()
+
+
 class ExtraDispatchers:
     """``run --dispatchers N``: N-1 ``tokenbudget dispatch`` processes beside the
     in-process one, all in the same consumer group, sharing budgets via leases."""
@@ -372,6 +422,7 @@ async def run_async(
     keep_dispatch_log: bool = False,
     progress: bool = False,
     dispatchers: int = 1,
+    ledgers: int = 1,
 ) -> RunReport:
     started = time.monotonic()
     from producers.inference import prepare
@@ -399,22 +450,7 @@ async def run_async(
     if config.metrics.port:
         lag_sampler.start()
     await publish_budgets(config, bootstrap)
-    ledger = (
-        Supervised(
-            "ledger worker",
-            functools.partial(
-                start_ledger_process,
-                bootstrap,
-                topics.namespace,
-                config.budget.snapshot_interval_s,
-                # the ledger owns the budget gauges: it serves them on the next port
-                config.metrics.port + 1 if config.metrics.port else 0,
-                config.metrics.host,
-            ),
-        )
-        if ledger_process
-        else None
-    )
+    ledger = LedgerWorkers(config, bootstrap, ledgers, dispatchers) if ledger_process else None
     try:
         return await _run_components(
             config, bootstrap, topics, ledger, started, keep_dispatch_log, progress, dispatchers
@@ -472,7 +508,7 @@ async def _run_components(
     config: Config,
     bootstrap: str,
     topics: Topics,
-    ledger: Supervised | None,
+    ledger: LedgerWorkers | None,
     started: float,
     keep_dispatch_log: bool = False,
     progress: bool = False,
@@ -555,10 +591,14 @@ async def _run_components(
     )
 
 
-def run(config: Config, *, progress: bool | None = None, dispatchers: int = 1) -> RunReport:
+def run(
+    config: Config, *, progress: bool | None = None, dispatchers: int = 1, ledgers: int = 1
+) -> RunReport:
     """Run ``config``; ``progress`` (default: stdout is a terminal) shows a bar per
     dataset toward its budget while it runs."""
     logging.basicConfig(level=os.environ.get("TOKENBUDGET_LOG", "WARNING"))
     if progress is None:
         progress = sys.stdout.isatty()
-    return asyncio.run(run_async(config, progress=progress, dispatchers=dispatchers))
+    return asyncio.run(
+        run_async(config, progress=progress, dispatchers=dispatchers, ledgers=ledgers)
+    )
