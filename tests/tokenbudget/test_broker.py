@@ -89,6 +89,59 @@ def test_properties_ports_quorum_and_dirs(tmp_path: Path) -> None:
     assert settings.bootstrap == "127.0.0.1:29092"
 
 
+def test_properties_of_a_cluster_node(tmp_path: Path) -> None:
+    """A node of tokenbudget.cluster: its own id, the shared quorum, and a cluster's
+    replication defaults for every internal topic."""
+    voters = "1@127.0.0.1:9001,2@127.0.0.1:9002,3@127.0.0.1:9003"
+    settings = BrokerSettings(
+        home=tmp_path,
+        controller_port=9002,
+        node_id=2,
+        quorum_voters=voters,
+        replication_factor=3,
+        min_insync_replicas=2,
+    )
+    props = _props(broker.render_properties(settings))
+    assert props["node.id"] == "2"
+    assert props["controller.quorum.voters"] == voters
+    for key in (
+        "default.replication.factor",
+        "offsets.topic.replication.factor",
+        "transaction.state.log.replication.factor",
+        "share.coordinator.state.topic.replication.factor",
+    ):
+        assert props[key] == "3", key
+    for key in (
+        "min.insync.replicas",
+        "transaction.state.log.min.isr",
+        "share.coordinator.state.topic.min.isr",
+    ):
+        assert props[key] == "2", key
+
+
+def test_a_reassignment_plan_raises_every_partition_to_the_replicas_asked() -> None:
+    described = [
+        {
+            "name": "ns.completions",
+            "partitions": [
+                {"partition_index": 1, "replica_nodes": [2]},
+                {"partition_index": 0, "replica_nodes": [1]},
+            ],
+        },
+        {"name": "ns.budgets", "partitions": [{"partition_index": 0, "replica_nodes": [3, 1]}]},
+    ]
+    plan = broker.reassignment_plan(described, [1, 2, 3], 3)
+    assert plan["version"] == 1
+    moves = {(p["topic"], p["partition"]): p["replicas"] for p in plan["partitions"]}
+    assert set(moves) == {("ns.completions", 0), ("ns.completions", 1), ("ns.budgets", 0)}
+    for (topic, _partition), replicas in moves.items():
+        assert sorted(replicas) == [1, 2, 3], (topic, replicas)
+    # the current replicas stay first: the leader does not move
+    assert moves[("ns.completions", 0)][0] == 1
+    assert moves[("ns.completions", 1)][0] == 2
+    assert moves[("ns.budgets", 0)][:2] == [3, 1]
+
+
 def test_bad_kafka_version_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError):
         broker.render_properties(BrokerSettings(home=tmp_path, kafka_version="latest"))

@@ -306,7 +306,7 @@ def test_env_override_with_wrong_type_is_named() -> None:
         ("TOKENBUDGET__INFERENCE__MODEL", "true"),
         ("TOKENBUDGET__INFERENCE__MODEL", "2024-01-01"),
         ("TOKENBUDGET__KAFKA__NAMESPACE", "2024"),
-        ("TOKENBUDGET__KAFKA__BOOTSTRAP", '"quoted"'),
+        ("TOKENBUDGET__INFERENCE__API_KEY_ENV", '"quoted"'),
     ],
 )
 def test_env_override_of_a_string_key_is_taken_verbatim(name: str, value: str) -> None:
@@ -399,3 +399,62 @@ def test_security_combinations_that_cannot_work_are_named(kafka: dict[str, Any],
     error = config_error({"kafka": {**SECURED, **kafka}})
     assert error.key == key
     assert key in str(error)
+
+
+# ---- a Kafka cluster -------------------------------------------------------------
+
+
+def test_cluster_keys_default_to_the_clusters_own_settings() -> None:
+    kafka = build({}, environ=NO_ENV).kafka
+    assert (kafka.replication_factor, kafka.min_insync_replicas, kafka.partitions) == (-1, -1, 4)
+
+
+def test_a_bootstrap_list_is_kept_whole_without_spaces() -> None:
+    config = build({"kafka": {"bootstrap": "k1:9092, k2:9092 ,[::1]:9093"}}, environ=NO_ENV)
+    assert config.kafka.bootstrap == "k1:9092,k2:9092,[::1]:9093"
+
+
+@pytest.mark.parametrize("bootstrap", ["k1:9092,k2", "k1:9092,,k2:9092", "k1", "k1:port"])
+def test_a_bootstrap_entry_without_a_port_is_named(bootstrap: str) -> None:
+    error = config_error({"kafka": {"bootstrap": bootstrap}})
+    assert error.key == "kafka.bootstrap"
+    assert "HOST:PORT" in str(error)
+
+
+@pytest.mark.parametrize(
+    ("kafka", "key"),
+    [
+        ({"replication_factor": 0}, "kafka.replication_factor"),
+        ({"replication_factor": -2}, "kafka.replication_factor"),
+        ({"min_insync_replicas": 0}, "kafka.min_insync_replicas"),
+        ({"partitions": 0}, "kafka.partitions"),
+        (
+            {"bootstrap": "k1:9092", "replication_factor": 2, "min_insync_replicas": 3},
+            "kafka.min_insync_replicas",
+        ),
+        ({"replication_factor": 3}, "kafka.replication_factor"),  # the local broker
+    ],
+)
+def test_replication_settings_that_cannot_work_are_named(kafka: dict[str, Any], key: str) -> None:
+    assert config_error({"kafka": kafka}).key == key
+
+
+def test_the_configured_layout_reaches_every_topic_spec() -> None:
+    from tokenbudget.kafka import topic_specs
+
+    config = build(
+        {
+            "kafka": {
+                "bootstrap": "k1:9092,k2:9092,k3:9092",
+                "replication_factor": 3,
+                "min_insync_replicas": 2,
+                "partitions": 8,
+            }
+        },
+        environ=NO_ENV,
+    )
+    specs = topic_specs(config)
+    assert {s.replication_factor for s in specs} == {3}
+    assert {s.configs["min.insync.replicas"] for s in specs} == {"2"}
+    keyed = [s for s in specs if not s.name.endswith("-__assignor-__leader")]
+    assert {s.partitions for s in keyed} == {8}  # co-partitioned

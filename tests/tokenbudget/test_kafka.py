@@ -1,0 +1,127 @@
+"""How every client reaches the cluster: bootstrap lists and producers fit for one."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import uuid
+
+import pytest
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from faust.transport.drivers.aiokafka import server_list
+from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+
+from streams.app import LedgerSettings, build_app
+from streams.topics import Topics, TopicSpec
+from tokenbudget import broker
+from tokenbudget.kafka import (
+    GroupLag,
+    aiokafka_options,
+    aiokafka_producer_options,
+    kafka_python_options,
+    kafka_python_producer_options,
+)
+
+
+def _dead_address() -> str:
+    """An address where nothing listens (bound, then closed)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def test_every_producer_is_idempotent_and_waits_for_every_in_sync_replica() -> None:
+    for options in (
+        aiokafka_producer_options("h1:9092"),
+        kafka_python_producer_options("h1:9092"),
+    ):
+        assert options["acks"] == "all"
+        assert options["enable_idempotence"] is True
+    # a leader election takes seconds: retries must go on far longer than that
+    assert aiokafka_producer_options("h1:9092")["request_timeout_ms"] >= 60_000
+    assert kafka_python_producer_options("h1:9092")["delivery_timeout_ms"] >= 60_000
+
+
+def test_the_ledger_app_is_given_every_address_in_faust_url_form() -> None:
+    app = build_app(LedgerSettings("h1:9092,h2:9093,[::1]:9094", Topics("unit")))
+    assert [str(url) for url in app.conf.broker] == [
+        "kafka://h1:9092",
+        "kafka://h2:9093",
+        "kafka://[::1]:9094",
+    ]
+    assert server_list(app.transport.url, 9092) == ["h1:9092", "h2:9093", "[::1]:9094"]
+
+
+def test_the_ledger_producer_is_idempotent_with_acks_all() -> None:
+    app = build_app(LedgerSettings("h1:9092", Topics("unit")))
+    producer = app.transport.create_producer()
+    settings = {**producer._settings_default(), **producer._settings_extra()}
+    assert settings["enable_idempotence"] is True
+    assert settings["acks"] in ("all", -1)
+
+
+@pytest.mark.integration
+def test_kafka_python_and_aiokafka_clients_reach_the_cluster_through_any_address(
+    kafka_bootstrap: str,
+) -> None:
+    """Two dead addresses before the live one: each client must try them all."""
+    listed = f"{_dead_address()},{_dead_address()},{kafka_bootstrap}"
+    topic = f"t{uuid.uuid4().hex[:10]}.listed"
+    broker.ensure_topics(listed, [TopicSpec(topic, partitions=1)])
+
+    producer = KafkaProducer(**kafka_python_producer_options(listed))
+    producer.send(topic, b"from kafka-python").get(timeout=30)
+    producer.close()
+
+    async def aiokafka_round_trip() -> list[bytes]:
+        sender = AIOKafkaProducer(**aiokafka_producer_options(listed))
+        await sender.start()
+        try:
+            await sender.send_and_wait(topic, b"from aiokafka")
+        finally:
+            await sender.stop()
+        reader = AIOKafkaConsumer(topic, **aiokafka_options(listed), auto_offset_reset="earliest")
+        await reader.start()
+        try:
+            batch = await reader.getmany(timeout_ms=10_000, max_records=10)
+            return [record.value for records in batch.values() for record in records]
+        finally:
+            await reader.stop()
+
+    values = asyncio.run(aiokafka_round_trip())
+    assert values == [b"from kafka-python", b"from aiokafka"]
+
+    consumer = KafkaConsumer(**kafka_python_options(listed))
+    ends = consumer.end_offsets([TopicPartition(topic, 0)])
+    consumer.close()
+    assert ends == {TopicPartition(topic, 0): 2}
+    lag = GroupLag(listed)
+    try:
+        assert lag.lag("nobody", [topic]) == 2
+    finally:
+        lag.close()
+
+
+@pytest.mark.integration
+def test_existing_topics_with_fewer_replicas_than_asked_are_refused_with_the_fix(
+    kafka_bootstrap: str,
+) -> None:
+    """Not silently used: the error names the topic and the command that raises its
+    replication, with the plan written where the command reads it."""
+    import json
+    import re
+    from pathlib import Path
+
+    from tokenbudget.errors import BrokerError
+
+    name = f"t{uuid.uuid4().hex[:10]}.completions"
+    broker.ensure_topics(kafka_bootstrap, [TopicSpec(name, partitions=2)])  # the broker's 1
+    with pytest.raises(BrokerError) as info:
+        broker.ensure_topics(kafka_bootstrap, [TopicSpec(name, partitions=2, replication_factor=2)])
+    message = str(info.value)
+    assert f"{name} (1 < 2)" in message
+    assert "kafka-reassign-partitions.sh --bootstrap-server" in message
+    match = re.search(r"--reassignment-json-file (\S+) --execute", message)
+    assert match is not None, message
+    plan = json.loads(Path(match.group(1)).read_text())
+    assert {(p["topic"], p["partition"]) for p in plan["partitions"]} == {(name, 0), (name, 1)}
