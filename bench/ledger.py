@@ -1,12 +1,19 @@
-"""Completion events per second one ledger worker sustains.
+"""Completion events per second the ledger sustains, with one or several workers.
 
     .venv/bin/python bench/ledger.py [--events 100000] [--datasets 8] [--output-tokens 0]
+    .venv/bin/python bench/ledger.py --cluster --workers 1,2,4
+
+``--cluster`` runs on a three-node KRaft cluster (tokenbudget.cluster: replication 3,
+min.insync.replicas 2) instead of the local broker; ``--workers`` lists the worker
+counts to measure, each on a fresh namespace with the same backlog, the first being
+the baseline the others are compared with.
 
 A fresh namespace on the local broker gets its budgets and N small completion
 events (distinct prompts, a lease id on each) while no ledger runs; then one Faust
 ledger worker starts and works through the backlog with its idempotency table and
 reservations. The rate is measured between the first and the last snapshot the
-ledger publishes while catching up, so worker start-up is not counted. The worker's
+ledger publishes while catching up, so worker start-up is not counted (with several
+workers, the rebalances as they join are: a real scale-out pays them too). The worker's
 peak resident memory is printed too: a catching-up worker buffers up to the stream
 buffer's worth of events, so try ``--output-tokens 4000`` (events the size of long
 real answers) for its memory.
@@ -18,6 +25,8 @@ import argparse
 import asyncio
 import time
 import uuid
+from pathlib import Path
+from tempfile import TemporaryDirectory
 
 from kafka import KafkaAdminClient, KafkaProducer
 
@@ -25,14 +34,14 @@ from producers.halts import BudgetWatcher
 from streams import events as ev
 from streams.topics import Topics
 from tokenbudget import broker
+from tokenbudget.cluster import LocalCluster
+from tokenbudget.kafka import kafka_python_producer_options
 from tokenbudget.runner import start_ledger_process, stop_process
 
 
-def produce(
-    bootstrap: str, topics: Topics, events: int, datasets: int, output_tokens: int
-) -> None:
+def produce(bootstrap: str, topics: Topics, events: int, datasets: int, output_tokens: int) -> None:
     producer = KafkaProducer(
-        bootstrap_servers=bootstrap, acks="all", linger_ms=20, batch_size=256 * 1024
+        **kafka_python_producer_options(bootstrap), linger_ms=20, batch_size=256 * 1024
     )
     names = [f"d{i}" for i in range(datasets)]
     for name in names:
@@ -86,38 +95,61 @@ def peak_rss_kb(pid: int) -> int:
     raise RuntimeError(f"no VmHWM in /proc/{pid}/status")
 
 
+def measure(bootstrap: str, workers: int, args: argparse.Namespace) -> float:
+    topics = Topics(f"bench-ledger-{workers}w-{uuid.uuid4().hex[:6]}")
+    broker.ensure_topics(bootstrap, topics.specs())
+    t0 = time.monotonic()
+    produce(bootstrap, topics, args.events, args.datasets, args.output_tokens)
+    print(f"produced {args.events:,} completion events in {time.monotonic() - t0:.1f} s")
+    ledgers = [start_ledger_process(bootstrap, topics.namespace, 0.25) for _ in range(workers)]
+    try:
+        start, end, processed = asyncio.run(watch(bootstrap, topics, args.events, args.datasets))
+        peak_rss_mb = max(peak_rss_kb(ledger.pid) for ledger in ledgers) / 1024
+    finally:
+        for ledger in ledgers:
+            stop_process(ledger)
+    rate = processed / (end - start)
+    print(
+        f"ledger: {processed:,} completion events in {end - start:.1f} s = {rate:,.0f} events/s"
+        f" ({workers} Faust worker{'s' if workers > 1 else ''}, idempotency table,"
+        f" {args.datasets} datasets, {topics.partitions} partitions)"
+    )
+    print(
+        f"ledger worker peak RSS: {peak_rss_mb:,.0f} MB ({args.output_tokens} token ids per event)"
+    )
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap)
+    admin.delete_topics([spec.name for spec in topics.specs()])
+    admin.close()
+    return rate
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--events", type=int, default=100_000)
     parser.add_argument("--datasets", type=int, default=8)
     parser.add_argument("--output-tokens", type=int, default=0, help="token ids per event")
+    parser.add_argument("--cluster", action="store_true", help="a three-node cluster")
+    parser.add_argument("--workers", default="1", help="worker counts, e.g. 1,2,4")
     args = parser.parse_args()
-    settings = broker.BrokerSettings.from_env()
-    bootstrap = broker.up(settings, [])
-    topics = Topics(f"bench-ledger-{int(time.time())}")
-    broker.ensure_topics(bootstrap, topics.specs())
-    t0 = time.monotonic()
-    produce(bootstrap, topics, args.events, args.datasets, args.output_tokens)
-    print(f"produced {args.events:,} completion events in {time.monotonic() - t0:.1f} s")
-    ledger = start_ledger_process(bootstrap, topics.namespace, 0.25)
-    try:
-        start, end, processed = asyncio.run(watch(bootstrap, topics, args.events, args.datasets))
-        peak_rss_mb = peak_rss_kb(ledger.pid) / 1024
-    finally:
-        stop_process(ledger)
-    rate = processed / (end - start)
-    print(
-        f"ledger: {processed:,} completion events in {end - start:.1f} s = {rate:,.0f} events/s"
-        f" (one Faust worker, idempotency table, {args.datasets} datasets)"
-    )
-    print(
-        f"ledger worker peak RSS: {peak_rss_mb:,.0f} MB"
-        f" ({args.output_tokens} token ids per event)"
-    )
-    admin = KafkaAdminClient(bootstrap_servers=bootstrap)
-    names = [spec.name for spec in topics.specs()]
-    admin.delete_topics(names)
-    admin.close()
+    counts = [int(n) for n in args.workers.split(",")]
+    with TemporaryDirectory(prefix="bench-cluster-") as home:
+        cluster = LocalCluster.create(Path(home)) if args.cluster else None
+        try:
+            if cluster is not None:
+                bootstrap = cluster.up()
+                print(f"three-node cluster at {bootstrap}")
+            else:
+                bootstrap = broker.up(broker.BrokerSettings.from_env(), [])
+            rates = {workers: measure(bootstrap, workers, args) for workers in counts}
+        finally:
+            if cluster is not None:
+                cluster.down()
+    baseline = rates[counts[0]]
+    for workers, rate in rates.items():
+        print(
+            f"{workers} worker(s): {rate:,.0f} events/s = {rate / baseline:.2f}x"
+            f" the {counts[0]}-worker baseline"
+        )
 
 
 if __name__ == "__main__":
