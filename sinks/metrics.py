@@ -25,10 +25,22 @@ Topic labels are the topic's role (``prompts``, ``completions``, ``budgets``,
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import logging
+import platform
 import threading
+from collections.abc import Iterator
 
-from prometheus_client import Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    start_http_server,
+)
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +74,12 @@ RESERVED = Gauge(
 OVERSHOOT = Gauge(
     "tokenbudget_overshoot_tokens", "Tokens kept beyond the budget, per dataset", ["dataset"]
 )
+#: counter: prompts that failed for good (their outcome is ``failed``)
+FAILED_PROMPTS = Counter(
+    "tokenbudget_failed_prompts_total", "Prompts that failed for good, per dataset", ["dataset"]
+)
+#: gauge: leases the ledger holds open for dispatchers
+OPEN_LEASES = Gauge("tokenbudget_open_leases", "Leases open, per dataset", ["dataset"])
 #: gauge: 1 when the dataset is halted (its budget was reached), else 0
 HALTED = Gauge("tokenbudget_dataset_halted", "1 when the dataset is halted", ["dataset"])
 #: gauge: 1 while the dataset is open (neither halted nor exhausted), else 0
@@ -79,12 +97,50 @@ SKIPPED_PROMPTS = Counter(
     "Prompts not sent because their dataset was halted",
     ["dataset"],
 )
-#: gauge: the overshoot the design allows, in the budget's unit: what can still be in
-#: flight when the halt comes (concurrency x max_new_tokens; concurrency for samples)
+#: gauge: the overshoot the design allows, in the budget's unit: 0 with reservations
+#: (``admission = "reserve"``); with ``halt``, what all dispatchers can still have in
+#: flight when the halt comes (dispatchers x concurrency x max_new_tokens)
 OVERSHOOT_ALLOWANCE = Gauge(
     "tokenbudget_overshoot_allowance_tokens",
-    "Overshoot bound from in-flight requests (concurrency x max_new_tokens), per dataset",
+    "Overshoot the admission policy allows, per dataset, in the budget's unit",
     ["dataset"],
+)
+#: counter: completions kept, by why generation stopped: ``stop`` (the model ended),
+#: ``length`` (the request's own max_new_tokens), ``budget`` (cut at the budget's line:
+#: max_new_tokens was lowered to what the budget had left), ``abort``
+COMPLETIONS = Counter(
+    "tokenbudget_completions_total",
+    "Completions published, by dataset and finish reason (budget: cut at the budget)",
+    ["dataset", "finish_reason"],
+)
+#: counter: tokens the server generated that are not kept: ``aborted`` (requests
+#: aborted when a budget was reached or lowered), ``cut`` (an answer longer than its
+#: request, cut at the dispatcher), ``refused`` (an answer on an expired lease the
+#: budget had no room for), ``failed`` (answers of requests that failed for good)
+WASTED_TOKENS = Counter(
+    "tokenbudget_wasted_tokens_total",
+    "Tokens generated but not kept (the GPU time lost), by dataset and reason",
+    ["dataset", "reason"],
+)
+#: histogram: seconds from the ledger's budget_exceeded to the dispatcher applying it
+HALT_LATENCY = Histogram(
+    "tokenbudget_halt_latency_seconds",
+    "Seconds from the ledger's halt to a dispatcher applying it",
+    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+)
+#: histogram: seconds a prompt waited at the dispatcher for budget (a lease) to send it
+BUDGET_WAIT = Histogram(
+    "tokenbudget_budget_wait_seconds",
+    "Seconds a prompt waited for budget before it was sent",
+    ["dataset"],
+    buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
+)
+#: counter: inference attempts retried, by dataset and reason (busy, unavailable,
+#: connection, server_error, ...)
+RETRIES = Counter(
+    "tokenbudget_inference_retries_total",
+    "Inference attempts retried, by dataset and reason",
+    ["dataset", "reason"],
 )
 
 # --- inference (dispatcher) -------------------------------------------------------
@@ -94,7 +150,8 @@ IN_FLIGHT = Gauge("tokenbudget_inflight_requests", "Inference requests in flight
 #: histogram: seconds from sending a request to its complete answer
 REQUEST_LATENCY = Histogram(
     "tokenbudget_request_latency_seconds",
-    "Inference request latency",
+    "Inference request latency, per dataset",
+    ["dataset"],
     buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
 )
 #: histogram: seconds from sending a request to its first token (streamed answers only)
@@ -128,6 +185,14 @@ SERVER_PAUSES = Counter(
     "tokenbudget_server_pauses_total", "Times dispatch paused because the server was away"
 )
 
+#: gauge: always 1; its labels say which tokenbudget serves the metrics, and the
+#: process's role (run, ledger, dispatch, sink): a job whose ledger is missing shows
+BUILD_INFO = Gauge(
+    "tokenbudget_build_info",
+    "tokenbudget version and Python version (value 1)",
+    ["version", "python", "role"],
+)
+
 # --- Kafka ------------------------------------------------------------------------
 
 #: counter: events produced, per topic role
@@ -158,19 +223,60 @@ PARQUET_ROWS = Counter("tokenbudget_parquet_rows_total", "Rows written to Parque
 #: counter: bytes of Parquet files written
 PARQUET_BYTES = Counter("tokenbudget_parquet_bytes_total", "Parquet bytes written", ["dataset"])
 
+
+class _Labelled(Collector):
+    """Every series of ``registry`` with ``labels`` added: the job's namespace, so two
+    jobs with the same dataset names never merge on one dashboard."""
+
+    def __init__(self, registry: CollectorRegistry, labels: dict[str, str]) -> None:
+        self._registry = registry
+        self._labels = labels
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self._registry.collect():
+            labelled = Metric(family.name, family.documentation, family.type, family.unit)
+            for sample in family.samples:
+                labelled.add_sample(
+                    sample.name,
+                    {**sample.labels, **self._labels},
+                    sample.value,
+                    sample.timestamp,
+                    sample.exemplar,
+                )
+            yield labelled
+
+
 _served: set[tuple[str, int]] = set()
 _serve_lock = threading.Lock()
 
 
-def serve(host: str, port: int) -> None:
-    """Expose /metrics on ``host:port`` (once per process); port 0 means disabled."""
+def serving(host: str, port: int) -> bool:
+    """Whether this process serves /metrics on ``host:port`` already."""
+    with _serve_lock:
+        return (host, port) in _served
+
+
+def serve(host: str, port: int, namespace: str, role: str) -> None:
+    """Expose /metrics on ``host:port`` (once per process), every series labelled
+    with ``namespace``; ``role`` names the process in ``tokenbudget_build_info``.
+    Port 0 means disabled."""
     if not port:
         return
     with _serve_lock:
         if (host, port) in _served:
             return
-        start_http_server(port, addr=host)
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_Labelled(REGISTRY, {"namespace": namespace}))
+        start_http_server(port, addr=host, registry=registry)
         _served.add((host, port))
+        BUILD_INFO.labels(version=_version(), python=platform.python_version(), role=role).set(1)
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("tokenbudget")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def topic_role(topic: str) -> str:
@@ -188,12 +294,19 @@ def consumed(topic: str, consumer: str, count: int = 1) -> None:
         EVENTS_CONSUMED.labels(topic=topic_role(topic), consumer=consumer).inc(count)
 
 
-def overshoot_allowance(unit: str, concurrency: int, max_new_tokens: int) -> int:
-    """What may still be in flight when a halt comes, in the budget's unit.
+def overshoot_allowance(
+    unit: str, admission: str, concurrency: int, max_new_tokens: int, dispatchers: int = 1
+) -> int:
+    """The overshoot the admission policy allows, in the budget's unit.
 
-    For ``total_tokens`` the prompt tokens of those requests come on top (unknown
-    before they are sent), so this is a lower bound there."""
-    return concurrency if unit == "samples" else concurrency * max_new_tokens
+    Reservations (``reserve``) send nothing the ledger has not granted: 0. With
+    ``halt``, what every dispatcher may still have in flight when the halt comes; for
+    ``total_tokens`` the prompt tokens of those requests come on top (unknown before
+    they are sent), so this is a lower bound there."""
+    if admission == "reserve":
+        return 0
+    per_request = 1 if unit == "samples" else max_new_tokens
+    return max(1, dispatchers) * concurrency * per_request
 
 
 class LedgerGauges:
@@ -205,28 +318,28 @@ class LedgerGauges:
     """
 
     def __init__(self) -> None:
-        self._last: dict[str, tuple[int, int, int]] = {}
+        self._last: dict[str, tuple[int, int, int, int]] = {}
 
     def observe(self, state: object) -> None:
         from streams import ledger
 
         assert isinstance(state, ledger.DatasetLedger)
         name = state.dataset
-        completion, prompt, samples = self._last.get(name, (0, 0, 0))
+        before = self._last.get(name, (0, 0, 0, 0))
+        now = (state.completion_tokens, state.prompt_tokens, state.samples, state.failed)
         # Labelled children exist from the first state on (at 0), so "no progress"
         # is a series that does not grow rather than a missing one.
-        for counter, now, before in (
-            (COMPLETION_TOKENS, state.completion_tokens, completion),
-            (PROMPT_TOKENS, state.prompt_tokens, prompt),
-            (SAMPLES, state.samples, samples),
+        for counter, current, last in zip(
+            (COMPLETION_TOKENS, PROMPT_TOKENS, SAMPLES, FAILED_PROMPTS), now, before, strict=True
         ):
             child = counter.labels(dataset=name)
-            if now > before:
-                child.inc(now - before)
-        self._last[name] = (state.completion_tokens, state.prompt_tokens, state.samples)
+            if current > last:
+                child.inc(current - last)
+        self._last[name] = now
         HALTED.labels(dataset=name).set(1 if state.halted else 0)
         OPEN.labels(dataset=name).set(1 if ledger.status(state) == "open" else 0)
-        RESERVED.labels(dataset=name).set(getattr(state, "reserved", 0) or 0)
+        RESERVED.labels(dataset=name).set(ledger.reserved(state))
+        OPEN_LEASES.labels(dataset=name).set(len(state.leases))
         if state.budget is not None:
             spent = ledger.used(state)
             BUDGET.labels(dataset=name).set(state.budget)

@@ -51,19 +51,29 @@ def test_ledger_gauges_export_used_open_and_reserved() -> None:
     assert value("tokenbudget_prompt_tokens_total", "fresh") == 250
 
 
-def test_reserved_comes_from_the_state_when_the_ledger_has_it() -> None:
+def test_reserved_and_open_leases_come_from_the_ledgers_leases() -> None:
     from streams.ledger import DatasetLedger as Ledger
+    from streams.ledger import Lease
 
     gauges = LedgerGauges()
-    gauges.observe(Ledger(dataset="reserving", budget=100))
+    gauges.observe(Ledger(dataset="reserving", budget=10_000))
     assert value("tokenbudget_reserved_tokens", "reserving") == 0
+    assert value("tokenbudget_open_leases", "reserving") == 0
+    leases = {
+        "a": Lease(holder="d1", granted=4096, committed=1000, expires_at=0.0),
+        "b": Lease(holder="d2", granted=2048, expires_at=0.0),
+    }
+    gauges.observe(Ledger(dataset="reserving", budget=10_000, leases=leases))
+    assert value("tokenbudget_reserved_tokens", "reserving") == 3096 + 2048
+    assert value("tokenbudget_open_leases", "reserving") == 2
 
-    # The ledger's state once it reserves tokens for requests in flight.
-    class Reserving(Ledger, frozen=True, kw_only=True):
-        reserved: int = 0
 
-    gauges.observe(Reserving(dataset="reserving", budget=100, reserved=42))
-    assert value("tokenbudget_reserved_tokens", "reserving") == 42
+def test_failed_prompts_are_counted_once_per_prompt() -> None:
+    gauges = LedgerGauges()
+    gauges.observe(DatasetLedger(dataset="failing", budget=100, failed=2))
+    gauges.observe(DatasetLedger(dataset="failing", budget=100, failed=2))  # a repeat
+    gauges.observe(DatasetLedger(dataset="failing", budget=100, failed=3))
+    assert value("tokenbudget_failed_prompts_total", "failing") == 3
 
 
 def test_every_metric_is_declared_in_sinks_metrics_with_the_prefix() -> None:
@@ -111,8 +121,12 @@ def test_helpers() -> None:
 
     assert metrics.topic_role("ns-1.completions") == "completions"
     assert metrics.group_role("ns-1-ledger") == "ledger"
-    assert metrics.overshoot_allowance("completion_tokens", 64, 8192) == 524_288
-    assert metrics.overshoot_allowance("samples", 64, 8192) == 64
+    # Reservations never send what the ledger has not granted: nothing to allow.
+    assert metrics.overshoot_allowance("completion_tokens", "reserve", 64, 8192, 3) == 0
+    # Halting after the fact: whatever every dispatcher has in flight.
+    assert metrics.overshoot_allowance("completion_tokens", "halt", 64, 8192) == 524_288
+    assert metrics.overshoot_allowance("completion_tokens", "halt", 64, 8192, 3) == 3 * 524_288
+    assert metrics.overshoot_allowance("samples", "halt", 64, 8192, 2) == 128
     metrics.consumed("ns.prompts", "dispatcher", 3)
     assert (
         REGISTRY.get_sample_value(
@@ -132,9 +146,18 @@ def test_serve_exposes_metrics_once_per_port() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    metrics.serve("127.0.0.1", port)
-    metrics.serve("127.0.0.1", port)  # a second call is a no-op, not "address in use"
-    metrics.serve("127.0.0.1", 0)  # disabled
+    metrics.serve("127.0.0.1", port, "job-a", "run")
+    metrics.serve(
+        "127.0.0.1", port, "job-a", "run"
+    )  # a second call is a no-op, not "address in use"
+    metrics.serve("127.0.0.1", 0, "job-a", "run")  # disabled
+    metrics.BUDGET.labels(dataset="served").set(7)
     body = httpx.get(f"http://127.0.0.1:{port}/metrics").text
-    assert "tokenbudget_budget_tokens" in body
     assert "# TYPE tokenbudget_request_latency_seconds histogram" in body
+    # Every series says which job it belongs to: two jobs' "served" never merge.
+    assert 'tokenbudget_budget_tokens{dataset="served",namespace="job-a"} 7.0' in body
+    assert 'role="run"' in next(
+        row for row in body.splitlines() if row.startswith("tokenbudget_build_info{")
+    )
+    samples = [line for line in body.splitlines() if line and not line.startswith("#")]
+    assert samples and all('namespace="job-a"' in line for line in samples)
