@@ -59,6 +59,25 @@ PRODUCER_BATCH_BYTES = 512 * 1024
 UNEXPECTED_ERRORS = 5
 
 
+def wasted(dataset: str, reason: str, tokens: int) -> None:
+    """Count ``tokens`` the server generated that are not kept."""
+    if tokens > 0:
+        metrics.WASTED_TOKENS.labels(dataset=dataset, reason=reason).inc(tokens)
+
+
+def finish_label(
+    kept: GenerationResult, generated: GenerationResult, request_max: int, wanted_max: int
+) -> str:
+    """Why the kept answer ends: ``budget`` when the budget's line cut it (the answer
+    was cut to fit, or it ran into a max_new_tokens lowered below the dataset's own),
+    else the server's finish reason (``stop``, ``length``, ``abort``)."""
+    if kept.completion_tokens < generated.completion_tokens:
+        return "budget"
+    if kept.finish_reason == "length" and request_max < wanted_max:
+        return "budget"
+    return kept.finish_reason
+
+
 @dataclass(frozen=True)
 class Dispatched:
     dataset: str
@@ -533,6 +552,7 @@ class Dispatcher:
                 return
             ticket: Ticket | None = None
             if self.admission is not None:
+                asked_at = time.monotonic()
                 ticket = await self.admission.admit(
                     prompt.dataset,
                     max_new,
@@ -542,6 +562,8 @@ class Dispatcher:
                 if ticket is None:
                     await self._skip(prompt, "budget fully used or reserved")
                     return
+                waited = time.monotonic() - asked_at
+                metrics.BUDGET_WAIT.labels(dataset=prompt.dataset).observe(waited)
             attempts += 1
             try:
                 await self._attempt(backend, prompt, ticket, max_new, attempts, slot)
@@ -557,6 +579,8 @@ class Dispatcher:
                     failures += 1
                     if failures > self.retry.retries:
                         break
+                reason = type(exc).__name__
+                metrics.RETRIES.labels(dataset=prompt.dataset, reason=reason).inc()
                 delay = self.retry.delay(min(attempts, 8), exc.retry_after)
                 if slot is not None:
                     async with slot.aside():
@@ -598,15 +622,19 @@ class Dispatcher:
                 await self._skip(prompt, "budget lowered: aborted in flight")
                 return
             answer, sent_at, finished_at = generated
+            generated_tokens = answer.completion_tokens
             answer = self._within_request(backend, answer, request.max_new_tokens)
+            wasted(prompt.dataset, "over_request", generated_tokens - answer.completion_tokens)
             kept = await self._kept(prompt, ticket, rid, answer, slot, settled)
             if kept is None:
+                wasted(prompt.dataset, "refused", answer.completion_tokens)
                 await self._skip(prompt, "budget lowered or lease expired: answer not kept")
                 return
             ticket, result = kept
             if ticket is not None and ticket not in tickets:
                 tickets.append(ticket)
-            metrics.REQUEST_LATENCY.observe(finished_at - sent_at)
+            wasted(prompt.dataset, "cut", answer.completion_tokens - result.completion_tokens)
+            metrics.REQUEST_LATENCY.labels(dataset=prompt.dataset).observe(finished_at - sent_at)
             if result.first_token_at is not None:
                 metrics.TIME_TO_FIRST_TOKEN.observe(max(0.0, result.first_token_at - sent_at))
             completion = self._completion(
@@ -624,6 +652,10 @@ class Dispatcher:
                 if ticket is not None:
                     self.admission.published(ticket)  # type: ignore[union-attr]
             metrics.EVENTS_PRODUCED.labels(topic="completions").inc()
+            metrics.COMPLETIONS.labels(
+                dataset=prompt.dataset,
+                finish_reason=finish_label(result, answer, request.max_new_tokens, max_new),
+            ).inc()
             self.report.completed += 1
         finally:
             for unsettled in tickets:
@@ -671,7 +703,9 @@ class Dispatcher:
             current = asyncio.current_task()
             if current is not None and current.cancelling():
                 raise
-            return None  # aborted because its lease was revoked
+            # aborted because its lease was revoked: what it streamed so far is lost
+            wasted(prompt.dataset, "aborted", self._generated.get(rid, 0))
+            return None
         except BaseException:
             self._forget_in_cap(lease_id, rid)
             raise

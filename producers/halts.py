@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.errors import KafkaError
 
+from sinks import metrics
 from streams import events as ev
 from streams.topics import Topics
 from tokenbudget.errors import BrokerError, EventDecodeError
@@ -57,6 +58,9 @@ class BudgetBoard:
     # Set by a BudgetWatcher: returns once every event on the budgets topic when it
     # was called has been applied here.
     syncer: Callable[[], Awaitable[None]] | None = None
+    # Set once the board has read the topic's history: halts it applies from then on
+    # are news, and how long they took to arrive is the halt latency.
+    live: bool = False
 
     def view(self, dataset: str) -> DatasetView:
         return self.views.setdefault(dataset, DatasetView())
@@ -93,6 +97,8 @@ class BudgetBoard:
             view.epoch = event.epoch
         match event:
             case ev.BudgetExceeded():
+                if self.live and event.at > 0 and not self.is_halted(event.dataset):
+                    metrics.HALT_LATENCY.observe(max(0.0, seen_at - event.at))
                 self._set_halted(event.dataset, True, seen_at)
             case ev.BudgetRaised():
                 self._set_halted(event.dataset, False, seen_at)
@@ -193,6 +199,7 @@ class BudgetWatcher:
         consumer = self._consumer
         if all(v == 0 for v in self._end.values()):
             self.caught_up.set()
+            self.board.live = True
         while True:
             try:
                 batches = await consumer.getmany(timeout_ms=200, max_records=1000)
@@ -219,6 +226,7 @@ class BudgetWatcher:
                 positions = {tp: await consumer.position(tp) for tp in self._end}
                 if all(positions[tp] >= end for tp, end in self._end.items()):
                     self.caught_up.set()
+                    self.board.live = True
 
     async def sync(self) -> None:
         """Return once every event on the budgets topic before this call is applied
