@@ -19,6 +19,7 @@ ALERTS = {
     "TokenBudgetDatasetStalled",
     "TokenBudgetInferenceErrors",
     "TokenBudgetConsumerLag",
+    "TokenBudgetLedgerDown",
 }
 
 
@@ -45,6 +46,10 @@ def test_every_alert_has_a_firing_and_a_quiet_case() -> None:
     for rule in rules:
         assert rule["labels"]["severity"] in {"critical", "warning", "info"}
         assert rule["annotations"]["summary"] and rule["annotations"]["description"]
+        # a link Alertmanager and Grafana can follow, not a file path
+        anchor = rule["alert"].lower()
+        assert rule["annotations"]["runbook_url"] == f"{{{{ $externalLabels.runbooks }}}}#{anchor}"
+        assert "runbook" not in {k for k in rule["annotations"] if k != "runbook_url"}
     cases = yaml.safe_load(RULES_TEST.read_text())["tests"]
     fired: set[str] = set()
     quiet: set[str] = set()
