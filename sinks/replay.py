@@ -929,7 +929,7 @@ def run_sink_cli(args: argparse.Namespace) -> int:
     if args.metrics_port:
         from sinks import metrics
 
-        metrics.serve(config.metrics.host, args.metrics_port)
+        metrics.serve(config.metrics.host, args.metrics_port, config.kafka.namespace, "sink")
     sink = ParquetSink(
         bootstrap,
         Topics(config.kafka.namespace),

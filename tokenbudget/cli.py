@@ -7,7 +7,7 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from tokenbudget import lifetime
@@ -98,7 +98,7 @@ def _ledger(args: argparse.Namespace) -> int:
         assert layout is not None
     gauges = metrics.LedgerGauges()
     if args.metrics_port:
-        metrics.serve(args.metrics_host, args.metrics_port)
+        metrics.serve(args.metrics_host, args.metrics_port, namespace, "ledger")
     sys.argv = [sys.argv[0], "worker"]  # Faust's Worker reads argv
     run_worker(
         LedgerSettings(
@@ -129,6 +129,12 @@ def _run(args: argparse.Namespace) -> int:
         from tokenbudget.report import print_table
 
         print_table(report)
+    if report.failed:
+        print(
+            f"tokenbudget: {report.failed} prompt(s) failed for good (see the log); exit code 3",
+            file=sys.stderr,
+        )
+        return EXIT_PROMPTS_FAILED
     return 0
 
 
@@ -171,8 +177,20 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(Path(args.workdir), json_output=args.json)
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("tokenbudget")
+    except PackageNotFoundError:
+        from tokenbudget import __version__
+
+        return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenbudget", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"tokenbudget {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     broker = sub.add_parser("broker", help="the local Kafka broker (KRaft, from Maven jars)")
@@ -190,19 +208,31 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument("--tokens-per-second", type=float, default=4000.0)
     simulate.add_argument("--seed", type=int, default=0)
     simulate.add_argument("--model", default="tokenbudget-sim")
-    simulate.add_argument("--incremental-streaming-output", action="store_true",
-                          help="stream deltas, like SGLang with this flag")
+    simulate.add_argument(
+        "--incremental-streaming-output",
+        action="store_true",
+        help="stream deltas, like SGLang with this flag",
+    )
     simulate.add_argument("--omit-usage", action="store_true", help="no usage in answers")
-    simulate.add_argument("--omit-token-ids", action="store_true",
-                          help="ignore return_token_ids")
-    simulate.add_argument("--api-key-env", default="", metavar="VAR",
-                          help="require the key in $VAR as a Bearer token")
+    simulate.add_argument("--omit-token-ids", action="store_true", help="ignore return_token_ids")
+    simulate.add_argument(
+        "--api-key-env", default="", metavar="VAR", help="require the key in $VAR as a Bearer token"
+    )
     for kind in ("500", "timeout", "reset", "malformed", "busy", "unavailable", "reset-mid-stream"):
         simulate.add_argument(f"--fail-{kind}", type=float, default=0.0, metavar="SHARE")
-    simulate.add_argument("--retry-after", type=float, default=1.0, metavar="S",
-                          help="Retry-After of the busy (429) and unavailable (503) faults")
-    simulate.add_argument("--log-file", default="", metavar="PATH",
-                          help="append every request's record here, one JSON line each")
+    simulate.add_argument(
+        "--retry-after",
+        type=float,
+        default=1.0,
+        metavar="S",
+        help="Retry-After of the busy (429) and unavailable (503) faults",
+    )
+    simulate.add_argument(
+        "--log-file",
+        default="",
+        metavar="PATH",
+        help="append every request's record here, one JSON line each",
+    )
     simulate.set_defaults(func=_simulate)
 
     ledger = sub.add_parser("ledger", help="the Faust budget ledger worker")
@@ -253,17 +283,47 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+EXIT_ERROR = 2  # a one-line error on stderr
+EXIT_PROMPTS_FAILED = 3  # run: the job ended, but some prompts failed for good
+
+# Loggers of the libraries we use: their warnings (kafka-python's "Task ... ran for",
+# "group_id is None", aiokafka's reconnects) are ours to report, not the user's to
+# read, unless TOKENBUDGET_LOG asks for that level.
+_THIRD_PARTY = ("kafka", "aiokafka", "faust", "mode", "httpx", "httpcore", "asyncio")
+
+
+def configure_logging(environ: Mapping[str, str] | None = None) -> None:
+    """``TOKENBUDGET_LOG`` (any case: debug, INFO, Warning, ...) sets our level;
+    libraries speak at ERROR unless it is set."""
+    environ = os.environ if environ is None else environ
+    raw = environ.get("TOKENBUDGET_LOG", "").strip()
+    level = logging.getLevelName(raw.upper()) if raw else logging.WARNING
+    if not isinstance(level, int):
+        choices = "debug, info, warning, error, critical"
+        raise TokenBudgetError(f"TOKENBUDGET_LOG={raw!r} is not a log level ({choices})")
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger().setLevel(level)
+    for name in _THIRD_PARTY:
+        logging.getLogger(name).setLevel(level if raw else logging.ERROR)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     lifetime.watch_parent()  # a child of `run` (or the demo) ends with it
-    logging.basicConfig(
-        level=os.environ.get("TOKENBUDGET_LOG", "WARNING"),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    args = build_parser().parse_args(argv)
     try:
+        configure_logging()
+        args = build_parser().parse_args(argv)
         return int(args.func(args))
     except TokenBudgetError as exc:
         print(f"tokenbudget: error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_ERROR
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:
+        # Not an error of ours: a library's, or a bug. One line for the user, the
+        # traceback for whoever debugs it.
+        logging.getLogger("tokenbudget").debug("unexpected error", exc_info=True)
+        print(
+            f"tokenbudget: error: {type(exc).__name__}: {exc} (TOKENBUDGET_LOG=debug shows where)",
+            file=sys.stderr,
+        )
+        return EXIT_ERROR

@@ -118,7 +118,9 @@ class ProducerConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=
 
 class MetricsConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
     host: str = "127.0.0.1"
-    port: int = 0  # 0: no metrics endpoint
+    # run serves /metrics here (the next free block when taken), its ledger on port + 1
+    # and extra dispatchers after it; 0: no metrics endpoint
+    port: int = 9464
 
 
 class DatasetConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):

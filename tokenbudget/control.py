@@ -70,7 +70,7 @@ def run_dispatch_cli(args: argparse.Namespace) -> int:
     if args.metrics_port:
         from sinks import metrics
 
-        metrics.serve(config.metrics.host, args.metrics_port)
+        metrics.serve(config.metrics.host, args.metrics_port, config.kafka.namespace, "dispatch")
     report = Path(args.report) if args.report else None
     asyncio.run(dispatch_until_stopped(config, bootstrap, report, args.instance or None))
     return 0

@@ -15,8 +15,8 @@ import contextlib
 import functools
 import json
 import logging
-import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+import msgspec
 from kafka.errors import KafkaError
 
 from producers.dispatcher import Dispatcher, DispatchReport
@@ -95,12 +96,25 @@ class RunReport:
                     "skipped": r.skipped,
                     "failed": r.failed,
                     "status": r.status,
+                    "unit": r.unit,
+                    "overshoot": r.overshoot,
+                    "overshoot_percent": round(100.0 * r.overshoot / r.budget, 3)
+                    if r.budget
+                    else 0.0,
                     "already_done": self.already_done(name),
                 }
                 for name, r in self.datasets.items()
             },
+            "failed": self.failed,
+            "already_done": sum(self.already_done(name) for name in self.datasets),
+            "seconds": round(self.seconds, 3),
             "restarts": [vars(r) for r in self.restarts],
         }
+
+    @property
+    def failed(self) -> int:
+        """Prompts that failed for good, over every dataset (``run`` then exits 3)."""
+        return sum(r.failed for r in self.datasets.values())
 
 
 def dispatcher_instance(namespace: str, index: int) -> str:
@@ -221,7 +235,7 @@ class LedgerWorkers:
         port = config.metrics.port
         self.workers = []
         for i in range(count):
-            offset = 1 if i == 0 else max(1, dispatchers) + i
+            offset = ledger_port_offset(i, dispatchers)
             start = functools.partial(
                 start_ledger_process,
                 bootstrap,
@@ -408,7 +422,7 @@ async def _wait_for_members(
             except KafkaError as exc:
                 log.warning("reading the members of %s failed (%r); trying again", group, exc)
             if time.monotonic() > deadline:
-                raise RuntimeError(f"only some of {expected} dispatchers joined {group}")
+                raise WorkerFailedError(f"only some of {expected} dispatchers joined {group}")
             await asyncio.sleep(0.25)
     finally:
         lag.close()
@@ -428,15 +442,18 @@ async def run_async(
     from producers.inference import prepare
 
     await prepare(config)  # tokenizer loaded; server and model checked before anything runs
-    if config.metrics.port:
-        metrics.serve(config.metrics.host, config.metrics.port)
+    config = serve_metrics(config, dispatchers, ledgers if ledger_process else 0)
     if bootstrap is None:
         bootstrap = await asyncio.to_thread(resolve_bootstrap, config)
     topics = Topics(config.kafka.namespace)
     for dataset in config.datasets:
         metrics.OVERSHOOT_ALLOWANCE.labels(dataset=dataset.name).set(
             metrics.overshoot_allowance(
-                config.budget.unit, config.inference.concurrency, dataset.max_new_tokens
+                config.budget.unit,
+                config.budget.admission,
+                config.inference.concurrency,
+                dataset.max_new_tokens,
+                dispatchers,
             )
         )
     lag_sampler = metrics.LagSampler(
@@ -459,6 +476,58 @@ async def run_async(
         await asyncio.to_thread(lag_sampler.stop)
         if ledger is not None:
             await asyncio.to_thread(ledger.stop)
+
+
+def _ports_free(host: str, ports: list[int]) -> bool:
+    for port in ports:
+        with socket.socket() as probe:
+            try:
+                probe.bind((host, port))
+            except OSError:
+                return False
+    return True
+
+
+def ledger_port_offset(index: int, dispatchers: int) -> int:
+    """Metrics port of ``run``'s ledger worker ``index``, from ``run``'s own: the
+    first on + 1 (it owns the budget gauges), the others after the extra dispatchers
+    (which take + 2 to + dispatchers)."""
+    return 1 if index == 0 else max(1, dispatchers) + index
+
+
+def _metrics_offsets(dispatchers: int, ledgers: int) -> list[int]:
+    extra = [2 + i for i in range(max(0, dispatchers - 1))]
+    return [0, *(ledger_port_offset(i, dispatchers) for i in range(ledgers)), *extra]
+
+
+def serve_metrics(config: Config, dispatchers: int, ledgers: int) -> Config:
+    """Serve ``run``'s /metrics on ``[metrics] port``, or on the next block of free
+    ports when another job holds it (its ledgers and extra dispatchers take the ports
+    after it); say where on stderr. Returns the config with the port taken."""
+    wanted = config.metrics.port
+    if not wanted:
+        return config
+    offsets = _metrics_offsets(dispatchers, ledgers)
+    span = max(offsets) + 1
+    host = config.metrics.host
+    for base in range(wanted, wanted + 16 * span, span):
+        ours = metrics.serving(host, base)  # a run before this one in this process
+        wanted_free = [base + o for o in offsets if o or not ours]
+        if base + span <= 65536 and _ports_free(host, wanted_free):
+            break
+    else:
+        raise ConfigError(
+            "metrics.port",
+            f"no {span} free ports from {wanted} on {host}; set another port, or 0 for none",
+            source=config.source,
+        )
+    metrics.serve(host, base, config.kafka.namespace, "run")
+    moved = "" if base == wanted else f" ({wanted} is taken)"
+    others = f", its workers on {base + 1} to {base + span - 1}" if span > 1 else ""
+    print(f"tokenbudget: metrics on http://{host}:{base}/metrics{moved}{others}", file=sys.stderr)
+    return msgspec.structs.replace(
+        config, metrics=msgspec.structs.replace(config.metrics, port=base)
+    )
 
 
 class _Child(Protocol):
@@ -596,7 +665,7 @@ def run(
 ) -> RunReport:
     """Run ``config``; ``progress`` (default: stdout is a terminal) shows a bar per
     dataset toward its budget while it runs."""
-    logging.basicConfig(level=os.environ.get("TOKENBUDGET_LOG", "WARNING"))
+    logging.basicConfig(level=logging.WARNING)  # no-op once the CLI configured logging
     if progress is None:
         progress = sys.stdout.isatty()
     return asyncio.run(

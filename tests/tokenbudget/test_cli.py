@@ -1,0 +1,112 @@
+"""The command line as a user meets it: one line and exit 2 for any failure, exit 3
+when prompts failed, --version, log levels in any case, a quiet terminal."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tokenbudget import cli
+from tokenbudget.runner import DatasetResult, RunReport
+
+
+@pytest.fixture(autouse=True)
+def restore_log_levels() -> Any:
+    names = ["", *cli._THIRD_PARTY]
+    levels = {name: logging.getLogger(name).level for name in names}
+    yield
+    for name, level in levels.items():
+        logging.getLogger(name).setLevel(level)
+
+
+def job(tmp_path: Path) -> Path:
+    (tmp_path / "a.jsonl").write_text('{"prompt": "hi"}\n')
+    config = tmp_path / "job.toml"
+    config.write_text('[[datasets]]\nname = "a"\npath = "a.jsonl"\nbudget = 1000\n')
+    return config
+
+
+def report(failed: int) -> RunReport:
+    result = DatasetResult(
+        budget=1000,
+        completion_tokens=1010,
+        prompt_tokens=40,
+        samples=4,
+        skipped=1,
+        failed=failed,
+        status="halted",
+        unit="completion_tokens",
+    )
+    return RunReport(datasets={"a": result}, seconds=12.5)
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.startswith("tokenbudget 0.")
+
+
+@pytest.mark.parametrize(("raw", "level"), [("debug", 10), ("Info", 20), ("WARNING", 30)])
+def test_log_levels_in_any_case(raw: str, level: int) -> None:
+    cli.configure_logging({"TOKENBUDGET_LOG": raw})
+    assert logging.getLogger().level == level
+    # asked for: the libraries speak at that level too
+    assert logging.getLogger("kafka").level == level
+
+
+def test_a_bad_log_level_is_one_line_and_exit_2(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("TOKENBUDGET_LOG", "loud")
+    assert cli.main(["status", "--config", "job.toml"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "TOKENBUDGET_LOG='loud'" in err
+
+
+def test_libraries_warnings_stay_off_the_terminal_unless_asked() -> None:
+    cli.configure_logging({})
+    for name in ("kafka", "aiokafka", "faust"):
+        assert logging.getLogger(name).level == logging.ERROR, name
+    assert logging.getLogger("tokenbudget").getEffectiveLevel() == logging.WARNING
+
+
+def test_any_failure_of_a_command_is_one_line_and_exit_2(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("TOKENBUDGET_LOG", raising=False)
+
+    def broken(*args: Any, **kwargs: Any) -> RunReport:
+        raise RuntimeError("a dispatcher process exited")
+
+    monkeypatch.setattr("tokenbudget.runner.run", broken)
+    assert cli.main(["run", "--config", str(job(tmp_path))]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "tokenbudget: error: RuntimeError: a dispatcher process exited "
+        "(TOKENBUDGET_LOG=debug shows where)\n"
+    )
+
+
+def test_run_exits_3_when_prompts_failed_and_json_has_what_the_table_shows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = job(tmp_path)
+    monkeypatch.setattr("tokenbudget.runner.run", lambda *a, **k: report(failed=2))
+    assert cli.main(["run", "--config", str(config), "--json"]) == 3
+    captured = capsys.readouterr()
+    printed = json.loads(captured.out)
+    assert printed["failed"] == 2
+    assert printed["seconds"] == 12.5
+    dataset = printed["datasets"]["a"]
+    assert dataset["failed"] == 2
+    assert dataset["unit"] == "completion_tokens"
+    assert dataset["overshoot"] == 10 and dataset["overshoot_percent"] == 1.0
+    assert "2 prompt(s) failed" in captured.err
+
+    monkeypatch.setattr("tokenbudget.runner.run", lambda *a, **k: report(failed=0))
+    assert cli.main(["run", "--config", str(config)]) == 0
