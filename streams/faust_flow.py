@@ -21,6 +21,13 @@ same: a ledger that applied offsets 99..100 of a partition without 32..98).
   stays past the dropped records. :class:`LedgerConsumer` seeks such partitions
   to their beginning, where ``auto_offset_reset = earliest`` starts them anyway.
 
+* **The livelock check reads a position not set yet.** Faust's commit livelock
+  detector reads aiokafka's position of every assigned partition; one assigned a
+  moment ago, in a rebalance as a second ledger worker joins, has none yet, and
+  aiokafka's ``assert`` crashed the worker (seen in the two-worker cluster test).
+  :class:`LedgerConsumer` skips the check for such partitions: they are not stuck,
+  they have not started.
+
 Written against faust-streaming 0.15 and mode 0.4 (pinned in pyproject.toml).
 """
 
@@ -30,6 +37,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import faust
+from aiokafka.structs import TopicPartition as AIOKafkaTopicPartition
 from faust.transport.drivers.aiokafka import Producer as AIOKafkaProducer
 from mode.utils.objects import cached_property
 from mode.utils.queues import FlowControlEvent
@@ -64,9 +72,25 @@ def never_committed(committed: Mapping[Any, int | None], changelogs: set[str]) -
     ]
 
 
+def position_known(subscriptions: Any, tp: Any) -> bool:
+    """Whether aiokafka's ``SubscriptionState`` has a fetch position for ``tp``."""
+    subscription = subscriptions.subscription
+    assignment = subscription.assignment if subscription is not None else None
+    state = assignment.state_value(tp) if assignment is not None else None
+    return state is not None and bool(state.has_valid_position)
+
+
 class LedgerConsumer(FastDeliveryConsumer):
     """The ledger's consumer: a seek to committed offsets also rewinds the source
-    partitions that have none."""
+    partitions that have none, and the livelock check passes over partitions that
+    have no position yet."""
+
+    def verify_event_path(self, now: float, tp: Any) -> None:
+        consumer = self._thread._ensure_consumer()
+        aiotp = AIOKafkaTopicPartition(tp.topic, tp.partition)
+        if not position_known(consumer._fetcher._subscriptions, aiotp):
+            return None
+        return super().verify_event_path(now, tp)
 
     async def seek_to_committed(self) -> Mapping[Any, int]:
         committed = await super().seek_to_committed()

@@ -90,3 +90,57 @@ def test_a_seek_to_committed_rewinds_source_partitions_never_committed() -> None
 def test_never_committed_counts_a_zero_or_missing_offset() -> None:
     tps = [TopicPartition("t", p) for p in range(4)]
     assert never_committed(dict(zip(tps, [None, 0, -1, 7], strict=True)), set()) == tps[:3]
+
+
+class ThreadWithSubscriptions:
+    """Faust's consumer thread as LedgerConsumer.verify_event_path reaches into it:
+    its aiokafka consumer's real SubscriptionState, and the check it guards."""
+
+    def __init__(self, subscriptions: object) -> None:
+        self.subscriptions = subscriptions
+        self.verified: list[TopicPartition] = []
+
+    def _ensure_consumer(self) -> SimpleNamespace:
+        return SimpleNamespace(_fetcher=SimpleNamespace(_subscriptions=self.subscriptions))
+
+    def verify_event_path(self, now: float, tp: TopicPartition) -> None:
+        self.verified.append(tp)
+
+
+def test_the_livelock_check_passes_over_a_partition_without_a_position() -> None:
+    from aiokafka.consumer.subscription_state import SubscriptionState
+
+    from streams.faust_flow import position_known
+
+    async def main() -> None:
+        fresh, running = TopicPartition("ns.completions", 0), TopicPartition("ns.completions", 1)
+        subscriptions = SubscriptionState()
+        subscriptions.assign_from_user({fresh, running})
+        subscriptions.seek(running, 42)
+        assert not position_known(subscriptions, fresh)  # just assigned, as in a rebalance
+        assert position_known(subscriptions, running)
+        assert not position_known(subscriptions, TopicPartition("other", 0))
+
+        thread = ThreadWithSubscriptions(subscriptions)
+        consumer = object.__new__(LedgerConsumer)
+        consumer._thread = thread  # type: ignore[assignment]
+        consumer.verify_event_path(0.0, fresh)
+        consumer.verify_event_path(0.0, running)
+        assert thread.verified == [running]
+
+    asyncio.run(main())
+
+
+def test_fausts_livelock_check_still_reads_the_position_it_may_not_have() -> None:
+    """The installed Faust reads aiokafka's ``position``, which asserts one is set:
+    if a Faust upgrade stops doing so, LedgerConsumer.verify_event_path can go."""
+    import inspect
+
+    from aiokafka.consumer.subscription_state import TopicPartitionState
+    from faust.transport.drivers.aiokafka import AIOKafkaConsumerThread
+
+    source = inspect.getsource(AIOKafkaConsumerThread.verify_event_path)
+    assert "tp_state.position" in source
+    assert "assert self._position is not None" in inspect.getsource(
+        TopicPartitionState.position.fget  # type: ignore[attr-defined]
+    )
