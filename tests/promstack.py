@@ -31,7 +31,11 @@ ROOT = Path(__file__).resolve().parents[1]
 RULES = ROOT / "infra" / "prometheus" / "rules" / "tokenbudget.yml"
 RULES_TEST = ROOT / "infra" / "prometheus" / "rules_test.yml"
 DASHBOARD = ROOT / "grafana" / "dashboards" / "tokenbudget.json"
-GRAFANA_ALERTS = ROOT / "grafana" / "provisioning" / "alerting" / "tokenbudget.yaml"
+
+
+# Where the alerts' runbook links point (infra/prometheus/prometheus.yml has the same
+# external label).
+RUNBOOKS = "https://docs.example/tokenbudget/README.md"
 
 
 def binary(*names: str) -> str:
@@ -214,7 +218,11 @@ def prometheus_stack(
         (workdir / "prometheus.yml").write_text(
             json.dumps(
                 {
-                    "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+                    "global": {
+                        "scrape_interval": "1s",
+                        "evaluation_interval": "1s",
+                        "external_labels": {"runbooks": RUNBOOKS},
+                    },
                     "rule_files": [str(workdir / "rules.yml")],
                     "alerting": {
                         "alertmanagers": [
