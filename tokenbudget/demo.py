@@ -201,11 +201,11 @@ def run_demo(workdir: Path, *, json_output: bool = False, budget: int = DEMO_BUD
         "cap_overshoot",
     ]
     print(format_table(headers, rows))
-    in_flight_bound = CONCURRENCY * MAX_NEW_TOKENS
+    halt_bound = CONCURRENCY * MAX_NEW_TOKENS
     worst = max(max(0, r.completion_tokens - r.budget) for r in report.datasets.values())
     print(
-        f"\ntokenbudget: worst overshoot {worst:,} tokens "
-        f"(bound: concurrency x max_new_tokens = {in_flight_bound:,});"
+        f"\ntokenbudget: worst overshoot {worst:,} tokens (reservations allow none;"
+        f" halting after the fact would allow concurrency x max_new_tokens = {halt_bound:,});"
         f" a cap of {cap} samples per dataset, chosen from the average answer, would"
         " overshoot long-answer datasets and starve short ones (right-hand columns)."
     )

@@ -523,7 +523,13 @@ def serve_metrics(config: Config, dispatchers: int, ledgers: int) -> Config:
         )
     metrics.serve(host, base, config.kafka.namespace, "run")
     moved = "" if base == wanted else f" ({wanted} is taken)"
-    others = f", its workers on {base + 1} to {base + span - 1}" if span > 1 else ""
+    others = (
+        f", its ledger on {base + 1}"
+        if span == 2
+        else f", its workers on {base + 1} to {base + span - 1}"
+        if span > 2
+        else ""
+    )
     print(f"tokenbudget: metrics on http://{host}:{base}/metrics{moved}{others}", file=sys.stderr)
     return msgspec.structs.replace(
         config, metrics=msgspec.structs.replace(config.metrics, port=base)
