@@ -61,3 +61,24 @@ def test_port_zero_serves_nothing(capsys: pytest.CaptureFixture[str]) -> None:
     config = build({"metrics": {"port": 0}}, environ={})
     assert serve_metrics(config, dispatchers=3, ledgers=2) is config
     assert capsys.readouterr().err == ""
+
+
+def test_prometheus_scrapes_every_port_a_default_run_serves() -> None:
+    """The shipped scrape config covers run's default block, with extra dispatchers
+    and ledgers (a third extra dispatcher once landed on an unscraped port)."""
+    from pathlib import Path
+
+    import yaml
+
+    from tokenbudget.runner import _metrics_offsets
+
+    config = yaml.safe_load(
+        (Path(__file__).parents[2] / "infra" / "prometheus" / "prometheus.yml").read_text()
+    )
+    [job] = [j for j in config["scrape_configs"] if j["job_name"] == "tokenbudget"]
+    scraped = {int(t.rsplit(":", 1)[1]) for c in job["static_configs"] for t in c["targets"]}
+    port = build({}, environ={}).metrics.port
+    assert port == 9464
+    for dispatchers, ledgers in ((1, 1), (4, 1), (4, 3), (1, 4)):
+        served = {port + offset for offset in _metrics_offsets(dispatchers, ledgers)}
+        assert served <= scraped, (dispatchers, ledgers, sorted(served - scraped))
