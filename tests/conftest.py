@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 
 from tokenbudget import broker
-from tokenbudget.cluster import LocalCluster
 
 
 def _free_port() -> int:
@@ -44,18 +43,6 @@ def kafka_bootstrap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield bootstrap
     finally:
         broker.down(settings)
-
-
-@pytest.fixture(scope="session")
-def kafka_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    """Three KRaft nodes (replication 3, min.insync.replicas 2) from the same jars.
-    A test that takes a node down heals the cluster before it ends."""
-    cluster = LocalCluster.create(Path(tmp_path_factory.mktemp("cluster")))
-    try:
-        cluster.up()
-        yield cluster
-    finally:
-        cluster.down()
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,19 @@ from tokenbudget.jobs import (
 from tokenbudget.kafka import GroupLag
 
 pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def kafka_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """Three KRaft nodes (replication 3, min.insync.replicas 2) from the same jars,
+    for this module only: three JVMs would slow every later test on two cores. A test
+    that takes a node down heals the cluster before it ends."""
+    cluster = LocalCluster.create(Path(tmp_path_factory.mktemp("cluster")))
+    try:
+        cluster.up()
+        yield cluster
+    finally:
+        cluster.down()
 
 
 def datasets(workdir: Path) -> dict[str, tuple[Path, int]]:
