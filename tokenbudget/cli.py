@@ -28,7 +28,10 @@ def _broker(args: argparse.Namespace) -> int:
             print(json.dumps(state.__dict__, default=str))
         else:
             word = "ready" if state.ready else ("starting" if state.running else "stopped")
-            print(f"{word} {state.bootstrap} pid={state.pid} kafka={state.kafka_version}")
+            print(
+                f"{word} {state.bootstrap} pid={state.pid} kafka={state.kafka_version}"
+                f" java: {state.java}"
+            )
         return 0 if state.ready else 1
     elif args.broker_command == "down":
         print("stopped" if broker.down(settings) else "not running")
@@ -172,9 +175,11 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    from tokenbudget.config import parse_budget
     from tokenbudget.demo import run_demo
 
-    return run_demo(Path(args.workdir), json_output=args.json)
+    budget = parse_budget(args.budget, "--budget")
+    return run_demo(Path(args.workdir), json_output=args.json, budget=budget)
 
 
 def _version() -> str:
@@ -265,6 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="eight datasets against the simulator")
     demo.add_argument("--workdir", default="demo-out")
     demo.add_argument("--json", action="store_true")
+    demo.add_argument("--budget", default="400k", help="every dataset's budget (e.g. 50k)")
     demo.set_defaults(func=_demo)
 
     from sinks import replay as replay_module
@@ -289,22 +295,39 @@ EXIT_PROMPTS_FAILED = 3  # run: the job ended, but some prompts failed for good
 # Loggers of the libraries we use: their warnings (kafka-python's "Task ... ran for",
 # "group_id is None", aiokafka's reconnects) are ours to report, not the user's to
 # read, unless TOKENBUDGET_LOG asks for that level.
-_THIRD_PARTY = ("kafka", "aiokafka", "faust", "mode", "httpx", "httpcore", "asyncio")
+_THIRD_PARTY = frozenset({"kafka", "aiokafka", "faust", "mode", "httpx", "httpcore", "asyncio"})
+
+
+class QuietLibraries(logging.Filter):
+    """Lets through every record of ours, and the libraries' errors only."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.ERROR or record.name.split(".")[0] not in _THIRD_PARTY
+
+
+def log_handler(raw_level: str) -> logging.Handler:
+    """The terminal's log handler: the libraries' warnings filtered out unless
+    ``TOKENBUDGET_LOG`` was set."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    if not raw_level:
+        handler.addFilter(QuietLibraries())
+    return handler
 
 
 def configure_logging(environ: Mapping[str, str] | None = None) -> None:
-    """``TOKENBUDGET_LOG`` (any case: debug, INFO, Warning, ...) sets our level;
-    libraries speak at ERROR unless it is set."""
+    """``TOKENBUDGET_LOG`` (any case: debug, INFO, Warning, ...) sets the level; the
+    libraries are heard at that level only when it is set (see QuietLibraries)."""
     environ = os.environ if environ is None else environ
     raw = environ.get("TOKENBUDGET_LOG", "").strip()
     level = logging.getLevelName(raw.upper()) if raw else logging.WARNING
     if not isinstance(level, int):
         choices = "debug, info, warning, error, critical"
         raise TokenBudgetError(f"TOKENBUDGET_LOG={raw!r} is not a log level ({choices})")
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger().setLevel(level)
-    for name in _THIRD_PARTY:
-        logging.getLogger(name).setLevel(level if raw else logging.ERROR)
+    root = logging.getLogger()
+    root.setLevel(level)
+    if not root.handlers:  # an embedding application (or pytest) keeps its own
+        root.addHandler(log_handler(raw))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -442,9 +442,10 @@ async def run_async(
     from producers.inference import prepare
 
     await prepare(config)  # tokenizer loaded; server and model checked before anything runs
-    config = serve_metrics(config, dispatchers, ledgers if ledger_process else 0)
     if bootstrap is None:
         bootstrap = await asyncio.to_thread(resolve_bootstrap, config)
+    # Once Kafka answered: a job that cannot start says only why (one line).
+    config = serve_metrics(config, dispatchers, ledgers if ledger_process else 0)
     topics = Topics(config.kafka.namespace)
     for dataset in config.datasets:
         metrics.OVERSHOOT_ALLOWANCE.labels(dataset=dataset.name).set(
