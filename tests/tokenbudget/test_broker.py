@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -16,7 +15,7 @@ from typing import Any
 import pytest
 
 from streams.topics import TopicSpec
-from tokenbudget import broker
+from tokenbudget import broker, jars
 from tokenbudget.broker import BrokerSettings
 from tokenbudget.errors import BrokerError, ConfigError
 
@@ -199,8 +198,27 @@ def _fake_mvn(bin_dir: Path, body: str) -> None:
     mvn.chmod(0o755)
 
 
-def test_ensure_jars_uses_complete_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def _fake_lock(monkeypatch: pytest.MonkeyPatch, folder: Path, version: str, data: bytes) -> None:
+    """Kafka ``version`` locked to one jar (kafka_2.13) with ``data``, in a file:// repo."""
+    lock_dir = folder / "locks"
+    lock_dir.mkdir(parents=True)
+    digest = hashlib.sha256(data).hexdigest()
+    entry = jars.Jar("org.apache.kafka", "kafka_2.13", version, digest, len(data))
+    (lock_dir / f"jars-{version}.lock").write_text(jars.format_lock([entry], {}))
+    monkeypatch.setattr(jars, "LOCK_DIR", lock_dir)
+    repo = folder / "repo"
+    target = repo / "org" / "apache" / "kafka" / "kafka_2.13" / version / entry.name
+    target.parent.mkdir(parents=True)
+    target.write_bytes(data)
+    monkeypatch.setenv("TOKENBUDGET_MAVEN_REPOSITORY", repo.as_uri())
+
+
+def test_ensure_jars_keeps_a_cache_maven_filled(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     settings = BrokerSettings(home=tmp_path / "home", jars_root=tmp_path / "jars")
+    _fake_lock(monkeypatch, tmp_path, "4.1.1", b"jar")
+    monkeypatch.setenv("TOKENBUDGET_MAVEN_REPOSITORY", f"http://127.0.0.1:{_free_port()}/m2")
     libs = settings.libs_dir
     libs.mkdir(parents=True)
     (libs / "kafka_2.13-4.1.1.jar").write_bytes(b"jar")
@@ -212,7 +230,22 @@ def test_ensure_jars_uses_complete_cache(tmp_path: Path, monkeypatch: pytest.Mon
     )
     _fake_mvn(tmp_path / "bin", "echo called >&2; exit 1\n")
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
-    assert broker.ensure_jars(settings) == libs  # fake mvn not called
+    # Neither the fake mvn nor the (closed) repository is used: the digest matches.
+    assert broker.ensure_jars(settings) == libs
+    assert "lock_sha256" in json.loads((libs.parent / "complete.json").read_text())
+
+
+def test_ensure_jars_downloads_a_locked_version_without_mvn(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    settings = BrokerSettings(
+        home=tmp_path / "home", jars_root=tmp_path / "jars", kafka_version="3.9.1"
+    )
+    _fake_lock(monkeypatch, tmp_path, "3.9.1", b"kafka 3.9.1")
+    monkeypatch.setattr(broker.shutil, "which", lambda name: None)
+    libs = broker.ensure_jars(settings)
+    assert libs == settings.libs_dir
+    assert (libs / "kafka_2.13-3.9.1.jar").read_bytes() == b"kafka 3.9.1"
 
 
 def test_ensure_jars_runs_mvn_when_cache_incomplete(
@@ -221,6 +254,8 @@ def test_ensure_jars_runs_mvn_when_cache_incomplete(
     settings = BrokerSettings(
         home=tmp_path / "home", jars_root=tmp_path / "jars", kafka_version="3.9.1"
     )
+    (tmp_path / "locks").mkdir()
+    monkeypatch.setattr(jars, "LOCK_DIR", tmp_path / "locks")  # no lock: Maven fetches
     settings.libs_dir.mkdir(parents=True)
     (settings.libs_dir / "stale.jar").write_bytes(b"old")  # no marker: incomplete
     args_file = tmp_path / "args"
@@ -258,10 +293,14 @@ def test_ensure_jars_reports_mvn_failure(tmp_path: Path, monkeypatch: pytest.Mon
         broker.ensure_jars(settings)
 
 
-def test_ensure_jars_without_mvn(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    settings = BrokerSettings(home=tmp_path / "home", jars_root=tmp_path / "jars")
+def test_ensure_jars_without_mvn_lists_the_locked_versions(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    settings = BrokerSettings(
+        home=tmp_path / "home", jars_root=tmp_path / "jars", kafka_version="9.9.9"
+    )
     monkeypatch.setattr(broker.shutil, "which", lambda name: None)
-    with pytest.raises(BrokerError, match="mvn"):
+    with pytest.raises(BrokerError, match=r"9\.9\.9 has no jar lock.*3\.9\.1, 4\.1\.1.*mvn"):
         broker.ensure_jars(settings)
 
 
@@ -433,8 +472,6 @@ def test_users_added_after_the_first_format_are_refused(tmp_path: Path) -> None:
 @pytest.mark.integration
 @pytest.mark.timeout(180)
 def test_broker_lifecycle(tmp_path: Path) -> None:
-    if shutil.which("java") is None:
-        pytest.skip("java not on PATH")
     from kafka import KafkaConsumer, KafkaProducer, TopicPartition
     from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient
 
