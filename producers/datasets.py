@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from streams.events import ChatMessage
 from tokenbudget.errors import ConfigError, DatasetError
+from tokenbudget.extras import require
 
 if TYPE_CHECKING:
     from tokenbudget.config import Config, Dataset
@@ -267,10 +268,7 @@ class HFDiskReader(DatasetReader):
     def _load(self) -> Any:
         if not self.path.is_dir():
             raise DatasetError(str(self.path), "a Hugging Face dataset on disk is a folder")
-        try:
-            import datasets
-        except ImportError as exc:  # pragma: no cover - a declared dependency
-            raise DatasetError(str(self.path), "format 'hf' needs the 'datasets' package") from exc
+        datasets = require("datasets", f"{self.path}: format 'hf'")
         try:
             loaded = datasets.load_from_disk(str(self.path))
         except (FileNotFoundError, OSError, ValueError) as exc:

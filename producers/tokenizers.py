@@ -23,6 +23,7 @@ from typing import Any
 
 from streams.events import ChatMessage
 from tokenbudget.errors import ConfigError
+from tokenbudget.extras import require
 
 
 class LocalTokenizer:
@@ -89,10 +90,10 @@ def _load(path: str) -> LocalTokenizer:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    transformers = require("transformers", "[inference] tokenizer (chat templates, counts)")
+    require("jinja2", "chat templates")
     try:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     except (OSError, ValueError, KeyError) as exc:
         raise ConfigError(
             "inference.tokenizer", f"cannot load a tokenizer from {folder}: {exc}"

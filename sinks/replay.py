@@ -61,6 +61,7 @@ from sinks.parquet import (
 from streams import events as ev
 from streams.topics import Topics
 from tokenbudget.errors import BrokerError, EventDecodeError, TokenBudgetError
+from tokenbudget.extras import require
 from tokenbudget.kafka import aiokafka_options, kafka_python_options, kafka_python_producer_options
 
 REPLAY_WRITER = WriterSettings(rotate_rows=20_000, rotate_bytes=256 * 1024 * 1024)
@@ -430,12 +431,9 @@ class _BackgroundWriter:
 def _load_tokenizer(path: Path) -> Any:
     if not path.exists():
         raise TokenBudgetError(f"--recount-with {path}: no such folder")
+    transformers = require("transformers", "replay --recount-with")
     try:
-        from transformers import AutoTokenizer
-    except ImportError as exc:  # pragma: no cover - a dependency
-        raise TokenBudgetError("--recount-with needs the transformers package") from exc
-    try:
-        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        return transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError) as exc:
         raise TokenBudgetError(f"--recount-with {path}: cannot load a tokenizer: {exc}") from exc
 
