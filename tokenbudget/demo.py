@@ -211,6 +211,6 @@ def run_demo(workdir: Path, *, json_output: bool = False, budget: int = DEMO_BUD
     )
     print(
         f"{report.seconds:.1f} s; Parquet in {config.sink_path}; broker left running "
-        "(`.venv/bin/tokenbudget broker down` stops it)"
+        "(`tokenbudget broker down` stops it)"
     )
     return 0

