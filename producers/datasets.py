@@ -30,6 +30,7 @@ either skips them (reporting each through ``on_bad_row``) or stops, per config.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import json
@@ -449,7 +450,8 @@ def read_options(config: Config, dataset: Dataset) -> dict[str, Any]:
                 f"{config.tokenizer_path} has no chat_template, which template = true applies",
                 source=config.source,
             )
-        template = tokenizer.apply_chat_template
+        options = dataset.sampling.get("chat_template_kwargs")
+        template = functools.partial(tokenizer.apply_chat_template, options=options)
     return {
         "format": dataset.format,
         "turns": dataset.turns,

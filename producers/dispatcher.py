@@ -613,6 +613,7 @@ class Dispatcher:
             messages=prompt.messages,
             input_ids=tuple(prompt.input_ids) if prompt.input_ids is not None else None,
             temperature=prompt.sampling.temperature,
+            sampling=prompt.sampling.request_fields(),
         )
         tickets = [ticket] if ticket is not None else []  # settled on every path
         settled: list[Ticket] = []

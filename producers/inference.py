@@ -32,7 +32,7 @@ import os
 import random
 import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -207,6 +207,9 @@ class GenerationRequest:
     messages: tuple[ChatMessage, ...] | None = None
     input_ids: tuple[int, ...] | None = None
     temperature: float | None = None
+    # Every sampling setting configured (temperature included), by its config name:
+    # each backend maps them to its wire format.
+    sampling: Mapping[str, Any] = field(default_factory=dict)
     # Streaming only: called with (rid, completion tokens so far) on every chunk.
     # Wins over the backend's own ``on_progress``.
     on_progress: ProgressCallback | None = field(default=None, compare=False, repr=False)
@@ -469,6 +472,13 @@ class _SGLangStream:
         return int(total) if isinstance(total, int) else len(self.ids)
 
 
+# SGLang's sampling_params name for a setting where it differs from ours.
+_SGLANG_NAMES = {"seed": "sampling_seed"}
+# Settings that are not sampling_params on /generate: the template's are applied
+# here (template = true), the extra body goes beside sampling_params.
+_NOT_SAMPLING_PARAMS = frozenset({"chat_template_kwargs", "extra_body"})
+
+
 class SGLangBackend(InferenceBackend):
     api = "sglang"
 
@@ -476,10 +486,14 @@ class SGLangBackend(InferenceBackend):
         sampling: dict[str, Any] = {"max_new_tokens": request.max_new_tokens}
         if request.temperature is not None:
             sampling["temperature"] = request.temperature
+        for key, value in request.sampling.items():
+            if key not in _NOT_SAMPLING_PARAMS:
+                sampling[_SGLANG_NAMES.get(key, key)] = value
         body: dict[str, Any] = {
             "rid": request.rid,
             "sampling_params": sampling,
             "stream": self.stream,
+            **(request.sampling.get("extra_body") or {}),
         }
         if request.input_ids is not None:
             body["input_ids"] = list(request.input_ids)
@@ -582,6 +596,12 @@ class _OpenAIBackend(InferenceBackend):
             body["stream_options"] = {"include_usage": True}
         if request.temperature is not None:
             body["temperature"] = request.temperature
+        for key, value in request.sampling.items():
+            if key == "chat_template_kwargs" and self.api != "openai-chat":
+                continue  # only the chat route applies a template
+            if key != "extra_body":
+                body[key] = value
+        body.update(request.sampling.get("extra_body") or {})
         return body
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:

@@ -203,10 +203,7 @@ class PromptProducer:
             dataset=dataset.name,
             text=row.text,
             messages=row.messages,
-            sampling=ev.SamplingParams(
-                max_new_tokens=dataset.max_new_tokens,
-                temperature=self.config.inference.temperature,
-            ),
+            sampling=ev.SamplingParams(max_new_tokens=dataset.max_new_tokens, **dataset.sampling),
             source=row.source,
             produced_at=time.time(),
             input_ids=list(row.input_ids) if row.input_ids is not None else None,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,8 +40,11 @@ class LocalTokenizer:
     def has_chat_template(self) -> bool:
         return bool(getattr(self._tokenizer, "chat_template", None))
 
-    def apply_chat_template(self, messages: Sequence[ChatMessage]) -> list[int]:
-        """The ids a server would build for these messages, ready for an answer."""
+    def apply_chat_template(
+        self, messages: Sequence[ChatMessage], options: Mapping[str, Any] | None = None
+    ) -> list[int]:
+        """The ids a server would build for these messages, ready for an answer;
+        ``options`` are the template's own switches (``chat_template_kwargs``)."""
         if not self.has_chat_template:
             raise ConfigError(
                 "inference.tokenizer", f"{self.path} has no chat_template to apply"
@@ -49,7 +52,11 @@ class LocalTokenizer:
         conversation = [{"role": m.role, "content": m.content} for m in messages]
         with self._lock:
             ids = self._tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=True, tokenize=True, return_dict=False
+                conversation,
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=False,
+                **(options or {}),
             )
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # older/newer transformers
             ids = ids["input_ids"]

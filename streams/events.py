@@ -46,9 +46,29 @@ class ChatMessage(msgspec.Struct, frozen=True):
 
 
 class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
+    """What the request asks of the sampler, as configured (``[inference]`` and
+    ``[[datasets]]``); unset ones are left to the server and take no room here."""
+
     max_new_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    stop: list[str] | None = None
+    seed: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    extra_body: dict[str, Any] | None = None
+
+    def request_fields(self) -> dict[str, Any]:
+        """The settings a request carries beside max_new_tokens (the budget's)."""
+        return {
+            name: value
+            for name in self.__struct_fields__
+            if name != "max_new_tokens" and (value := getattr(self, name)) is not None
+        }
 
 
 class _Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):

@@ -71,6 +71,17 @@ class InferenceConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only
     concurrency: int = 64
     max_new_tokens: int = 4096
     temperature: float | None = None
+    # Sampling settings (all optional; a dataset may override each one)
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    stop: list[str] | None = None
+    seed: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # e.g. {enable_thinking = false}
+    extra_body: dict[str, Any] | None = None  # sent verbatim in every request's body
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 600.0
     # Failures of one prompt that do not say the server is away (another HTTP 5xx, a
@@ -134,6 +145,18 @@ class DatasetConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=T
     turns: Literal["first", "all"] = "first"
     shuffle_seed: int | None = None
     split: str = ""  # format "hf": the split of a saved DatasetDict
+    # Sampling settings of this dataset's requests (unset: [inference]'s)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    stop: list[str] | None = None
+    seed: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # e.g. {enable_thinking = false}
+    extra_body: dict[str, Any] | None = None  # sent verbatim in every request's body
 
 
 class _RawConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -159,6 +182,34 @@ class Dataset(msgspec.Struct, frozen=True, kw_only=True):
     turns: Literal["first", "all"] = "first"
     shuffle_seed: int | None = None
     split: str = ""
+    sampling: dict[str, Any] = {}  # the sampling settings its requests carry
+
+
+SAMPLING_KEYS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+    "stop",
+    "seed",
+    "chat_template_kwargs",
+    "extra_body",
+)
+
+
+def _sampling(inference: InferenceConfig, dataset: DatasetConfig) -> dict[str, Any]:
+    """The dataset's own settings over [inference]'s; unset ones left out."""
+    merged = {}
+    for key in SAMPLING_KEYS:
+        value = getattr(dataset, key)
+        if value is None:
+            value = getattr(inference, key)
+        if value is not None:
+            merged[key] = value
+    return merged
 
 
 class Config(msgspec.Struct, frozen=True, kw_only=True):
@@ -323,6 +374,7 @@ def build(
                 turns=d.turns,
                 shuffle_seed=d.shuffle_seed,
                 split=d.split,
+                sampling=_sampling(raw.inference, d),
             )
         )
         _check_dataset(raw, d, key, source)

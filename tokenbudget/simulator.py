@@ -135,6 +135,11 @@ class RequestRecord:
     # crc32 of the little-endian int32 bytes of the ids produced (0 when none)
     output_crc: int = 0
     fault: str = ""
+    # The sampling settings the request asked for, by their names on the wire
+    # (SGLang's sampling_params minus max_new_tokens; OpenAI's sampling fields), and
+    # any other top-level field the request carried (extra_body).
+    sampling: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 PROFILES: dict[str, tuple[LengthRule, ...]] = {
@@ -293,6 +298,8 @@ class _Job:
     wake: asyncio.Future[None] | None = None
     fault: str = ""
     cut_at: int | None = None  # reset_mid_stream: the stream breaks after this many tokens
+    sampling: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
 
     def notify(self) -> None:
         # Swap in a fresh event before setting the old one so waiters never miss a tick
@@ -311,6 +318,8 @@ class _Parsed:
     stream: bool
     include_usage: bool = False
     return_token_ids: bool = False
+    sampling: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -319,6 +328,33 @@ class _Counters:
     generation_tokens: int = 0
     requests: int = 0
     aborted: int = 0
+
+
+# The request fields each API defines beside the sampling settings.
+_GENERATE_FIELDS = frozenset({"text", "input_ids", "sampling_params", "rid", "stream"})
+_OPENAI_FIELDS = frozenset(
+    {
+        "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "stream",
+        "stream_options", "return_token_ids", "request_id", "rid", "n", "user",
+    }
+)  # fmt: skip
+_OPENAI_SAMPLING = frozenset(
+    {
+        "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty",
+        "presence_penalty", "stop", "seed", "chat_template_kwargs",
+    }
+)  # fmt: skip
+
+
+def requested_settings(api: str, payload: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(sampling settings, other fields) of a request, as the request log keeps them."""
+    if api == "sglang":
+        params = payload.get("sampling_params") or {}
+        sampling = {k: v for k, v in params.items() if k != "max_new_tokens"}
+        return sampling, {k: v for k, v in payload.items() if k not in _GENERATE_FIELDS}
+    sampling = {k: v for k, v in payload.items() if k in _OPENAI_SAMPLING}
+    known = _OPENAI_FIELDS | _OPENAI_SAMPLING
+    return sampling, {k: v for k, v in payload.items() if k not in known}
 
 
 class _SimServer:
@@ -373,6 +409,8 @@ class _SimServer:
             output=_Output(ids),
             natural_finish=natural_finish,
             text_head=parsed.text[:80],
+            sampling=parsed.sampling,
+            extra=parsed.extra,
         )
         self.jobs[job.rid] = job
         # A task of its own, not the handler's coroutine: decoding must outlive a client
@@ -438,6 +476,8 @@ class _SimServer:
                 text_head=job.text_head,
                 output_crc=ids_crc(job.output.ids[: job.produced]),
                 fault=job.fault,
+                sampling=job.sampling,
+                extra=job.extra,
             )
         )
         job.done.set()
@@ -515,6 +555,8 @@ class _SimServer:
                 finish="fault",
                 text_head=parsed.text[:80],
                 fault=kind,
+                sampling=parsed.sampling,
+                extra=parsed.extra,
             )
         )
         retry_after = {"Retry-After": f"{self.config.faults.retry_after_s:g}"}
@@ -567,6 +609,7 @@ class _SimServer:
             if not self._authorized(request):
                 return _error(api, 401, "Unauthorized")
             parsed = parse(payload, request)
+            parsed.sampling, parsed.extra = requested_settings(api, payload)
             fault = self._draw_fault(parsed.stream)
             if fault is not None and fault != "reset_mid_stream":
                 return await self._fault(fault, request, api, parsed, received_at)

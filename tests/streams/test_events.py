@@ -110,6 +110,9 @@ def _sample(kind: msgspec.inspect.Type, name: str) -> Any:
         case msgspec.inspect.ListType() | msgspec.inspect.VarTupleType():
             item = _sample(kind.item_type, name)
             return [item, item] if isinstance(kind, msgspec.inspect.ListType) else (item,)
+        case msgspec.inspect.DictType():
+            # free-form settings passed through to the server (JSON values)
+            return {f"{name}-key": [1, "two", {"three": 3.5}], "flag": False}
         case msgspec.inspect.CustomType(cls=ev.TokenIds):
             # as many ids as the int fields' sample (17): counts and ids agree
             return ev.TokenIds([17, 2**31 - 1, -5, *range(14)])
