@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import fcntl
 import hashlib
 import json
 import logging
@@ -49,7 +48,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -58,6 +57,7 @@ from streams.topics import TopicSpec, topic_specs
 from tokenbudget import jars as kafka_jars
 from tokenbudget import security
 from tokenbudget.errors import BrokerError, ConfigError, KafkaAuthError
+from tokenbudget.files import locked, write_atomic
 from tokenbudget.java import find_java
 
 log = logging.getLogger(__name__)
@@ -401,28 +401,6 @@ def _tail(path: Path, lines: int = 40) -> str:
     return "\n".join(data.splitlines()[-lines:])
 
 
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
-def _write_atomic(path: Path, text: str, mode: int = 0o666) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.unlink(missing_ok=True)
-    # Created with ``mode`` (less the umask), so a file with passwords is never
-    # readable by others, not even for a moment.
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(text)
-    os.replace(tmp, path)
-
-
 # --------------------------------------------------------------------------- jars
 
 
@@ -451,10 +429,10 @@ def ensure_jars(settings: BrokerSettings) -> Path:
     lock = kafka_jars.lock_file(version)
     if lock is not None:
         return kafka_jars.ensure(settings.libs_dir, lock)
-    locked = ", ".join(kafka_jars.locked_versions()) or "none"
+    versions = ", ".join(kafka_jars.locked_versions()) or "none"
     without_maven = (
         f"Kafka {version} has no jar lock in this tokenbudget, so Maven fetches its jars; "
-        f"only the locked versions ({locked}) work without Maven: set "
+        f"only the locked versions ({versions}) work without Maven: set "
         "TOKENBUDGET_KAFKA_VERSION to one of them"
     )
     try:
@@ -467,7 +445,7 @@ def ensure_jars(settings: BrokerSettings) -> Path:
     digest = hashlib.sha256(pom.read_bytes()).hexdigest()
     if _jars_complete(libs, marker, version, digest):
         return libs
-    with _locked(vdir / ".lock"):
+    with locked(vdir / ".lock"):
         if _jars_complete(libs, marker, version, digest):
             return libs
         mvn = shutil.which("mvn")
@@ -511,7 +489,7 @@ def ensure_jars(settings: BrokerSettings) -> Path:
         os.replace(tmp, libs)
         shutil.rmtree(old, ignore_errors=True)
         jars = sorted(p.name for p in libs.iterdir() if p.suffix == ".jar")
-        _write_atomic(
+        write_atomic(
             marker,
             json.dumps({"kafka_version": version, "pom_sha256": digest, "jars": jars}, indent=1),
         )
@@ -597,7 +575,7 @@ def _running_pid(settings: BrokerSettings) -> int | None:
         return None
     orphan = _find_orphan(settings)
     if orphan is not None:
-        _write_atomic(pid_file, f"{orphan}\n")
+        write_atomic(pid_file, f"{orphan}\n")
     return orphan
 
 
@@ -850,7 +828,7 @@ def _under_replicated(
     replication = max(r for _, r in thin)
     plan = reassignment_plan([t for t, _ in thin], brokers, replication)
     path = Path(tempfile.gettempdir()) / f"tokenbudget-reassign-{os.getpid()}.json"
-    _write_atomic(path, json.dumps(plan, indent=1) + "\n")
+    write_atomic(path, json.dumps(plan, indent=1) + "\n")
     names = ", ".join(
         f"{t['name']} ({min(len(p['replica_nodes']) for p in t['partitions'])} < {r})"
         for t, r in thin
@@ -981,7 +959,7 @@ def _format_storage(settings: BrokerSettings, java: str) -> None:
         cluster_id = id_file.read_text().strip()
     if not cluster_id:
         cluster_id = new_cluster_id()
-        _write_atomic(id_file, cluster_id + "\n")
+        write_atomic(id_file, cluster_id + "\n")
     cmd = [
         java,
         "-Xmx256m",
@@ -1012,7 +990,7 @@ def _format_storage(settings: BrokerSettings, java: str) -> None:
             f"formatting Kafka storage in {home / _DATA_DIR} failed (exit {proc.returncode}):"
             f"\n{output}"
         )
-    _write_atomic(
+    write_atomic(
         home / _FORMAT_FILE,
         json.dumps(
             {
@@ -1055,7 +1033,7 @@ def _start(settings: BrokerSettings, java: str, described: str = "") -> int:
             close_fds=True,
         )
     _CHILDREN[proc.pid] = proc
-    _write_atomic(home / _PID_FILE, f"{proc.pid}\n")
+    write_atomic(home / _PID_FILE, f"{proc.pid}\n")
     state = {
         "pid": proc.pid,
         "kafka_version": settings.kafka_version,
@@ -1065,7 +1043,7 @@ def _start(settings: BrokerSettings, java: str, described: str = "") -> int:
         "java": described or java,
         "started_at": time.time(),
     }
-    _write_atomic(home / _STATE_FILE, json.dumps(state, indent=1))
+    write_atomic(home / _STATE_FILE, json.dumps(state, indent=1))
     return proc.pid
 
 
@@ -1080,7 +1058,7 @@ def launch(settings: BrokerSettings) -> int:
     ensure_jars(settings)
     # With a SASL_SSL listener the file holds passwords: owner only.
     mode = 0o600 if settings.sasl_ssl else 0o666
-    _write_atomic(home / _PROPS_FILE, render_properties(settings), mode)
+    write_atomic(home / _PROPS_FILE, render_properties(settings), mode)
     shutil.copyfile(_infra_file(_LOG4J_FILE), home / _LOG4J_FILE)
     _format_storage(settings, java)
     pid = _start(settings, java, runtime.describe())
@@ -1111,7 +1089,7 @@ def up(
     home = settings.home
     home.mkdir(parents=True, exist_ok=True)
     home = home.resolve()
-    with _locked(home / _LOCK_FILE):
+    with locked(home / _LOCK_FILE):
         pid = _running_pid(settings)
         if pid is not None:
             state = _read_state(settings)
@@ -1186,7 +1164,7 @@ def down(settings: BrokerSettings, *, timeout: float = 30) -> bool:
     """Stop the broker (SIGTERM, SIGKILL after ``timeout``). True if it was running."""
     if not settings.home.is_dir():
         return False
-    with _locked(settings.home / _LOCK_FILE):
+    with locked(settings.home / _LOCK_FILE):
         pid = _running_pid(settings)
         if pid is not None:
             _signal_and_wait(pid, timeout)

@@ -28,8 +28,6 @@ Contract:
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import json
 import logging
@@ -38,7 +36,7 @@ import re
 import shutil
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn, TextIO
@@ -48,6 +46,7 @@ from urllib.request import url2pathname
 import httpx
 
 from tokenbudget.errors import BrokerError
+from tokenbudget.files import locked, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -185,18 +184,6 @@ def repository_url(repository: str | None = None) -> str:
     return raw.rstrip("/")
 
 
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    # The pattern of broker._locked (not imported: broker imports this module).
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
 def ensure(
     libs: Path, lock_path: Path, *, repository: str | None = None, stream: TextIO | None = None
 ) -> Path:
@@ -209,7 +196,7 @@ def ensure(
     marker = libs.parent / MARKER_FILE
     if _complete(libs, marker, lock):
         return libs
-    with _locked(libs.parent / ".lock"):
+    with locked(libs.parent / ".lock"):
         if _complete(libs, marker, lock):
             return libs
         libs.mkdir(parents=True, exist_ok=True)
@@ -287,9 +274,7 @@ def _write_marker(marker: Path, libs: Path, lock: Lock) -> None:
         "lock_sha256": lock.sha256,
         "jars": jars,
     }
-    tmp = marker.with_name(f".{marker.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-    os.replace(tmp, marker)
+    write_atomic(marker, json.dumps(data, indent=1, sort_keys=True))
 
 
 # --------------------------------------------------------------------------- downloads
