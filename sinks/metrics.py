@@ -25,7 +25,6 @@ Topic labels are the topic's role (``prompts``, ``completions``, ``budgets``,
 from __future__ import annotations
 
 import contextlib
-import importlib.metadata
 import logging
 import platform
 import threading
@@ -41,6 +40,8 @@ from prometheus_client import (
 )
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
+
+from tokenbudget import version
 
 log = logging.getLogger(__name__)
 
@@ -269,14 +270,7 @@ def serve(host: str, port: int, namespace: str, role: str) -> None:
         registry.register(_Labelled(REGISTRY, {"namespace": namespace}))
         start_http_server(port, addr=host, registry=registry)
         _served.add((host, port))
-        BUILD_INFO.labels(version=_version(), python=platform.python_version(), role=role).set(1)
-
-
-def _version() -> str:
-    try:
-        return importlib.metadata.version("tokenbudget")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
+        BUILD_INFO.labels(version=version(), python=platform.python_version(), role=role).set(1)
 
 
 def topic_role(topic: str) -> str:

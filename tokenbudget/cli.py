@@ -10,7 +10,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from tokenbudget import lifetime
+from tokenbudget import lifetime, version
 from tokenbudget.errors import TokenBudgetError
 
 
@@ -182,20 +182,9 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(Path(args.workdir), json_output=args.json, budget=budget)
 
 
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("tokenbudget")
-    except PackageNotFoundError:
-        from tokenbudget import __version__
-
-        return __version__
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenbudget", description=__doc__)
-    parser.add_argument("--version", action="version", version=f"tokenbudget {_version()}")
+    parser.add_argument("--version", action="version", version=f"tokenbudget {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     broker = sub.add_parser("broker", help="the local Kafka broker (KRaft, from Maven jars)")
