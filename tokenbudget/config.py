@@ -64,14 +64,11 @@ class KafkaConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=Tru
     ssl_check_hostname: bool = True
 
 
-class InferenceConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    url: str = "http://127.0.0.1:30000"
-    api: Api = "sglang"
-    model: str = ""
-    concurrency: int = 64
-    max_new_tokens: int = 4096
+class _Sampling(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Sampling settings, all optional: in [inference], and in each [[datasets]]
+    entry over [inference]'s, key by key (see :func:`_sampling`)."""
+
     temperature: float | None = None
-    # Sampling settings (all optional; a dataset may override each one)
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
@@ -82,6 +79,14 @@ class InferenceConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only
     seed: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. {enable_thinking = false}
     extra_body: dict[str, Any] | None = None  # sent verbatim in every request's body
+
+
+class InferenceConfig(_Sampling, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    url: str = "http://127.0.0.1:30000"
+    api: Api = "sglang"
+    model: str = ""
+    concurrency: int = 64
+    max_new_tokens: int = 4096
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 600.0
     # Failures of one prompt that do not say the server is away (another HTTP 5xx, a
@@ -134,7 +139,7 @@ class MetricsConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=T
     port: int = 9464
 
 
-class DatasetConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
+class DatasetConfig(_Sampling, frozen=True, forbid_unknown_fields=True, kw_only=True):
     name: str
     path: str
     budget: int | str
@@ -145,18 +150,6 @@ class DatasetConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=T
     turns: Literal["first", "all"] = "first"
     shuffle_seed: int | None = None
     split: str = ""  # format "hf": the split of a saved DatasetDict
-    # Sampling settings of this dataset's requests (unset: [inference]'s)
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    stop: list[str] | None = None
-    seed: int | None = None
-    chat_template_kwargs: dict[str, Any] | None = None  # e.g. {enable_thinking = false}
-    extra_body: dict[str, Any] | None = None  # sent verbatim in every request's body
 
 
 class _RawConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -185,19 +178,7 @@ class Dataset(msgspec.Struct, frozen=True, kw_only=True):
     sampling: dict[str, Any] = {}  # the sampling settings its requests carry
 
 
-SAMPLING_KEYS = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "frequency_penalty",
-    "presence_penalty",
-    "stop",
-    "seed",
-    "chat_template_kwargs",
-    "extra_body",
-)
+SAMPLING_KEYS = _Sampling.__struct_fields__
 
 
 def _sampling(inference: InferenceConfig, dataset: DatasetConfig) -> dict[str, Any]:
