@@ -213,7 +213,29 @@ class Supervised:
         return lifetime.stop(self.process, timeout)
 
 
-class LedgerWorkers:
+class SupervisedGroup:
+    """Several supervised children of one kind, checked and stopped together."""
+
+    def __init__(self) -> None:
+        self.children: list[Supervised] = []
+
+    def check(self) -> list[Restart]:
+        return [r for child in self.children if (r := child.check()) is not None]
+
+    @property
+    def restarts(self) -> list[Restart]:
+        return [r for child in self.children for r in child.restarts]
+
+    def stop(self, timeout: float = 30) -> None:
+        """SIGTERM to all at once (they wind down side by side), then wait for each."""
+        for child in self.children:
+            if child.process.poll() is None:
+                child.process.send_signal(signal.SIGTERM)
+        for child in self.children:
+            child.stop(timeout)
+
+
+class LedgerWorkers(SupervisedGroup):
     """``run --ledgers N``: N ``tokenbudget ledger`` processes in one Faust group,
     sharing the datasets by partition; a killed one's datasets move to the others
     (and back when it is started again).
@@ -222,6 +244,7 @@ class LedgerWorkers:
     gauges), extra dispatchers on P + 2 ... P + D, further ledgers after them."""
 
     def __init__(self, config: Config, bootstrap: str, count: int, dispatchers: int) -> None:
+        super().__init__()
         if count < 1:
             raise ConfigError("--ledgers", f"must be >= 1, got {count}", source="command line")
         if count > config.kafka.partitions:
@@ -233,7 +256,6 @@ class LedgerWorkers:
                 count - config.kafka.partitions,
             )
         port = config.metrics.port
-        self.workers = []
         for i in range(count):
             offset = ledger_port_offset(i, dispatchers)
             start = functools.partial(
@@ -244,33 +266,20 @@ class LedgerWorkers:
                 port + offset if port else 0,
                 config.metrics.host,
             )
-            self.workers.append(
+            self.children.append(
                 Supervised("ledger worker" if count == 1 else f"ledger worker {i + 1}", start)
             )
 
-    def check(self) -> list[Restart]:
-        return [r for worker in self.workers if (r := worker.check()) is not None]
 
-    @property
-    def restarts(self) -> list[Restart]:
-        return [r for worker in self.workers for r in worker.restarts]
-
-    def stop(self) -> None:
-        for worker in self.workers:
-            if worker.process.poll() is None:
-                worker.process.send_signal(signal.SIGTERM)
-        for worker in self.workers:
-            worker.stop()
-
-
-class ExtraDispatchers:
+class ExtraDispatchers(SupervisedGroup):
     """``run --dispatchers N``: N-1 ``tokenbudget dispatch`` processes beside the
     in-process one, all in the same consumer group, sharing budgets via leases."""
 
     def __init__(self, config: Config, count: int) -> None:
+        super().__init__()
         self.config = config
         self.count = max(0, count)
-        self.processes: list[tuple[Supervised, Path]] = []
+        self.reports: list[Path] = []  # each child's, in the order of children
         self._folder: tempfile.TemporaryDirectory[str] | None = None
         if self.count and not Path(config.source).is_file():
             raise ConfigError(
@@ -296,25 +305,17 @@ class ExtraDispatchers:
                 dispatcher_instance(namespace, i + 1),
             )
             if self.config.metrics.port:
-                # run: port, ledger: port + 1, extra dispatchers: port + 2, + 3, ...
-                command += ["--metrics-port", str(self.config.metrics.port + 2 + i)]
+                port = self.config.metrics.port + dispatcher_port_offset(i)
+                command += ["--metrics-port", str(port)]
             child = Supervised(f"dispatcher {i + 1}", functools.partial(lifetime.spawn, command))
-            self.processes.append((child, report))
+            self.children.append(child)
+            self.reports.append(report)
 
-    def check(self) -> list[Restart]:
-        return [r for child, _ in self.processes if (r := child.check()) is not None]
-
-    @property
-    def restarts(self) -> list[Restart]:
-        return [r for child, _ in self.processes for r in child.restarts]
-
-    def stop(self) -> dict[str, list[float]]:
+    def finish(self) -> dict[str, list[float]]:
+        """Stop them, and say per dataset when each first refused it (their reports)."""
+        self.stop(60)
         refused: dict[str, list[float]] = {}
-        for child, _ in self.processes:
-            if child.process.poll() is None:
-                child.process.send_signal(signal.SIGTERM)
-        for child, report in self.processes:
-            child.stop(60)
+        for report in self.reports:
             if report.exists():
                 for dataset, at in json.loads(report.read_text())["refused_at"].items():
                     refused.setdefault(dataset, []).append(float(at))
@@ -496,8 +497,13 @@ def ledger_port_offset(index: int, dispatchers: int) -> int:
     return 1 if index == 0 else max(1, dispatchers) + index
 
 
+def dispatcher_port_offset(index: int) -> int:
+    """Metrics port of ``run``'s extra dispatcher ``index`` (0-based), from its own."""
+    return 2 + index
+
+
 def _metrics_offsets(dispatchers: int, ledgers: int) -> list[int]:
-    extra = [2 + i for i in range(max(0, dispatchers - 1))]
+    extra = [dispatcher_port_offset(i) for i in range(max(0, dispatchers - 1))]
     return [0, *(ledger_port_offset(i, dispatchers) for i in range(ledgers)), *extra]
 
 
@@ -640,7 +646,7 @@ async def _run_components(
         dispatch_stop.set()
         with contextlib.suppress(Exception):
             await dispatch_task
-        refused = await asyncio.to_thread(extra.stop)
+        refused = await asyncio.to_thread(extra.finish)
         for refused_name, at in dispatcher.refused_at.items():
             refused.setdefault(refused_name, []).append(at)
         for name, view in watcher.board.views.items():
