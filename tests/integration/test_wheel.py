@@ -17,6 +17,7 @@ import sys
 import venv
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 
 pytestmark = pytest.mark.integration
@@ -93,4 +94,14 @@ def test_the_wheel_runs_the_demo_with_only_python(tmp_path: Path) -> None:
             assert result["completion_tokens"] < 40_000 and result["failed"] == 0, (name, result)
     assert sum(r["status"] == "halted" for r in datasets.values()) >= 6
     assert not (ROOT / "demo").exists()  # it ran where it was started, not in the checkout
-    assert any((elsewhere / "demo" / "out").rglob("*.parquet"))
+    # What was kept, read from the Parquet files (not the ledger's books): the same
+    # totals, each prompt once.
+    kept: dict[str, int] = {}
+    prompts: list[str] = []
+    for path in (elsewhere / "demo" / "out").rglob("*.parquet"):
+        rows = pq.read_table(path, columns=["prompt_id", "completion_tokens"]).to_pydict()
+        name = path.parent.name.removeprefix("dataset=")
+        kept[name] = kept.get(name, 0) + sum(rows["completion_tokens"])
+        prompts += rows["prompt_id"]
+    assert kept == {name: r["completion_tokens"] for name, r in datasets.items()}
+    assert len(prompts) == len(set(prompts)) == sum(r["samples"] for r in datasets.values())
