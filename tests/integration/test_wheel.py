@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import venv
@@ -20,15 +19,11 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from tests.promstack import free_port
+
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run(command: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
