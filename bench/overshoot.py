@@ -46,7 +46,13 @@ from streams import events as ev
 from streams.topics import Topics
 from tokenbudget import broker
 from tokenbudget import config as config_module
-from tokenbudget.demo import DEMO_DATASETS, free_port, start_simulator, write_datasets
+from tokenbudget.demo import (
+    DEMO_DATASETS,
+    free_port,
+    start_simulator,
+    write_datasets,
+    write_tokenizer,
+)
 from tokenbudget.report import format_table
 from tokenbudget.runner import RunReport, run
 
@@ -55,9 +61,15 @@ LOWERED = 0.5  # reserve-stream-lowered: share of the in-flight reservation left
 
 
 def write_config(
-    workdir: Path, strategy: str, paths: dict[str, Path], url: str, args: argparse.Namespace
+    workdir: Path,
+    strategy: str,
+    paths: dict[str, Path],
+    url: str,
+    args: argparse.Namespace,
+    tokenizer: Path,
 ) -> Path:
     namespace = f"bench-{strategy}-{int(time.time())}"
+    chats = {d.name for d in DEMO_DATASETS if d.chat}
     mean_answer = statistics.mean(d.mean_tokens for d in DEMO_DATASETS)
     cap = round(args.budget / mean_answer)
     budget_block = {
@@ -76,6 +88,7 @@ def write_config(
         f"concurrency = {args.concurrency}",
         f"max_new_tokens = {args.max_new_tokens}",
         f"stream = {'true' if strategy == 'reserve-stream-lowered' else 'false'}",
+        f'tokenizer = "{tokenizer}"',  # the chat datasets' template, as in the demo
         "[budget]",
         *budget_block,
         *(["snapshot_interval_s = 0.1"] if strategy == "reserve-stream-lowered" else []),
@@ -85,6 +98,7 @@ def write_config(
     ]
     for name, path in paths.items():
         lines += ["[[datasets]]", f'name = "{name}"', f'path = "{path}"']
+        lines += ["template = true"] if name in chats else []
         if strategy == "sample-cap":
             # The usual tool: a sample count, no token budget at all.
             lines += [f"budget = {args.budget * 100}", f"limit = {cap}"]
@@ -239,6 +253,7 @@ def main() -> None:
     workdir = Path(args.workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     paths = write_datasets(workdir / "data", args.budget)
+    tokenizer = write_tokenizer(workdir / "tokenizer", paths)
     broker.up(broker.BrokerSettings.from_env(), [])
     print(
         f"eight datasets, budget {args.budget:,} completion tokens each, {args.dispatchers}"
@@ -246,9 +261,10 @@ def main() -> None:
     )
     for strategy in args.strategies.split(","):
         port = free_port()
-        simulator = start_simulator(port, args.tokens_per_second)
+        simulator = start_simulator(port, args.tokens_per_second, tokenizer)
         try:
-            config_path = write_config(workdir, strategy, paths, f"http://127.0.0.1:{port}", args)
+            url = f"http://127.0.0.1:{port}"
+            config_path = write_config(workdir, strategy, paths, url, args, tokenizer)
             config = config_module.load(config_path)
             # A fresh output folder: earlier Parquet output counts as work already done.
             shutil.rmtree(config.sink_path, ignore_errors=True)

@@ -76,6 +76,9 @@ class PromptRow:
     text: str | None = None
     messages: tuple[ChatMessage, ...] | None = None
     input_ids: tuple[int, ...] | None = None  # the chat template applied locally
+    row_id: str | None = None  # the row's own "id"
+    input_columns: dict[str, Any] | None = None  # the row's keep_columns (missing: null)
+    sample_index: int = 0  # which of the dataset's n answers to this prompt
 
 
 def stable_prompt_id(dataset: str, identity: str) -> str:
@@ -188,9 +191,7 @@ def select_turns(
     if turns == "first":
         return [(users[0], messages[: users[0] + 1])]
     prompts = [
-        (i, messages[:i])
-        for i, m in enumerate(messages)
-        if m.role == "assistant" and i > users[0]
+        (i, messages[:i]) for i, m in enumerate(messages) if m.role == "assistant" and i > users[0]
     ]
     if messages[-1].role == "user":
         prompts.append((len(messages), messages))
@@ -333,6 +334,7 @@ def _in_file_order(
     format: Format,
     turns: Turns,
     on_bad_row: Callable[[DatasetError], None] | None,
+    keep_columns: Sequence[str] = (),
 ) -> Iterator[PromptRow]:
     occurrences: dict[str, int] = {}
     name = reader.name
@@ -342,9 +344,7 @@ def _in_file_order(
                 raise row
             row_id, text, messages = parse_row(row, name, line, format)
             selected = (
-                [(-1, messages)]
-                if messages is None
-                else select_turns(messages, turns, name, line)
+                [(-1, messages)] if messages is None else select_turns(messages, turns, name, line)
             )
         except DatasetError as exc:
             if on_bad_row is None:
@@ -371,6 +371,8 @@ def _in_file_order(
                 source=f"{name}:{line}",
                 text=text,
                 messages=chosen,
+                row_id=row_id,
+                input_columns={c: row.get(c) for c in keep_columns} if keep_columns else None,
             )
 
 
@@ -413,6 +415,8 @@ def read_prompts(
     shuffle_seed: int | None = None,
     split: str = "",
     template: Template | None = None,
+    keep_columns: Sequence[str] = (),
+    samples: int = 1,
 ) -> Iterator[PromptRow]:
     """Yield the dataset's prompts, in file order or shuffled with ``shuffle_seed``.
 
@@ -420,9 +424,13 @@ def read_prompts(
     first bad row raises. ``limit`` counts prompts (after turns and shuffling), so
     with a seed it takes a fixed random sample. ``template`` (messages -> ids)
     fills ``input_ids``; a plain prompt is templated as one user turn.
+    ``keep_columns`` are copied from each row; ``samples`` (the dataset's ``n``)
+    repeats each prompt as that many prompts of their own (:func:`with_samples`).
     """
     reader = reader_for(path, format, split)
-    rows: Iterator[PromptRow] = _in_file_order(dataset, reader, format, turns, on_bad_row)
+    rows: Iterator[PromptRow] = _in_file_order(
+        dataset, reader, format, turns, on_bad_row, keep_columns
+    )
     if shuffle_seed is not None:
         # Ids are fixed in file order first, so the order never changes an id.
         everything = list(rows)
@@ -432,7 +440,21 @@ def read_prompts(
         rows = _with_template(rows, template, on_bad_row)
     if limit is not None:
         rows = itertools.islice(rows, max(0, limit))
-    return rows
+    return with_samples(dataset, rows, samples) if samples > 1 else rows
+
+
+def with_samples(dataset: str, rows: Iterator[PromptRow], samples: int) -> Iterator[PromptRow]:
+    """Each prompt as ``samples`` prompts, one answer each: every answer is then
+    budgeted, admitted, counted and deduplicated on its own, like any prompt. The
+    first keeps the prompt's id (a run with n = 1 before it counts as that one)."""
+    for row in rows:
+        yield row
+        for index in range(1, samples):
+            yield replace(
+                row,
+                prompt_id=stable_prompt_id(dataset, f"{row.prompt_id}#sample{index}"),
+                sample_index=index,
+            )
 
 
 def read_options(config: Config, dataset: Dataset) -> dict[str, Any]:
@@ -458,4 +480,56 @@ def read_options(config: Config, dataset: Dataset) -> dict[str, Any]:
         "shuffle_seed": dataset.shuffle_seed,
         "split": dataset.split,
         "template": template,
+        "keep_columns": dataset.keep_columns,
+        "samples": dataset.n,
     }
+
+
+# Enough rows to see what a dataset holds, few enough to cost nothing before a run.
+PEEK_ROWS = 1000
+
+
+def first_chat_row(
+    path: Path, format: Format = "auto", split: str = "", *, peek: int = PEEK_ROWS
+) -> str | None:
+    """``path:line`` of the first conversation among the first ``peek`` rows, or None.
+
+    Bad and unreadable rows are passed over: reading the dataset reports them."""
+    try:
+        reader = reader_for(path, format, split)
+        for line, row in itertools.islice(reader.rows(), peek):
+            if isinstance(row, DatasetError):
+                continue
+            try:
+                messages = parse_row(row, reader.name, line, format)[2]
+            except DatasetError:
+                continue
+            if messages is not None:
+                return f"{reader.name}:{line}"
+    except DatasetError:
+        pass  # a file that cannot be read stops the producer with its own error
+    return None
+
+
+def check_untemplated_chat(config: Config) -> None:
+    """Before anything runs: chat rows bound for a raw-text API (``sglang``,
+    ``openai-completions``) without ``template = true`` are a ConfigError naming the
+    dataset's key and both fixes. Config validation catches explicit chat formats;
+    ``auto`` and ``hf`` rows are peeked here."""
+    from tokenbudget.config import CHAT_FORMATS, RAW_TEXT_APIS, untemplated_chat
+
+    api = config.inference.api
+    if api not in RAW_TEXT_APIS:
+        return
+    for index, dataset in enumerate(config.datasets):
+        if dataset.template:
+            continue
+        if dataset.format in CHAT_FORMATS:
+            found: str | None = f"format {dataset.format!r}"
+        elif dataset.format in ("auto", "hf"):
+            row = first_chat_row(dataset.path, dataset.format, dataset.split)
+            found = f"{row} holds messages" if row else None
+        else:
+            found = None
+        if found:
+            raise untemplated_chat(f"datasets[{index}]", dataset.name, api, found, config.source)

@@ -26,6 +26,7 @@ from typing import Any
 
 import httpx
 import kafka.errors
+import msgspec
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import KafkaError
 
@@ -735,7 +736,7 @@ class Dispatcher:
                     "max_new_tokens %d); such answers are cut to the request's limit",
                     backend.base_url,
                     PROBLEMS[problem],
-                    len(result.output_ids),
+                    len(result.output_ids or ()),
                     result.completion_tokens,
                     max_new_tokens,
                 )
@@ -800,7 +801,7 @@ class Dispatcher:
             dataset=prompt.dataset,
             prompt_tokens=result.prompt_tokens,
             completion_tokens=result.completion_tokens,
-            output_ids=ev.TokenIds(result.output_ids),
+            output_ids=None if result.output_ids is None else ev.TokenIds(result.output_ids),
             finish_reason=result.finish_reason,
             max_new_tokens=request.max_new_tokens,
             text=result.text,
@@ -811,6 +812,17 @@ class Dispatcher:
             first_token_at=result.first_token_at,
             count_source=result.count_source,
             finished_at=finished_at,
+            prompt=prompt.text,
+            messages=prompt.messages,
+            # the ids sent (template applied here), else those the server returned
+            prompt_ids=_sent_ids(prompt, result),
+            sampling=msgspec.structs.replace(
+                prompt.sampling, max_new_tokens=request.max_new_tokens
+            ),
+            model=result.model,
+            row_id=prompt.row_id,
+            input_columns=prompt.input_columns,
+            sample_index=prompt.sample_index,
         )
 
     async def _publish(self, topic: str, dataset: str, event: ev.Event) -> None:
@@ -893,10 +905,17 @@ def cut_answer(result: GenerationResult, keep: int) -> GenerationResult:
     return dataclasses.replace(
         result,
         completion_tokens=keep,
-        output_ids=result.output_ids[:keep],
+        output_ids=None if result.output_ids is None else result.output_ids[:keep],
         text="" if result.output_ids else result.text,
         finish_reason="length",
     )
+
+
+def _sent_ids(prompt: ev.PromptEvent, result: GenerationResult) -> ev.TokenIds | None:
+    """The prompt's ids: those sent (the template applied here), else those the
+    server returned, else unknown."""
+    ids = prompt.input_ids if prompt.input_ids is not None else result.prompt_ids
+    return None if ids is None else ev.TokenIds(ids)
 
 
 def prompt_token_estimate(prompt: ev.PromptEvent) -> int:

@@ -220,11 +220,13 @@ class GenerationResult:
     rid: str
     prompt_tokens: int
     completion_tokens: int
-    output_ids: list[int]
+    output_ids: list[int] | None  # None: the server returned no ids (count_source says)
     text: str
     finish_reason: FinishReason
     first_token_at: float | None = None  # streaming: when the first content chunk came
-    count_source: CountSource = "server"  # "tokenizer": counted here, the server did not
+    count_source: CountSource = "server"  # see streams.events.CountSource
+    model: str = ""  # as the server reported it
+    prompt_ids: list[int] | None = None  # as the server returned them
 
 
 def _as_finish(value: Any) -> FinishReason:
@@ -292,9 +294,7 @@ class InferenceBackend(ABC):
 
     # ---- plumbing ---------------------------------------------------------------------
 
-    def _raise_for_status(
-        self, method: str, url: str, response: httpx.Response, text: str
-    ) -> None:
+    def _raise_for_status(self, method: str, url: str, response: httpx.Response, text: str) -> None:
         status = response.status_code
         if status < 400:
             return
@@ -407,6 +407,12 @@ class InferenceBackend(ABC):
         return request.text, None
 
 
+def _model(body: Any) -> str:
+    """The model an OpenAI-compatible response names ("" when it names none)."""
+    model = body.get("model") if isinstance(body, dict) else None
+    return model if isinstance(model, str) else ""
+
+
 def _raise_for_error_chunk(url: str, event: Any, data: str) -> None:
     if isinstance(event, dict) and ("error" in event or event.get("object") == "error"):
         raise InferenceServerError(f"POST {url}: error in stream: {data[:200]}")
@@ -481,6 +487,7 @@ _NOT_SAMPLING_PARAMS = frozenset({"chat_template_kwargs", "extra_body"})
 
 class SGLangBackend(InferenceBackend):
     api = "sglang"
+    _model_path: str | None = None
 
     def _body(self, request: GenerationRequest) -> dict[str, Any]:
         sampling: dict[str, Any] = {"max_new_tokens": request.max_new_tokens}
@@ -568,7 +575,23 @@ class SGLangBackend(InferenceBackend):
             text=text,
             finish_reason=_as_finish(meta.get("finish_reason")),
             first_token_at=first_token_at,
+            model=await self._served_model(),
         )
+
+    async def _served_model(self) -> str:
+        """/generate names no model: ask /get_model_info once (the configured name
+        if the server will not say)."""
+        if self._model_path is None:
+            self._model_path = self.model
+            try:
+                info = await self._request("GET", "/get_model_info", None)
+            except InferenceError:
+                pass  # an older server or a proxy without it: the row keeps the name asked for
+            else:
+                path = info.get("model_path") if isinstance(info, dict) else None
+                if isinstance(path, str) and path:
+                    self._model_path = path
+        return self._model_path
 
     async def abort(self, rid: str) -> None:
         await self._request("POST", "/abort_request", {"rid": rid, "abort_all": False})
@@ -620,6 +643,7 @@ class _OpenAIBackend(InferenceBackend):
             text=self._text(choice),
             finish=choice.get("finish_reason"),
             first_token_at=None,
+            model=_model(data),
         )
 
     async def _generate_streaming(
@@ -630,6 +654,7 @@ class _OpenAIBackend(InferenceBackend):
         has_ids = False
         prompt_ids: list[int] | None = None
         usage: Any = None
+        model = ""
         finish: Any = None
         finished = False
         content_chunks = 0
@@ -637,8 +662,9 @@ class _OpenAIBackend(InferenceBackend):
         async for chunk in self._events(self.path, body):
             if not isinstance(chunk, dict):
                 raise InferenceProtocolError(f"stream chunk is not an object: {str(chunk)[:200]}")
-            if chunk.get("usage"):
+            if chunk.get("usage"):  # llama.cpp: in the chunk that has finish_reason
                 usage = chunk["usage"]
+            model = model or _model(chunk)
             prompt_ids = _int_list(chunk.get("prompt_token_ids")) or prompt_ids
             for choice in chunk.get("choices") or ():
                 if not isinstance(choice, dict) or choice.get("index", 0) != 0:
@@ -675,6 +701,7 @@ class _OpenAIBackend(InferenceBackend):
             text="".join(parts),
             finish=finish,
             first_token_at=first_token_at,
+            model=model,
         )
 
     def _result(
@@ -687,6 +714,7 @@ class _OpenAIBackend(InferenceBackend):
         text: str,
         finish: Any,
         first_token_at: float | None,
+        model: str,
     ) -> GenerationResult:
         prompt_tokens = completion_tokens = None
         if usage:  # present: it must be whole
@@ -704,11 +732,13 @@ class _OpenAIBackend(InferenceBackend):
             rid=request.rid,
             prompt_tokens=prompt,
             completion_tokens=completion,
-            output_ids=output_ids or [],
+            output_ids=output_ids,
             text=text,
             finish_reason=_as_finish(finish),
             first_token_at=first_token_at,
-            count_source=source,
+            count_source="usage" if source == "server" and output_ids is None else source,
+            model=model,
+            prompt_ids=prompt_ids,
         )
 
 

@@ -203,10 +203,13 @@ class PromptProducer:
             dataset=dataset.name,
             text=row.text,
             messages=row.messages,
-            sampling=ev.SamplingParams(max_new_tokens=dataset.max_new_tokens, **dataset.sampling),
+            sampling=sampling_for(dataset, row.sample_index),
             source=row.source,
             produced_at=time.time(),
             input_ids=list(row.input_ids) if row.input_ids is not None else None,
+            row_id=row.row_id,
+            input_columns=row.input_columns,
+            sample_index=row.sample_index,
         )
 
     async def _finish(self, producer: AIOKafkaProducer, cursor: _Cursor, reason: str) -> None:
@@ -256,3 +259,12 @@ class PromptProducer:
         if cursor.report.not_sent:
             await producer.flush()
             metrics.EVENTS_PRODUCED.labels(topic="outcomes").inc(cursor.report.not_sent)
+
+
+def sampling_for(dataset: Dataset, sample_index: int) -> ev.SamplingParams:
+    """The settings a prompt's request carries. With a seed, the n answers to one
+    prompt get seeds seed, seed + 1, ...: the same seed would give n equal answers."""
+    settings = dict(dataset.sampling)
+    if sample_index and settings.get("seed") is not None:
+        settings["seed"] += sample_index
+    return ev.SamplingParams(max_new_tokens=dataset.max_new_tokens, **settings)

@@ -46,9 +46,7 @@ class LocalTokenizer:
         """The ids a server would build for these messages, ready for an answer;
         ``options`` are the template's own switches (``chat_template_kwargs``)."""
         if not self.has_chat_template:
-            raise ConfigError(
-                "inference.tokenizer", f"{self.path} has no chat_template to apply"
-            )
+            raise ConfigError("inference.tokenizer", f"{self.path} has no chat_template to apply")
         conversation = [{"role": m.role, "content": m.content} for m in messages]
         with self._lock:
             ids = self._tokenizer.apply_chat_template(
@@ -74,9 +72,12 @@ class LocalTokenizer:
         with self._lock:
             return [int(i) for i in self._tokenizer.encode(text, add_special_tokens=special)]
 
-    def count_prompt(
-        self, text: str | None, messages: Sequence[ChatMessage] | None
-    ) -> int:
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of ``ids``, special tokens left out."""
+        with self._lock:
+            return str(self._tokenizer.decode(list(ids), skip_special_tokens=True))
+
+    def count_prompt(self, text: str | None, messages: Sequence[ChatMessage] | None) -> int:
         """Prompt tokens as the server counts them: the chat template for messages
         (when there is one), the text with the model's special tokens otherwise."""
         if messages:

@@ -60,25 +60,75 @@ from tokenbudget.kafka import kafka_python_options, kafka_python_producer_option
 log = logging.getLogger(__name__)
 
 DATASET_TYPE = pa.dictionary(pa.int32(), pa.string())
-
-SCHEMA = pa.schema(
+IDS_TYPE = pa.list_(pa.int32())
+MESSAGES_TYPE = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+_JSON_SAMPLING = ("chat_template_kwargs", "extra_body")  # free-form: kept as JSON text
+SAMPLING_TYPE = pa.struct(
     [
-        ("request_id", pa.string()),
-        ("prompt_id", pa.string()),
-        ("dataset", DATASET_TYPE),
-        ("prompt_tokens", pa.int64()),
-        ("completion_tokens", pa.int64()),
-        ("output_ids", pa.list_(pa.int32())),
-        ("finish_reason", pa.string()),
         ("max_new_tokens", pa.int64()),
-        ("count_source", pa.string()),
-        ("attempts", pa.int32()),
-        ("dispatched_at", pa.float64()),
-        ("first_token_at", pa.float64()),
-        ("finished_at", pa.float64()),
-        ("text", pa.string()),
+        ("temperature", pa.float64()),
+        ("top_p", pa.float64()),
+        ("top_k", pa.int64()),
+        ("min_p", pa.float64()),
+        ("repetition_penalty", pa.float64()),
+        ("frequency_penalty", pa.float64()),
+        ("presence_penalty", pa.float64()),
+        ("stop", pa.list_(pa.string())),
+        ("seed", pa.int64()),
+        *((name, pa.string()) for name in _JSON_SAMPLING),
     ]
 )
+
+# The one declaration of a Parquet row's columns, in file order: each is the
+# CompletionEvent field of that name, with the Arrow type it is stored as. The
+# lean records the sink decodes and the table builder both derive from it, and
+# ``_check_columns`` ties it to the event at import, so a field added to the event
+# without a column here fails every test. Columns after ``text`` came with
+# completion v3; older files lack them and :func:`read_rows` fills them with nulls.
+COLUMNS: tuple[tuple[str, pa.DataType], ...] = (
+    ("request_id", pa.string()),
+    ("prompt_id", pa.string()),
+    ("dataset", DATASET_TYPE),
+    ("prompt_tokens", pa.int64()),
+    ("completion_tokens", pa.int64()),
+    ("output_ids", IDS_TYPE),
+    ("finish_reason", pa.string()),
+    ("max_new_tokens", pa.int64()),
+    ("count_source", pa.string()),
+    ("attempts", pa.int32()),
+    ("dispatched_at", pa.float64()),
+    ("first_token_at", pa.float64()),
+    ("finished_at", pa.float64()),
+    ("text", pa.string()),
+    ("prompt", pa.string()),
+    ("messages", MESSAGES_TYPE),
+    ("prompt_ids", IDS_TYPE),
+    ("model", pa.string()),
+    ("sampling", SAMPLING_TYPE),
+    ("row_id", pa.string()),
+    ("input_columns", pa.string()),  # the row's keep_columns, as a JSON object
+    ("sample_index", pa.int32()),
+)
+# Event fields that are not row columns: how the ledger accounted for the answer.
+NOT_COLUMNS = frozenset({"type", "v", "lease_id", "cost"})
+
+SCHEMA = pa.schema(COLUMNS)
+
+
+def _check_columns() -> None:
+    fields = {f.name for f in msgspec.structs.fields(ev.CompletionEvent)} - NOT_COLUMNS
+    columns = {name for name, _ in COLUMNS}
+    if fields != columns:  # pragma: no cover - a development error, caught by any test
+        raise TypeError(
+            f"sinks.parquet.COLUMNS and CompletionEvent disagree: "
+            f"only in the event {sorted(fields - columns)}, only here {sorted(columns - fields)}"
+        )
+    sampling = {f.name for f in msgspec.structs.fields(ev.SamplingParams)}
+    if sampling != set(SAMPLING_TYPE.names):  # pragma: no cover - as above
+        raise TypeError("sinks.parquet.SAMPLING_TYPE and SamplingParams disagree")
+
+
+_check_columns()
 
 TEMPORARY_GLOB = "dataset=*/.part-*.tmp"
 # Measured on the local broker with ~20 KB events: larger fetches are slower with
@@ -93,46 +143,41 @@ FETCH_OPTIONS = {
 # --------------------------------------------------------------------------- decoding
 
 
-class _CompletionRow(msgspec.Struct, frozen=True, kw_only=True):
-    """The fields of :class:`streams.events.CompletionEvent` but ``output_ids``,
-    with the same types; ``type`` must be ``"completion"``."""
-
-    type: Literal["completion"]
-    v: int = ev.SCHEMA_VERSION
-    request_id: str
-    prompt_id: str
-    dataset: str
-    prompt_tokens: int
-    completion_tokens: int
-    finish_reason: ev.FinishReason
-    max_new_tokens: int
-    text: str = ""
-    count_source: ev.CountSource = "server"
-    attempts: int = 1
-    lease_id: str = ""
-    cost: int = 0
-    dispatched_at: float = 0.0
-    first_token_at: float | None = None
-    finished_at: float = 0.0
+_NULL = msgspec.Raw(b"null")
 
 
-class CompletionRecord(_CompletionRow, frozen=True, kw_only=True):
-    """A completion with its ``output_ids`` as little-endian int32 bytes (v2)."""
+def _record_fields(output_ids: Any) -> list[tuple[str, Any, Any]]:
+    """CompletionEvent's fields for a lean record: the ids as their raw bytes (no
+    Python int per id), ``input_columns`` as raw JSON (stored as text), the rest as
+    the event has them."""
+    fields: list[tuple[str, Any, Any]] = [("type", Literal["completion"], msgspec.NODEFAULT)]
+    for f in msgspec.structs.fields(ev.CompletionEvent):
+        kind = {
+            "output_ids": output_ids,
+            "prompt_ids": bytes | None,
+            "input_columns": msgspec.Raw,  # msgspec takes no Raw | None: "null" is None
+        }.get(f.name, f.type)
+        default = f.default_factory() if f.default_factory is not msgspec.NODEFAULT else f.default
+        if f.name == "input_columns":
+            default = _NULL
+        fields.append((f.name, kind, default))
+    return fields
 
-    output_ids: bytes
 
+# A completion with its ids as little-endian int32 bytes (v2 and v3).
+CompletionRecord: type[Any] = msgspec.defstruct(
+    "CompletionRecord", _record_fields(bytes | None), kw_only=True, frozen=True
+)
+# A v1 completion: ``output_ids`` kept as the raw JSON array, for :func:`keep_first`
+# to parse a batch of them at once.
+LegacyCompletionRecord: type[Any] = msgspec.defstruct(
+    "LegacyCompletionRecord", _record_fields(msgspec.Raw), kw_only=True, frozen=True
+)
 
-class LegacyCompletionRecord(_CompletionRow, frozen=True, kw_only=True):
-    """A v1 completion: ``output_ids`` kept as the raw JSON array, for
-    :func:`keep_first` to parse a batch of them at once."""
+Record = Any  # CompletionRecord | LegacyCompletionRecord (classes made at run time)
 
-    output_ids: msgspec.Raw
-
-
-Record = CompletionRecord | LegacyCompletionRecord
-
-_record_decoder = msgspec.json.Decoder(CompletionRecord)
-_legacy_decoder = msgspec.json.Decoder(LegacyCompletionRecord)
+_record_decoder: msgspec.json.Decoder[Any] = msgspec.json.Decoder(CompletionRecord)
+_legacy_decoder: msgspec.json.Decoder[Any] = msgspec.json.Decoder(LegacyCompletionRecord)
 
 
 def decode_completion(value: bytes) -> Record:
@@ -144,8 +189,8 @@ def decode_completion(value: bytes) -> Record:
     record: Record | None
     try:
         record = _record_decoder.decode(value)
-        if len(record.output_ids) % 4:  # not whole int32s
-            record = None
+        if any(ids is not None and len(ids) % 4 for ids in (record.output_ids, record.prompt_ids)):
+            record = None  # not whole int32s
     except msgspec.DecodeError:
         try:
             record = _legacy_decoder.decode(value)
@@ -159,6 +204,7 @@ def decode_completion(value: bytes) -> Record:
             record.completion_tokens,
             _id_count(record),
             record.max_new_tokens,
+            record.count_source,
         )
         if problem is None:
             return record
@@ -168,9 +214,9 @@ def decode_completion(value: bytes) -> Record:
     raise EventDecodeError("not a completion event")  # pragma: no cover - decoders agree
 
 
-def _id_count(record: Record) -> int:
+def _id_count(record: Record) -> int | None:
     if isinstance(record, CompletionRecord):
-        return len(record.output_ids) >> 2
+        return None if record.output_ids is None else len(record.output_ids) >> 2
     raw = bytes(record.output_ids)
     inner = raw.strip()[1:-1].strip()
     return raw.count(b",") + 1 if inner else 0
@@ -215,44 +261,88 @@ class FirstCompletion:
 def _column_arrays(
     rows: Sequence[Record] | Sequence[ev.CompletionEvent], output_ids: pa.Array
 ) -> list[pa.Array]:
-    n = len(rows)
-    names = [r.dataset for r in rows]
-    uniques = list(dict.fromkeys(names))
-    if len(uniques) == 1:
-        indices = np.zeros(n, dtype=np.int32)
-    else:
-        position = {name: i for i, name in enumerate(uniques)}
-        indices = np.fromiter((position[name] for name in names), np.int32, n)
-    dataset = pa.DictionaryArray.from_arrays(pa.array(indices), pa.array(uniques, pa.string()))
+    """The table's columns (:data:`COLUMNS`) for decoded records or events."""
+    special = {
+        "dataset": _dataset_array,
+        "output_ids": lambda _: output_ids,
+        "prompt_ids": lambda rows: _ids_from_bytes([_id_bytes(r.prompt_ids) for r in rows]),
+        "messages": _messages_array,
+        "sampling": _sampling_array,
+        "input_columns": _input_columns_array,
+    }
     return [
-        pa.array([r.request_id for r in rows], pa.string()),
-        pa.array([r.prompt_id for r in rows], pa.string()),
-        dataset,
-        pa.array(np.fromiter((r.prompt_tokens for r in rows), np.int64, n)),
-        pa.array(np.fromiter((r.completion_tokens for r in rows), np.int64, n)),
-        output_ids,
-        pa.array([r.finish_reason for r in rows], pa.string()),
-        pa.array(np.fromiter((r.max_new_tokens for r in rows), np.int64, n)),
-        pa.array([r.count_source for r in rows], pa.string()),
-        pa.array(np.fromiter((r.attempts for r in rows), np.int32, n)),
-        pa.array(np.fromiter((r.dispatched_at for r in rows), np.float64, n)),
-        pa.array([r.first_token_at for r in rows], pa.float64()),
-        pa.array(np.fromiter((r.finished_at for r in rows), np.float64, n)),
-        pa.array([r.text for r in rows], pa.string()),
+        special[name](rows) if name in special else pa.array([getattr(r, name) for r in rows], kind)
+        for name, kind in COLUMNS
     ]
 
 
-def _list_array(lengths: np.ndarray, values: np.ndarray | pa.Array) -> pa.ListArray:
+def _dataset_array(rows: Sequence[Any]) -> pa.Array:
+    names = [r.dataset for r in rows]
+    uniques = list(dict.fromkeys(names))
+    if len(uniques) == 1:
+        indices = np.zeros(len(rows), dtype=np.int32)
+    else:
+        position = {name: i for i, name in enumerate(uniques)}
+        indices = np.fromiter((position[name] for name in names), np.int32, len(rows))
+    return pa.DictionaryArray.from_arrays(pa.array(indices), pa.array(uniques, pa.string()))
+
+
+def _id_bytes(ids: bytes | ev.TokenIds | None) -> bytes | None:
+    return ids.tobytes() if isinstance(ids, ev.TokenIds) else ids
+
+
+def _messages_array(rows: Sequence[Any]) -> pa.Array:
+    return pa.array(
+        [
+            None
+            if r.messages is None
+            else [{"role": m.role, "content": m.content} for m in r.messages]
+            for r in rows
+        ],
+        MESSAGES_TYPE,
+    )
+
+
+def _sampling_array(rows: Sequence[Any]) -> pa.Array:
+    def row(sampling: ev.SamplingParams) -> dict[str, Any]:
+        values = msgspec.structs.asdict(sampling)
+        for name in _JSON_SAMPLING:
+            if values[name] is not None:
+                values[name] = msgspec.json.encode(values[name]).decode()
+        return values
+
+    return pa.array([row(r.sampling) for r in rows], SAMPLING_TYPE)
+
+
+def _input_columns_array(rows: Sequence[Any]) -> pa.Array:
+    def text(value: Any) -> str | None:
+        if value is None or value == _NULL:
+            return None
+        if isinstance(value, msgspec.Raw):
+            return bytes(value).decode()
+        return msgspec.json.encode(value).decode()
+
+    return pa.array([text(r.input_columns) for r in rows], pa.string())
+
+
+def _list_array(
+    lengths: np.ndarray, values: np.ndarray | pa.Array, missing: np.ndarray | None = None
+) -> pa.ListArray:
     offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
     np.cumsum(lengths, out=offsets[1:])
-    return pa.ListArray.from_arrays(pa.array(offsets), values, type=pa.list_(pa.int32()))
+    mask = pa.array(missing) if missing is not None and missing.any() else None
+    return pa.ListArray.from_arrays(pa.array(offsets), values, type=IDS_TYPE, mask=mask)
 
 
-def _ids_from_bytes(blobs: Sequence[bytes]) -> pa.ListArray:
-    """The column from each row's little-endian int32 bytes: one join, no per-id work."""
-    lengths = np.fromiter((len(b) >> 2 for b in blobs), np.int64, len(blobs))
-    values = np.frombuffer(b"".join(blobs), ev.TOKEN_ID).astype(np.int32, copy=False)
-    return _list_array(lengths, values)
+def _ids_from_bytes(blobs: Sequence[bytes | None]) -> pa.ListArray:
+    """The column from each row's little-endian int32 bytes (None: ids unknown, a
+    null): one join, no per-id work."""
+    n = len(blobs)
+    lengths = np.fromiter((len(b) >> 2 if b is not None else 0 for b in blobs), np.int64, n)
+    missing = np.fromiter((b is None for b in blobs), np.bool_, n)
+    joined = b"".join(b for b in blobs if b is not None)
+    values = np.frombuffer(joined, ev.TOKEN_ID).astype(np.int32, copy=False)
+    return _list_array(lengths, values, missing)
 
 
 _CSV_READ = pcsv.ReadOptions(column_names=["v"], block_size=1 << 20)  # measured best
@@ -310,7 +400,7 @@ def _ids_from_raw(raws: Sequence[msgspec.Raw]) -> pa.ListArray | None:
 
 def completions_to_table(rows: Sequence[ev.CompletionEvent]) -> pa.Table:
     """The rows of fully decoded events (the same table :func:`decode_values` gives)."""
-    ids = _ids_from_bytes([r.output_ids.tobytes() for r in rows])
+    ids = _ids_from_bytes([_id_bytes(r.output_ids) for r in rows])
     return pa.Table.from_arrays(_column_arrays(rows, ids), schema=SCHEMA)
 
 
@@ -390,11 +480,11 @@ class Kept:
         return sum(len(r) for r in self.records.values())
 
 
-def _full_ids(value: bytes) -> bytes:
+def _full_ids(value: bytes) -> bytes | None:
     event = ev.decode(value)
     if not isinstance(event, ev.CompletionEvent):  # pragma: no cover - lean decoder agrees
         raise EventDecodeError(f"expected a completion, got {type(event).__name__}")
-    return event.output_ids.tobytes()
+    return _id_bytes(event.output_ids)
 
 
 def keep_first(decoded: Decoded, first: FirstCompletion) -> Kept:
@@ -486,12 +576,35 @@ def dataset_dir(root: Path, dataset: str) -> Path:
 def existing_prompt_ids(root: Path) -> set[str]:
     """prompt_ids already written by earlier runs (only renamed, complete files)."""
     seen: set[str] = set()
-    for file in sorted(root.glob("dataset=*/*.parquet")):
-        if file.name.startswith("."):
-            continue
+    for file in output_files(root):
         column = pq.read_table(file, columns=["prompt_id"]).column("prompt_id")
         seen.update(column.to_pylist())
     return seen
+
+
+def conform(table: pa.Table) -> pa.Table:
+    """A table read from any version's file, in today's :data:`SCHEMA`: columns a
+    file written before them lacks are nulls; unknown columns are dropped."""
+    arrays = []
+    for name, kind in COLUMNS:
+        if name in table.column_names:
+            arrays.append(table.column(name).cast(kind))
+        else:
+            arrays.append(pa.nulls(table.num_rows, kind))
+    return pa.Table.from_arrays(arrays, schema=SCHEMA)
+
+
+def output_files(root: Path, dataset: str | None = None) -> list[Path]:
+    """The sink's complete files (renamed, not temporaries), in a stable order."""
+    pattern = f"{dataset_dir(root, dataset).name}/*.parquet" if dataset else "dataset=*/*.parquet"
+    return [f for f in sorted(root.glob(pattern)) if not f.name.startswith(".")]
+
+
+def read_rows(root: Path, dataset: str | None = None) -> pa.Table:
+    """Every row the sink wrote under ``root`` (of one dataset, or all), whatever
+    version wrote each file, as one table in :data:`SCHEMA`."""
+    tables = [conform(pq.read_table(file)) for file in output_files(root, dataset)]
+    return pa.concat_tables(tables) if tables else SCHEMA.empty_table()
 
 
 # Leases fenced so far, kept beside the files: a sink restarted past a fence's offset

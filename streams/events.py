@@ -5,9 +5,12 @@ accepts the versions in ``SUPPORTED_VERSIONS`` (``COMPLETION_VERSIONS`` for
 completions); anything else is an :class:`~tokenbudget.errors.EventDecodeError`,
 which workers turn into a dead-letter event instead of crashing.
 
-Completions are at version 2: ``output_ids`` is the little-endian int32 bytes of the
-ids, which JSON carries as base64 (:class:`TokenIds`). Version 1 carried them as a
-JSON array of numbers; it is still read, to the same event, because the
+Completions are at version 3: ``output_ids`` (and ``prompt_ids``) are the
+little-endian int32 bytes of the ids, which JSON carries as base64
+(:class:`TokenIds`), and the event carries what a trainer needs beside the answer:
+the prompt as sent, the model, the sampling settings, the dataset row's id and kept
+columns. Version 2 lacked those; version 1 carried the ids as a JSON array of
+numbers. Both are still read, to the same event (the new fields empty), because the
 completions topic is the permanent record.
 
 Keys: every keyed event is keyed by its dataset name (``event_key``), so all events
@@ -27,13 +30,16 @@ from tokenbudget.errors import EventDecodeError
 
 SCHEMA_VERSION = 1
 SUPPORTED_VERSIONS = frozenset({1})
-# Completions only: v2 carries output_ids as int32 bytes, v1 as JSON numbers.
-COMPLETION_VERSION = 2
-COMPLETION_VERSIONS = frozenset({1, 2})
+# Completions only: v3 adds the prompt and its settings; v2 carries output_ids as
+# int32 bytes, v1 as JSON numbers.
+COMPLETION_VERSION = 3
+COMPLETION_VERSIONS = frozenset({1, 2, 3})
 
 FinishReason = Literal["stop", "length", "abort"]
 BudgetUnit = Literal["completion_tokens", "total_tokens", "samples"]
-CountSource = Literal["server", "tokenizer"]
+# "server": counts and token ids from the server; "usage": the server's counts but no
+# token ids (output_ids is None); "tokenizer": counted here, the server did not.
+CountSource = Literal["server", "usage", "tokenizer"]
 
 
 def now() -> float:
@@ -102,6 +108,9 @@ class PromptEvent(_Event, tag="prompt", frozen=True):
     source: str = ""  # "file:line", for error messages
     produced_at: float = 0.0
     input_ids: list[int] | None = None  # chat template applied locally: sent as ids
+    row_id: str | None = None  # the dataset row's own "id"
+    input_columns: dict[str, Any] | None = None  # the row's [[datasets]] keep_columns
+    sample_index: int = 0  # which of the dataset's n samples of this prompt
 
 
 TOKEN_ID = np.dtype("<i4")  # the wire's byte order, whatever the host's
@@ -216,13 +225,20 @@ def _token_ids_from_wire(obj: Any) -> TokenIds:
 
 
 def count_problem(
-    prompt_tokens: int, completion_tokens: int, ids: int, max_new_tokens: int
+    prompt_tokens: int,
+    completion_tokens: int,
+    ids: int | None,
+    max_new_tokens: int,
+    count_source: str = "server",
 ) -> str | None:
     """What makes a completion's counts impossible, or None. Every reader (ledger,
     sink, replay) rejects such a completion the same way, to the dead-letter topic:
-    counting it could take a dataset past its budget."""
+    counting it could take a dataset past its budget. ``ids`` is the number of
+    output_ids, None when the event has none (the server returned none)."""
     if prompt_tokens < 0 or completion_tokens < 0:
         return f"negative token count ({prompt_tokens} prompt, {completion_tokens} completion)"
+    if ids is None and count_source == "server":
+        return "output_ids is null, but count_source 'server' says the server returned them"
     if ids and ids != completion_tokens:
         return f"completion_tokens {completion_tokens} but {ids} output_ids"
     if max_new_tokens > 0 and completion_tokens > max_new_tokens:
@@ -231,10 +247,13 @@ def count_problem(
 
 
 class CompletionEvent(_Event, tag="completion", frozen=True):
-    """What the inference server produced for one prompt: the source of truth.
+    """What the inference server produced for one prompt: the source of truth, and
+    one training row (the Parquet sink's columns derive from these fields).
 
     ``output_ids`` may be given as any sequence of ints; it is held as
     :class:`TokenIds`, so an event always has (and encodes at) ``COMPLETION_VERSION``.
+    It is None when the server returned no token ids (``count_source`` says how the
+    answer was counted): no ids is better than a list that might be wrong.
     """
 
     request_id: str
@@ -242,7 +261,7 @@ class CompletionEvent(_Event, tag="completion", frozen=True):
     dataset: str
     prompt_tokens: int
     completion_tokens: int
-    output_ids: TokenIds
+    output_ids: TokenIds | None
     finish_reason: FinishReason
     max_new_tokens: int
     text: str = ""
@@ -253,14 +272,26 @@ class CompletionEvent(_Event, tag="completion", frozen=True):
     dispatched_at: float = 0.0
     first_token_at: float | None = None
     finished_at: float = 0.0
+    # The request as sent: the prompt (text, or chat messages), its ids when known
+    # (templated here, sent as ids, or returned by the server), the settings.
+    prompt: str | None = None
+    messages: tuple[ChatMessage, ...] | None = None
+    prompt_ids: TokenIds | None = None
+    sampling: SamplingParams = SamplingParams()
+    model: str = ""  # as the server reported it
+    row_id: str | None = None
+    input_columns: dict[str, Any] | None = None  # the row's keep_columns, as read
+    sample_index: int = 0
 
     def __post_init__(self) -> None:
-        # Also runs after decoding: a v1 event becomes the v2 event it would have
-        # been, so decode(v1 bytes) == decode(v2 bytes) and re-encoding writes v2.
+        # Also runs after decoding: an older event becomes the v3 event it would have
+        # been, so decode(v1 bytes) == decode(v3 bytes) and re-encoding writes v3.
         # (``v`` is set here rather than redeclared: a redeclared field would lose
         # _Event's kw_only and come before the required fields.)
-        if not isinstance(self.output_ids, TokenIds):
-            msgspec.structs.force_setattr(self, "output_ids", TokenIds(self.output_ids))
+        for name in ("output_ids", "prompt_ids"):
+            ids = getattr(self, name)
+            if ids is not None and not isinstance(ids, TokenIds):
+                msgspec.structs.force_setattr(self, name, TokenIds(ids))
         if self.v != COMPLETION_VERSION:
             msgspec.structs.force_setattr(self, "v", COMPLETION_VERSION)
 
@@ -555,8 +586,9 @@ def decode(data: bytes) -> Event:
         problem = count_problem(
             event.prompt_tokens,
             event.completion_tokens,
-            len(event.output_ids),
+            None if event.output_ids is None else len(event.output_ids),
             event.max_new_tokens,
+            event.count_source,
         )
         if problem is not None:
             raise EventDecodeError(f"impossible counts in completion {event.request_id}: {problem}")

@@ -105,6 +105,7 @@ class InferenceConfig(_Sampling, frozen=True, forbid_unknown_fields=True, kw_onl
     api_key_env: str = "TOKENBUDGET_API_KEY"  # env var whose value is sent as a Bearer token
     tokenizer: str = ""  # local tokenizer folder: chat templates, counts the server omits
     check_server: bool = True  # /health or /v1/models (and the model) before a run
+    n: int = 1  # answers per prompt: each its own request, budgeted and counted alone
 
 
 class BudgetConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -150,6 +151,8 @@ class DatasetConfig(_Sampling, frozen=True, forbid_unknown_fields=True, kw_only=
     turns: Literal["first", "all"] = "first"
     shuffle_seed: int | None = None
     split: str = ""  # format "hf": the split of a saved DatasetDict
+    n: int | None = None  # answers per prompt ([inference] n when unset)
+    keep_columns: list[str] = []  # input columns copied into every output row
 
 
 class _RawConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -176,6 +179,8 @@ class Dataset(msgspec.Struct, frozen=True, kw_only=True):
     shuffle_seed: int | None = None
     split: str = ""
     sampling: dict[str, Any] = {}  # the sampling settings its requests carry
+    n: int = 1  # answers per prompt
+    keep_columns: tuple[str, ...] = ()
 
 
 SAMPLING_KEYS = _Sampling.__struct_fields__
@@ -356,6 +361,8 @@ def build(
                 shuffle_seed=d.shuffle_seed,
                 split=d.split,
                 sampling=_sampling(raw.inference, d),
+                n=d.n if d.n is not None else raw.inference.n,
+                keep_columns=tuple(d.keep_columns),
             )
         )
         _check_dataset(raw, d, key, source)
@@ -494,6 +501,13 @@ def _check_dataset(raw: _RawConfig, d: DatasetConfig, key: str, source: str) -> 
     """Combinations of dataset options that cannot work, named by their key."""
     if d.limit is not None and d.limit <= 0:
         raise ConfigError(f"{key}.limit", f"must be positive, got {d.limit}", source=source)
+    if d.n is not None and d.n < 1:
+        raise ConfigError(f"{key}.n", f"must be 1 or more, got {d.n}", source=source)
+    for name in d.keep_columns:
+        if not name or name != name.strip():
+            raise ConfigError(
+                f"{key}.keep_columns", f"{name!r} is not a column name", source=source
+            )
     if d.template:
         if not raw.inference.tokenizer:
             raise ConfigError(
@@ -518,11 +532,36 @@ def _check_dataset(raw: _RawConfig, d: DatasetConfig, key: str, source: str) -> 
         raise ConfigError(
             f"{key}.split", "only a Hugging Face dataset (format 'hf') has splits", source=source
         )
+    # "auto" and "hf" rows say whether they are chat only when read: run and produce
+    # check those before anything starts (producers.datasets.check_untemplated_chat).
+    if d.format in CHAT_FORMATS and raw.inference.api in RAW_TEXT_APIS and not d.template:
+        raise untemplated_chat(key, d.name, raw.inference.api, f"format {d.format!r}", source)
+
+
+# APIs that take the prompt as one string: chat turns need a template applied first.
+RAW_TEXT_APIS = frozenset({"sglang", "openai-completions"})
+CHAT_FORMATS = frozenset({"openai", "sharegpt"})
+
+
+def untemplated_chat(
+    key: str, dataset: str, api: str, found: str, source: str | None
+) -> ConfigError:
+    """The error for chat rows bound for a raw-text API without a chat template:
+    joined as plain text, they would reach the model in a shape it was not trained on."""
+    return ConfigError(
+        f"{key}.template",
+        f"dataset {dataset!r} is chat ({found}) but api {api!r} sends raw text, so the"
+        " messages would reach the model without its chat template: set template = true"
+        ' with [inference] tokenizer = "<local tokenizer folder>", or use'
+        ' [inference] api = "openai-chat"',
+        source=source,
+    )
 
 
 def _check_ranges(raw: _RawConfig, source: str) -> None:
     positive = {
         "inference.concurrency": raw.inference.concurrency,
+        "inference.n": raw.inference.n,
         "inference.max_new_tokens": raw.inference.max_new_tokens,
         "sink.rotate_rows": raw.sink.rotate_rows,
         "sink.row_group_rows": raw.sink.row_group_rows,

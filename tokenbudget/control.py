@@ -116,7 +116,10 @@ async def produce_until_done(config: config_module.Config, bootstrap: str) -> No
 
 
 def run_produce_cli(args: argparse.Namespace) -> int:
+    from producers.datasets import check_untemplated_chat
+
     config = config_module.load(args.config)
+    check_untemplated_chat(config)  # before the broker is asked for anything
     asyncio.run(produce_until_done(config, resolve_bootstrap(config)))
     return 0
 

@@ -5,6 +5,10 @@ others sit in between or below; B8 has too few prompts to reach its budget, so i
 ends exhausted rather than halted. Every dataset gets the same token budget, as in
 the motivating run, and the table shows beside the result what a sample cap chosen
 from the average answer length would have kept instead.
+
+B7 holds chat messages, and /generate takes raw text: its chat template is applied
+here (``template = true``) with a tiny tokenizer the demo builds offline, as a real
+run does with the model's own tokenizer folder.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from pathlib import Path
 import httpx
 
 from tokenbudget import config as config_module
-from tokenbudget import lifetime
+from tokenbudget import lifetime, tiny_tokenizer
 from tokenbudget.errors import TokenBudgetError
 from tokenbudget.report import format_table, percent
 from tokenbudget.runner import RunReport, cli_command, run
@@ -74,13 +78,29 @@ def write_datasets(folder: Path, budget: int) -> dict[str, Path]:
     return paths
 
 
+def write_tokenizer(folder: Path, paths: dict[str, Path]) -> Path:
+    """A tiny tokenizer with a chat template for the chat datasets, built offline.
+
+    Trained on their own prompts, so every prompt gets distinct ids; the simulator's
+    markers stay whole words, so the simulator, decoding the ids, still gives each
+    dataset its length distribution."""
+    chats = [paths[d.name] for d in DEMO_DATASETS if d.chat and d.name in paths]
+    return tiny_tokenizer.build_tokenizer(
+        folder,
+        [*tiny_tokenizer.CORPUS, *tiny_tokenizer.dataset_corpus(chats)],
+        whole_words=sorted({d.marker for d in DEMO_DATASETS}, key=len, reverse=True),
+    )
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
 
-def start_simulator(port: int, tokens_per_second: float) -> subprocess.Popen[bytes]:
+def start_simulator(
+    port: int, tokens_per_second: float, tokenizer: Path | None = None
+) -> subprocess.Popen[bytes]:
     command = cli_command(
         "simulate",
         "--port",
@@ -89,6 +109,7 @@ def start_simulator(port: int, tokens_per_second: float) -> subprocess.Popen[byt
         "demo",
         "--tokens-per-second",
         str(tokens_per_second),
+        *(["--tokenizer", str(tokenizer)] if tokenizer is not None else []),
     )
     process = lifetime.spawn(command)
     wait_for_simulator(process, port)
@@ -114,8 +135,11 @@ def wait_for_simulator(
     raise TokenBudgetError(f"the simulator did not come up on port {port}{logs}")
 
 
-def write_config(workdir: Path, paths: dict[str, Path], port: int, budget: int) -> Path:
+def write_config(
+    workdir: Path, paths: dict[str, Path], port: int, budget: int, tokenizer: Path
+) -> Path:
     namespace = f"demo-{int(time.time())}"
+    chats = {d.name for d in DEMO_DATASETS if d.chat}
     lines = [
         "[kafka]",
         'bootstrap = "local"',
@@ -125,6 +149,7 @@ def write_config(workdir: Path, paths: dict[str, Path], port: int, budget: int) 
         'api = "sglang"',
         f"concurrency = {CONCURRENCY}",
         f"max_new_tokens = {MAX_NEW_TOKENS}",
+        f'tokenizer = "{tokenizer}"',
         "[budget]",
         'unit = "completion_tokens"',
         "[sink]",
@@ -136,6 +161,7 @@ def write_config(workdir: Path, paths: dict[str, Path], port: int, budget: int) 
             f'name = "{name}"',
             f'path = "{path}"',
             f'budget = "{budget // 1000}k"',
+            *(["template = true"] if name in chats else []),
         ]
     config_path = workdir / "tokenbudget.toml"
     config_path.write_text("\n".join(lines) + "\n")
@@ -173,13 +199,14 @@ def comparison_rows(report: RunReport) -> tuple[int, list[list[object]]]:
 
 def run_demo(workdir: Path, *, json_output: bool = False, budget: int = DEMO_BUDGET) -> int:
     workdir = workdir.resolve()
-    for stale in ("out", "data"):
+    for stale in ("out", "data", "tokenizer"):
         shutil.rmtree(workdir / stale, ignore_errors=True)
     paths = write_datasets(workdir / "data", budget)
+    tokenizer = write_tokenizer(workdir / "tokenizer", paths)
     port = free_port()
-    simulator = start_simulator(port, TOKENS_PER_SECOND)
+    simulator = start_simulator(port, TOKENS_PER_SECOND, tokenizer)
     try:
-        config = config_module.load(write_config(workdir, paths, port, budget))
+        config = config_module.load(write_config(workdir, paths, port, budget, tokenizer))
         report = run(config, progress=False if json_output else None)
     finally:
         simulator.terminate()

@@ -1,5 +1,6 @@
-"""Optional parts of tokenbudget, installed as extras, imported where a feature needs
-them: a missing one is a one-line error naming the feature and the install command."""
+"""Packages imported only where a feature needs them (the Hugging Face stack: slow to
+import, and ``datasets`` is an extra): a missing one is a one-line error naming the
+feature and the install command."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ from types import ModuleType
 
 from tokenbudget.errors import TokenBudgetError
 
-# module -> the extra that installs it
-EXTRAS = {"transformers": "hf", "datasets": "hf", "jinja2": "hf"}
+# module -> the extra that installs it; the others are dependencies of tokenbudget itself
+EXTRAS = {"datasets": "hf"}
 
 
 class MissingExtraError(TokenBudgetError):
@@ -18,11 +19,11 @@ class MissingExtraError(TokenBudgetError):
 
 def require(module: str, feature: str) -> ModuleType:
     """``module``, imported; raise :class:`MissingExtraError` naming ``feature`` and
-    the extra to install when it is not installed."""
+    what to install when it is not installed."""
     try:
         return importlib.import_module(module)
     except ImportError as exc:
-        extra = EXTRAS.get(module, "hf")
-        raise MissingExtraError(
-            f"{feature} needs the {module} package: pip install 'tokenbudget[{extra}]'"
-        ) from exc
+        extra = EXTRAS.get(module)
+        # A dependency of tokenbudget missing: the environment lost it (or pinned it out).
+        install = f"pip install 'tokenbudget[{extra}]'" if extra else f"pip install {module}"
+        raise MissingExtraError(f"{feature} needs the {module} package: {install}") from exc

@@ -21,11 +21,13 @@ from typing import Any
 
 import httpx
 
+from producers.datasets import first_chat_row
 from producers.halts import BudgetBoard, BudgetWatcher
 from sinks.replay import read_to_end
 from streams import events as ev
 from streams.topics import Topics
-from tokenbudget import lifetime
+from tokenbudget import lifetime, tiny_tokenizer
+from tokenbudget.config import RAW_TEXT_APIS
 from tokenbudget.demo import free_port, wait_for_simulator
 from tokenbudget.lifetime import PARENT_ENV
 from tokenbudget.runner import cli_command
@@ -102,15 +104,34 @@ def write_job(
     }
     for section, keys in sections.items():
         settings.setdefault(section, {}).update(keys)
+    chats = template_chats(workdir, datasets, settings["inference"])
     lines = []
     for section, keys in settings.items():
         lines.append(f"[{section}]")
         lines += [f"{key} = {json.dumps(value)}" for key, value in keys.items()]
     for name, (path, budget) in datasets.items():
         lines += ["[[datasets]]", f'name = "{name}"', f'path = "{path}"', f"budget = {budget}"]
+        lines += ["template = true"] if name in chats else []
     config = workdir / "job.toml"
     config.write_text("\n".join(lines) + "\n")
     return config
+
+
+def template_chats(
+    workdir: Path, datasets: dict[str, tuple[Path, int]], inference: dict[str, Any]
+) -> set[str]:
+    """The chat datasets to send templated: a raw-text API refuses them untemplated.
+    They get a tiny tokenizer trained on their prompts (distinct prompts, distinct
+    ids), set in ``inference`` as [inference] tokenizer."""
+    if inference.get("api", "sglang") not in RAW_TEXT_APIS:
+        return set()
+    chats = {name for name, (path, _) in datasets.items() if first_chat_row(path)}
+    if chats and not inference.get("tokenizer"):
+        corpus = tiny_tokenizer.dataset_corpus(datasets[name][0] for name in sorted(chats))
+        folder = workdir / "tokenizer"
+        tiny_tokenizer.build_tokenizer(folder, [*tiny_tokenizer.CORPUS, *corpus])
+        inference["tokenizer"] = str(folder)
+    return chats
 
 
 def start_run(config: Path, *args: str, log: Path | None = None) -> subprocess.Popen[bytes]:

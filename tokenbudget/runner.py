@@ -440,8 +440,11 @@ async def run_async(
     ledgers: int = 1,
 ) -> RunReport:
     started = time.monotonic()
+    from producers.datasets import check_untemplated_chat
     from producers.inference import prepare
 
+    # Chat rows joined as raw text would be generated from, and kept: refuse them first.
+    await asyncio.to_thread(check_untemplated_chat, config)
     await prepare(config)  # tokenizer loaded; server and model checked before anything runs
     if bootstrap is None:
         bootstrap = await asyncio.to_thread(resolve_bootstrap, config)

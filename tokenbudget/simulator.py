@@ -34,13 +34,17 @@ import uuid
 import zlib
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
 from aiohttp import web
 
 from tokenbudget.errors import ConfigError
+
+if TYPE_CHECKING:
+    from producers.tokenizers import LocalTokenizer
 
 __all__ = [
     "PROFILES",
@@ -119,6 +123,9 @@ class SimulatorConfig:
     # Append every request's record (RequestRecord, one JSON object per line) here: the
     # server's own account of what it generated, kept across restarts of the simulator.
     log_file: str | None = None
+    # A local tokenizer folder, as SGLang loads the model's: prompts sent as input_ids
+    # are decoded with it, so the length rules find their markers in templated chats.
+    tokenizer: str | None = None
 
 
 @dataclass(frozen=True)
@@ -134,6 +141,8 @@ class RequestRecord:
     text_head: str
     # crc32 of the little-endian int32 bytes of the ids produced (0 when none)
     output_crc: int = 0
+    # crc32 of the int32 bytes of the prompt ids, when the prompt came as ids (else 0)
+    prompt_crc: int = 0
     fault: str = ""
     # The sampling settings the request asked for, by their names on the wire
     # (SGLang's sampling_params minus max_new_tokens; OpenAI's sampling fields), and
@@ -290,6 +299,7 @@ class _Job:
     output: _Output
     natural_finish: str
     text_head: str
+    prompt_crc: int = 0
     produced: int = 0
     finish: str | None = None
     abort_requested: bool = False
@@ -361,6 +371,7 @@ class _SimServer:
     def __init__(self, config: SimulatorConfig) -> None:
         self.config = config
         self.rules = PROFILES[config.profile]
+        self.tokenizer = _load_tokenizer(config.tokenizer) if config.tokenizer else None
         self.log: list[RequestRecord] = []
         self.counters = _Counters()
         self.jobs: dict[str, _Job] = {}
@@ -409,6 +420,7 @@ class _SimServer:
             output=_Output(ids),
             natural_finish=natural_finish,
             text_head=parsed.text[:80],
+            prompt_crc=ids_crc(parsed.prompt_ids) if parsed.prompt_ids is not None else 0,
             sampling=parsed.sampling,
             extra=parsed.extra,
         )
@@ -475,6 +487,7 @@ class _SimServer:
                 finish=job.finish or "abort",
                 text_head=job.text_head,
                 output_crc=ids_crc(job.output.ids[: job.produced]),
+                prompt_crc=job.prompt_crc,
                 fault=job.fault,
                 sampling=job.sampling,
                 extra=job.extra,
@@ -687,9 +700,11 @@ class _SimServer:
         if ids is not None:
             if not isinstance(ids, list) or not ids or not all(_is_int(i) for i in ids):
                 raise _BadRequest("input_ids must be a non-empty list of integers")
-            # The rules need text to match markers against; ids have no markers, so they
-            # fall through to the profile's default rule.
-            return " ".join(map(str, ids)), ids
+            # The rules need text to match markers against: the ids decoded, when there
+            # is a tokenizer to decode them and they decode to words; else the ids
+            # themselves, which match no marker (the profile's default rule).
+            decoded = self.tokenizer.decode(ids) if self.tokenizer is not None else ""
+            return (decoded if decoded.strip() else " ".join(map(str, ids))), ids
         if not isinstance(text, str):
             raise _BadRequest("text must be a string")
         return text, None
@@ -1102,6 +1117,13 @@ def _prom_escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
+def _load_tokenizer(path: str) -> LocalTokenizer:
+    # Imported here: transformers takes seconds to import, and only --tokenizer needs it.
+    from producers.tokenizers import load_tokenizer
+
+    return load_tokenizer(path)
+
+
 def _validate(config: SimulatorConfig) -> None:
     if config.profile not in PROFILES:
         known = ", ".join(sorted(PROFILES))
@@ -1117,6 +1139,8 @@ def _validate(config: SimulatorConfig) -> None:
         raise ConfigError("simulator.port", f"must be 0..65535, got {config.port}")
     if config.vocab_size < 1:
         raise ConfigError("simulator.vocab_size", f"must be >= 1, got {config.vocab_size}")
+    if config.tokenizer and not Path(config.tokenizer).is_dir():
+        raise ConfigError("simulator.tokenizer", f"{config.tokenizer} is not a tokenizer folder")
     shares = config.faults.shares()
     if config.faults.retry_after_s < 0:
         raise ConfigError("simulator.faults.retry_after_s", "must be >= 0")

@@ -12,6 +12,7 @@ import pytest
 from tokenbudget import config as config_module
 from tokenbudget import simulator
 from tokenbudget.runner import RunReport, run_async
+from tokenbudget.tiny_tokenizer import CORPUS, build_tokenizer, dataset_corpus
 
 pytestmark = pytest.mark.integration
 
@@ -39,13 +40,14 @@ def make_config(
             "api": "sglang",
             "concurrency": CONCURRENCY,
             "max_new_tokens": MAX_NEW_TOKENS,
+            "tokenizer": "tok",
         },
         "sink": {"path": "out", "flush_interval_s": 1.0},
         "datasets": [
             # long answers, budget reached after ~15 completions: halted
             {"name": "long", "path": "long.jsonl", "budget": "50k"},
-            # chat rows, budget reached: halted
-            {"name": "chat", "path": "chat.jsonl", "budget": "30k"},
+            # chat rows (templated here: /generate takes text), budget reached: halted
+            {"name": "chat", "path": "chat.jsonl", "budget": "30k", "template": True},
             # too few prompts to reach its budget: exhausted
             {"name": "small", "path": "small.jsonl", "budget": "1M"},
         ],
@@ -53,6 +55,8 @@ def make_config(
     write_jsonl(tmp_path / "long.jsonl", "#long-code", 200)
     write_jsonl(tmp_path / "chat.jsonl", "#chat", 200, chat=True)
     write_jsonl(tmp_path / "small.jsonl", "#short", 12)
+    # Trained on the chat prompts, so each gets ids of its own (and a length of its own).
+    build_tokenizer(tmp_path / "tok", [*CORPUS, *dataset_corpus([tmp_path / "chat.jsonl"])])
     return config_module.build(data, base_dir=tmp_path, environ={})
 
 

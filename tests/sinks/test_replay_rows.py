@@ -169,7 +169,7 @@ def test_bad_values_are_errors_and_do_not_shadow_a_valid_completion() -> None:
         ("AQAA*AAA", "not base64"),
         ("AQAAAA", "not base64"),
         (17, "expected base64 int32 bytes or an array"),
-        (None, "expected base64 int32 bytes or an array"),
+        (None, "output_ids is null, but count_source 'server'"),
     ],
 )
 def test_malformed_binary_ids_are_errors_with_the_reason(output_ids: object, reason: str) -> None:

@@ -290,7 +290,7 @@ def v1_wire(event: ev.CompletionEvent) -> bytes:
 def test_completion_ids_are_little_endian_int32_bytes_on_the_wire() -> None:
     event = msgspec.structs.replace(COMPLETION, output_ids=[0, 1, 151_643, 2**31 - 1, -1])
     wire = json.loads(ev.encode(event))
-    assert wire["v"] == ev.COMPLETION_VERSION == 2
+    assert wire["v"] == ev.COMPLETION_VERSION == 3
     raw = base64.b64decode(wire["output_ids"], validate=True)
     assert raw == np.array([0, 1, 151_643, 2**31 - 1, -1], dtype="<i4").tobytes()
 
@@ -343,10 +343,10 @@ def test_malformed_output_ids_are_a_decode_error(output_ids: object, message: st
 
 
 def test_completion_versions() -> None:
-    assert ev.supported_versions("completion") == {1, 2}
+    assert ev.supported_versions("completion") == {1, 2, 3}
     assert ev.supported_versions("budget_set") == {1}
-    with pytest.raises(EventDecodeError, match="'completion' event has schema version 3"):
-        ev.decode(_with(COMPLETION, v=3))
+    with pytest.raises(EventDecodeError, match="'completion' event has schema version 4"):
+        ev.decode(_with(COMPLETION, v=4))
     with pytest.raises(EventDecodeError, match="upgrade tokenbudget"):
         ev.decode(_with(BUDGET_SET, v=2))  # only completions moved to version 2
 

@@ -155,7 +155,7 @@ def test_defaults() -> None:
 def test_dataset_values() -> None:
     config = build(
         {
-            "inference": {"max_new_tokens": 512},
+            "inference": {"max_new_tokens": 512, "api": "openai-chat"},
             "datasets": [
                 dataset("a", budget="2.5k"),
                 dataset("b", budget=7, max_new_tokens=64, limit=3, format="openai"),

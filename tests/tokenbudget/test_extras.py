@@ -1,4 +1,5 @@
-"""The Hugging Face stack is an extra: a feature that needs it says which to install."""
+"""Hugging Face datasets are an extra, transformers a dependency imported where needed:
+a feature whose package is missing says what to install."""
 
 from __future__ import annotations
 
@@ -12,29 +13,32 @@ from tokenbudget.extras import MissingExtraError, require
 
 
 def test_a_missing_extra_names_the_feature_and_the_install(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "transformers", None)  # as if not installed
+    monkeypatch.setitem(sys.modules, "datasets", None)  # as if not installed
     with pytest.raises(MissingExtraError) as error:
-        require("transformers", "[inference] tokenizer")
+        require("datasets", "format 'hf'")
     assert str(error.value) == (
-        "[inference] tokenizer needs the transformers package: pip install 'tokenbudget[hf]'"
+        "format 'hf' needs the datasets package: pip install 'tokenbudget[hf]'"
     )
 
 
-def test_a_tokenizer_without_the_extra_is_that_error(
+def test_a_tokenizer_without_transformers_says_to_install_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setitem(sys.modules, "transformers", None)
-    with pytest.raises(MissingExtraError, match=r"tokenbudget\[hf\]"):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # a dependency the env lost
+    with pytest.raises(MissingExtraError, match="needs the transformers package: pip install"):
         load_tokenizer(str(tmp_path))
 
 
-def test_the_default_install_needs_no_hugging_face_package() -> None:
+def _names(requirements: list[str]) -> set[str]:
+    return {dep.split(">")[0].split("=")[0].split("<")[0].strip() for dep in requirements}
+
+
+def test_transformers_is_a_dependency_and_datasets_an_extra() -> None:
     import tomllib
 
     project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]
-    required = " ".join(project["dependencies"])
-    for package in ("transformers", "datasets", "tokenizers", "jinja2"):
-        assert package not in required, package
-    assert {"transformers", "datasets"} <= {
-        dep.split(">")[0].split("=")[0] for dep in project["optional-dependencies"]["hf"]
-    }
+    required = _names(project["dependencies"])
+    # chat templates (the demo's too) need no extra
+    assert {"transformers", "jinja2"} <= required
+    assert "datasets" not in required
+    assert _names(project["optional-dependencies"]["hf"]) == {"datasets"}

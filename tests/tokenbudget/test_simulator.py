@@ -7,6 +7,7 @@ import itertools
 import json
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -145,6 +146,46 @@ def test_generate_non_stream_shape_and_cap() -> None:
         assert "sglang:num_aborted_requests_total" in metrics
 
     run(FAST, body)
+
+
+def test_templated_ids_find_their_marker_through_the_tokenizer(tmp_path: Path) -> None:
+    """A chat templated by the client arrives as ids; decoded with --tokenizer, its
+    marker picks the same length rule the text would."""
+    from producers.tokenizers import load_tokenizer
+    from streams.events import ChatMessage
+    from tokenbudget.tiny_tokenizer import CORPUS, build_tokenizer
+
+    texts = [f"#chat story {i}" for i in range(40)]
+    folder = build_tokenizer(tmp_path / "tok", [*CORPUS, *texts], whole_words=["#chat"])
+    tokenizer = load_tokenizer(folder)
+    prompts = [tokenizer.apply_chat_template([ChatMessage("user", t)]) for t in texts]
+    decoded = [tokenizer.decode(ids) for ids in prompts]
+    assert all("#chat" in text for text in decoded)
+
+    async def body(sim: RunningSimulator, c: httpx.AsyncClient) -> list[int]:
+        lengths = []
+        for ids in prompts:
+            r = await c.post(
+                "/generate", json={"input_ids": ids, "sampling_params": {"max_new_tokens": 9999}}
+            )
+            assert r.json()["meta_info"]["prompt_tokens"] == len(ids)
+            lengths.append(r.json()["meta_info"]["completion_tokens"])
+        assert [rec.text_head for rec in sim.log] == [text[:80] for text in decoded]
+        return lengths
+
+    lengths = run(replace(FAST, tokenizer=str(folder)), body)
+    assert lengths == [min(9999, natural(text)) for text in decoded]
+    # the #chat rule (mean 1,500), not the default one (1,000) the bare ids would get
+    assert sum(lengths) / len(lengths) > 1250
+
+    async def bare(sim: RunningSimulator, c: httpx.AsyncClient) -> int:
+        body = {"input_ids": prompts[0], "sampling_params": {"max_new_tokens": 9999}}
+        return int((await c.post("/generate", json=body)).json()["meta_info"]["completion_tokens"])
+
+    # without a tokenizer the ids stay ids: no marker, the default rule
+    assert run(FAST, bare) == natural(" ".join(map(str, prompts[0])))
+    with pytest.raises(ConfigError, match=r"simulator\.tokenizer"):
+        asyncio.run(start(replace(FAST, tokenizer=str(tmp_path / "absent"))))
 
 
 def test_lengths_deterministic_across_instances() -> None:
