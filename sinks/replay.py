@@ -428,14 +428,16 @@ class _BackgroundWriter:
             self._pool.shutdown(wait=True)
 
 
-def _load_tokenizer(path: Path) -> Any:
+def load_tokenizer_folder(path: Path, flag: str = "replay --recount-with") -> Any:
+    """A ``transformers`` tokenizer from a local folder, for the command ``flag``
+    (named in the errors)."""
     if not path.exists():
-        raise TokenBudgetError(f"--recount-with {path}: no such folder")
-    transformers = require("transformers", "replay --recount-with")
+        raise TokenBudgetError(f"{flag} {path}: no such folder")
+    transformers = require("transformers", flag)
     try:
         return transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError) as exc:
-        raise TokenBudgetError(f"--recount-with {path}: cannot load a tokenizer: {exc}") from exc
+        raise TokenBudgetError(f"{flag} {path}: cannot load a tokenizer: {exc}") from exc
 
 
 async def _aio_partitions(
@@ -576,7 +578,7 @@ def replay(options: ReplayOptions, *, progress: bool = True) -> ReplaySummary:
         raise TokenBudgetError("--ledger compares whole topics: drop --from-offset/--since/--until")
     summary = ReplaySummary(topic=options.source)
     started = time.monotonic()
-    tokenizer = _load_tokenizer(options.recount_with) if options.recount_with else None
+    tokenizer = load_tokenizer_folder(options.recount_with) if options.recount_with else None
     writer: _BackgroundWriter | None = None
     first = FirstCompletion()
     if options.to_parquet is not None:

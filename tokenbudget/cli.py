@@ -65,6 +65,7 @@ def _simulate(args: argparse.Namespace) -> int:
             omit_token_ids=args.omit_token_ids,
             api_key=os.environ.get(args.api_key_env) if args.api_key_env else None,
             log_file=args.log_file or None,
+            tokenizer=args.tokenizer or None,
         )
     )
     return 0
@@ -227,6 +228,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="append every request's record here, one JSON line each",
     )
+    simulate.add_argument(
+        "--tokenizer",
+        default="",
+        metavar="DIR",
+        help="a local tokenizer folder: input_ids prompts are decoded with it",
+    )
     simulate.set_defaults(func=_simulate)
 
     ledger = sub.add_parser("ledger", help="the Faust budget ledger worker")
@@ -271,6 +278,14 @@ def build_parser() -> argparse.ArgumentParser:
     replay = sub.add_parser("replay", help="replay the completions topic (Parquet, ledger, ...)")
     replay_module.add_arguments(replay)
     replay.set_defaults(func=replay_module.run_cli)
+
+    from sinks import export as export_module
+
+    export = sub.add_parser(
+        "export", help="the kept answers as training data (JSONL conversations, Parquet)"
+    )
+    export_module.add_arguments(export)
+    export.set_defaults(func=export_module.run_cli)
 
     from tokenbudget import control
 

@@ -13,7 +13,8 @@
     │   ├── InferenceRequestError     another HTTP 4xx: the request is wrong (not retried)
     │   └── InferenceProtocolError    the body is not the wire format we expect (retried)
     ├── ServerOutageError      the inference server stayed away longer than allowed
-    └── WorkerFailedError      a worker process of ``run`` kept exiting on its own
+    ├── WorkerFailedError      a worker process of ``run`` kept exiting on its own
+    └── ExportError            kept rows cannot be exported as asked (and what to fix)
 
 "Server away" errors say nothing about the request: they are retried for as long as
 the server is away (dispatch pauses meanwhile) and never fail a prompt. The other
@@ -123,3 +124,8 @@ class ServerOutageError(TokenBudgetError):
 
 class WorkerFailedError(TokenBudgetError):
     """A worker process of ``run`` (the ledger, a dispatcher) kept exiting on its own."""
+
+
+class ExportError(TokenBudgetError):
+    """``tokenbudget export`` cannot write the rows as asked; the message says what
+    to change."""

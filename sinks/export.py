@@ -1,0 +1,324 @@
+"""``tokenbudget export``: the kept completions in the formats trainers read.
+
+Three formats, every one loadable with Hugging Face ``datasets.load_dataset``:
+
+* ``conversations``: JSONL, one object per kept answer, ``{"id", "conversations":
+  [{"role", "content"}, ...]}``: the prompt's turns (or the prompt as one user
+  turn), then the answer as the assistant turn. The shape SpecForge's and vLLM
+  speculators' regeneration scripts write.
+* ``messages``: the same turns under ``"messages"`` (OpenAI chat format).
+* ``parquet``: a folder of Parquet files (``data/train-*.parquet``) with every
+  column of the sink's rows.
+
+Every record also carries ``dataset``, ``prompt_id``, ``sample_index``, ``model``,
+``finish_reason`` and the row's kept input columns (``[[datasets]] keep_columns``,
+at the top level in JSONL, as their JSON text in Parquet). ``with_ids`` adds
+``input_ids`` (the prompt's ids then the answer's) and ``loss_mask`` (0 over the
+prompt, 1 over the answer), for drafter training.
+
+The rows come from the sink's Parquet output, any version's files
+(:func:`sinks.parquet.read_rows`); ``tokenbudget export --from-topic`` first
+replays the completion topic with the sink's rules (:mod:`sinks.replay`).
+
+Contract: an answer is exported whole or the export stops with what to fix. An
+answer cut at the budget's line keeps its token ids but no text (the text cannot
+be cut without the tokenizer): it is decoded with ``tokenizer`` when one is
+given; otherwise it is a :class:`~tokenbudget.errors.ExportError`, unless
+``with_ids`` (the ids are the training data). A ``with_ids`` export of a row
+without prompt or answer ids is an error too. Files are written whole (temporary
+name, then rename), so a failed export leaves no half file behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from sinks.parquet import conform, output_files
+from sinks.replay import load_tokenizer_folder
+from tokenbudget.errors import ExportError
+
+Format = Literal["conversations", "messages", "parquet"]
+FORMATS: tuple[Format, ...] = ("conversations", "messages", "parquet")
+# Decodes a cut answer's ids to its text (a local tokenizer's decode).
+Decode = Callable[[list[int]], str]
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    format: Format
+    to: Path
+    source: Path  # the sink's output folder
+    datasets: frozenset[str] = frozenset()  # empty: all
+    with_ids: bool = False
+    decode: Decode | None = None
+
+
+@dataclass
+class ExportSummary:
+    rows: dict[str, int] = field(default_factory=dict)  # per dataset
+    files: list[Path] = field(default_factory=list)
+    decoded: int = 0  # cut answers whose text came from their ids
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "rows": self.rows,
+            "files": [str(f) for f in self.files],
+            "decoded": self.decoded,
+        }
+
+
+def export(options: ExportOptions) -> ExportSummary:
+    """Write every kept row of the chosen datasets under ``options.to``."""
+    files = [f for f in output_files(options.source) if _wanted(f, options.datasets)]
+    if not files:
+        raise ExportError(
+            f"no rows to export in {options.source}: run the job (or `tokenbudget export "
+            "--from-topic`) first, or check --dataset"
+        )
+    summary = ExportSummary()
+    if options.format == "parquet":
+        _export_parquet(files, options, summary)
+    else:
+        _write_whole(options.to, lambda out: _export_jsonl(files, options, summary, out))
+        summary.files.append(options.to)
+    return summary
+
+
+def _wanted(file: Path, datasets: frozenset[str]) -> bool:
+    return not datasets or file.parent.name.removeprefix("dataset=") in datasets
+
+
+def _tables(files: list[Path], options: ExportOptions) -> Iterator[pa.Table]:
+    """Each file's rows in the sink's schema (file by file: memory stays bounded)."""
+    for file in files:
+        table = conform(pq.read_table(file))
+        yield table.set_column(
+            table.schema.get_field_index("dataset"),
+            "dataset",
+            table.column("dataset").cast(pa.string()),  # datasets can't load dictionaries
+        )
+
+
+def _export_jsonl(
+    files: list[Path], options: ExportOptions, summary: ExportSummary, out: Any
+) -> None:
+    turns_key = "conversations" if options.format == "conversations" else "messages"
+    for table in _tables(files, options):
+        for row in table.to_pylist():
+            record = training_record(row, turns_key, options, summary)
+            out.write(json.dumps(record, ensure_ascii=False) + "\n")
+            summary.rows[row["dataset"]] = summary.rows.get(row["dataset"], 0) + 1
+
+
+def training_record(
+    row: dict[str, Any], turns_key: str, options: ExportOptions, summary: ExportSummary
+) -> dict[str, Any]:
+    """One row as a JSONL record: its kept input columns, then ours (which win a
+    name both have)."""
+    record: dict[str, Any] = json.loads(row["input_columns"] or "{}")
+    record.update(
+        id=row["row_id"] if row["row_id"] is not None else row["prompt_id"],
+        dataset=row["dataset"],
+        prompt_id=row["prompt_id"],
+        sample_index=row["sample_index"] or 0,
+        model=row["model"],
+        finish_reason=row["finish_reason"],
+    )
+    record[turns_key] = [
+        *prompt_turns(row),
+        {"role": "assistant", "content": answer(row, options, summary)},
+    ]
+    if options.with_ids:
+        record["input_ids"], record["loss_mask"] = ids_and_mask(row)
+    return record
+
+
+def prompt_turns(row: dict[str, Any]) -> list[dict[str, str]]:
+    if row["messages"] is not None:
+        return [{"role": m["role"], "content": m["content"]} for m in row["messages"]]
+    return [{"role": "user", "content": row["prompt"] or ""}]
+
+
+def answer(row: dict[str, Any], options: ExportOptions, summary: ExportSummary) -> str:
+    """The answer's text; a cut answer's from its ids (see the module's contract)."""
+    text: str = row["text"] or ""
+    ids = row["output_ids"]
+    if text or not ids:
+        return text
+    if options.decode is not None:
+        summary.decoded += 1
+        return options.decode(ids)
+    if options.with_ids:
+        return ""
+    raise ExportError(
+        f"answer {row['request_id']} of dataset {row['dataset']!r} was cut at the budget's "
+        "line and kept as token ids only: pass --tokenizer DIR (or set [inference] "
+        "tokenizer in --config) to decode it, or export --with-ids"
+    )
+
+
+def ids_and_mask(row: dict[str, Any]) -> tuple[list[int], list[int]]:
+    prompt, output = row["prompt_ids"], row["output_ids"]
+    if prompt is None or output is None:
+        missing = "prompt_ids" if prompt is None else "output_ids"
+        fix = (
+            "apply the chat template here (template = true with [inference] tokenizer) or "
+            "use a server that returns prompt token ids"
+            if prompt is None
+            else "use a server that returns token ids (return_token_ids)"
+        )
+        raise ExportError(
+            f"--with-ids: answer {row['request_id']} of dataset {row['dataset']!r} has no "
+            f"{missing}: {fix}, or export without --with-ids"
+        )
+    return [*prompt, *output], [0] * len(prompt) + [1] * len(output)
+
+
+def _export_parquet(files: list[Path], options: ExportOptions, summary: ExportSummary) -> None:
+    folder = options.to / "data"
+    folder.mkdir(parents=True, exist_ok=True)
+    for stale in folder.glob("train-*.parquet"):
+        stale.unlink()  # a re-export replaces the last one
+    for i, table in enumerate(_tables(files, options)):
+        table = _with_answers(table, options, summary)
+        if options.with_ids:
+            table = _with_ids(table)
+        # "train-NNNNN" is a name datasets.load_dataset(folder) reads as the train split
+        path = folder / f"train-{i:05d}.parquet"
+        _write_whole(path, functools.partial(pq.write_table, table), binary=True)
+        summary.files.append(path)
+        for name, count in _counts(table).items():
+            summary.rows[name] = summary.rows.get(name, 0) + count
+
+
+def _with_answers(table: pa.Table, options: ExportOptions, summary: ExportSummary) -> pa.Table:
+    """The ``text`` column with every cut answer's text (see :func:`answer`)."""
+    needed = table.select(["text", "output_ids", "request_id", "dataset"]).to_pylist()
+    texts = [answer(row, options, summary) for row in needed]
+    return table.set_column(table.schema.get_field_index("text"), "text", pa.array(texts))
+
+
+def _with_ids(table: pa.Table) -> pa.Table:
+    needed = table.select(["prompt_ids", "output_ids", "request_id", "dataset"])
+    pairs = [ids_and_mask(row) for row in needed.to_pylist()]
+    return table.append_column(
+        "input_ids", pa.array([p[0] for p in pairs], pa.list_(pa.int32()))
+    ).append_column("loss_mask", pa.array([p[1] for p in pairs], pa.list_(pa.int8())))
+
+
+def _counts(table: pa.Table) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for name in table.column("dataset").to_pylist():
+        counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+def _write_whole(path: Path, write: Callable[[Any], None], *, binary: bool = False) -> None:
+    """``write(handle)`` into a temporary beside ``path``, renamed over it on success."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with temporary.open("wb" if binary else "w", encoding=None if binary else "utf-8") as out:
+            write(out)
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------------------- command
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--format", required=True, choices=FORMATS)
+    parser.add_argument("--to", required=True, metavar="PATH", help="a .jsonl file, or a folder")
+    parser.add_argument("--config", help="the job's config: its sink folder and tokenizer")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--from", dest="source", metavar="DIR", help="the sink's output folder")
+    source.add_argument(
+        "--from-topic", action="store_true", help="replay the completion topic (needs --config)"
+    )
+    parser.add_argument("--dataset", action="append", default=[], metavar="NAME", help="repeatable")
+    parser.add_argument(
+        "--with-ids", action="store_true", help="add input_ids and loss_mask columns"
+    )
+    parser.add_argument("--tokenizer", metavar="DIR", help="decodes answers cut to token ids")
+    parser.add_argument("--json", action="store_true", help="print a JSON summary")
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    from tokenbudget import config as config_module
+
+    config = config_module.load(args.config) if args.config else None
+    if args.from_topic and config is None:
+        raise ExportError("export --from-topic needs --config (the broker and namespace)")
+    if config is None and not args.source:
+        raise ExportError("export needs --config FILE (its sink folder) or --from DIR")
+    tokenizer_path = args.tokenizer or (
+        str(config.tokenizer_path) if config and config.tokenizer_path else ""
+    )
+    decode: Decode | None = None
+    if tokenizer_path:
+        tokenizer = load_tokenizer_folder(Path(tokenizer_path), "export --tokenizer")
+        decode = functools.partial(tokenizer.decode, skip_special_tokens=False)
+    options = ExportOptions(
+        format=args.format,
+        to=Path(args.to).resolve(),
+        source=Path(args.source).resolve() if args.source else Path(),
+        datasets=frozenset(args.dataset),
+        with_ids=args.with_ids,
+        decode=decode,
+    )
+    if args.from_topic:
+        assert config is not None
+        summary = _export_from_topic(config, options)
+    else:
+        if not args.source:
+            assert config is not None
+            options = dataclasses.replace(options, source=config.sink_path)
+        summary = export(options)
+    _print_summary(summary, args.json)
+    return 0
+
+
+def _export_from_topic(config: Any, options: ExportOptions) -> ExportSummary:
+    """Replay the completion topic with the sink's rules into a scratch folder,
+    then export from it."""
+    from sinks.replay import ReplayOptions, replay
+    from streams.topics import Topics
+    from tokenbudget.kafka import resolve_bootstrap
+
+    with tempfile.TemporaryDirectory(prefix="tokenbudget-export-") as scratch:
+        replay(
+            ReplayOptions(
+                bootstrap=resolve_bootstrap(config),
+                topics=Topics(config.kafka.namespace),
+                datasets=options.datasets,
+                to_parquet=Path(scratch),
+            ),
+            progress=False,
+        )
+        return export(dataclasses.replace(options, source=Path(scratch)))
+
+
+def _print_summary(summary: ExportSummary, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(summary.to_json(), indent=2))
+        return
+    total = sum(summary.rows.values())
+    per_dataset = ", ".join(f"{name} {count}" for name, count in sorted(summary.rows.items()))
+    where = summary.files[0].parent if len(summary.files) > 1 else summary.files[0]
+    print(f"exported {total} rows ({per_dataset}) to {where}")
+    if summary.decoded:
+        print(f"{summary.decoded} answers cut at the budget's line were decoded from their ids")

@@ -1,0 +1,140 @@
+"""``tokenbudget export``: the sink's rows as JSONL conversations, OpenAI messages or
+a Parquet folder, each loaded back with Hugging Face ``datasets``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import datasets as hf
+import pyarrow as pa
+import pytest
+
+from sinks.export import ExportOptions, export
+from sinks.parquet import COLUMNS, completions_to_table, dataset_dir, write_atomically
+from streams import events as ev
+from tokenbudget.errors import ExportError
+
+
+def completion(i: int, dataset: str = "chat", **changes: Any) -> ev.CompletionEvent:
+    fields: dict[str, Any] = {
+        "request_id": f"r{i}",
+        "prompt_id": f"p{i}",
+        "dataset": dataset,
+        "prompt_tokens": 3,
+        "completion_tokens": 2,
+        "output_ids": [10 + i, 20 + i],
+        "finish_reason": "stop",
+        "max_new_tokens": 8,
+        "text": f"answer {i}",
+        "messages": (ev.ChatMessage("system", "be brief"), ev.ChatMessage("user", f"q{i}")),
+        "prompt_ids": [1, 2, 3],
+        "model": "m",
+        "row_id": f"id{i}",
+        "input_columns": {"topic": "sea", "level": i},
+        "sample_index": 0,
+    }
+    fields.update(changes)
+    return ev.CompletionEvent(**fields)
+
+
+def write_rows(root: Path, events: list[ev.CompletionEvent], *, old: bool = False) -> None:
+    table = completions_to_table(events)
+    if old:  # a file written before completion v3: only the first 14 columns
+        table = table.select([name for name, _ in COLUMNS[:14]])
+    write_atomically(table, dataset_dir(root, events[0].dataset), 100)
+
+
+def load_jsonl(path: Path) -> list[dict[str, Any]]:
+    return list(hf.load_dataset("json", data_files=str(path), split="train"))
+
+
+def test_conversations_and_messages_load_with_datasets(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    write_rows(out, [completion(0), completion(1)])
+    write_rows(out, [completion(2, "plain", messages=None, prompt="tell me", input_columns=None)])
+    summary = export(ExportOptions("conversations", tmp_path / "c.jsonl", out))
+    assert summary.rows == {"chat": 2, "plain": 1}
+    rows = {r["id"]: r for r in load_jsonl(tmp_path / "c.jsonl")}
+    assert rows["id0"]["conversations"] == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "q0"},
+        {"role": "assistant", "content": "answer 0"},
+    ]
+    assert rows["id1"]["topic"] == "sea" and rows["id1"]["level"] == 1  # kept columns, typed
+    assert rows["id2"]["conversations"] == [
+        {"role": "user", "content": "tell me"},
+        {"role": "assistant", "content": "answer 2"},
+    ]
+    assert rows["id0"]["dataset"] == "chat" and rows["id0"]["prompt_id"] == "p0"
+    export(ExportOptions("messages", tmp_path / "m.jsonl", out, datasets=frozenset({"plain"})))
+    [only] = load_jsonl(tmp_path / "m.jsonl")
+    assert only["messages"][-1] == {"role": "assistant", "content": "answer 2"}
+
+
+def test_with_ids_appends_the_answer_to_the_prompt_and_masks_the_prompt(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    write_rows(out, [completion(0)])
+    export(ExportOptions("conversations", tmp_path / "c.jsonl", out, with_ids=True))
+    [row] = load_jsonl(tmp_path / "c.jsonl")
+    assert row["input_ids"] == [1, 2, 3, 10, 20]
+    assert row["loss_mask"] == [0, 0, 0, 1, 1]
+
+
+def test_parquet_folder_loads_with_datasets_and_reads_old_files(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    write_rows(out, [completion(0), completion(1)])
+    write_rows(out, [completion(5, prompt_id="p5")], old=True)
+    summary = export(ExportOptions("parquet", tmp_path / "folder", out))
+    assert summary.rows == {"chat": 3}
+    loaded = hf.load_dataset(str(tmp_path / "folder"), split="train")
+    by_id = {r["request_id"]: r for r in loaded}
+    assert set(by_id) == {"r0", "r1", "r5"}
+    assert by_id["r0"]["prompt_ids"] == [1, 2, 3] and by_id["r0"]["model"] == "m"
+    assert by_id["r0"]["messages"][1] == {"role": "user", "content": "q0"}
+    # the old file's row: its columns as written, the newer ones empty
+    assert by_id["r5"]["output_ids"] == [15, 25] and by_id["r5"]["prompt_ids"] is None
+    assert by_id["r5"]["messages"] is None and by_id["r5"]["dataset"] == "chat"
+
+
+def test_a_cut_answer_without_text_is_decoded_or_refused(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    write_rows(out, [completion(0, text="", finish_reason="length")])
+    with pytest.raises(ExportError, match=r"cut at the budget's line.*--tokenizer"):
+        export(ExportOptions("conversations", tmp_path / "c.jsonl", out))
+    assert not (tmp_path / "c.jsonl").exists()  # nothing half written
+
+    def decode(ids: list[int]) -> str:
+        return " ".join(f"w{i}" for i in ids)
+
+    summary = export(ExportOptions("conversations", tmp_path / "c.jsonl", out, decode=decode))
+    [row] = load_jsonl(tmp_path / "c.jsonl")
+    assert row["conversations"][-1]["content"] == "w10 w20" and summary.decoded == 1
+    export(ExportOptions("parquet", tmp_path / "folder", out, decode=decode))
+    assert hf.load_dataset(str(tmp_path / "folder"), split="train")[0]["text"] == "w10 w20"
+
+
+def test_with_ids_refuses_rows_without_ids_naming_the_fix(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    write_rows(out, [completion(0, prompt_ids=None)])
+    with pytest.raises(ExportError, match="no prompt_ids: apply the chat template here"):
+        export(ExportOptions("parquet", tmp_path / "f", out, with_ids=True))
+    out2 = tmp_path / "out2"
+    write_rows(out2, [completion(0, output_ids=None, count_source="usage")])
+    with pytest.raises(ExportError, match="no output_ids"):
+        export(ExportOptions("conversations", tmp_path / "c.jsonl", out2, with_ids=True))
+
+
+def test_no_rows_is_an_error_naming_the_folder(tmp_path: Path) -> None:
+    with pytest.raises(ExportError, match=str(tmp_path)):
+        export(ExportOptions("conversations", tmp_path / "c.jsonl", tmp_path))
+
+
+def test_read_rows_table_has_the_declared_schema(tmp_path: Path) -> None:
+    from sinks.parquet import SCHEMA, read_rows
+
+    write_rows(tmp_path, [completion(0)], old=True)
+    table = read_rows(tmp_path)
+    assert table.schema == SCHEMA and table.num_rows == 1
+    assert table.column("sampling").type == dict(COLUMNS)["sampling"]
+    assert pa.types.is_list(table.column("prompt_ids").type)
