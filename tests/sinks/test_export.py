@@ -138,3 +138,24 @@ def test_read_rows_table_has_the_declared_schema(tmp_path: Path) -> None:
     assert table.schema == SCHEMA and table.num_rows == 1
     assert table.column("sampling").type == dict(COLUMNS)["sampling"]
     assert pa.types.is_list(table.column("prompt_ids").type)
+
+
+def test_the_command_exports_and_reports_errors_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tokenbudget.cli import main
+
+    out = tmp_path / "out"
+    write_rows(out, [completion(0), completion(1)])
+    target = tmp_path / "m.jsonl"
+    args = ["export", "--from", str(out), "--format", "messages", "--to", str(target)]
+    assert main(args) == 0
+    assert "exported 2 rows (chat 2)" in capsys.readouterr().out
+    assert [r["messages"][-1]["content"] for r in load_jsonl(target)] == ["answer 0", "answer 1"]
+    write_rows(out, [completion(2, text="", finish_reason="length")])
+    capsys.readouterr()  # datasets' own progress lines
+    assert main(args) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "--tokenizer DIR" in error
+    # the failed export left the earlier file as it was
+    assert len(load_jsonl(target)) == 2
