@@ -36,10 +36,11 @@ broker-down: ## stop the local Kafka broker
 	@if [ -x $(BIN)/tokenbudget ]; then $(BIN)/tokenbudget broker down; \
 	else echo "no $(BIN)/tokenbudget: nothing to stop"; fi
 
-lint: venv ## ruff check and mypy
+lint: venv ## ruff check, mypy and the layers contract (import-linter, in pyproject.toml)
 	@status=0; \
 	$(BIN)/ruff check . || status=1; \
 	$(BIN)/mypy || status=1; \
+	$(BIN)/lint-imports --no-cache || status=1; \
 	exit $$status
 
 rules: ## promtool check and unit-test the alert rules (needs the prometheus package)

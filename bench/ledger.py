@@ -30,8 +30,8 @@ from tempfile import TemporaryDirectory
 
 from kafka import KafkaAdminClient, KafkaProducer
 
-from producers.halts import BudgetWatcher
 from streams import events as ev
+from streams.halts import BudgetWatcher
 from streams.topics import Topics
 from tokenbudget import broker
 from tokenbudget.cluster import LocalCluster

@@ -40,9 +40,9 @@ import httpx
 import pyarrow.parquet as pq
 from kafka import KafkaProducer
 
-from producers.halts import BudgetWatcher
 from sinks.replay import read_to_end
 from streams import events as ev
+from streams.halts import BudgetWatcher
 from streams.topics import Topics
 from tokenbudget import broker
 from tokenbudget import config as config_module

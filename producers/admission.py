@@ -35,8 +35,8 @@ from typing import Any, Literal
 
 from aiokafka import AIOKafkaProducer
 
-from producers.halts import BudgetBoard
 from streams import events as ev
+from streams.halts import BudgetBoard
 from streams.topics import Topics
 
 log = logging.getLogger(__name__)

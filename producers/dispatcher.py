@@ -31,7 +31,6 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListen
 from aiokafka.errors import KafkaError
 
 from producers.admission import Admission, AdmissionSettings, RevokedCap, Ticket
-from producers.halts import BudgetBoard
 from producers.inference import (
     GenerationRequest,
     GenerationResult,
@@ -44,10 +43,11 @@ from producers.inference import (
 from producers.offsets import OffsetTracker
 from producers.resume import OutcomeView
 from producers.server_gate import GateSettings, ServerGate
-from sinks import metrics
 from streams import events as ev
+from streams.halts import BudgetBoard
 from streams.ledger import unit_cost
 from streams.topics import Topics
+from tokenbudget import metrics
 from tokenbudget.config import Config
 from tokenbudget.errors import EventDecodeError, InferenceError, ServerOutageError
 from tokenbudget.kafka import aiokafka_options, aiokafka_producer_options

@@ -17,17 +17,17 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from aiokafka import AIOKafkaProducer
 
 from producers import resume
 from producers.datasets import PromptRow, read_options, read_prompts
-from producers.halts import BudgetBoard
-from sinks import metrics
 from streams import events as ev
+from streams.halts import BudgetBoard
 from streams.topics import Topics
+from tokenbudget import metrics
 from tokenbudget.config import Config, Dataset
 from tokenbudget.errors import DatasetError
 from tokenbudget.kafka import aiokafka_producer_options
@@ -67,8 +67,12 @@ class PromptProducer:
         board: BudgetBoard,
         *,
         producer: AIOKafkaProducer | None = None,
+        stored_prompt_ids: Callable[[], set[str]] = set,
     ) -> None:
         self.config = config
+        # prompt_ids already in the output (the sink's files): the application's to
+        # pass, producers do not read the sink's format
+        self._stored_prompt_ids = stored_prompt_ids
         self.bootstrap = bootstrap
         self.topics = Topics(config.kafka.namespace)
         self.board = board
@@ -134,7 +138,7 @@ class PromptProducer:
             await producer.start()
         try:
             self._done = await asyncio.to_thread(
-                resume.completed_prompt_ids, self.bootstrap, self.topics, self.config.sink_path
+                resume.completed_prompt_ids, self.bootstrap, self.topics, self._stored_prompt_ids
             )
             self._queued = await asyncio.to_thread(
                 resume.queued_prompt_ids, self.bootstrap, self.topics, self.dispatch_group

@@ -21,8 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterator
-from pathlib import Path
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import msgspec
@@ -185,25 +184,21 @@ def queued_prompt_ids(bootstrap: str, topics: Topics, group: str) -> set[str]:
 
 
 def completed_prompt_ids(
-    bootstrap: str, topics: Topics, sink_path: Path | None = None
+    bootstrap: str, topics: Topics, stored: Callable[[], set[str]] = set
 ) -> set[str]:
     """The prompt_ids earlier runs completed: recorded so by the ledger of this
-    namespace, or stored in the sink's Parquet files under ``sink_path``."""
+    namespace, or already in the output (``stored``: the application passes the
+    sink's reader, which producers do not import)."""
     records = outcome_records(bootstrap, topics)
     done = {pid for pid, outcome in records.items() if outcome == "completed"}
-    stored: set[str] = set()
-    if sink_path is not None and sink_path.is_dir():
-        from sinks.parquet import existing_prompt_ids
-
-        stored = existing_prompt_ids(sink_path)
+    kept = stored()
     log.info(
-        "resume: %d prompts completed in %s, %d in Parquet under %s",
+        "resume: %d prompts completed in %s, %d already in the output",
         len(done),
         topics.changelog(OUTCOME_TABLE),
-        len(stored),
-        sink_path,
+        len(kept),
     )
-    return done | stored
+    return done | kept
 
 
 class _Counted(Protocol):

@@ -26,7 +26,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from sinks import metrics
+from tokenbudget import metrics
 from tokenbudget.errors import InferenceError, ServerOutageError
 
 log = logging.getLogger(__name__)

@@ -31,13 +31,14 @@ decoded event by event with the full decoder instead, with the same result.
 
 from __future__ import annotations
 
+import functools
 import io
 import logging
 import os
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -50,9 +51,9 @@ import pyarrow.parquet as pq
 from kafka import KafkaConsumer, KafkaProducer, OffsetAndMetadata
 from kafka.errors import KafkaError
 
-from sinks import metrics
 from streams import events as ev
 from streams.topics import Topics
+from tokenbudget import metrics
 from tokenbudget.config import Config
 from tokenbudget.errors import BrokerError, EventDecodeError
 from tokenbudget.kafka import kafka_python_options, kafka_python_producer_options
@@ -605,6 +606,12 @@ def read_rows(root: Path, dataset: str | None = None) -> pa.Table:
     version wrote each file, as one table in :data:`SCHEMA`."""
     tables = [conform(pq.read_table(file)) for file in output_files(root, dataset)]
     return pa.concat_tables(tables) if tables else SCHEMA.empty_table()
+
+
+def stored_prompt_ids(config: Config) -> Callable[[], set[str]]:
+    """What a new run of ``config`` finds already written under its sink path (for
+    the prompt producer, which skips those prompts)."""
+    return functools.partial(existing_prompt_ids, config.sink_path)
 
 
 # Leases fenced so far, kept beside the files: a sink restarted past a fence's offset

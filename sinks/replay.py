@@ -44,7 +44,6 @@ from aiokafka import TopicPartition as AIOTopicPartition
 from aiokafka.errors import KafkaConnectionError
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
-from producers.halts import BudgetBoard
 from sinks.parquet import (
     FETCH_OPTIONS,
     Decoded,
@@ -59,6 +58,7 @@ from sinks.parquet import (
     save_fenced_leases,
 )
 from streams import events as ev
+from streams.halts import BudgetBoard
 from streams.topics import Topics
 from tokenbudget.errors import BrokerError, EventDecodeError, TokenBudgetError
 from tokenbudget.extras import require
@@ -927,7 +927,7 @@ def run_sink_cli(args: argparse.Namespace) -> int:
     config = config_module.load(args.config)
     bootstrap = resolve_bootstrap(config)
     if args.metrics_port:
-        from sinks import metrics
+        from tokenbudget import metrics
 
         metrics.serve(config.metrics.host, args.metrics_port, config.kafka.namespace, "sink")
     sink = ParquetSink(

@@ -23,7 +23,6 @@ import faust
 import msgspec
 from faust.transport.producer import ProducerBuffer
 
-from sinks import metrics
 from streams import events as ev
 from streams import faust_ownership, ledger
 from streams.faust_flow import LedgerApp, LedgerConsumer, LedgerProducer
@@ -35,6 +34,7 @@ from streams.faust_hot_path import (
     write_changelog,
 )
 from streams.topics import LEDGER_TABLE, OUTCOME_TABLE, Topics
+from tokenbudget import metrics
 from tokenbudget.errors import EventDecodeError
 from tokenbudget.security import faust_brokers, faust_credentials
 
@@ -203,7 +203,7 @@ def build_app(settings: LedgerSettings) -> faust.App:
     received = ReceivedOffsets()
     # No snapshot leaves between a state's write and its announcements: a dispatcher
     # takes a snapshot showing a lowered budget as the end of that lowering's
-    # revocations (producers/halts.py).
+    # revocations (streams/halts.py).
     announcing = asyncio.Lock()
     ticks = 0
     full_every = max(1, round(5.0 / settings.snapshot_interval))

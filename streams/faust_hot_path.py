@@ -20,7 +20,7 @@ and each replacement keeps Faust's guarantees:
 * :class:`RawSchema` hands key and value over as the bytes they arrived as, instead
   of through two codec-registry lookups per message, and :class:`QuietMonitor` keeps
   Faust's monitor out of the four sensor calls every message makes (only Faust's
-  web views read it; the ledger serves none and keeps its metrics in sinks/metrics).
+  web views read it; the ledger serves none and keeps its metrics in tokenbudget/metrics).
 
 Written against faust-streaming 0.15 (pinned below 0.16 in pyproject.toml).
 """

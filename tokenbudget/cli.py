@@ -90,8 +90,7 @@ def _ledger(args: argparse.Namespace) -> int:
         wait_reachable(bootstrap)  # Faust gives up at once on a broker restarting
     else:
         raise TokenBudgetError("ledger needs --config FILE, or --bootstrap HOST:PORT")
-    from sinks import metrics
-    from tokenbudget import broker
+    from tokenbudget import broker, metrics
     from tokenbudget.kafka import topic_layout
 
     # The worker follows the topics as they are (made by run, or by an operator).

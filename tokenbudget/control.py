@@ -11,9 +11,10 @@ import time
 from pathlib import Path
 
 from producers.dispatcher import Dispatcher
-from producers.halts import BudgetWatcher
+from sinks.parquet import stored_prompt_ids
 from sinks.replay import live_snapshots
 from streams import events as ev
+from streams.halts import BudgetWatcher
 from streams.topics import Topics
 from tokenbudget import config as config_module
 from tokenbudget.config import parse_budget
@@ -68,7 +69,7 @@ def run_dispatch_cli(args: argparse.Namespace) -> int:
     config = config_module.load(args.config)
     bootstrap = resolve_bootstrap(config)
     if args.metrics_port:
-        from sinks import metrics
+        from tokenbudget import metrics
 
         metrics.serve(config.metrics.host, args.metrics_port, config.kafka.namespace, "dispatch")
     report = Path(args.report) if args.report else None
@@ -94,7 +95,9 @@ async def produce_until_done(config: config_module.Config, bootstrap: str) -> No
     watch_task = asyncio.create_task(watcher.run())
     try:
         await watcher.caught_up.wait()
-        producer = PromptProducer(config, bootstrap, watcher.board)
+        producer = PromptProducer(
+            config, bootstrap, watcher.board, stored_prompt_ids=stored_prompt_ids(config)
+        )
         reports = await producer.run(interrupt=interrupt)
     finally:
         watch_task.cancel()

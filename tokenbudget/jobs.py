@@ -22,9 +22,9 @@ from typing import Any
 import httpx
 
 from producers.datasets import first_chat_row
-from producers.halts import BudgetBoard, BudgetWatcher
 from sinks.replay import read_to_end
 from streams import events as ev
+from streams.halts import BudgetBoard, BudgetWatcher
 from streams.topics import Topics
 from tokenbudget import lifetime, tiny_tokenizer
 from tokenbudget.config import RAW_TEXT_APIS

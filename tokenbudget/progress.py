@@ -1,6 +1,6 @@
 """Progress bars for ``run`` and ``demo``: one per dataset, toward its budget.
 
-Driven by the ledger snapshots a run's :class:`~producers.halts.BudgetBoard`
+Driven by the ledger snapshots a run's :class:`~streams.halts.BudgetBoard`
 already receives; the runner turns them on only when stdout is a terminal, so
 piped output and tests print nothing extra. One line per dataset, within 80
 columns: name, bar, % used, kept/budget, tokens/s, ETA, state.
@@ -13,7 +13,7 @@ import contextlib
 
 from rich.progress import BarColumn, Progress, TaskID, TaskProgressColumn, TextColumn
 
-from producers.halts import BudgetBoard
+from streams.halts import BudgetBoard
 from tokenbudget.config import Config
 from tokenbudget.status import Tracker, format_eta
 

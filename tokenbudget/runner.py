@@ -31,13 +31,12 @@ import msgspec
 from kafka.errors import KafkaError
 
 from producers.dispatcher import Dispatcher, DispatchReport
-from producers.halts import BudgetBoard, BudgetWatcher
 from producers.prompts import ProduceReport, PromptProducer
-from sinks import metrics
-from sinks.parquet import ParquetSink, SinkSettings
+from sinks.parquet import ParquetSink, SinkSettings, stored_prompt_ids
 from streams import events as ev
+from streams.halts import BudgetBoard, BudgetWatcher
 from streams.topics import Topics
-from tokenbudget import lifetime
+from tokenbudget import lifetime, metrics
 from tokenbudget.config import Config
 from tokenbudget.errors import ConfigError, WorkerFailedError
 from tokenbudget.kafka import GroupLag, publish_events, resolve_bootstrap
@@ -633,7 +632,9 @@ async def _run_components(
         # rebalance and be generated twice: wait for the group to settle first.
         joined = _wait_for_members(bootstrap, dispatcher.group_id, extra.count + 1)
         await supervise(asyncio.create_task(joined), [dispatch_task], children)
-    producer = PromptProducer(config, bootstrap, watcher.board)
+    producer = PromptProducer(
+        config, bootstrap, watcher.board, stored_prompt_ids=stored_prompt_ids(config)
+    )
     producer_stop = asyncio.Event()
     produce_task = asyncio.create_task(producer.run(producer_stop))
     try:

@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from producers.halts import BudgetBoard, BudgetWatcher
 from streams import events as ev
+from streams.halts import BudgetBoard, BudgetWatcher
 from streams.topics import Topics
 
 #: seconds of snapshots that tokens/s is measured over

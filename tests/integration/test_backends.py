@@ -201,7 +201,7 @@ def test_chat_template_datasets_and_a_rerun_that_dispatches_nothing(
             tokenizer=str(tokenizer_dir),
         )
 
-    (first, served), (second, served_again) = asyncio.run(
+    (_first, served), (second, served_again) = asyncio.run(
         run_with_simulator(
             simulator.SimulatorConfig(port=0, tokens_per_second=50_000, seed=11),
             [config_for, config_for],
@@ -243,3 +243,24 @@ def test_chat_template_datasets_and_a_rerun_that_dispatches_nothing(
     with capsys.disabled():
         print("\n" + printed)
     assert "skipped 11 prompts already done by an earlier run (sharegpt 6, hfdisk 5)" in printed
+
+
+def test_a_new_namespace_skips_the_prompts_already_in_the_parquet_output(
+    tmp_path: Path, kafka_bootstrap: str, namespace: str
+) -> None:
+    """The ledger of a new namespace has no record of the first run: the sink's
+    files are what says those prompts are done."""
+    write_prompts(tmp_path / "d.jsonl", 5)
+    datasets = [{"name": "d", "path": "d.jsonl", "budget": "1M"}]
+    (_first, served), (second, served_again) = asyncio.run(
+        run_with_simulator(
+            simulator.SimulatorConfig(port=0, tokens_per_second=50_000, seed=11),
+            [
+                lambda url: make_config(tmp_path, kafka_bootstrap, namespace, url, datasets),
+                lambda url: make_config(tmp_path, kafka_bootstrap, namespace + "b", url, datasets),
+            ],
+        )
+    )
+    assert len(served) == 5 and served_again == []
+    assert second.to_json()["datasets"]["d"]["already_done"] == 5  # type: ignore[index]
+    assert len(read_sink(tmp_path / "out")) == 5

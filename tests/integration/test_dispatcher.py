@@ -9,8 +9,8 @@ import pytest
 from kafka import KafkaProducer
 
 from producers.dispatcher import Dispatcher
-from producers.halts import BudgetBoard
 from streams import events as ev
+from streams.halts import BudgetBoard
 from streams.topics import Topics
 from tests.integration.test_ledger_worker import publish, read_all
 from tokenbudget import broker, simulator

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from producers.halts import BudgetBoard
 from producers.resume import outcome_records
 from sinks.replay import read_to_end
 from streams import events as ev
+from streams.halts import BudgetBoard
 from streams.topics import Topics
 from tokenbudget import broker, oracle
 from tokenbudget.jobs import (

@@ -12,8 +12,8 @@ from collections.abc import Callable
 import pytest
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
-from producers.halts import BudgetWatcher
 from streams import events as ev
+from streams.halts import BudgetWatcher
 from streams.topics import Topics
 from tokenbudget import broker
 from tokenbudget.runner import start_ledger_process, stop_process

@@ -19,8 +19,8 @@ import pytest
 from aiokafka import AIOKafkaProducer
 
 from producers.admission import Admission, AdmissionSettings
-from producers.halts import BudgetWatcher
 from streams import events as ev
+from streams.halts import BudgetWatcher
 from streams.topics import Topics
 from tests.integration.test_ledger_worker import publish, read_all, wait_for_snapshot
 from tokenbudget import broker, simulator
@@ -177,8 +177,8 @@ def test_killed_dispatcher_releases_its_lease_by_expiry(
             start_new_session=True,
         )
         try:
-            from producers.halts import BudgetBoard
             from producers.prompts import PromptProducer
+            from streams.halts import BudgetBoard
 
             board = BudgetBoard()
             produce = asyncio.create_task(PromptProducer(config, kafka_bootstrap, board).run())

@@ -13,9 +13,9 @@ from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from producers.admission import Admission, AdmissionSettings, RevokedCap, Ticket
-from producers.halts import BudgetBoard
 from streams import events as ev
 from streams import ledger
+from streams.halts import BudgetBoard
 from streams.topics import Topics
 
 DS = "ds"

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 from producers.admission import Admission, AdmissionSettings
 from producers.dispatcher import Dispatcher
-from producers.halts import BudgetBoard
 from producers.inference import GenerationRequest, GenerationResult, InferenceBackend
 from streams import events as ev
+from streams.halts import BudgetBoard
 from tests.producers.test_admission import (
     DS,
     TOPICS,

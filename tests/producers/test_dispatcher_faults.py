@@ -14,11 +14,11 @@ from producers.admission import Ticket
 from producers.dispatcher import cut_answer, within_request
 from producers.inference import GenerationRequest, GenerationResult, InferenceBackend, RetryPolicy
 from producers.server_gate import GateSettings, ServerGate
-from sinks import metrics
 from streams import events as ev
 from streams import ledger
 from tests.producers.test_admission import DS, run, until
 from tests.producers.test_dispatcher_caps import Recorder, make_dispatcher, prompt
+from tokenbudget import metrics
 from tokenbudget.errors import (
     InferenceRequestError,
     InferenceServerError,

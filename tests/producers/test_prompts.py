@@ -10,9 +10,9 @@ import pytest
 
 from producers import resume
 from producers.datasets import read_prompts
-from producers.halts import BudgetBoard
 from producers.prompts import PromptProducer
 from streams import events as ev
+from streams.halts import BudgetBoard
 from streams.topics import Topics
 from tokenbudget import config as config_module
 

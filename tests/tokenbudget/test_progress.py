@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from producers.halts import BudgetBoard
 from streams import events as ev
+from streams.halts import BudgetBoard
 from tokenbudget import config as config_module
 from tokenbudget.progress import BudgetProgress, short
 

@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.errors import KafkaError
 
-from sinks import metrics
 from streams import events as ev
 from streams.topics import Topics
+from tokenbudget import metrics
 from tokenbudget.errors import BrokerError, EventDecodeError
 from tokenbudget.kafka import aiokafka_options
 

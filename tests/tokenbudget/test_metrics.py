@@ -2,8 +2,8 @@ from __future__ import annotations
 
 from prometheus_client import REGISTRY
 
-from sinks.metrics import LedgerGauges
 from streams.ledger import DatasetLedger
+from tokenbudget.metrics import LedgerGauges
 
 
 def value(name: str, dataset: str) -> float | None:
@@ -76,19 +76,19 @@ def test_failed_prompts_are_counted_once_per_prompt() -> None:
     assert value("tokenbudget_failed_prompts_total", "failing") == 3
 
 
-def test_every_metric_is_declared_in_sinks_metrics_with_the_prefix() -> None:
+def test_every_metric_is_declared_in_the_metrics_module_with_the_prefix() -> None:
     import re
     from pathlib import Path
 
-    from sinks import metrics
+    from tokenbudget import metrics
 
     root = Path(metrics.__file__).resolve().parents[1]
-    # Declaring a metric needs prometheus_client's classes: only sinks/metrics.py
+    # Declaring a metric needs prometheus_client's classes: only tokenbudget/metrics.py
     # may import them (collections.Counter and the like are not metrics).
     client = re.compile(r"^\s*(from prometheus_client\b|import prometheus_client\b)", re.M)
     for package in ("tokenbudget", "streams", "producers", "sinks"):
         for path in (root / package).rglob("*.py"):
-            if path.name == "metrics.py" and path.parent.name == "sinks":
+            if path.name == "metrics.py" and path.parent.name == "tokenbudget":
                 continue
             assert not client.search(path.read_text()), f"{path} declares a metric"
     names = [
@@ -102,7 +102,7 @@ def test_every_metric_is_declared_in_sinks_metrics_with_the_prefix() -> None:
 
 
 def test_lag_sampler_sets_lag_per_group_and_topic_role() -> None:
-    from sinks.metrics import LagSampler
+    from tokenbudget.metrics import LagSampler
 
     class FakeLag:
         def lag(self, group: str, topics: list[str]) -> int:
@@ -117,7 +117,7 @@ def test_lag_sampler_sets_lag_per_group_and_topic_role() -> None:
 
 
 def test_helpers() -> None:
-    from sinks import metrics
+    from tokenbudget import metrics
 
     assert metrics.topic_role("ns-1.completions") == "completions"
     assert metrics.group_role("ns-1-ledger") == "ledger"
@@ -141,7 +141,7 @@ def test_serve_exposes_metrics_once_per_port() -> None:
 
     import httpx
 
-    from sinks import metrics
+    from tokenbudget import metrics
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

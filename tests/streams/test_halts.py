@@ -9,8 +9,8 @@ import msgspec
 from aiokafka import TopicPartition
 from aiokafka.errors import KafkaError
 
-from producers.halts import BudgetBoard, BudgetWatcher
 from streams import events as ev
+from streams.halts import BudgetBoard, BudgetWatcher
 from streams.topics import Topics
 from tests.producers.test_admission import open_snapshot
 
