@@ -53,12 +53,13 @@ test: venv jars ## run the tests (integration tests start their own brokers)
 demo: venv jars ## eight datasets against the simulator, on the local broker
 	$(BIN)/tokenbudget demo
 
-bench: venv jars ## run every bench/*.py against the local broker
+bench: venv jars ## run every bench/*.py against the local broker (bench/llama_cpp.py apart: it builds llama.cpp)
 	@bootstrap=$$($(BIN)/tokenbudget broker up) || exit 1; \
 	echo "broker: $$bootstrap"; \
 	failed=""; \
 	for script in bench/*.py; do \
 		[ -e "$$script" ] || continue; \
+		[ "$$script" = bench/llama_cpp.py ] && continue; \
 		if grep -q -- '--bootstrap' "$$script"; then set -- --bootstrap "$$bootstrap"; \
 		else set --; fi; \
 		echo "== $(BIN)/python $$script $$*"; \
