@@ -201,7 +201,7 @@ def test_chat_template_datasets_and_a_rerun_that_dispatches_nothing(
             tokenizer=str(tokenizer_dir),
         )
 
-    (_first, served), (second, served_again) = asyncio.run(
+    (first, served), (second, served_again) = asyncio.run(
         run_with_simulator(
             simulator.SimulatorConfig(port=0, tokens_per_second=50_000, seed=11),
             [config_for, config_for],
