@@ -487,7 +487,7 @@ _NOT_SAMPLING_PARAMS = frozenset({"chat_template_kwargs", "extra_body"})
 
 class SGLangBackend(InferenceBackend):
     api = "sglang"
-    _model_path: str | None = None
+    _model_lookup: asyncio.Future[str] | None = None
 
     def _body(self, request: GenerationRequest) -> dict[str, Any]:
         sampling: dict[str, Any] = {"max_new_tokens": request.max_new_tokens}
@@ -579,19 +579,19 @@ class SGLangBackend(InferenceBackend):
         )
 
     async def _served_model(self) -> str:
-        """/generate names no model: ask /get_model_info once (the configured name
-        if the server will not say)."""
-        if self._model_path is None:
-            self._model_path = self.model
-            try:
-                info = await self._request("GET", "/get_model_info", None)
-            except InferenceError:
-                pass  # an older server or a proxy without it: the row keeps the name asked for
-            else:
-                path = info.get("model_path") if isinstance(info, dict) else None
-                if isinstance(path, str) and path:
-                    self._model_path = path
-        return self._model_path
+        """/generate names no model: ask /get_model_info once, shared by every
+        request in flight meanwhile (the configured name if the server will not say)."""
+        if self._model_lookup is None:
+            self._model_lookup = asyncio.ensure_future(self._model_info())
+        return await asyncio.shield(self._model_lookup)
+
+    async def _model_info(self) -> str:
+        try:
+            info = await self._request("GET", "/get_model_info", None)
+        except InferenceError:
+            return self.model  # an older server or a proxy without it: the name asked for
+        path = info.get("model_path") if isinstance(info, dict) else None
+        return path if isinstance(path, str) and path else self.model
 
     async def abort(self, rid: str) -> None:
         await self._request("POST", "/abort_request", {"rid": rid, "abort_all": False})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -380,3 +381,17 @@ def test_retry_delay_is_never_shorter_than_retry_after() -> None:
     policy = RetryPolicy(retries=3, backoff=0.1, backoff_max=1.0)
     assert all(policy.delay(attempt, 5.0) == 5.0 for attempt in range(1, 6))
     assert all(policy.delay(attempt) <= 1.0 for attempt in range(1, 6))
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_every_answer_names_the_model_the_server_reports(api: str) -> None:
+    """Even the answers to the first requests, in flight together before SGLang's
+    /get_model_info has answered, and with no model configured here."""
+    served = dataclasses.replace(FAST, model="org/served-model")
+
+    async def body(sim: RunningSimulator, client: httpx.AsyncClient) -> Any:
+        backend = make_backend(api, client, sim.url)
+        return await asyncio.gather(*(backend.generate(request(f"m{i}")) for i in range(8)))
+
+    results = with_simulator(body, served)
+    assert [r.model for r in results] == ["org/served-model"] * 8
