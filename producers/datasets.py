@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from streams.events import ChatMessage
+from tokenbudget.config import RAW_TEXT_APIS, untemplated_chat
 from tokenbudget.errors import ConfigError, DatasetError
 from tokenbudget.extras import require
 
@@ -516,20 +517,14 @@ def check_untemplated_chat(config: Config) -> None:
     ``openai-completions``) without ``template = true`` are a ConfigError naming the
     dataset's key and both fixes. Config validation catches explicit chat formats;
     ``auto`` and ``hf`` rows are peeked here."""
-    from tokenbudget.config import CHAT_FORMATS, RAW_TEXT_APIS, untemplated_chat
-
     api = config.inference.api
     if api not in RAW_TEXT_APIS:
         return
     for index, dataset in enumerate(config.datasets):
-        if dataset.template:
+        # explicit chat formats never get here: config validation refused them
+        if dataset.template or dataset.format not in ("auto", "hf"):
             continue
-        if dataset.format in CHAT_FORMATS:
-            found: str | None = f"format {dataset.format!r}"
-        elif dataset.format in ("auto", "hf"):
-            row = first_chat_row(dataset.path, dataset.format, dataset.split)
-            found = f"{row} holds messages" if row else None
-        else:
-            found = None
-        if found:
+        row = first_chat_row(dataset.path, dataset.format, dataset.split)
+        if row is not None:
+            found = f"{row} holds messages"
             raise untemplated_chat(f"datasets[{index}]", dataset.name, api, found, config.source)
