@@ -37,6 +37,7 @@ import functools
 import json
 import os
 import tempfile
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,13 +68,13 @@ class ExportOptions:
 
 @dataclass
 class ExportSummary:
-    rows: dict[str, int] = field(default_factory=dict)  # per dataset
+    rows: Counter[str] = field(default_factory=Counter)  # per dataset
     files: list[Path] = field(default_factory=list)
     decoded: int = 0  # cut answers whose text came from their ids
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "rows": self.rows,
+            "rows": dict(self.rows),
             "files": [str(f) for f in self.files],
             "decoded": self.decoded,
         }
@@ -81,7 +82,10 @@ class ExportSummary:
 
 def export(options: ExportOptions) -> ExportSummary:
     """Write every kept row of the chosen datasets under ``options.to``."""
-    files = [f for f in output_files(options.source) if _wanted(f, options.datasets)]
+    if options.datasets:
+        files = [f for name in sorted(options.datasets) for f in output_files(options.source, name)]
+    else:
+        files = output_files(options.source)
     if not files:
         raise ExportError(
             f"no rows to export in {options.source}: run the job (or `tokenbudget export "
@@ -94,10 +98,6 @@ def export(options: ExportOptions) -> ExportSummary:
         _write_whole(options.to, lambda out: _export_jsonl(files, options, summary, out))
         summary.files.append(options.to)
     return summary
-
-
-def _wanted(file: Path, datasets: frozenset[str]) -> bool:
-    return not datasets or file.parent.name.removeprefix("dataset=") in datasets
 
 
 def _tables(files: list[Path], options: ExportOptions) -> Iterator[pa.Table]:
@@ -119,7 +119,7 @@ def _export_jsonl(
         for row in table.to_pylist():
             record = training_record(row, turns_key, options, summary)
             out.write(json.dumps(record, ensure_ascii=False) + "\n")
-            summary.rows[row["dataset"]] = summary.rows.get(row["dataset"], 0) + 1
+            summary.rows[row["dataset"]] += 1
 
 
 def training_record(
@@ -199,8 +199,7 @@ def _export_parquet(files: list[Path], options: ExportOptions, summary: ExportSu
         path = folder / f"train-{i:05d}.parquet"
         _write_whole(path, functools.partial(pq.write_table, table), binary=True)
         summary.files.append(path)
-        for name, count in _counts(table).items():
-            summary.rows[name] = summary.rows.get(name, 0) + count
+        summary.rows.update(table.column("dataset").to_pylist())
 
 
 def _with_answers(table: pa.Table, options: ExportOptions, summary: ExportSummary) -> pa.Table:
@@ -216,13 +215,6 @@ def _with_ids(table: pa.Table) -> pa.Table:
     return table.append_column(
         "input_ids", pa.array([p[0] for p in pairs], pa.list_(pa.int32()))
     ).append_column("loss_mask", pa.array([p[1] for p in pairs], pa.list_(pa.int8())))
-
-
-def _counts(table: pa.Table) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for name in table.column("dataset").to_pylist():
-        counts[name] = counts.get(name, 0) + 1
-    return counts
 
 
 def _write_whole(path: Path, write: Callable[[Any], None], *, binary: bool = False) -> None:
