@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml
 	touch $@
 
 jars: venv ## download the Kafka broker jars (checksummed) into ~/.cache/tokenbudget (once)
-	$(BIN)/python -m tokenbudget.broker jars
+	$(BIN)/python -m tokenbudget.localkafka.broker jars
 
 broker-up: venv jars ## start the local Kafka broker (idempotent) and create its topics
 	$(BIN)/tokenbudget broker up
@@ -72,5 +72,5 @@ clean: ## remove demo output, Faust data dirs, build artefacts and caches (keeps
 	rm -rf ./*-ledger-data ./tb-smoke-*-data
 	find . -path ./$(VENV) -prune -o -type d -name __pycache__ -prune -exec rm -rf {} +
 
-jars-lock: venv ## regenerate tokenbudget/kafka_resources/jars-*.lock from infra/kafka/pom.xml (needs Maven)
-	$(BIN)/python -m tokenbudget.jarlock 4.1.1 3.9.1
+jars-lock: venv ## regenerate tokenbudget/localkafka/kafka_resources/jars-*.lock from infra/kafka/pom.xml (needs Maven)
+	$(BIN)/python -m tokenbudget.localkafka.jarlock 4.1.1 3.9.1

@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tokenbudget import broker
+from tokenbudget.localkafka import broker
 
 
 def free_port() -> int:

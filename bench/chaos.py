@@ -23,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tokenbudget.chaos import ChaosSettings, run_chaos
+from tokenbudget.dev.chaos import ChaosSettings, run_chaos
 
 
 def main() -> int:
@@ -40,7 +40,7 @@ def main() -> int:
     # Stopped from outside: clean up (the broker, the jobs' processes) on the way out.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s", stream=sys.stderr)
-    logging.getLogger("tokenbudget.chaos").setLevel(logging.INFO)
+    logging.getLogger("tokenbudget.dev.chaos").setLevel(logging.INFO)
     logging.getLogger("aiokafka").setLevel(logging.CRITICAL)  # the broker is killed on purpose
     with tempfile.TemporaryDirectory(prefix="tokenbudget-chaos-") as scratch:
         settings = ChaosSettings(

@@ -3,7 +3,7 @@
     python bench/faust_smoke.py --bootstrap 127.0.0.1:19092 [--messages 1000]
 
 Pre-creates a source topic and the table's changelog (4 partitions each, with
-tokenbudget.broker.ensure_topics), starts a Faust worker in a subprocess (memory
+tokenbudget.localkafka.broker.ensure_topics), starts a Faust worker in a subprocess (memory
 store, so the second worker can only get its table back from the changelog), produces
 messages with kafka-python, waits until the table's per-key counts match, stops the
 worker (SIGTERM), optionally runs --between (say, a broker restart), starts a new
@@ -185,7 +185,7 @@ def log_tail(path: Path, lines: int = 25) -> str:
 
 def run_driver(args: argparse.Namespace) -> int:
     from streams.topics import TopicSpec
-    from tokenbudget.broker import ensure_topics
+    from tokenbudget.localkafka.broker import ensure_topics
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="faust-smoke-"))
     workdir.mkdir(parents=True, exist_ok=True)

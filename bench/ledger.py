@@ -3,7 +3,7 @@
     .venv/bin/python bench/ledger.py [--events 100000] [--datasets 8] [--output-tokens 0]
     .venv/bin/python bench/ledger.py --cluster --workers 1,2,4
 
-``--cluster`` runs on a three-node KRaft cluster (tokenbudget.cluster: replication 3,
+``--cluster`` runs on a three-node KRaft cluster (tokenbudget.dev.cluster: replication 3,
 min.insync.replicas 2) instead of the local broker; ``--workers`` lists the worker
 counts to measure, each on a fresh namespace with the same backlog, the first being
 the baseline the others are compared with.
@@ -33,10 +33,11 @@ from kafka import KafkaAdminClient, KafkaProducer
 from streams import events as ev
 from streams.halts import BudgetWatcher
 from streams.topics import Topics
-from tokenbudget import broker
-from tokenbudget.cluster import LocalCluster
+from tokenbudget import kafka_admin
+from tokenbudget.app.runner import start_ledger_process, stop_process
+from tokenbudget.dev.cluster import LocalCluster
 from tokenbudget.kafka import kafka_python_producer_options
-from tokenbudget.runner import start_ledger_process, stop_process
+from tokenbudget.localkafka import broker
 
 
 def produce(bootstrap: str, topics: Topics, events: int, datasets: int, output_tokens: int) -> None:
@@ -97,7 +98,7 @@ def peak_rss_kb(pid: int) -> int:
 
 def measure(bootstrap: str, workers: int, args: argparse.Namespace) -> float:
     topics = Topics(f"bench-ledger-{workers}w-{uuid.uuid4().hex[:6]}")
-    broker.ensure_topics(bootstrap, topics.specs())
+    kafka_admin.ensure_topics(bootstrap, topics.specs())
     t0 = time.monotonic()
     produce(bootstrap, topics, args.events, args.datasets, args.output_tokens)
     print(f"produced {args.events:,} completion events in {time.monotonic() - t0:.1f} s")

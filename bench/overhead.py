@@ -38,10 +38,10 @@ from typing import TypeVar
 import pyarrow.parquet as pq
 
 from producers.inference import Timeouts, http_client
-from tokenbudget import broker
 from tokenbudget import config as config_module
-from tokenbudget.demo import free_port, start_simulator
-from tokenbudget.runner import run
+from tokenbudget.app.runner import run
+from tokenbudget.dev.demo import free_port, start_simulator
+from tokenbudget.localkafka import broker
 
 T = TypeVar("T")
 

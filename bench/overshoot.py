@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/overshoot.py [--budget 400000] [--dispatchers 3] [--concurrency 64]
 
-The demo's eight datasets (tokenbudget/demo.py) against the simulator, on the local
+The demo's eight datasets (tokenbudget/dev/demo.py) against the simulator, on the local
 broker, with N dispatcher processes of the given concurrency, once per strategy:
 
   sample-cap       every dataset capped at budget / (average answer length) samples
@@ -44,17 +44,17 @@ from sinks.replay import read_to_end
 from streams import events as ev
 from streams.halts import BudgetWatcher
 from streams.topics import Topics
-from tokenbudget import broker
 from tokenbudget import config as config_module
-from tokenbudget.demo import (
+from tokenbudget.app.runner import RunReport, run
+from tokenbudget.app.tables import format_table
+from tokenbudget.dev.demo import (
     DEMO_DATASETS,
     free_port,
     start_simulator,
     write_datasets,
     write_tokenizer,
 )
-from tokenbudget.report import format_table
-from tokenbudget.runner import RunReport, run
+from tokenbudget.localkafka import broker
 
 STRATEGIES = ("sample-cap", "halt", "reserve-truncate", "reserve-finish", "reserve-stream-lowered")
 LOWERED = 0.5  # reserve-stream-lowered: share of the in-flight reservation left to keep

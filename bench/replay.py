@@ -41,7 +41,7 @@ from sinks.parquet import write_parquet
 from sinks.replay import ReplayOptions, replay
 from streams import events as ev
 from streams.topics import Topics
-from tokenbudget import broker
+from tokenbudget import kafka_admin
 
 VOCAB = 151_643
 DATASETS = [f"B{i}_bench" for i in range(1, 9)]
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     out, scratch = workdir / "out", workdir / "ceiling"
     scratch.mkdir(exist_ok=True)
-    broker.ensure_topics(args.bootstrap, topics.specs())
+    kafka_admin.ensure_topics(args.bootstrap, topics.specs())
     try:
         if not args.reuse_namespace:
             started = time.perf_counter()

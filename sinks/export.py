@@ -31,12 +31,9 @@ name, then rename), so a failed export leaves no half file behind.
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import functools
 import json
 import os
-import tempfile
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -47,7 +44,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from sinks.parquet import conform, output_files
-from sinks.replay import load_tokenizer_folder
 from tokenbudget.errors import ExportError
 
 Format = Literal["conversations", "messages", "parquet"]
@@ -227,90 +223,3 @@ def _write_whole(path: Path, write: Callable[[Any], None], *, binary: bool = Fal
         os.replace(temporary, path)
     finally:
         temporary.unlink(missing_ok=True)
-
-
-# ---------------------------------------------------------------------------- command
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--format", required=True, choices=FORMATS)
-    parser.add_argument("--to", required=True, metavar="PATH", help="a .jsonl file, or a folder")
-    parser.add_argument("--config", help="the job's config: its sink folder and tokenizer")
-    source = parser.add_mutually_exclusive_group()
-    source.add_argument("--from", dest="source", metavar="DIR", help="the sink's output folder")
-    source.add_argument(
-        "--from-topic", action="store_true", help="replay the completion topic (needs --config)"
-    )
-    parser.add_argument("--dataset", action="append", default=[], metavar="NAME", help="repeatable")
-    parser.add_argument(
-        "--with-ids", action="store_true", help="add input_ids and loss_mask columns"
-    )
-    parser.add_argument("--tokenizer", metavar="DIR", help="decodes answers cut to token ids")
-    parser.add_argument("--json", action="store_true", help="print a JSON summary")
-
-
-def run_cli(args: argparse.Namespace) -> int:
-    from tokenbudget import config as config_module
-
-    config = config_module.load(args.config) if args.config else None
-    if args.from_topic and config is None:
-        raise ExportError("export --from-topic needs --config (the broker and namespace)")
-    if config is None and not args.source:
-        raise ExportError("export needs --config FILE (its sink folder) or --from DIR")
-    tokenizer_path = args.tokenizer or (
-        str(config.tokenizer_path) if config and config.tokenizer_path else ""
-    )
-    decode: Decode | None = None
-    if tokenizer_path:
-        tokenizer = load_tokenizer_folder(Path(tokenizer_path), "export --tokenizer")
-        decode = functools.partial(tokenizer.decode, skip_special_tokens=False)
-    options = ExportOptions(
-        format=args.format,
-        to=Path(args.to).resolve(),
-        source=Path(args.source).resolve() if args.source else Path(),
-        datasets=frozenset(args.dataset),
-        with_ids=args.with_ids,
-        decode=decode,
-    )
-    if args.from_topic:
-        assert config is not None
-        summary = _export_from_topic(config, options)
-    else:
-        if not args.source:
-            assert config is not None
-            options = dataclasses.replace(options, source=config.sink_path)
-        summary = export(options)
-    _print_summary(summary, args.json)
-    return 0
-
-
-def _export_from_topic(config: Any, options: ExportOptions) -> ExportSummary:
-    """Replay the completion topic with the sink's rules into a scratch folder,
-    then export from it."""
-    from sinks.replay import ReplayOptions, replay
-    from streams.topics import Topics
-    from tokenbudget.kafka import resolve_bootstrap
-
-    with tempfile.TemporaryDirectory(prefix="tokenbudget-export-") as scratch:
-        replay(
-            ReplayOptions(
-                bootstrap=resolve_bootstrap(config),
-                topics=Topics(config.kafka.namespace),
-                datasets=options.datasets,
-                to_parquet=Path(scratch),
-            ),
-            progress=False,
-        )
-        return export(dataclasses.replace(options, source=Path(scratch)))
-
-
-def _print_summary(summary: ExportSummary, as_json: bool) -> None:
-    if as_json:
-        print(json.dumps(summary.to_json(), indent=2))
-        return
-    total = sum(summary.rows.values())
-    per_dataset = ", ".join(f"{name} {count}" for name, count in sorted(summary.rows.items()))
-    where = summary.files[0].parent if len(summary.files) > 1 else summary.files[0]
-    print(f"exported {total} rows ({per_dataset}) to {where}")
-    if summary.decoded:
-        print(f"{summary.decoded} answers cut at the budget's line were decoded from their ids")

@@ -14,9 +14,11 @@ jobs, or the tests, can share one broker without seeing each other's events.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-PARTITIONS = 4
+from tokenbudget.kafka_admin import DEFAULT_PARTITIONS, TopicSpec
+
+PARTITIONS = DEFAULT_PARTITIONS
 DEFAULT_NAMESPACE = "tokenbudget"
 
 LEDGER_TABLE = "ledger"
@@ -24,14 +26,6 @@ OUTCOME_TABLE = "outcomes"
 
 _KEEP_FOREVER = {"retention.ms": "-1", "retention.bytes": "-1"}
 _LARGE_MESSAGES = {"max.message.bytes": "8388608"}
-
-
-@dataclass(frozen=True)
-class TopicSpec:
-    name: str
-    partitions: int = PARTITIONS
-    configs: dict[str, str] = field(default_factory=dict)
-    replication_factor: int = -1  # -1: the cluster's default.replication.factor
 
 
 @dataclass(frozen=True)
@@ -127,7 +121,3 @@ def _retention(retention_ms: int) -> dict[str, str]:
 def completion_topic_configs(retention_ms: int = -1) -> dict[str, str]:
     """Configs of a completions topic (also used for ``replay --to-topic``)."""
     return {**_retention(retention_ms), **_LARGE_MESSAGES}
-
-
-def topic_specs(namespace: str = DEFAULT_NAMESPACE) -> list[TopicSpec]:
-    return Topics(namespace).specs()

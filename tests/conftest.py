@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tokenbudget import broker
+from tokenbudget.localkafka import broker
 
 
 def _free_port() -> int:

@@ -1,137 +1,23 @@
-"""Where the broker is and how clients connect: the one place that knows.
+"""How every Kafka client of ours connects: options for aiokafka and kafka-python,
+with the TLS/SASL settings registered for the address (:mod:`tokenbudget.security`),
+and the producer settings fit for a cluster. Also :class:`GroupLag`, how far a
+consumer group is behind.
 
-``[kafka] bootstrap = "local"`` means the project's own broker (see
-:mod:`tokenbudget.broker`), started on demand; anything else is ``HOST:PORT`` of an
-existing cluster. Either way every topic is created before a worker starts.
-
-Every client is built with :func:`aiokafka_options` or :func:`kafka_python_options`
-(the Faust app with :func:`tokenbudget.security.faust_credentials`), which add the
-TLS/SASL settings :func:`resolve_bootstrap` registered for the address.
+Where the broker is (``[kafka] bootstrap``, ``"local"`` for the project's own) is
+the application's business (:mod:`tokenbudget.app.bootstrap`); creating topics is
+:mod:`tokenbudget.kafka_admin`'s.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import time
-from collections.abc import Sequence
 from typing import Any
 
-from streams.topics import Topics, TopicSpec
-from tokenbudget import broker, security
-from tokenbudget.config import Config
-from tokenbudget.errors import BrokerError
+from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
+
+from tokenbudget import security
 
 log = logging.getLogger(__name__)
-
-# How long a command waits at start for an existing cluster that does not answer.
-STARTUP_WAIT_S = 60.0
-
-
-def wait_reachable(bootstrap: str, timeout: float = STARTUP_WAIT_S) -> None:
-    """Return once Kafka at ``bootstrap`` answers a metadata request; raise
-    :class:`BrokerError` if it has not within ``timeout`` seconds."""
-    from kafka import KafkaAdminClient
-    from kafka.errors import KafkaError
-
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            KafkaAdminClient(**kafka_python_options(bootstrap)).close()
-            return
-        except KafkaError as exc:
-            if time.monotonic() > deadline:
-                raise BrokerError(f"cannot reach Kafka at {bootstrap}: {exc!r}") from exc
-            log.warning("Kafka at %s does not answer (%r); trying again", bootstrap, exc)
-            time.sleep(2.0)
-
-
-def local_broker_settings(config: Config) -> broker.BrokerSettings:
-    settings = broker.BrokerSettings.from_env()
-    env_port_set = settings.port != broker.BrokerSettings.__dataclass_fields__["port"].default
-    if env_port_set:
-        return settings
-    return dataclasses.replace(
-        settings,
-        port=config.kafka.local_port,
-        controller_port=config.kafka.local_controller_port,
-    )
-
-
-def topic_specs(config: Config) -> list[TopicSpec]:
-    """The namespace's topics, with the configured partitions, replication and
-    retentions."""
-    return Topics(config.kafka.namespace, config.kafka.partitions).specs(
-        prompt_retention_ms=config.kafka.prompt_retention_ms,
-        completion_retention_ms=config.kafka.completion_retention_ms,
-        budget_retention_ms=config.kafka.budget_retention_ms,
-        replication_factor=config.kafka.replication_factor,
-        min_insync_replicas=config.kafka.min_insync_replicas,
-    )
-
-
-@dataclasses.dataclass(frozen=True)
-class TopicLayout:
-    partitions: int
-    replication_factor: int  # the fewest replicas of any partition
-
-
-def topic_layout(bootstrap: str, topic: str) -> TopicLayout | None:
-    """How ``topic`` is laid out on the cluster; None if it does not exist."""
-    from kafka import KafkaAdminClient
-
-    admin = KafkaAdminClient(**kafka_python_options(bootstrap))
-    try:
-        described = admin.describe_topics([topic])
-    finally:
-        admin.close()
-    for found in described:
-        parts = found.get("partitions") or []
-        if found.get("error_code", 0) == 0 and parts:
-            replicas = min(len(p["replica_nodes"]) for p in parts)
-            return TopicLayout(len(parts), replicas)
-    return None
-
-
-def resolve_bootstrap(config: Config, *, create_topics: bool = True) -> str:
-    """Return HOST:PORT, starting the local broker if configured, with topics made.
-
-    For an existing cluster this also registers ``[kafka]``'s security for the address
-    and connects once, so wrong credentials fail here, as
-    :class:`~tokenbudget.errors.KafkaAuthError`, before any worker starts.
-    """
-    specs = topic_specs(config) if create_topics else []
-    if config.kafka.bootstrap == "local":
-        return broker.up(local_broker_settings(config), specs)
-    security.register(config.kafka.bootstrap, security.KafkaSecurity.from_config(config))
-    # A broker restarting as a job (re)starts is waited out; wrong credentials are not.
-    deadline = time.monotonic() + STARTUP_WAIT_S
-    while True:
-        try:
-            security.check_credentials(config.kafka.bootstrap)
-            if create_topics:
-                broker.ensure_topics(config.kafka.bootstrap, specs)
-            return config.kafka.bootstrap
-        except BrokerError as exc:
-            if time.monotonic() > deadline:
-                raise
-            log.warning("%s; trying again for up to %.0f s", exc, STARTUP_WAIT_S)
-            time.sleep(2.0)
-
-
-async def publish_events(bootstrap: str, topic: str, events: Sequence[Any]) -> None:
-    """Send events keyed by their dataset and wait until Kafka has them all."""
-    from aiokafka import AIOKafkaProducer
-
-    from streams import events as ev
-
-    producer = AIOKafkaProducer(**aiokafka_producer_options(bootstrap))
-    await producer.start()
-    try:
-        for event in events:
-            await producer.send_and_wait(topic, key=ev.event_key(event), value=ev.encode(event))
-    finally:
-        await producer.stop()
 
 
 def aiokafka_options(bootstrap: str) -> dict[str, Any]:
@@ -188,14 +74,10 @@ class GroupLag:
     """
 
     def __init__(self, bootstrap: str) -> None:
-        from kafka import KafkaAdminClient, KafkaConsumer
-
         self._admin = KafkaAdminClient(**kafka_python_options(bootstrap))
         self._consumer = KafkaConsumer(**kafka_python_options(bootstrap), group_id=None)
 
     def lag(self, group: str, topics: list[str]) -> int:
-        from kafka import TopicPartition
-
         partitions = [
             TopicPartition(topic, p)
             for topic in topics

@@ -8,7 +8,8 @@ worker on the next port, ``tokenbudget ledger --metrics-port P`` on ``P``.
 Who sets what:
 
 * the **ledger worker** (the single owner of budget state) sets every per-dataset
-  ledger metric through :class:`LedgerGauges`: kept tokens/samples (counters),
+  ledger metric through :class:`streams.ledger_gauges.LedgerGauges`: kept
+  tokens/samples (counters),
   budget, used, remaining, reserved, overshoot, halted and open (gauges). No other
   process touches them, so several processes never report conflicting values;
 * the **run process** sets the dispatcher's metrics (in-flight, latency, TTFT,
@@ -42,10 +43,11 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from tokenbudget import version
+from tokenbudget.kafka import GroupLag
 
 log = logging.getLogger(__name__)
 
-# --- per dataset, owned by the ledger worker (LedgerGauges) -------------------------
+# --- per dataset, owned by the ledger worker (streams.ledger_gauges) -------------
 
 #: counter: completion tokens kept (counted once per prompt by the ledger)
 COMPLETION_TOKENS = Counter(
@@ -303,45 +305,6 @@ def overshoot_allowance(
     return max(1, dispatchers) * concurrency * per_request
 
 
-class LedgerGauges:
-    """Mirrors ledger states into the metrics above; used only by the ledger worker.
-
-    Counters cannot be set, so kept totals advance by the difference from the last
-    state seen (a restarted worker starts its counters at zero again, which
-    Prometheus' ``rate`` and ``increase`` treat as a counter reset).
-    """
-
-    def __init__(self) -> None:
-        self._last: dict[str, tuple[int, int, int, int]] = {}
-
-    def observe(self, state: object) -> None:
-        from streams import ledger
-
-        assert isinstance(state, ledger.DatasetLedger)
-        name = state.dataset
-        before = self._last.get(name, (0, 0, 0, 0))
-        now = (state.completion_tokens, state.prompt_tokens, state.samples, state.failed)
-        # Labelled children exist from the first state on (at 0), so "no progress"
-        # is a series that does not grow rather than a missing one.
-        for counter, current, last in zip(
-            (COMPLETION_TOKENS, PROMPT_TOKENS, SAMPLES, FAILED_PROMPTS), now, before, strict=True
-        ):
-            child = counter.labels(dataset=name)
-            if current > last:
-                child.inc(current - last)
-        self._last[name] = now
-        HALTED.labels(dataset=name).set(1 if state.halted else 0)
-        OPEN.labels(dataset=name).set(1 if ledger.status(state) == "open" else 0)
-        RESERVED.labels(dataset=name).set(ledger.reserved(state))
-        OPEN_LEASES.labels(dataset=name).set(len(state.leases))
-        if state.budget is not None:
-            spent = ledger.used(state)
-            BUDGET.labels(dataset=name).set(state.budget)
-            BUDGET_USED.labels(dataset=name).set(spent)
-            BUDGET_REMAINING.labels(dataset=name).set(max(0, state.budget - spent))
-            OVERSHOOT.labels(dataset=name).set(max(0, spent - state.budget))
-
-
 class LagSampler:
     """Samples consumer-group lag into :data:`CONSUMER_LAG` (run process, every few s).
 
@@ -362,8 +325,6 @@ class LagSampler:
                 CONSUMER_LAG.labels(group=group_role(group), topic=topic_role(topic)).set(value)
 
     def _loop(self) -> None:
-        from tokenbudget.kafka import GroupLag
-
         lag = None
         try:
             while not self._stop.is_set():

@@ -16,8 +16,8 @@ import pytest
 from producers.datasets import read_options, read_prompts
 from tests.producers.tokenizer_fixture import build_tokenizer
 from tokenbudget import config as config_module
-from tokenbudget import simulator
-from tokenbudget.runner import RunReport, run_async
+from tokenbudget.app.runner import RunReport, run_async
+from tokenbudget.dev import simulator
 
 pytestmark = pytest.mark.integration
 
@@ -236,7 +236,7 @@ def test_chat_template_datasets_and_a_rerun_that_dispatches_nothing(
     assert second.datasets["sharegpt"].samples == 6  # the ledger still holds the first run
     assert second.datasets["sharegpt"].status == "exhausted"
     assert len(read_sink(tmp_path / "out")) == 11
-    from tokenbudget.report import print_table
+    from tokenbudget.app.report import print_table
 
     print_table(second)
     printed = capsys.readouterr().out

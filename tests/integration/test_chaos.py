@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tokenbudget.chaos import FAULTS, PHASES, ChaosSettings, run_chaos
+from tokenbudget.dev.chaos import FAULTS, PHASES, ChaosSettings, run_chaos
 
 pytestmark = pytest.mark.integration
 

@@ -2,7 +2,7 @@
 2), given as a bootstrap list, as users who outgrew one machine run it.
 
 Each job is ``tokenbudget run`` and the simulator as processes of their own, graded
-by :mod:`tokenbudget.oracle` from the server's request log, the dataset files and the
+by :mod:`tokenbudget.dev.oracle` from the server's request log, the dataset files and the
 outcomes topic: every kept row is an answer the server produced, nothing kept twice,
 no budget overshot, nothing lost, and the ledger's books agree with it.
 """
@@ -21,9 +21,9 @@ from kafka.admin import KafkaAdminClient
 
 from producers.resume import outcome_records
 from streams.topics import Topics
-from tokenbudget import oracle
-from tokenbudget.cluster import LocalCluster
-from tokenbudget.jobs import (
+from tokenbudget.dev import oracle
+from tokenbudget.dev.cluster import LocalCluster
+from tokenbudget.dev.jobs import (
     Watch,
     children_of,
     end_run,

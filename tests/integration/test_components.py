@@ -16,8 +16,8 @@ import pytest
 from streams.topics import Topics
 from tests.integration.test_ledger_worker import wait_for_snapshot
 from tests.integration.test_reservations import write_config, write_prompts
-from tokenbudget import simulator
-from tokenbudget.runner import cli_command
+from tokenbudget.app.runner import cli_command
+from tokenbudget.dev import simulator
 
 pytestmark = pytest.mark.integration
 

@@ -13,8 +13,9 @@ from streams import events as ev
 from streams.halts import BudgetBoard
 from streams.topics import Topics
 from tests.integration.test_ledger_worker import publish, read_all
-from tokenbudget import broker, simulator
 from tokenbudget import config as config_module
+from tokenbudget import kafka_admin
+from tokenbudget.dev import simulator
 
 pytestmark = pytest.mark.integration
 
@@ -43,7 +44,7 @@ async def dispatch_until(
 
 def test_poison_prompts_failures_and_halted_datasets(kafka_bootstrap: str, namespace: str) -> None:
     topics = Topics(namespace)
-    broker.ensure_topics(kafka_bootstrap, topics.specs())
+    kafka_admin.ensure_topics(kafka_bootstrap, topics.specs())
     producer = KafkaProducer(bootstrap_servers=kafka_bootstrap, acks="all")
     producer.send(topics.prompts, key=b"ok", value=b"\xff garbage")
     producer.flush()

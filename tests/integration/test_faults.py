@@ -4,7 +4,7 @@ Each test runs a job as a user does (``tokenbudget run`` and the simulator as
 processes of their own), does to it what no harness of ours chooses in production
 (SIGKILL of ``run``, a frozen ledger or dispatcher, a server that says 429/503 or goes
 away, streams reset half way), and then judges the output with
-:mod:`tokenbudget.oracle`: every kept row is an answer the server produced, nothing
+:mod:`tokenbudget.dev.oracle`: every kept row is an answer the server produced, nothing
 kept twice, no budget overshot, nothing lost.
 """
 
@@ -24,8 +24,10 @@ from sinks.replay import read_to_end
 from streams import events as ev
 from streams.halts import BudgetBoard
 from streams.topics import Topics
-from tokenbudget import broker, oracle
-from tokenbudget.jobs import (
+from tokenbudget import kafka_admin
+from tokenbudget.app.runner import start_ledger_process
+from tokenbudget.dev import oracle
+from tokenbudget.dev.jobs import (
     Watch,
     children_of,
     end_run,
@@ -38,7 +40,6 @@ from tokenbudget.jobs import (
     wait_until,
     write_job,
 )
-from tokenbudget.runner import start_ledger_process
 
 pytestmark = pytest.mark.integration
 
@@ -97,7 +98,7 @@ def test_run_killed_at_any_point_leaves_no_process_and_a_rerun_finishes_exact(
     before the first halt, right as a budget is reached, and during the final drain;
     the same command again each time. No process outlives a killed run, and the last
     run ends with exit 0 and the books of an uninterrupted one."""
-    broker.ensure_topics(kafka_bootstrap, Topics(namespace).specs())
+    kafka_admin.ensure_topics(kafka_bootstrap, Topics(namespace).specs())
     jobs = datasets(tmp_path)
     sim = start_simulator(tmp_path, "--tokens-per-second", "600", "--fail-500", "0.05")
     config = write_job(tmp_path, kafka_bootstrap, namespace, sim.url, jobs)
@@ -133,7 +134,7 @@ def test_a_sick_server_delays_the_job_and_fails_no_prompt(
     """A server answering 429 and 503 (with Retry-After) to a tenth of the requests,
     resetting streams half way, and away altogether (503, /health included) for a
     while mid-run: the job waits it out and ends exact, with no prompt failed."""
-    broker.ensure_topics(kafka_bootstrap, Topics(namespace).specs())
+    kafka_admin.ensure_topics(kafka_bootstrap, Topics(namespace).specs())
     jobs = datasets(tmp_path)
     sim = start_simulator(
         tmp_path,
@@ -179,7 +180,7 @@ def test_a_ledger_frozen_past_twice_the_lease_ttl_overshoots_nothing(
     """The ledger stops (SIGSTOP: a stalled VM or disk) for twice the leases' TTL while
     answers are in flight and leases expire and are released under it; when it goes
     on, no budget is handed out twice."""
-    broker.ensure_topics(kafka_bootstrap, Topics(namespace).specs())
+    kafka_admin.ensure_topics(kafka_bootstrap, Topics(namespace).specs())
     jobs = datasets(tmp_path)
     sim = start_simulator(tmp_path, "--tokens-per-second", "800")
     config = write_job(
@@ -211,7 +212,7 @@ def test_a_frozen_dispatcher_keeps_its_prompts_and_claims_its_answers(
     prompts are held for it), then resumed: its leases expired and their budget went
     on to others, yet the answers it held are claimed anew and kept. No prompt is
     generated twice: nothing the server generated is thrown away."""
-    broker.ensure_topics(kafka_bootstrap, Topics(namespace).specs())
+    kafka_admin.ensure_topics(kafka_bootstrap, Topics(namespace).specs())
     data = tmp_path / "data"
     data.mkdir()
     jobs = {
@@ -251,7 +252,7 @@ def test_a_second_ledger_worker_mid_run_then_the_first_killed_never_sends_counts
     between the two), then the first is SIGKILLed (run starts it again: another
     rebalance). Read back from the budgets topic as any reader reads it, no dataset's
     counts ever go backwards, and the job ends exact."""
-    broker.ensure_topics(kafka_bootstrap, Topics(namespace).specs())
+    kafka_admin.ensure_topics(kafka_bootstrap, Topics(namespace).specs())
     jobs = datasets(tmp_path)
     sim = start_simulator(tmp_path, "--tokens-per-second", "500")
     config = write_job(tmp_path, kafka_bootstrap, namespace, sim.url, jobs)

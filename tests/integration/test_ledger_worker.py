@@ -15,8 +15,8 @@ from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from streams import events as ev
 from streams.halts import BudgetWatcher
 from streams.topics import Topics
-from tokenbudget import broker
-from tokenbudget.runner import start_ledger_process, stop_process
+from tokenbudget import kafka_admin
+from tokenbudget.app.runner import start_ledger_process, stop_process
 
 pytestmark = pytest.mark.integration
 
@@ -70,7 +70,7 @@ def wait_for_snapshot(
 
 def test_restarted_ledger_does_not_double_count(kafka_bootstrap: str, namespace: str) -> None:
     topics = Topics(namespace)
-    broker.ensure_topics(kafka_bootstrap, topics.specs())
+    kafka_admin.ensure_topics(kafka_bootstrap, topics.specs())
     first = [completion("d", f"p{i}", 100) for i in range(20)]
     publish(kafka_bootstrap, topics.budgets, [ev.BudgetSet(dataset="d", budget=10_000)])
     publish(kafka_bootstrap, topics.completions, first)
@@ -110,7 +110,7 @@ def test_restarted_ledger_does_not_double_count(kafka_bootstrap: str, namespace:
 
 def test_budget_reached_publishes_exceeded_once(kafka_bootstrap: str, namespace: str) -> None:
     topics = Topics(namespace)
-    broker.ensure_topics(kafka_bootstrap, topics.specs())
+    kafka_admin.ensure_topics(kafka_bootstrap, topics.specs())
     publish(kafka_bootstrap, topics.budgets, [ev.BudgetSet(dataset="d", budget=1000)])
     publish(kafka_bootstrap, topics.completions, [completion("d", f"p{i}", 300) for i in range(6)])
     ledger = start_ledger_process(kafka_bootstrap, namespace, 0.2)
@@ -148,7 +148,7 @@ def test_malformed_events_go_to_dead_letter_and_worker_carries_on(
     kafka_bootstrap: str, namespace: str
 ) -> None:
     topics = Topics(namespace)
-    broker.ensure_topics(kafka_bootstrap, topics.specs())
+    kafka_admin.ensure_topics(kafka_bootstrap, topics.specs())
     producer = KafkaProducer(bootstrap_servers=kafka_bootstrap, acks="all")
     producer.send(topics.completions, key=b"d", value=b"{not json")
     producer.send(

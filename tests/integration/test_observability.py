@@ -31,10 +31,11 @@ from streams import events as ev
 from streams.topics import Topics
 from tests.integration.test_pipeline import write_jsonl
 from tests.promstack import DASHBOARD, RUNBOOKS, Stack, binary, free_port, prometheus_stack
-from tokenbudget import broker, simulator
 from tokenbudget import config as config_module
-from tokenbudget.runner import RunReport, run_async, start_ledger_process, stop_process
-from tokenbudget.status import follow
+from tokenbudget import kafka_admin
+from tokenbudget.app.runner import RunReport, run_async, start_ledger_process, stop_process
+from tokenbudget.app.status import follow
+from tokenbudget.dev import simulator
 
 pytestmark = pytest.mark.integration
 
@@ -97,7 +98,7 @@ def observed(tmp_path_factory: pytest.TempPathFactory, kafka_bootstrap: str) -> 
     tmp = tmp_path_factory.mktemp("observability")
     namespace = f"obs{uuid.uuid4().hex[:8]}"
     topics = Topics(namespace)
-    broker.ensure_topics(kafka_bootstrap, topics.specs())
+    kafka_admin.ensure_topics(kafka_bootstrap, topics.specs())
     run_port, ledger_port, sim_port = free_port(), free_port(), free_port()
     # The simulator is scraped too, as a user scrapes SGLang: its panels need data.
     targets = [f"127.0.0.1:{p}" for p in (run_port, ledger_port, sim_port)]

@@ -10,9 +10,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from tokenbudget import config as config_module
-from tokenbudget import simulator
-from tokenbudget.runner import RunReport, run_async
-from tokenbudget.tiny_tokenizer import CORPUS, build_tokenizer, dataset_corpus
+from tokenbudget.app.runner import RunReport, run_async
+from tokenbudget.dev import simulator
+from tokenbudget.dev.tiny_tokenizer import CORPUS, build_tokenizer, dataset_corpus
 
 pytestmark = pytest.mark.integration
 

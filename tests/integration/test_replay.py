@@ -21,9 +21,9 @@ from sinks.parquet import ParquetSink, SinkSettings
 from sinks.replay import read_to_end
 from streams import events as ev
 from streams.topics import Topics
-from tokenbudget import broker
+from tokenbudget import kafka_admin
+from tokenbudget.app.runner import start_ledger_process, stop_process
 from tokenbudget.cli import main as cli_main
-from tokenbudget.runner import start_ledger_process, stop_process
 
 pytestmark = pytest.mark.integration
 
@@ -142,7 +142,7 @@ def topic_with_duplicates(
     kafka_bootstrap: str, namespace: str
 ) -> tuple[Topics, list[ev.CompletionEvent], int]:
     topics = Topics(namespace)
-    broker.ensure_topics(kafka_bootstrap, topics.specs())
+    kafka_admin.ensure_topics(kafka_bootstrap, topics.specs())
     events, firsts = with_duplicates(40)
     publish(kafka_bootstrap, topics.completions, events)
     return topics, firsts, len(events)
@@ -200,7 +200,7 @@ def test_a_topic_of_v1_and_v2_completions_replays_as_the_live_sink_writes_it(
     ids became int32 bytes (v1, JSON numbers) give the same rows; a v2 event whose
     ids are not whole int32s is dead-lettered by the sink, skipped by the replay."""
     topics = Topics(namespace)
-    broker.ensure_topics(kafka_bootstrap, topics.specs())
+    kafka_admin.ensure_topics(kafka_bootstrap, topics.specs())
     events, firsts = with_duplicates(30)
     upgrade = len(events) // 2  # v1 before, v2 after; duplicates straddle it
     bad = json.loads(ev.encode(completion("beta", 999)))
@@ -318,7 +318,7 @@ def test_sink_command_killed_mid_run_equals_an_uninterrupted_replay(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     topics = Topics(namespace)
-    broker.ensure_topics(kafka_bootstrap, topics.specs())
+    kafka_admin.ensure_topics(kafka_bootstrap, topics.specs())
     config = tmp_path / "tokenbudget.toml"
     config.write_text(
         f'[kafka]\nbootstrap = "{kafka_bootstrap}"\nnamespace = "{namespace}"\n'
@@ -371,7 +371,7 @@ def test_replay_ledger_detects_a_planted_discrepancy(
     kafka_bootstrap: str, namespace: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     topics = Topics(namespace)
-    broker.ensure_topics(kafka_bootstrap, topics.specs())
+    kafka_admin.ensure_topics(kafka_bootstrap, topics.specs())
     events, firsts = with_duplicates(12)
     budgets = [ev.BudgetSet(dataset=d, budget=10_000_000) for d in DATASETS]
     skipped = [

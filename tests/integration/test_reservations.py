@@ -23,9 +23,10 @@ from streams import events as ev
 from streams.halts import BudgetWatcher
 from streams.topics import Topics
 from tests.integration.test_ledger_worker import publish, read_all, wait_for_snapshot
-from tokenbudget import broker, simulator
 from tokenbudget import config as config_module
-from tokenbudget.runner import run_async, start_ledger_process, stop_process
+from tokenbudget import kafka_admin
+from tokenbudget.app.runner import run_async, start_ledger_process, stop_process
+from tokenbudget.dev import simulator
 
 pytestmark = pytest.mark.integration
 
@@ -34,7 +35,7 @@ def test_holders_racing_for_the_last_tokens_never_overshoot(
     kafka_bootstrap: str, namespace: str
 ) -> None:
     topics = Topics(namespace)
-    broker.ensure_topics(kafka_bootstrap, topics.specs())
+    kafka_admin.ensure_topics(kafka_bootstrap, topics.specs())
     budget = 20_000
     publish(kafka_bootstrap, topics.budgets, [ev.BudgetSet(dataset="d", budget=budget)])
     ledger = start_ledger_process(kafka_bootstrap, namespace, 0.2)
@@ -156,7 +157,7 @@ def test_killed_dispatcher_releases_its_lease_by_expiry(
     tmp_path: Path, kafka_bootstrap: str, namespace: str
 ) -> None:
     topics = Topics(namespace)
-    broker.ensure_topics(kafka_bootstrap, topics.specs())
+    kafka_admin.ensure_topics(kafka_bootstrap, topics.specs())
     write_prompts(tmp_path / "slow.jsonl", "#long-code", 40)
 
     async def scenario() -> None:

@@ -19,12 +19,14 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from tokenbudget import broker, cli, simulator
+from tokenbudget import cli
 from tokenbudget import config as config_module
+from tokenbudget.app.bootstrap import resolve_bootstrap
+from tokenbudget.app.runner import run_async
+from tokenbudget.dev import simulator
 from tokenbudget.errors import KafkaAuthError
-from tokenbudget.java import find_java
-from tokenbudget.kafka import resolve_bootstrap
-from tokenbudget.runner import run_async
+from tokenbudget.localkafka import broker
+from tokenbudget.localkafka.java import find_java
 
 pytestmark = pytest.mark.integration
 

@@ -15,13 +15,14 @@ from typing import Any
 import pytest
 
 from producers.tokenizers import load_tokenizer
-from sinks.export import ExportOptions, _export_from_topic, export
+from sinks.export import ExportOptions, export
 from sinks.parquet import read_rows
 from streams.events import ChatMessage
 from tests.integration.test_backends import MODEL, make_config, run_with_simulator
 from tests.producers.tokenizer_fixture import build_tokenizer
-from tokenbudget import simulator
-from tokenbudget.simulator import ids_crc
+from tokenbudget.app.commands.export import export_from_topic
+from tokenbudget.dev import simulator
+from tokenbudget.dev.simulator import ids_crc
 
 pytestmark = pytest.mark.integration
 
@@ -149,7 +150,7 @@ def check_export(tmp_path: Path, config: Any, rows: list[dict[str, Any]]) -> Non
 
     options = ExportOptions("conversations", tmp_path / "c.jsonl", tmp_path / "out")
     export(options)
-    _export_from_topic(config, dataclasses.replace(options, to=tmp_path / "t.jsonl"))
+    export_from_topic(config, dataclasses.replace(options, to=tmp_path / "t.jsonl"))
     from_files, from_topic = load(tmp_path / "c.jsonl"), load(tmp_path / "t.jsonl")
     assert sorted(map(json.dumps, from_files)) == sorted(map(json.dumps, from_topic))
     by_prompt = {r["prompt_id"]: r for r in rows}

@@ -26,7 +26,8 @@ from producers.inference import (
     parse_retry_after,
 )
 from streams.events import ChatMessage
-from tokenbudget import simulator
+from tokenbudget.dev import simulator
+from tokenbudget.dev.simulator import Faults, RunningSimulator, SimulatorConfig
 from tokenbudget.errors import (
     InferenceError,
     InferenceProtocolError,
@@ -35,7 +36,6 @@ from tokenbudget.errors import (
     InferenceTransportError,
     InferenceUnavailableError,
 )
-from tokenbudget.simulator import Faults, RunningSimulator, SimulatorConfig
 
 FAST = SimulatorConfig(port=0, tokens_per_second=1e6, seed=3)
 APIS = ["sglang", "openai-completions", "openai-chat"]

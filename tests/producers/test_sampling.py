@@ -12,7 +12,7 @@ from producers.inference import make_backend
 from streams import events as ev
 from tests.producers.test_inference import FAST, request, with_simulator
 from tokenbudget.config import SAMPLING_KEYS, build
-from tokenbudget.simulator import RunningSimulator
+from tokenbudget.dev.simulator import RunningSimulator
 
 SETTINGS: dict[str, Any] = {
     "temperature": 0.6,

@@ -25,13 +25,13 @@ from producers.tokenizers import load_tokenizer
 from streams.events import ChatMessage
 from tests.producers.tokenizer_fixture import build_tokenizer
 from tokenbudget import config as config_module
-from tokenbudget import simulator
+from tokenbudget.dev import simulator
+from tokenbudget.dev.simulator import Faults, RunningSimulator, SimulatorConfig
 from tokenbudget.errors import (
     InferenceProtocolError,
     InferenceRequestError,
     InferenceServerError,
 )
-from tokenbudget.simulator import Faults, RunningSimulator, SimulatorConfig
 
 APIS = ["sglang", "openai-completions", "openai-chat"]
 FAST = SimulatorConfig(port=0, tokens_per_second=200_000, seed=5)

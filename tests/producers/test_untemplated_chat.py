@@ -124,8 +124,8 @@ def test_the_command_stops_with_one_line_and_exit_2_before_anything_runs(
 
     for started in (
         "producers.inference.prepare",
-        "tokenbudget.runner.resolve_bootstrap",
-        "tokenbudget.control.resolve_bootstrap",
+        "tokenbudget.app.runner.resolve_bootstrap",
+        "tokenbudget.app.control.resolve_bootstrap",
     ):
         monkeypatch.setattr(started, nothing_may_start)
     assert cli.main([command, "--config", str(job(tmp_path))]) == 2

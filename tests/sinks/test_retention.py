@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from streams.topics import Topics, completion_topic_configs
 from tokenbudget import config as config_module
-from tokenbudget.kafka import topic_specs
+from tokenbudget.app.bootstrap import topic_specs
 
 
 def configs(specs: list, name: str) -> dict[str, str]:

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from tokenbudget import cli
-from tokenbudget.runner import DatasetResult, RunReport
+from tokenbudget.app.runner import DatasetResult, RunReport
 
 
 @pytest.fixture(autouse=True)
@@ -73,7 +73,7 @@ def test_libraries_warnings_stay_off_the_terminal_unless_asked() -> None:
     for library in ("kafka.coordinator", "aiokafka", "faust.transport", "mode"):
         assert not quiet.filter(record(library, logging.WARNING)), library
         assert quiet.filter(record(library, logging.ERROR)), library
-    assert quiet.filter(record("tokenbudget.runner", logging.WARNING))
+    assert quiet.filter(record("tokenbudget.app.runner", logging.WARNING))
     assert quiet.filter(record("producers.dispatcher", logging.INFO))
     # TOKENBUDGET_LOG set: everything at that level, the libraries' too
     assert cli.log_handler("info").filter(record("kafka.coordinator", logging.WARNING))
@@ -87,7 +87,7 @@ def test_any_failure_of_a_command_is_one_line_and_exit_2(
     def broken(*args: Any, **kwargs: Any) -> RunReport:
         raise RuntimeError("a dispatcher process exited")
 
-    monkeypatch.setattr("tokenbudget.runner.run", broken)
+    monkeypatch.setattr("tokenbudget.app.runner.run", broken)
     assert cli.main(["run", "--config", str(job(tmp_path))]) == 2
     err = capsys.readouterr().err
     assert err == (
@@ -100,7 +100,7 @@ def test_run_exits_3_when_prompts_failed_and_json_has_what_the_table_shows(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     config = job(tmp_path)
-    monkeypatch.setattr("tokenbudget.runner.run", lambda *a, **k: report(failed=2))
+    monkeypatch.setattr("tokenbudget.app.runner.run", lambda *a, **k: report(failed=2))
     assert cli.main(["run", "--config", str(config), "--json"]) == 3
     captured = capsys.readouterr()
     printed = json.loads(captured.out)
@@ -112,5 +112,5 @@ def test_run_exits_3_when_prompts_failed_and_json_has_what_the_table_shows(
     assert dataset["overshoot"] == 10 and dataset["overshoot_percent"] == 1.0
     assert "2 prompt(s) failed" in captured.err
 
-    monkeypatch.setattr("tokenbudget.runner.run", lambda *a, **k: report(failed=0))
+    monkeypatch.setattr("tokenbudget.app.runner.run", lambda *a, **k: report(failed=0))
     assert cli.main(["run", "--config", str(config)]) == 0

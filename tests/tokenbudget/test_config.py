@@ -440,7 +440,7 @@ def test_replication_settings_that_cannot_work_are_named(kafka: dict[str, Any], 
 
 
 def test_the_configured_layout_reaches_every_topic_spec() -> None:
-    from tokenbudget.kafka import topic_specs
+    from tokenbudget.app.bootstrap import topic_specs
 
     config = build(
         {

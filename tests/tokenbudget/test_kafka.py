@@ -13,7 +13,7 @@ from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
 from streams.app import LedgerSettings, build_app
 from streams.topics import Topics, TopicSpec
-from tokenbudget import broker
+from tokenbudget import kafka_admin
 from tokenbudget.kafka import (
     GroupLag,
     aiokafka_options,
@@ -67,7 +67,7 @@ def test_kafka_python_and_aiokafka_clients_reach_the_cluster_through_any_address
     """Two dead addresses before the live one: each client must try them all."""
     listed = f"{_dead_address()},{_dead_address()},{kafka_bootstrap}"
     topic = f"t{uuid.uuid4().hex[:10]}.listed"
-    broker.ensure_topics(listed, [TopicSpec(topic, partitions=1)])
+    kafka_admin.ensure_topics(listed, [TopicSpec(topic, partitions=1)])
 
     producer = KafkaProducer(**kafka_python_producer_options(listed))
     producer.send(topic, b"from kafka-python").get(timeout=30)
@@ -115,9 +115,11 @@ def test_existing_topics_with_fewer_replicas_than_asked_are_refused_with_the_fix
     from tokenbudget.errors import BrokerError
 
     name = f"t{uuid.uuid4().hex[:10]}.completions"
-    broker.ensure_topics(kafka_bootstrap, [TopicSpec(name, partitions=2)])  # the broker's 1
+    kafka_admin.ensure_topics(kafka_bootstrap, [TopicSpec(name, partitions=2)])  # the broker's 1
     with pytest.raises(BrokerError) as info:
-        broker.ensure_topics(kafka_bootstrap, [TopicSpec(name, partitions=2, replication_factor=2)])
+        kafka_admin.ensure_topics(
+            kafka_bootstrap, [TopicSpec(name, partitions=2, replication_factor=2)]
+        )
     message = str(info.value)
     assert f"{name} (1 < 2)" in message
     assert "kafka-reassign-partitions.sh --bootstrap-server" in message

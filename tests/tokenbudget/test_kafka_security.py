@@ -12,8 +12,9 @@ from typing import Any
 
 import pytest
 
-from tokenbudget import cli, kafka, security, simulator
+from tokenbudget import cli, kafka, security
 from tokenbudget.config import Config, build
+from tokenbudget.dev import simulator
 from tokenbudget.errors import ConfigError, KafkaAuthError
 from tokenbudget.security import KafkaSecurity, SecretSource, SecretStr
 

@@ -1,0 +1,81 @@
+"""run's children started again when they end, at every wait of the run."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+
+import pytest
+
+from tokenbudget.app.runner import Supervised, supervise
+from tokenbudget.errors import WorkerFailedError
+
+
+def starter(*codes: int | None) -> tuple[list[subprocess.Popen[bytes]], object]:
+    """Starts a process per call: one exiting with the next code, or (None) one that
+    runs until stopped."""
+    started: list[subprocess.Popen[bytes]] = []
+    plan = list(codes)
+
+    def start() -> subprocess.Popen[bytes]:
+        code = plan.pop(0) if plan else None
+        script = "import time; time.sleep(60)" if code is None else f"raise SystemExit({code})"
+        started.append(subprocess.Popen([sys.executable, "-c", script]))
+        return started[-1]
+
+    return started, start
+
+
+def wait_exited(process: subprocess.Popen[bytes]) -> None:
+    process.wait(30)
+
+
+def test_a_child_that_ends_is_started_again_and_one_that_keeps_ending_fails_the_run() -> None:
+    started, start = starter(75, 3, None)
+    child = Supervised("ledger worker", start, max_restarts=2, window_s=60)  # type: ignore[arg-type]
+    try:
+        wait_exited(started[0])
+        first = child.check()
+        assert first is not None and (first.name, first.pid, first.code) == (
+            "ledger worker",
+            started[0].pid,
+            75,
+        )
+        wait_exited(started[1])
+        assert child.check() is not None
+        assert child.check() is None  # the third one runs
+        assert len(started) == 3 and child.process is started[2]
+        started[2].kill()
+        wait_exited(started[2])
+        with pytest.raises(WorkerFailedError, match="ledger worker exited 3 times"):
+            child.check()
+    finally:
+        for process in started:
+            process.kill()
+            process.wait()
+
+
+def test_a_child_that_dies_while_run_waits_on_it_is_started_again() -> None:
+    """The wait (for the ledger to apply what the producer recorded, say) ends only
+    once the child runs again: no supervision during it would wait for ever."""
+    started, start = starter(1, None)
+
+    async def main() -> None:
+        child = Supervised("ledger worker", start)  # type: ignore[arg-type]
+        wait_exited(started[0])
+
+        async def needs_the_child() -> None:
+            while len(started) < 2:
+                await asyncio.sleep(0.05)
+
+        waited = asyncio.create_task(needs_the_child())
+        await asyncio.wait_for(supervise(waited, [], [child]), 20)
+        assert [r.code for r in child.restarts] == [1]
+
+    try:
+        asyncio.run(main())
+    finally:
+        for process in started:
+            process.kill()
+            process.wait()

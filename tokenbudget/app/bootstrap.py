@@ -1,0 +1,69 @@
+"""Where ``[kafka] bootstrap`` points, made ready: the local broker started for
+``"local"``, an existing cluster's credentials checked, the namespace's topics
+created. Every command that talks to Kafka starts here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+from streams.topics import Topics
+from tokenbudget import security
+from tokenbudget.config import Config
+from tokenbudget.errors import BrokerError
+from tokenbudget.kafka_admin import STARTUP_WAIT_S, TopicSpec, ensure_topics
+from tokenbudget.localkafka import broker
+
+log = logging.getLogger(__name__)
+
+
+def local_broker_settings(config: Config) -> broker.BrokerSettings:
+    settings = broker.BrokerSettings.from_env()
+    env_port_set = settings.port != broker.BrokerSettings.__dataclass_fields__["port"].default
+    if env_port_set:
+        return settings
+    return dataclasses.replace(
+        settings,
+        port=config.kafka.local_port,
+        controller_port=config.kafka.local_controller_port,
+    )
+
+
+def topic_specs(config: Config) -> list[TopicSpec]:
+    """The namespace's topics, with the configured partitions, replication and
+    retentions."""
+    return Topics(config.kafka.namespace, config.kafka.partitions).specs(
+        prompt_retention_ms=config.kafka.prompt_retention_ms,
+        completion_retention_ms=config.kafka.completion_retention_ms,
+        budget_retention_ms=config.kafka.budget_retention_ms,
+        replication_factor=config.kafka.replication_factor,
+        min_insync_replicas=config.kafka.min_insync_replicas,
+    )
+
+
+def resolve_bootstrap(config: Config, *, create_topics: bool = True) -> str:
+    """Return HOST:PORT, starting the local broker if configured, with topics made.
+
+    For an existing cluster this also registers ``[kafka]``'s security for the address
+    and connects once, so wrong credentials fail here, as
+    :class:`~tokenbudget.errors.KafkaAuthError`, before any worker starts.
+    """
+    specs = topic_specs(config) if create_topics else []
+    if config.kafka.bootstrap == "local":
+        return broker.up(local_broker_settings(config), specs)
+    security.register(config.kafka.bootstrap, security.KafkaSecurity.from_config(config))
+    # A broker restarting as a job (re)starts is waited out; wrong credentials are not.
+    deadline = time.monotonic() + STARTUP_WAIT_S
+    while True:
+        try:
+            security.check_credentials(config.kafka.bootstrap)
+            if create_topics:
+                ensure_topics(config.kafka.bootstrap, specs)
+            return config.kafka.bootstrap
+        except BrokerError as exc:
+            if time.monotonic() > deadline:
+                raise
+            log.warning("%s; trying again for up to %.0f s", exc, STARTUP_WAIT_S)
+            time.sleep(2.0)

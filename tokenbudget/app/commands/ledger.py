@@ -1,0 +1,57 @@
+"""``tokenbudget ledger``: one Faust budget ledger worker, until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from streams.app import LedgerSettings, run_worker
+from streams.ledger_gauges import LedgerGauges
+from streams.topics import Topics
+from tokenbudget import config as config_module
+from tokenbudget import metrics
+from tokenbudget.app.bootstrap import resolve_bootstrap
+from tokenbudget.errors import TokenBudgetError
+from tokenbudget.kafka_admin import ensure_topics, topic_layout, wait_reachable
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config")
+    parser.add_argument("--bootstrap")
+    parser.add_argument("--namespace", default="tokenbudget")
+    parser.add_argument("--snapshot-interval", type=float, default=0.5)
+    parser.add_argument("--metrics-host", default="127.0.0.1")
+    parser.add_argument("--metrics-port", type=int, default=0, help="0: no /metrics")
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.config:
+        config = config_module.load(args.config)
+        bootstrap = resolve_bootstrap(config)
+        namespace = config.kafka.namespace
+        interval = config.budget.snapshot_interval_s
+    elif args.bootstrap:
+        bootstrap, namespace, interval = args.bootstrap, args.namespace, args.snapshot_interval
+        wait_reachable(bootstrap)  # Faust gives up at once on a broker restarting
+    else:
+        raise TokenBudgetError("ledger needs --config FILE, or --bootstrap HOST:PORT")
+    # The worker follows the topics as they are (made by run, or by an operator).
+    layout = topic_layout(bootstrap, Topics(namespace).completions)
+    if layout is None:
+        ensure_topics(bootstrap, Topics(namespace).specs())
+        layout = topic_layout(bootstrap, Topics(namespace).completions)
+        assert layout is not None
+    gauges = LedgerGauges()
+    if args.metrics_port:
+        metrics.serve(args.metrics_host, args.metrics_port, namespace, "ledger")
+    sys.argv = [sys.argv[0], "worker"]  # Faust's Worker reads argv
+    run_worker(
+        LedgerSettings(
+            bootstrap,
+            Topics(namespace, layout.partitions),
+            snapshot_interval=interval,
+            on_state=gauges.observe,
+            replication_factor=layout.replication_factor,
+        )
+    )
+    return 0

@@ -1,0 +1,49 @@
+"""``tokenbudget sink``: the live Parquet sink on its own."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from typing import Any
+
+from sinks.parquet import ParquetSink, SinkSettings
+from streams.topics import Topics
+from tokenbudget import config as config_module
+from tokenbudget import metrics
+from tokenbudget.app.bootstrap import resolve_bootstrap
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--metrics-port", type=int, default=0, help="serve /metrics (0: off)")
+
+
+def main(args: argparse.Namespace) -> int:
+    """``tokenbudget sink``: the live Parquet sink on its own, until SIGTERM/SIGINT
+    (then it reads to the end of the topic, writes its files and commits)."""
+    config = config_module.load(args.config)
+    bootstrap = resolve_bootstrap(config)
+    if args.metrics_port:
+        metrics.serve(config.metrics.host, args.metrics_port, config.kafka.namespace, "sink")
+    sink = ParquetSink(
+        bootstrap,
+        Topics(config.kafka.namespace),
+        SinkSettings.from_config(config),
+    )
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: Any) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    print(f"sink: {config.kafka.namespace} -> {config.sink_path}", file=sys.stderr, flush=True)
+    sink.run(stop, drain=False)
+    rows = sum(sink.rows_written.values())
+    print(
+        f"sink: stopped; {rows:,} rows written, {sink.duplicates_dropped:,} duplicates dropped",
+        file=sys.stderr,
+    )
+    return 0

@@ -1,0 +1,40 @@
+"""The table ``run`` prints at the end; ``--json`` output is built by the report objects."""
+
+from __future__ import annotations
+
+from tokenbudget.app.runner import RunReport
+from tokenbudget.app.tables import format_table, percent
+
+
+def print_table(report: RunReport) -> None:
+    rows = []
+    for name, r in report.datasets.items():
+        used = r.completion_tokens if r.unit == "completion_tokens" else r.overshoot + r.budget
+        rows.append(
+            [
+                name,
+                f"{r.budget:,}",
+                f"{r.completion_tokens:,}",
+                percent(max(0, used - r.budget), r.budget),
+                r.samples,
+                r.skipped,
+                r.failed,
+                r.status,
+            ]
+        )
+    headers = [
+        "dataset",
+        "budget",
+        "completion_tokens",
+        "overshoot",
+        "samples",
+        "skipped",
+        "failed",
+        "status",
+    ]
+    print(format_table(headers, rows))
+    done = {name: report.already_done(name) for name in report.datasets}
+    if any(done.values()):
+        per = ", ".join(f"{name} {n}" for name, n in done.items() if n)
+        print(f"\nskipped {sum(done.values())} prompts already done by an earlier run ({per})")
+    print(f"\n{report.seconds:.1f} s")

@@ -1,0 +1,692 @@
+"""``tokenbudget run``: producer, dispatchers, ledger and sink composed into one job.
+
+The ledger runs as its own process (a Faust worker owns its event loop and signal
+handlers); producer and dispatcher share one asyncio loop here and the sink runs in
+a thread. The job ends when the pipeline is drained, judged from Kafka itself: the
+producer is done, the dispatchers' group has committed the end of the prompts topic
+(every prompt has an outcome), the ledger and the sink have read every completion,
+and the ledger has published a snapshot of each dataset since.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import logging
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import msgspec
+from kafka.errors import KafkaError
+
+from producers.dispatcher import Dispatcher, DispatchReport
+from producers.prompts import ProduceReport, PromptProducer
+from sinks.parquet import ParquetSink, SinkSettings, stored_prompt_ids
+from streams import events as ev
+from streams.halts import BudgetBoard, BudgetWatcher
+from streams.publisher import publish_events
+from streams.topics import Topics
+from tokenbudget import lifetime, metrics
+from tokenbudget.app.bootstrap import resolve_bootstrap
+from tokenbudget.app.progress import BudgetProgress
+from tokenbudget.config import Config
+from tokenbudget.errors import ConfigError, WorkerFailedError
+from tokenbudget.kafka import GroupLag
+from tokenbudget.security import subprocess_env
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DatasetResult:
+    budget: int
+    completion_tokens: int
+    prompt_tokens: int
+    samples: int
+    skipped: int
+    failed: int
+    status: str  # "exhausted" | "halted"
+    unit: str
+
+    @property
+    def overshoot(self) -> int:
+        used = {
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.completion_tokens + self.prompt_tokens,
+            "samples": self.samples,
+        }[self.unit]
+        return max(0, used - self.budget)
+
+
+@dataclass
+class RunReport:
+    datasets: dict[str, DatasetResult]
+    produced: dict[str, ProduceReport] = field(default_factory=dict)
+    dispatch: DispatchReport | None = None
+    parquet_rows: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+    halt_seen_at: dict[str, float | None] = field(default_factory=dict)
+    # per dataset, when each dispatcher process first refused it (halt latency)
+    refused_at: dict[str, list[float]] = field(default_factory=dict)
+    restarts: list[Restart] = field(default_factory=list)  # children started again
+
+    def already_done(self, dataset: str) -> int:
+        """Prompts not produced because an earlier run of the namespace completed them."""
+        report = self.produced.get(dataset)
+        return report.already_done if report is not None else 0
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "datasets": {
+                name: {
+                    "budget": r.budget,
+                    "completion_tokens": r.completion_tokens,
+                    "prompt_tokens": r.prompt_tokens,
+                    "samples": r.samples,
+                    "skipped": r.skipped,
+                    "failed": r.failed,
+                    "status": r.status,
+                    "unit": r.unit,
+                    "overshoot": r.overshoot,
+                    "overshoot_percent": round(100.0 * r.overshoot / r.budget, 3)
+                    if r.budget
+                    else 0.0,
+                    "already_done": self.already_done(name),
+                }
+                for name, r in self.datasets.items()
+            },
+            "failed": self.failed,
+            "already_done": sum(self.already_done(name) for name in self.datasets),
+            "seconds": round(self.seconds, 3),
+            "restarts": [vars(r) for r in self.restarts],
+        }
+
+    @property
+    def failed(self) -> int:
+        """Prompts that failed for good, over every dataset (``run`` then exits 3)."""
+        return sum(r.failed for r in self.datasets.values())
+
+
+def dispatcher_instance(namespace: str, index: int) -> str:
+    """The static group member name of ``run``'s dispatcher ``index`` (0: its own):
+    a rerun's dispatchers take the prompts of a killed run's straight back."""
+    return f"{namespace}-dispatch-{index}"
+
+
+def cli_command(*args: str) -> list[str]:
+    """This tokenbudget, as a subprocess command line."""
+    return [sys.executable, "-m", "tokenbudget", *args]
+
+
+def start_ledger_process(
+    bootstrap: str,
+    namespace: str,
+    snapshot_interval: float,
+    metrics_port: int = 0,
+    metrics_host: str = "127.0.0.1",
+) -> subprocess.Popen[bytes]:
+    command = cli_command(
+        "ledger",
+        "--bootstrap",
+        bootstrap,
+        "--namespace",
+        namespace,
+        "--snapshot-interval",
+        str(snapshot_interval),
+        "--metrics-host",
+        metrics_host,
+        "--metrics-port",
+        str(metrics_port),
+    )
+    # Given only --bootstrap, the child learns the cluster's TLS/SASL from its env.
+    return lifetime.spawn(command, env=subprocess_env(bootstrap))
+
+
+def stop_process(process: subprocess.Popen[bytes], timeout: float = 30) -> None:
+    lifetime.stop(process, timeout)
+
+
+@dataclass
+class Restart:
+    """A child of ``run`` that exited without being asked to, and was started again."""
+
+    name: str
+    pid: int
+    code: int | None
+    at: float
+
+
+class Supervised:
+    """A child process of ``run`` (the ledger, an extra dispatcher), started again
+    whenever it exits without being asked to: killed from outside (the OOM killer, an
+    operator), or ending itself to restart from what is durable (the ledger's 75). A
+    child that keeps dying (``max_restarts`` within ``window_s``) ends the run."""
+
+    def __init__(
+        self,
+        name: str,
+        start: Callable[[], subprocess.Popen[bytes]],
+        *,
+        max_restarts: int = 5,
+        window_s: float = 60.0,
+    ) -> None:
+        self.name = name
+        self._start = start
+        self.max_restarts = max_restarts
+        self.window_s = window_s
+        self.process = start()
+        self.restarts: list[Restart] = []
+
+    def check(self) -> Restart | None:
+        code = self.process.poll()
+        if code is None:
+            return None
+        now = time.time()
+        recent = [r for r in self.restarts if now - r.at < self.window_s]
+        if len(recent) >= self.max_restarts:
+            raise WorkerFailedError(
+                f"the {self.name} exited {len(recent) + 1} times within "
+                f"{self.window_s:.0f} s (last exit code {code}); see its messages above"
+            )
+        restart = Restart(self.name, self.process.pid, code, now)
+        self.restarts.append(restart)
+        log.warning(
+            "the %s (pid %d) exited with code %s: starting it again",
+            self.name,
+            self.process.pid,
+            code,
+        )
+        self.process = self._start()
+        return restart
+
+    def stop(self, timeout: float = 30) -> int | None:
+        return lifetime.stop(self.process, timeout)
+
+
+class SupervisedGroup:
+    """Several supervised children of one kind, checked and stopped together."""
+
+    def __init__(self) -> None:
+        self.children: list[Supervised] = []
+
+    def check(self) -> list[Restart]:
+        return [r for child in self.children if (r := child.check()) is not None]
+
+    @property
+    def restarts(self) -> list[Restart]:
+        return [r for child in self.children for r in child.restarts]
+
+    def stop(self, timeout: float = 30) -> None:
+        """SIGTERM to all at once (they wind down side by side), then wait for each."""
+        for child in self.children:
+            if child.process.poll() is None:
+                child.process.send_signal(signal.SIGTERM)
+        for child in self.children:
+            child.stop(timeout)
+
+
+class LedgerWorkers(SupervisedGroup):
+    """``run --ledgers N``: N ``tokenbudget ledger`` processes in one Faust group,
+    sharing the datasets by partition; a killed one's datasets move to the others
+    (and back when it is started again).
+
+    Metrics ports: ``run`` serves on P, the first ledger on P + 1 (it owns the budget
+    gauges), extra dispatchers on P + 2 ... P + D, further ledgers after them."""
+
+    def __init__(self, config: Config, bootstrap: str, count: int, dispatchers: int) -> None:
+        super().__init__()
+        if count < 1:
+            raise ConfigError("--ledgers", f"must be >= 1, got {count}", source="command line")
+        if count > config.kafka.partitions:
+            log.warning(
+                "%d ledger workers for %d partitions: %d of them will have nothing to do "
+                "(raise [kafka] partitions for new topics)",
+                count,
+                config.kafka.partitions,
+                count - config.kafka.partitions,
+            )
+        port = config.metrics.port
+        for i in range(count):
+            offset = ledger_port_offset(i, dispatchers)
+            start = functools.partial(
+                start_ledger_process,
+                bootstrap,
+                config.kafka.namespace,
+                config.budget.snapshot_interval_s,
+                port + offset if port else 0,
+                config.metrics.host,
+            )
+            self.children.append(
+                Supervised("ledger worker" if count == 1 else f"ledger worker {i + 1}", start)
+            )
+
+
+class ExtraDispatchers(SupervisedGroup):
+    """``run --dispatchers N``: N-1 ``tokenbudget dispatch`` processes beside the
+    in-process one, all in the same consumer group, sharing budgets via leases."""
+
+    def __init__(self, config: Config, count: int) -> None:
+        super().__init__()
+        self.config = config
+        self.count = max(0, count)
+        self.reports: list[Path] = []  # each child's, in the order of children
+        self._folder: tempfile.TemporaryDirectory[str] | None = None
+        if self.count and not Path(config.source).is_file():
+            raise ConfigError(
+                "<file>",
+                "--dispatchers > 1 needs a config loaded from a file",
+                source=config.source,
+            )
+
+    def start(self) -> None:
+        if not self.count:
+            return
+        self._folder = tempfile.TemporaryDirectory(prefix="tokenbudget-dispatch-")
+        namespace = self.config.kafka.namespace
+        for i in range(self.count):
+            report = Path(self._folder.name) / f"dispatcher-{i}.json"
+            command = cli_command(
+                "dispatch",
+                "--config",
+                str(self.config.source),
+                "--report",
+                str(report),
+                "--instance",
+                dispatcher_instance(namespace, i + 1),
+            )
+            if self.config.metrics.port:
+                port = self.config.metrics.port + dispatcher_port_offset(i)
+                command += ["--metrics-port", str(port)]
+            child = Supervised(f"dispatcher {i + 1}", functools.partial(lifetime.spawn, command))
+            self.children.append(child)
+            self.reports.append(report)
+
+    def finish(self) -> dict[str, list[float]]:
+        """Stop them, and say per dataset when each first refused it (their reports)."""
+        self.stop(60)
+        refused: dict[str, list[float]] = {}
+        for report in self.reports:
+            if report.exists():
+                for dataset, at in json.loads(report.read_text())["refused_at"].items():
+                    refused.setdefault(dataset, []).append(float(at))
+        if self._folder is not None:
+            self._folder.cleanup()
+        return refused
+
+
+async def publish_budgets(config: Config, bootstrap: str) -> None:
+    events = [
+        ev.BudgetSet(
+            dataset=dataset.name,
+            budget=dataset.budget,
+            unit=config.budget.unit,
+            set_at=time.time(),
+            set_by=f"config {config.source}",
+        )
+        for dataset in config.datasets
+    ]
+    await publish_events(bootstrap, Topics(config.kafka.namespace).budgets, events)
+    metrics.EVENTS_PRODUCED.labels(topic="budgets").inc(len(events))
+
+
+async def _group_lag(bootstrap: str) -> GroupLag:
+    """A lag reader, once Kafka answers (a broker restarting is waited out)."""
+    delay = 0.5
+    while True:
+        try:
+            return await asyncio.to_thread(GroupLag, bootstrap)
+        except KafkaError as exc:
+            log.warning("Kafka at %s does not answer (%r); trying again", bootstrap, exc)
+            await asyncio.sleep(delay)
+            delay = min(5.0, delay * 2)
+
+
+async def _lag(lag: GroupLag, group: str, topics: list[str]) -> int | None:
+    """The group's lag on ``topics``; None while Kafka does not answer."""
+    try:
+        return await asyncio.to_thread(lag.lag, group, topics)
+    except KafkaError as exc:
+        log.warning("reading the lag of %s failed (%r); trying again", group, exc)
+        return None
+
+
+async def _wait_drained(
+    config: Config, bootstrap: str, producer: PromptProducer, watcher: BudgetWatcher
+) -> float:
+    topics = Topics(config.kafka.namespace)
+    lag = await _group_lag(bootstrap)
+    checks = [
+        (f"{topics.namespace}-dispatch", [topics.prompts]),
+        (topics.ledger_app_id, [topics.completions, topics.outcomes]),
+    ]
+    names = [d.name for d in config.datasets]
+    try:
+        while True:
+            while not producer.settled():
+                await asyncio.sleep(0.1)
+            lags = [await _lag(lag, group, t) for group, t in checks]
+            if any(n != 0 for n in lags):
+                await asyncio.sleep(0.25)
+                continue
+            drained_at = time.time()
+            await _snapshots_since(watcher, names, drained_at)
+            # A budget raised meanwhile reopens its dataset: keep going.
+            if producer.settled():
+                return drained_at
+    finally:
+        lag.close()
+
+
+async def _wait_ledger_applied(config: Config, bootstrap: str, watcher: BudgetWatcher) -> None:
+    """Wait until the ledger has read every outcome published so far and has
+    published a snapshot of each dataset since (the rows a stopped producer
+    recorded as skipped belong in the report)."""
+    topics = Topics(config.kafka.namespace)
+    lag = await _group_lag(bootstrap)
+    try:
+        sources = [topics.completions, topics.outcomes]
+        while await _lag(lag, topics.ledger_app_id, sources) != 0:
+            await asyncio.sleep(0.25)
+    finally:
+        lag.close()
+    await _snapshots_since(watcher, [d.name for d in config.datasets], time.time())
+
+
+async def _snapshots_since(watcher: BudgetWatcher, names: list[str], since: float) -> None:
+    """Wait until the ledger has published a snapshot of each dataset after ``since``."""
+    while not all((s := watcher.board.snapshot(n)) is not None and s.at > since for n in names):
+        await asyncio.sleep(0.1)
+
+
+async def _wait_for_members(
+    bootstrap: str, group: str, expected: int, timeout: float = 300
+) -> None:
+    """Wait for ``expected`` members in ``group`` (run under :func:`supervise`, so a
+    dispatcher that ended meanwhile is started again)."""
+    lag = await _group_lag(bootstrap)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if await asyncio.to_thread(lag.members, group) >= expected:
+                    return
+            except KafkaError as exc:
+                log.warning("reading the members of %s failed (%r); trying again", group, exc)
+            if time.monotonic() > deadline:
+                raise WorkerFailedError(f"only some of {expected} dispatchers joined {group}")
+            await asyncio.sleep(0.25)
+    finally:
+        lag.close()
+
+
+async def run_async(
+    config: Config,
+    *,
+    bootstrap: str | None = None,
+    ledger_process: bool = True,
+    keep_dispatch_log: bool = False,
+    progress: bool = False,
+    dispatchers: int = 1,
+    ledgers: int = 1,
+) -> RunReport:
+    started = time.monotonic()
+    from producers.datasets import check_untemplated_chat
+    from producers.inference import prepare
+
+    # Chat rows joined as raw text would be generated from, and kept: refuse them first.
+    await asyncio.to_thread(check_untemplated_chat, config)
+    await prepare(config)  # tokenizer loaded; server and model checked before anything runs
+    if bootstrap is None:
+        bootstrap = await asyncio.to_thread(resolve_bootstrap, config)
+    # Once Kafka answered: a job that cannot start says only why (one line).
+    config = serve_metrics(config, dispatchers, ledgers if ledger_process else 0)
+    topics = Topics(config.kafka.namespace)
+    for dataset in config.datasets:
+        metrics.OVERSHOOT_ALLOWANCE.labels(dataset=dataset.name).set(
+            metrics.overshoot_allowance(
+                config.budget.unit,
+                config.budget.admission,
+                config.inference.concurrency,
+                dataset.max_new_tokens,
+                dispatchers,
+            )
+        )
+    lag_sampler = metrics.LagSampler(
+        bootstrap,
+        {
+            f"{topics.namespace}-dispatch": [topics.prompts],
+            topics.ledger_app_id: [topics.completions, topics.outcomes],
+            f"{topics.namespace}-sink": [topics.completions],
+        },
+    )
+    if config.metrics.port:
+        lag_sampler.start()
+    await publish_budgets(config, bootstrap)
+    ledger = LedgerWorkers(config, bootstrap, ledgers, dispatchers) if ledger_process else None
+    try:
+        return await _run_components(
+            config, bootstrap, topics, ledger, started, keep_dispatch_log, progress, dispatchers
+        )
+    finally:
+        await asyncio.to_thread(lag_sampler.stop)
+        if ledger is not None:
+            await asyncio.to_thread(ledger.stop)
+
+
+def _ports_free(host: str, ports: list[int]) -> bool:
+    for port in ports:
+        with socket.socket() as probe:
+            try:
+                probe.bind((host, port))
+            except OSError:
+                return False
+    return True
+
+
+def ledger_port_offset(index: int, dispatchers: int) -> int:
+    """Metrics port of ``run``'s ledger worker ``index``, from ``run``'s own: the
+    first on + 1 (it owns the budget gauges), the others after the extra dispatchers
+    (which take + 2 to + dispatchers)."""
+    return 1 if index == 0 else max(1, dispatchers) + index
+
+
+def dispatcher_port_offset(index: int) -> int:
+    """Metrics port of ``run``'s extra dispatcher ``index`` (0-based), from its own."""
+    return 2 + index
+
+
+def _metrics_offsets(dispatchers: int, ledgers: int) -> list[int]:
+    extra = [dispatcher_port_offset(i) for i in range(max(0, dispatchers - 1))]
+    return [0, *(ledger_port_offset(i, dispatchers) for i in range(ledgers)), *extra]
+
+
+def serve_metrics(config: Config, dispatchers: int, ledgers: int) -> Config:
+    """Serve ``run``'s /metrics on ``[metrics] port``, or on the next block of free
+    ports when another job holds it (its ledgers and extra dispatchers take the ports
+    after it); say where on stderr. Returns the config with the port taken."""
+    wanted = config.metrics.port
+    if not wanted:
+        return config
+    offsets = _metrics_offsets(dispatchers, ledgers)
+    span = max(offsets) + 1
+    host = config.metrics.host
+    for base in range(wanted, wanted + 16 * span, span):
+        ours = metrics.serving(host, base)  # a run before this one in this process
+        wanted_free = [base + o for o in offsets if o or not ours]
+        if base + span <= 65536 and _ports_free(host, wanted_free):
+            break
+    else:
+        raise ConfigError(
+            "metrics.port",
+            f"no {span} free ports from {wanted} on {host}; set another port, or 0 for none",
+            source=config.source,
+        )
+    metrics.serve(host, base, config.kafka.namespace, "run")
+    moved = "" if base == wanted else f" ({wanted} is taken)"
+    others = (
+        f", its ledger on {base + 1}"
+        if span == 2
+        else f", its workers on {base + 1} to {base + span - 1}"
+        if span > 2
+        else ""
+    )
+    print(f"tokenbudget: metrics on http://{host}:{base}/metrics{moved}{others}", file=sys.stderr)
+    return msgspec.structs.replace(
+        config, metrics=msgspec.structs.replace(config.metrics, port=base)
+    )
+
+
+class _Child(Protocol):
+    def check(self) -> object: ...
+
+
+async def supervise(
+    drain: asyncio.Task[Any], workers: list[asyncio.Task[Any]], children: list[_Child]
+) -> None:
+    """Wait for ``drain``, failing as soon as an in-process worker fails, and
+    starting again a child process that ended (cancelling ``drain`` if it fails)."""
+    pending: set[asyncio.Task[Any]] = {drain, *workers}
+    try:
+        while not drain.done():
+            done, pending = await asyncio.wait(
+                pending, timeout=1.0, return_when=asyncio.FIRST_COMPLETED
+            )
+            for task in done:
+                if task is not drain and task.exception() is not None:
+                    raise task.exception()  # type: ignore[misc]
+            for child in children:
+                child.check()
+    finally:
+        drain.cancel()
+    drain.result()
+
+
+def _results(config: Config, board: BudgetBoard) -> dict[str, DatasetResult]:
+    results = {}
+    for dataset in config.datasets:
+        snap = board.snapshot(dataset.name)
+        assert snap is not None
+        results[dataset.name] = DatasetResult(
+            budget=snap.budget or dataset.budget,
+            completion_tokens=snap.completion_tokens,
+            prompt_tokens=snap.prompt_tokens,
+            samples=snap.samples,
+            skipped=snap.skipped,
+            failed=snap.failed,
+            status="halted" if snap.halted else "exhausted",
+            unit=snap.unit,
+        )
+    return results
+
+
+async def _run_components(
+    config: Config,
+    bootstrap: str,
+    topics: Topics,
+    ledger: LedgerWorkers | None,
+    started: float,
+    keep_dispatch_log: bool = False,
+    progress: bool = False,
+    dispatchers: int = 1,
+) -> RunReport:
+    extra = ExtraDispatchers(config, dispatchers - 1)
+    children: list[_Child] = [extra] if ledger is None else [ledger, extra]
+    watcher = BudgetWatcher(bootstrap, topics)
+    await watcher.start()
+    watch_task = asyncio.create_task(watcher.run())
+    await watcher.caught_up.wait()
+    bars = BudgetProgress(config, watcher.board) if progress else None
+    if bars is not None:
+        bars.start()
+
+    sink = ParquetSink(
+        bootstrap,
+        topics,
+        SinkSettings.from_config(config),
+    )
+    sink_stop = threading.Event()
+    sink_thread = threading.Thread(target=sink.run, args=(sink_stop,), name="sink", daemon=True)
+    sink_thread.start()
+
+    dispatcher = Dispatcher(
+        config,
+        bootstrap,
+        watcher.board,
+        keep_log=keep_dispatch_log,
+        instance=dispatcher_instance(topics.namespace, 0),
+    )
+    dispatch_stop = asyncio.Event()
+    dispatch_task = asyncio.create_task(dispatcher.run(dispatch_stop))
+    extra.start()
+    if extra.count:
+        # Prompts handed out before every dispatcher joined would move at the
+        # rebalance and be generated twice: wait for the group to settle first.
+        joined = _wait_for_members(bootstrap, dispatcher.group_id, extra.count + 1)
+        await supervise(asyncio.create_task(joined), [dispatch_task], children)
+    producer = PromptProducer(
+        config, bootstrap, watcher.board, stored_prompt_ids=stored_prompt_ids(config)
+    )
+    producer_stop = asyncio.Event()
+    produce_task = asyncio.create_task(producer.run(producer_stop))
+    try:
+        drain = asyncio.create_task(_wait_drained(config, bootstrap, producer, watcher))
+        await supervise(drain, [produce_task, dispatch_task], children)
+        producer_stop.set()
+        produced = await produce_task
+        if any(report.not_sent for report in produced.values()):
+            # The ledger may die here too: it is started again while we wait for it.
+            applied = asyncio.create_task(_wait_ledger_applied(config, bootstrap, watcher))
+            await supervise(applied, [dispatch_task], children)
+    finally:
+        dispatch_stop.set()
+        with contextlib.suppress(Exception):
+            await dispatch_task
+        refused = await asyncio.to_thread(extra.finish)
+        for refused_name, at in dispatcher.refused_at.items():
+            refused.setdefault(refused_name, []).append(at)
+        for name, view in watcher.board.views.items():
+            if view.halted_at is not None and name not in dispatcher.refused_at:
+                refused.setdefault(name, []).append(view.halted_at)
+        sink_stop.set()
+        await asyncio.to_thread(sink_thread.join, 120)
+        if bars is not None:
+            await bars.stop()
+        watch_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await watch_task
+        await watcher.stop()
+
+    return RunReport(
+        datasets=_results(config, watcher.board),
+        produced=produced,
+        dispatch=dispatcher.report,
+        parquet_rows=dict(sink.rows_written),
+        seconds=time.monotonic() - started,
+        halt_seen_at={d.name: watcher.board.view(d.name).halted_at for d in config.datasets},
+        refused_at=refused,
+        restarts=[*(ledger.restarts if ledger is not None else []), *extra.restarts],
+    )
+
+
+def run(
+    config: Config, *, progress: bool | None = None, dispatchers: int = 1, ledgers: int = 1
+) -> RunReport:
+    """Run ``config``; ``progress`` (default: stdout is a terminal) shows a bar per
+    dataset toward its budget while it runs."""
+    logging.basicConfig(level=logging.WARNING)  # no-op once the CLI configured logging
+    if progress is None:
+        progress = sys.stdout.isatty()
+    return asyncio.run(
+        run_async(config, progress=progress, dispatchers=dispatchers, ledgers=ledgers)
+    )
