@@ -1,6 +1,8 @@
 """tokenbudget: exact per-dataset token budgets for synthetic data generation."""
 
 import functools
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as installed
 
 __version__ = "0.1.0"  # of a checkout run without being installed
 
@@ -8,9 +10,6 @@ __version__ = "0.1.0"  # of a checkout run without being installed
 @functools.cache
 def version() -> str:
     """The installed distribution's version (``__version__`` when not installed)."""
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as installed
-
     try:
         return installed("tokenbudget")
     except PackageNotFoundError:

@@ -28,7 +28,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+import faust
 import msgspec
+from aiokafka.conn import create_conn
 
 from tokenbudget.errors import ConfigError, KafkaAuthError
 
@@ -248,8 +250,6 @@ class KafkaSecurity(msgspec.Struct, frozen=True, kw_only=True):
 
     def faust_credentials(self) -> Any:
         """``broker_credentials`` for a Faust app (None: plaintext)."""
-        import faust
-
         context = self.ssl_context()
         if self.uses_sasl:
             assert self.sasl_password is not None
@@ -358,8 +358,6 @@ def check_credentials(bootstrap: str, *, timeout: float = 15.0) -> None:
     options = settings.client_options()
 
     async def attempt(host: str, port: int) -> None:
-        from aiokafka.conn import create_conn
-
         conn = await asyncio.wait_for(
             create_conn(
                 host,

@@ -10,7 +10,9 @@ import signal
 import time
 from pathlib import Path
 
+from producers.datasets import check_untemplated_chat
 from producers.dispatcher import Dispatcher
+from producers.prompts import PromptProducer
 from sinks.parquet import stored_prompt_ids
 from sinks.replay import live_snapshots
 from streams import events as ev
@@ -18,7 +20,9 @@ from streams.halts import BudgetWatcher
 from streams.publisher import publish_events
 from streams.topics import Topics
 from tokenbudget import config as config_module
+from tokenbudget import metrics
 from tokenbudget.app.bootstrap import resolve_bootstrap
+from tokenbudget.app.runner import publish_budgets
 from tokenbudget.app.tables import format_table
 from tokenbudget.config import parse_budget
 from tokenbudget.errors import ConfigError
@@ -70,8 +74,6 @@ def run_dispatch_cli(args: argparse.Namespace) -> int:
     config = config_module.load(args.config)
     bootstrap = resolve_bootstrap(config)
     if args.metrics_port:
-        from tokenbudget import metrics
-
         metrics.serve(config.metrics.host, args.metrics_port, config.kafka.namespace, "dispatch")
     report = Path(args.report) if args.report else None
     asyncio.run(dispatch_until_stopped(config, bootstrap, report, args.instance or None))
@@ -82,8 +84,6 @@ async def produce_until_done(config: config_module.Config, bootstrap: str) -> No
     """The prompt producer on its own: publishes every dataset's prompts (paced by
     the ledger's snapshots) until each is read to its end or halted. SIGTERM stops
     it early: what was sent is flushed; a restart skips what was completed."""
-    from producers.prompts import PromptProducer
-    from tokenbudget.app.runner import publish_budgets
 
     topics = Topics(config.kafka.namespace)
     await publish_budgets(config, bootstrap)
@@ -120,8 +120,6 @@ async def produce_until_done(config: config_module.Config, bootstrap: str) -> No
 
 
 def run_produce_cli(args: argparse.Namespace) -> int:
-    from producers.datasets import check_untemplated_chat
-
     config = config_module.load(args.config)
     check_untemplated_chat(config)  # before the broker is asked for anything
     asyncio.run(produce_until_done(config, resolve_bootstrap(config)))

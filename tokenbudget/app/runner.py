@@ -30,7 +30,9 @@ from typing import Any, Protocol
 import msgspec
 from kafka.errors import KafkaError
 
+from producers.datasets import check_untemplated_chat
 from producers.dispatcher import Dispatcher, DispatchReport
+from producers.inference import prepare
 from producers.prompts import ProduceReport, PromptProducer
 from sinks.parquet import ParquetSink, SinkSettings, stored_prompt_ids
 from streams import events as ev
@@ -441,9 +443,6 @@ async def run_async(
     ledgers: int = 1,
 ) -> RunReport:
     started = time.monotonic()
-    from producers.datasets import check_untemplated_chat
-    from producers.inference import prepare
-
     # Chat rows joined as raw text would be generated from, and kept: refuse them first.
     await asyncio.to_thread(check_untemplated_chat, config)
     await prepare(config)  # tokenizer loaded; server and model checked before anything runs

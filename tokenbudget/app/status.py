@@ -18,6 +18,10 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
 from streams import events as ev
 from streams.halts import BudgetBoard, BudgetWatcher
 from streams.topics import Topics
@@ -220,8 +224,6 @@ def plain_table(rows: Sequence[StatusRow], now: float) -> str:
 def table(rows: Sequence[StatusRow], width: int = 200) -> object:
     """A rich table for ``--watch``, fitted to ``width`` columns by shortening the
     dataset names (the numbers and states are never cut)."""
-    from rich.table import Table
-
     now = time.time()
     body = [cells(r) for r in rows]
     widths = [max([len(name), *(len(row[i]) for row in body)]) for i, name in enumerate(HEADERS)]
@@ -255,9 +257,6 @@ async def follow(
     interval: float = 1.0,
 ) -> int:
     """Read the budgets topic up to now and print; with ``watch``, keep going."""
-    from rich.console import Console
-    from rich.live import Live
-
     board = TrackingBoard()
     watcher = BudgetWatcher(bootstrap, topics, board)
     await watcher.start()

@@ -25,6 +25,8 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from kafka.admin import KafkaAdminClient
+
 from tokenbudget.errors import BrokerError
 from tokenbudget.localkafka import broker
 
@@ -91,8 +93,6 @@ class LocalCluster:
         return self.bootstrap
 
     def _wait_all_listed(self, deadline: float) -> None:
-        from kafka.admin import KafkaAdminClient
-
         while True:
             with contextlib.suppress(Exception):
                 admin = KafkaAdminClient(bootstrap_servers=self.bootstrap)

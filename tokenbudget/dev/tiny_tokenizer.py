@@ -15,6 +15,8 @@ import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from producers.datasets import read_prompts
+
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% for message in messages %}"
@@ -72,8 +74,6 @@ def build_tokenizer(
 def dataset_corpus(paths: Iterable[Path]) -> list[str]:
     """Every prompt text and message of these datasets (any format ``auto`` reads),
     to train on: a tokenizer that knows every word gives distinct prompts distinct ids."""
-    from producers.datasets import read_prompts
-
     corpus: list[str] = []
     for path in paths:
         # Bad rows are the run's to report; they have no words to learn.

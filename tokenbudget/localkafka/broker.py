@@ -32,6 +32,7 @@ server.properties then holds passwords and is written readable by its owner only
 
 from __future__ import annotations
 
+import argparse
 import base64
 import contextlib
 import hashlib
@@ -959,8 +960,6 @@ def wipe(settings: BrokerSettings) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    import argparse
-
     parser = argparse.ArgumentParser(
         prog="python -m tokenbudget.localkafka.broker",
         description=__doc__,
