@@ -43,9 +43,9 @@ from producers.inference import (
 from producers.offsets import OffsetTracker
 from producers.resume import OutcomeView
 from producers.server_gate import GateSettings, ServerGate
+from streams import budget
 from streams import events as ev
 from streams.halts import BudgetBoard
-from streams.ledger import unit_cost
 from streams.topics import Topics
 from tokenbudget import metrics
 from tokenbudget.config import Config
@@ -280,18 +280,23 @@ class Dispatcher:
         return consumer, producer
 
     def _admission(self, producer: AIOKafkaProducer) -> Admission:
-        budget = self.config.budget
+        settings, inference = self.config.budget, self.config.inference
         return Admission(
             producer,
             self.topics,
             self.holder,
             self.board,
             AdmissionSettings(
-                unit=budget.unit,
-                policy=budget.on_boundary,
-                min_new_tokens=budget.min_new_tokens,
-                lease_size=self.config.lease_tokens,
-                lease_ttl_s=budget.lease_ttl_s,
+                unit=settings.unit,
+                policy=settings.on_boundary,
+                min_new_tokens=settings.min_new_tokens,
+                lease_size=budget.lease_size(
+                    settings.unit,
+                    settings.lease_tokens,
+                    inference.concurrency,
+                    inference.max_new_tokens,
+                ),
+                lease_ttl_s=settings.lease_ttl_s,
             ),
             on_revoke=self._abort_dataset,
         )
@@ -320,7 +325,7 @@ class Dispatcher:
         consumer, producer = await self._started_clients()
         self._consumer, self._producer = consumer, producer
         maintenance: asyncio.Task[None] | None = None
-        if self.config.budget.admission == "reserve":
+        if budget.reserves(self.config.budget.admission):
             self.admission = self._admission(producer)
             maintenance = asyncio.create_task(self.admission.maintain())
         tasks: set[asyncio.Task[None]] = set()
@@ -470,9 +475,8 @@ class Dispatcher:
         if cap is None:
             return result
         unit = self.config.budget.unit
-        cost = unit_cost(unit, result.prompt_tokens, result.completion_tokens)
-        cuttable = unit == "completion_tokens" and bool(result.output_ids)
-        keep = cap.fit(rid, cost, cuttable)
+        cost = budget.unit_cost(unit, result.prompt_tokens, result.completion_tokens)
+        keep = cap.fit(rid, cost, budget.cuttable(unit, bool(result.output_ids)))
         if keep is None:
             return None
         if keep == cost:
@@ -807,7 +811,9 @@ class Dispatcher:
             text=result.text,
             attempts=attempts,
             lease_id=ticket.lease_id if ticket else "",
-            cost=unit_cost(self.config.budget.unit, result.prompt_tokens, result.completion_tokens),
+            cost=budget.unit_cost(
+                self.config.budget.unit, result.prompt_tokens, result.completion_tokens
+            ),
             dispatched_at=sent_at,
             first_token_at=result.first_token_at,
             count_source=result.count_source,

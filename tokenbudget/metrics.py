@@ -288,21 +288,6 @@ def consumed(topic: str, consumer: str, count: int = 1) -> None:
         EVENTS_CONSUMED.labels(topic=topic_role(topic), consumer=consumer).inc(count)
 
 
-def overshoot_allowance(
-    unit: str, admission: str, concurrency: int, max_new_tokens: int, dispatchers: int = 1
-) -> int:
-    """The overshoot the admission policy allows, in the budget's unit.
-
-    Reservations (``reserve``) send nothing the ledger has not granted: 0. With
-    ``halt``, what every dispatcher may still have in flight when the halt comes; for
-    ``total_tokens`` the prompt tokens of those requests come on top (unknown before
-    they are sent), so this is a lower bound there."""
-    if admission == "reserve":
-        return 0
-    per_request = 1 if unit == "samples" else max_new_tokens
-    return max(1, dispatchers) * concurrency * per_request
-
-
 class LedgerGauges:
     """Mirrors ledger states into the metrics above; used only by the ledger worker.
 
@@ -315,7 +300,7 @@ class LedgerGauges:
         self._last: dict[str, tuple[int, int, int, int]] = {}
 
     def observe(self, state: object) -> None:
-        from streams import ledger
+        from streams import budget, ledger
 
         assert isinstance(state, ledger.DatasetLedger)
         name = state.dataset
@@ -335,11 +320,11 @@ class LedgerGauges:
         RESERVED.labels(dataset=name).set(ledger.reserved(state))
         OPEN_LEASES.labels(dataset=name).set(len(state.leases))
         if state.budget is not None:
-            spent = ledger.used(state)
+            spent = budget.used(state)
             BUDGET.labels(dataset=name).set(state.budget)
             BUDGET_USED.labels(dataset=name).set(spent)
-            BUDGET_REMAINING.labels(dataset=name).set(max(0, state.budget - spent))
-            OVERSHOOT.labels(dataset=name).set(max(0, spent - state.budget))
+            BUDGET_REMAINING.labels(dataset=name).set(budget.unused(state.budget, spent))
+            OVERSHOOT.labels(dataset=name).set(budget.overshoot(state.budget, spent))
 
 
 class LagSampler:

@@ -33,11 +33,12 @@ from kafka.errors import KafkaError
 from producers.dispatcher import Dispatcher, DispatchReport
 from producers.prompts import ProduceReport, PromptProducer
 from sinks.parquet import ParquetSink, SinkSettings, stored_prompt_ids
+from streams import budget
 from streams import events as ev
 from streams.halts import BudgetBoard, BudgetWatcher
 from streams.topics import Topics
 from tokenbudget import lifetime, metrics
-from tokenbudget.config import Config
+from tokenbudget.config import Config, Unit
 from tokenbudget.errors import ConfigError, WorkerFailedError
 from tokenbudget.kafka import GroupLag, publish_events, resolve_bootstrap
 from tokenbudget.progress import BudgetProgress
@@ -55,16 +56,11 @@ class DatasetResult:
     skipped: int
     failed: int
     status: str  # "exhausted" | "halted"
-    unit: str
+    unit: Unit
 
     @property
     def overshoot(self) -> int:
-        used = {
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.completion_tokens + self.prompt_tokens,
-            "samples": self.samples,
-        }[self.unit]
-        return max(0, used - self.budget)
+        return budget.overshoot(self.budget, budget.used(self))
 
 
 @dataclass
@@ -452,7 +448,7 @@ async def run_async(
     topics = Topics(config.kafka.namespace)
     for dataset in config.datasets:
         metrics.OVERSHOOT_ALLOWANCE.labels(dataset=dataset.name).set(
-            metrics.overshoot_allowance(
+            budget.overshoot_allowance(
                 config.budget.unit,
                 config.budget.admission,
                 config.inference.concurrency,

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from streams import budget as policy
 from streams import events as ev
 from streams.halts import BudgetBoard, BudgetWatcher
 from streams.topics import Topics
@@ -60,16 +61,6 @@ def rate_and_eta(
     return rate, eta
 
 
-def used_of(snap: ev.LedgerSnapshot) -> int:
-    """What the snapshot says is used of the budget, in the budget's unit."""
-    match snap.unit:
-        case "total_tokens":
-            return snap.completion_tokens + snap.prompt_tokens
-        case "samples":
-            return snap.samples
-    return snap.completion_tokens
-
-
 @dataclass(frozen=True)
 class StatusRow:
     dataset: str
@@ -102,7 +93,7 @@ class Tracker:
             return
         self.latest[snap.dataset] = snap
         points = self.history.setdefault(snap.dataset, deque())
-        points.append((snap.at, used_of(snap)))
+        points.append((snap.at, policy.used(snap)))
         while points and points[0][0] < snap.at - 2 * self.window:
             points.popleft()
 
@@ -114,8 +105,8 @@ class Tracker:
             return StatusRow(dataset, budget, "completion_tokens", 0, 0, budget,
                              0.0 if budget else None, 0.0, None, "unknown")
         budget = snap.budget if snap.budget is not None else budget
-        kept = used_of(snap)
-        remaining = None if budget is None else max(0, budget - kept)
+        kept = policy.used(snap)
+        remaining = None if budget is None else policy.unused(budget, kept)
         points = list(self.history.get(dataset, ()))
         rate, eta = rate_and_eta(points, remaining, self.window, now)
         if snap.status != "open":

@@ -121,12 +121,6 @@ def test_helpers() -> None:
 
     assert metrics.topic_role("ns-1.completions") == "completions"
     assert metrics.group_role("ns-1-ledger") == "ledger"
-    # Reservations never send what the ledger has not granted: nothing to allow.
-    assert metrics.overshoot_allowance("completion_tokens", "reserve", 64, 8192, 3) == 0
-    # Halting after the fact: whatever every dispatcher has in flight.
-    assert metrics.overshoot_allowance("completion_tokens", "halt", 64, 8192) == 524_288
-    assert metrics.overshoot_allowance("completion_tokens", "halt", 64, 8192, 3) == 3 * 524_288
-    assert metrics.overshoot_allowance("samples", "halt", 64, 8192, 2) == 128
     metrics.consumed("ns.prompts", "dispatcher", 3)
     assert (
         REGISTRY.get_sample_value(
