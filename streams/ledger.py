@@ -237,7 +237,12 @@ def event_id(event: CompletionEvent | PromptSkipped | PromptFailed) -> str:
 
 
 def outcome_change(previous: Outcome | None, new: Outcome) -> bool:
-    """Whether a prompt's recorded outcome moves from ``previous`` to ``new``."""
+    """Whether a prompt's recorded outcome moves from ``previous`` to ``new``: the
+    first outcome wins, except that a completion replaces a skip or a failure.
+
+    The one rule of which outcome a prompt keeps: the ledger counts by it, and the
+    sink and the replay (:mod:`sinks.parquet`, :mod:`sinks.replay`) keep rows and
+    recount by it, so their totals agree with the ledger's."""
     if previous is None:
         return True
     return previous != "completed" and new == "completed"
