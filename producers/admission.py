@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import time
@@ -131,6 +132,17 @@ class RevokedCap:
         self.generated.pop(rid, None)
 
 
+async def _wait_aside(
+    aside: Callable[[], AbstractAsyncContextManager[Any]] | None, awaitable: Awaitable[Any]
+) -> None:
+    """Await ``awaitable``, inside ``aside()`` when given (see :meth:`Admission.admit`)."""
+    if aside is None:
+        await awaitable
+        return
+    async with aside():
+        await awaitable
+
+
 class Admission:
     def __init__(
         self,
@@ -175,13 +187,7 @@ class Admission:
         the reservation itself: the dispatcher lends its server place to prompts of
         other datasets meanwhile and has it back before anything is reserved.
         """
-
-        async def waiting(awaitable: Awaitable[Any]) -> None:
-            if aside is None:
-                await awaitable
-                return
-            async with aside():
-                await awaitable
+        waiting = functools.partial(_wait_aside, aside)
         settings = self.settings
         request = budget.ask(
             settings.unit,
