@@ -632,9 +632,7 @@ class Dispatcher:
                 return  # skipped: its dataset has no budget left for it
             tries.attempts += 1
             try:
-                await self._attempt(
-                    backend, prompt, admitted.ticket, max_new, tries.attempts, slot
-                )
+                await self._attempt(backend, prompt, admitted.ticket, max_new, tries.attempts, slot)
             except InferenceError as exc:
                 if await self._retry(prompt, exc, tries, slot):
                     continue

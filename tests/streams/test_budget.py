@@ -47,8 +47,18 @@ def test_used_per_unit() -> None:
 
 def test_used_reads_a_snapshot_in_its_own_unit() -> None:
     snap = LedgerSnapshot(
-        dataset="ds", budget=500, unit="total_tokens", completion_tokens=100, prompt_tokens=40,
-        samples=3, skipped=0, failed=0, produced=None, halted=False, status="open", at=1.0,
+        dataset="ds",
+        budget=500,
+        unit="total_tokens",
+        completion_tokens=100,
+        prompt_tokens=40,
+        samples=3,
+        skipped=0,
+        failed=0,
+        produced=None,
+        halted=False,
+        status="open",
+        at=1.0,
     )
     assert used(snap) == 140
 
