@@ -25,29 +25,30 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from aiokafka import AIOKafkaProducer
 
+from streams import budget
 from streams import events as ev
 from streams.halts import BudgetBoard
 from streams.topics import Topics
+from tokenbudget.config import BoundaryPolicy
 
 log = logging.getLogger(__name__)
-
-Policy = Literal["truncate", "finish"]
 
 
 @dataclass(frozen=True)
 class AdmissionSettings:
     unit: ev.BudgetUnit = "completion_tokens"
-    policy: Policy = "truncate"
+    policy: BoundaryPolicy = "truncate"
     min_new_tokens: int = 1
     lease_size: int = 65536  # in the budget's unit
     lease_ttl_s: float = 30.0
@@ -118,20 +119,28 @@ class RevokedCap:
         return True
 
     def fit(self, rid: str, cost: int, cuttable: bool) -> int | None:
-        """How much of an answer costing ``cost`` is kept: all of it, what is left
-        when it can be cut at a token (completion-token budgets), or None."""
+        """How much of an answer costing ``cost`` is kept (:func:`streams.budget.fit`):
+        all of it, what is left when it can be cut at a token, or None."""
         self.generated.pop(rid, None)
-        if cost <= self.left:
-            self.left -= cost
-            return cost
-        if not cuttable or self.left <= 0:
-            return None
-        keep, self.left = self.left, 0
+        keep = budget.fit(cost, self.left, cuttable)
+        if keep is not None:
+            self.left -= keep
         return keep
 
     def forget(self, rid: str) -> None:
         """A request that ended with nothing to keep."""
         self.generated.pop(rid, None)
+
+
+async def _wait_aside(
+    aside: Callable[[], AbstractAsyncContextManager[Any]] | None, awaitable: Awaitable[Any]
+) -> None:
+    """Await ``awaitable``, inside ``aside()`` when given (see :meth:`Admission.admit`)."""
+    if aside is None:
+        await awaitable
+        return
+    async with aside():
+        await awaitable
 
 
 class Admission:
@@ -178,20 +187,15 @@ class Admission:
         the reservation itself: the dispatcher lends its server place to prompts of
         other datasets meanwhile and has it back before anything is reserved.
         """
-
-        async def waiting(awaitable: Awaitable[Any]) -> None:
-            if aside is None:
-                await awaitable
-                return
-            async with aside():
-                await awaitable
-        unit, policy = self.settings.unit, self.settings.policy
-        if unit == "samples":
-            want, floor = 1, 1
-        else:
-            extra = prompt_estimate if unit == "total_tokens" else 0
-            want = extra + max_new_tokens
-            floor = want if policy == "finish" else extra + self.settings.min_new_tokens
+        waiting = functools.partial(_wait_aside, aside)
+        settings = self.settings
+        request = budget.ask(
+            settings.unit,
+            settings.policy,
+            max_new_tokens,
+            prompt_estimate,
+            settings.min_new_tokens,
+        )
         while True:
             if self.board.lowering(dataset):
                 # A lower budget is on its way to the ledger: admit nothing more under
@@ -209,17 +213,18 @@ class Admission:
                 continue
             # A whole request when the lease covers it; a clamped one only once the
             # ledger has said it has no more to give (the budget's last tokens).
-            if lease.balance >= want or (lease.balance >= floor and lease.ledger_short):
-                reserved = min(want, lease.balance)
+            reserved = request.clamp(lease.balance, lease.ledger_short)
+            if reserved is not None:
                 lease.balance -= reserved
                 lease.in_flight += 1
                 lease.last_used = time.monotonic()
-                send = max_new_tokens if unit == "samples" else reserved - (want - max_new_tokens)
+                send = request.max_new_tokens_for(reserved)
                 return Ticket(dataset, lease.lease_id, reserved, send, prompt_estimate)
-            reply = await self._ask(lease, max(self.settings.lease_size, want), floor)
+            want = request.lease_request(settings.lease_size)
+            reply = await self._ask(lease, want, request.floor)
             if reply is None or isinstance(reply, ev.LeaseGranted):
                 continue  # granted (see _on_ledger_event), or no answer yet: ask again
-            if lease.balance >= floor and self._leases.get(dataset) is lease:
+            if lease.balance >= request.floor and self._leases.get(dataset) is lease:
                 lease.ledger_short = True  # denied: spend what the lease still holds
                 continue
             if lease.revoked or self._leases.get(dataset) is not lease:

@@ -8,6 +8,10 @@ Contract, per prompt read from the prompts topic:
   * failed after retries  -> ``PromptFailed`` plus a dead-letter event with the reason
 Its offset is committed only after that outcome is acknowledged by Kafka, so a
 crash re-dispatches unfinished prompts and never loses one.
+
+A prompt's path, in :meth:`Dispatcher._dispatch` and :meth:`Dispatcher._attempt`:
+admit (a ticket on the budget) -> generate -> fit (what of the answer is kept) ->
+publish, the ticket settled on every path; retried as the server's errors allow.
 """
 
 from __future__ import annotations
@@ -43,9 +47,9 @@ from producers.inference import (
 from producers.offsets import OffsetTracker
 from producers.resume import OutcomeView
 from producers.server_gate import GateSettings, ServerGate
+from streams import budget
 from streams import events as ev
 from streams.halts import BudgetBoard
-from streams.ledger import unit_cost
 from streams.topics import Topics
 from tokenbudget import metrics
 from tokenbudget.config import Config
@@ -164,6 +168,81 @@ class _Slot:
             self._held = None
 
 
+@dataclass
+class _Tries:
+    """A prompt's attempts so far, and why the last one failed."""
+
+    attempts: int = 0
+    failures: int = 0  # failures that do not say the server is away
+    last_error: InferenceError | None = None
+
+
+@dataclass(frozen=True)
+class _Admitted:
+    """A prompt let through: on ``ticket`` when budgets are reserved, else None."""
+
+    ticket: Ticket | None
+
+
+@dataclass(frozen=True)
+class _Generated:
+    """The server's answer to one request, and when it was sent and finished."""
+
+    answer: GenerationResult
+    sent_at: float
+    finished_at: float
+
+
+@dataclass(frozen=True)
+class _Fitted:
+    """What of an answer is kept (``result``), on which ticket, and the answer as the
+    request allowed it before the budget cut it (``answer``)."""
+
+    ticket: Ticket | None
+    result: GenerationResult
+    answer: GenerationResult
+
+
+class _Tickets:
+    """The tickets one attempt holds (its own, and one claimed for its answer if its
+    lease expired): each is settled exactly once, at its cost when its completion is
+    sent, and with nothing otherwise (:meth:`settle_rest`, on every path)."""
+
+    def __init__(self, admission: Admission | None, admitted: Ticket | None) -> None:
+        self.admitted = admitted
+        self._admission = admission
+        self._held: list[Ticket] = [admitted] if admitted is not None else []
+        self._settled: list[Ticket] = []
+
+    def hold(self, ticket: Ticket | None) -> None:
+        """``ticket`` is this attempt's to settle too."""
+        if ticket is not None and ticket not in self._held:
+            self._held.append(ticket)
+
+    def settle(self, ticket: Ticket, cost: int | None) -> None:
+        """Settle ``ticket`` at ``cost`` (None: nothing published on it)."""
+        assert self._admission is not None
+        self._admission.settle(ticket, cost)
+        self._settled.append(ticket)
+
+    def sending(self, ticket: Ticket, cost: int) -> None:
+        """Its completion is about to be sent: spent at ``cost`` from now on."""
+        assert self._admission is not None
+        self._admission.sending(ticket)
+        self.settle(ticket, cost)
+
+    def published(self, ticket: Ticket) -> None:
+        """The completion announced by :meth:`sending` is on Kafka (or given up)."""
+        assert self._admission is not None
+        self._admission.published(ticket)
+
+    def settle_rest(self) -> None:
+        """Settle with nothing every ticket not settled yet."""
+        for ticket in self._held:
+            if ticket not in self._settled:
+                self.settle(ticket, None)
+
+
 class _CommitOnRevoke(ConsumerRebalanceListener):  # type: ignore[misc]
     def __init__(self, dispatcher: Dispatcher) -> None:
         self.dispatcher = dispatcher
@@ -280,18 +359,23 @@ class Dispatcher:
         return consumer, producer
 
     def _admission(self, producer: AIOKafkaProducer) -> Admission:
-        budget = self.config.budget
+        settings, inference = self.config.budget, self.config.inference
         return Admission(
             producer,
             self.topics,
             self.holder,
             self.board,
             AdmissionSettings(
-                unit=budget.unit,
-                policy=budget.on_boundary,
-                min_new_tokens=budget.min_new_tokens,
-                lease_size=self.config.lease_tokens,
-                lease_ttl_s=budget.lease_ttl_s,
+                unit=settings.unit,
+                policy=settings.on_boundary,
+                min_new_tokens=settings.min_new_tokens,
+                lease_size=budget.lease_size(
+                    settings.unit,
+                    settings.lease_tokens,
+                    inference.concurrency,
+                    inference.max_new_tokens,
+                ),
+                lease_ttl_s=settings.lease_ttl_s,
             ),
             on_revoke=self._abort_dataset,
         )
@@ -320,7 +404,7 @@ class Dispatcher:
         consumer, producer = await self._started_clients()
         self._consumer, self._producer = consumer, producer
         maintenance: asyncio.Task[None] | None = None
-        if self.config.budget.admission == "reserve":
+        if budget.reserves(self.config.budget.admission):
             self.admission = self._admission(producer)
             maintenance = asyncio.create_task(self.admission.maintain())
         tasks: set[asyncio.Task[None]] = set()
@@ -470,9 +554,8 @@ class Dispatcher:
         if cap is None:
             return result
         unit = self.config.budget.unit
-        cost = unit_cost(unit, result.prompt_tokens, result.completion_tokens)
-        cuttable = unit == "completion_tokens" and bool(result.output_ids)
-        keep = cap.fit(rid, cost, cuttable)
+        cost = budget.unit_cost(unit, result.prompt_tokens, result.completion_tokens)
+        keep = cap.fit(rid, cost, budget.cuttable(unit, bool(result.output_ids)))
         if keep is None:
             return None
         if keep == cost:
@@ -535,64 +618,86 @@ class Dispatcher:
     async def _dispatch(
         self, backend: InferenceBackend, prompt: ev.PromptEvent, slot: _Slot | None = None
     ) -> None:
-        """Admit, generate, fit, publish; retry what the server's errors allow."""
+        """Admit, then generate, fit and publish (:meth:`_attempt`); retry what the
+        server's errors allow, and record the prompt as failed when they do not."""
         assert self._producer is not None
         if prompt.prompt_id in self.outcomes.completed:
             self.report.already_completed += 1  # its outcome is recorded already
             return
-        attempts = 0
-        failures = 0  # failures that do not say the server is away
-        last_error: InferenceError | None = None
         max_new = prompt.sampling.max_new_tokens or self.config.inference.max_new_tokens
+        tries = _Tries()
         while True:
-            if self.gate is not None:
-                await self.gate.wait_open()
-            if self.board.is_halted(prompt.dataset):
-                self.admission_refused(prompt.dataset)
-                await self._skip(prompt, "budget reached")
-                return
-            ticket: Ticket | None = None
-            if self.admission is not None:
-                asked_at = time.monotonic()
-                ticket = await self.admission.admit(
-                    prompt.dataset,
-                    max_new,
-                    prompt_token_estimate(prompt),
-                    aside=slot.aside if slot is not None else None,
-                )
-                if ticket is None:
-                    await self._skip(prompt, "budget fully used or reserved")
-                    return
-                waited = time.monotonic() - asked_at
-                metrics.BUDGET_WAIT.labels(dataset=prompt.dataset).observe(waited)
-            attempts += 1
+            admitted = await self._admit(prompt, max_new, slot)
+            if admitted is None:
+                return  # skipped: its dataset has no budget left for it
+            tries.attempts += 1
             try:
-                await self._attempt(backend, prompt, ticket, max_new, attempts, slot)
+                await self._attempt(backend, prompt, admitted.ticket, max_new, tries.attempts, slot)
             except InferenceError as exc:
-                last_error = exc
-                metrics.INFERENCE_ERRORS.labels(kind=type(exc).__name__).inc()
-                log.warning("%s attempt %d failed: %s", prompt.prompt_id, attempts, exc)
-                if self.gate is not None:
-                    self.gate.failed(exc)
-                if not exc.retryable:
-                    break
-                if not exc.server_away:
-                    failures += 1
-                    if failures > self.retry.retries:
-                        break
-                reason = type(exc).__name__
-                metrics.RETRIES.labels(dataset=prompt.dataset, reason=reason).inc()
-                delay = self.retry.delay(min(attempts, 8), exc.retry_after)
-                if slot is not None:
-                    async with slot.aside():
-                        await asyncio.sleep(delay)
-                else:
-                    await asyncio.sleep(delay)
-                continue
+                if await self._retry(prompt, exc, tries, slot):
+                    continue
+                break
             if self.gate is not None:
                 self.gate.succeeded()
             return
-        await self._fail(prompt, attempts, f"gave up after {attempts} attempt(s): {last_error}")
+        await self._fail(
+            prompt,
+            tries.attempts,
+            f"gave up after {tries.attempts} attempt(s): {tries.last_error}",
+        )
+
+    async def _admit(
+        self, prompt: ev.PromptEvent, max_new: int, slot: _Slot | None
+    ) -> _Admitted | None:
+        """Wait until the server takes requests, then admit the prompt (with a ticket
+        when budgets are reserved); None once it is skipped instead (dataset full)."""
+        if self.gate is not None:
+            await self.gate.wait_open()
+        if self.board.is_halted(prompt.dataset):
+            self.admission_refused(prompt.dataset)
+            await self._skip(prompt, "budget reached")
+            return None
+        if self.admission is None:
+            return _Admitted(None)
+        asked_at = time.monotonic()
+        ticket = await self.admission.admit(
+            prompt.dataset,
+            max_new,
+            prompt_token_estimate(prompt),
+            aside=slot.aside if slot is not None else None,
+        )
+        if ticket is None:
+            await self._skip(prompt, "budget fully used or reserved")
+            return None
+        waited = time.monotonic() - asked_at
+        metrics.BUDGET_WAIT.labels(dataset=prompt.dataset).observe(waited)
+        return _Admitted(ticket)
+
+    async def _retry(
+        self, prompt: ev.PromptEvent, exc: InferenceError, tries: _Tries, slot: _Slot | None
+    ) -> bool:
+        """Count a failed attempt; True once its backoff has passed if the prompt may be
+        tried again, False when it is to be given up."""
+        tries.last_error = exc
+        metrics.INFERENCE_ERRORS.labels(kind=type(exc).__name__).inc()
+        log.warning("%s attempt %d failed: %s", prompt.prompt_id, tries.attempts, exc)
+        if self.gate is not None:
+            self.gate.failed(exc)
+        if not exc.retryable:
+            return False
+        if not exc.server_away:
+            tries.failures += 1
+            if tries.failures > self.retry.retries:
+                return False
+        reason = type(exc).__name__
+        metrics.RETRIES.labels(dataset=prompt.dataset, reason=reason).inc()
+        delay = self.retry.delay(min(tries.attempts, 8), exc.retry_after)
+        if slot is not None:
+            async with slot.aside():
+                await asyncio.sleep(delay)
+        else:
+            await asyncio.sleep(delay)
+        return True
 
     async def _attempt(
         self,
@@ -605,9 +710,29 @@ class Dispatcher:
     ) -> None:
         """One request: generate, fit the answer to what it may keep, publish it. The
         ticket is settled on every path (an error, a cancellation included)."""
-        rid = uuid.uuid4().hex
-        request = GenerationRequest(
-            rid=rid,
+        request = self._request(prompt, ticket, max_new)
+        tickets = _Tickets(self.admission, ticket)
+        try:
+            generated = await self._generate(backend, prompt, request, ticket, slot)
+            if generated is None:
+                await self._skip(prompt, "budget lowered: aborted in flight")
+                return
+            fitted = await self._fit(backend, prompt, request, generated.answer, tickets, slot)
+            if fitted is None:
+                await self._skip(prompt, "budget lowered or lease expired: answer not kept")
+                return
+            await self._publish_completion(
+                prompt, request, generated, fitted, attempts, max_new, tickets
+            )
+        finally:
+            tickets.settle_rest()
+
+    def _request(
+        self, prompt: ev.PromptEvent, ticket: Ticket | None, max_new: int
+    ) -> GenerationRequest:
+        """The prompt's request under a fresh rid, limited to what its ticket reserved."""
+        return GenerationRequest(
+            rid=uuid.uuid4().hex,
             on_progress=self._on_progress,
             max_new_tokens=ticket.max_new_tokens if ticket else max_new,
             text=prompt.text,
@@ -616,53 +741,66 @@ class Dispatcher:
             temperature=prompt.sampling.temperature,
             sampling=prompt.sampling.request_fields(),
         )
-        tickets = [ticket] if ticket is not None else []  # settled on every path
-        settled: list[Ticket] = []
+
+    async def _fit(
+        self,
+        backend: InferenceBackend,
+        prompt: ev.PromptEvent,
+        request: GenerationRequest,
+        answer: GenerationResult,
+        tickets: _Tickets,
+        slot: _Slot | None,
+    ) -> _Fitted | None:
+        """What of the answer is kept, and on which ticket: cut to the request's limit,
+        then to the budget (:meth:`_kept`); None when nothing of it fits. What is cut
+        or refused is counted as wasted."""
+        generated_tokens = answer.completion_tokens
+        answer = self._within_request(backend, answer, request.max_new_tokens)
+        wasted(prompt.dataset, "over_request", generated_tokens - answer.completion_tokens)
+        kept = await self._kept(prompt, tickets, request.rid, answer, slot)
+        if kept is None:
+            wasted(prompt.dataset, "refused", answer.completion_tokens)
+            return None
+        ticket, result = kept
+        tickets.hold(ticket)
+        wasted(prompt.dataset, "cut", answer.completion_tokens - result.completion_tokens)
+        return _Fitted(ticket, result, answer)
+
+    async def _publish_completion(
+        self,
+        prompt: ev.PromptEvent,
+        request: GenerationRequest,
+        generated: _Generated,
+        fitted: _Fitted,
+        attempts: int,
+        max_new: int,
+        tickets: _Tickets,
+    ) -> None:
+        """Publish the kept answer as the prompt's completion, its ticket settled at
+        the completion's cost before the send; count it."""
+        ticket, result = fitted.ticket, fitted.result
+        sent_at, finished_at = generated.sent_at, generated.finished_at
+        metrics.REQUEST_LATENCY.labels(dataset=prompt.dataset).observe(finished_at - sent_at)
+        if result.first_token_at is not None:
+            metrics.TIME_TO_FIRST_TOKEN.observe(max(0.0, result.first_token_at - sent_at))
+        completion = self._completion(
+            prompt, request, result, ticket, attempts, sent_at, finished_at
+        )
+        if ticket is not None:
+            # Spent from here on, before any await: a revocation arriving while
+            # this is being sent must already see it.
+            tickets.sending(ticket, completion.cost)
         try:
-            generated = await self._generate(backend, prompt, request, ticket, slot)
-            if generated is None:
-                await self._skip(prompt, "budget lowered: aborted in flight")
-                return
-            answer, sent_at, finished_at = generated
-            generated_tokens = answer.completion_tokens
-            answer = self._within_request(backend, answer, request.max_new_tokens)
-            wasted(prompt.dataset, "over_request", generated_tokens - answer.completion_tokens)
-            kept = await self._kept(prompt, ticket, rid, answer, slot, settled)
-            if kept is None:
-                wasted(prompt.dataset, "refused", answer.completion_tokens)
-                await self._skip(prompt, "budget lowered or lease expired: answer not kept")
-                return
-            ticket, result = kept
-            if ticket is not None and ticket not in tickets:
-                tickets.append(ticket)
-            wasted(prompt.dataset, "cut", answer.completion_tokens - result.completion_tokens)
-            metrics.REQUEST_LATENCY.labels(dataset=prompt.dataset).observe(finished_at - sent_at)
-            if result.first_token_at is not None:
-                metrics.TIME_TO_FIRST_TOKEN.observe(max(0.0, result.first_token_at - sent_at))
-            completion = self._completion(
-                prompt, request, result, ticket, attempts, sent_at, finished_at
-            )
-            if ticket is not None:
-                # Spent from here on, before any await: a revocation arriving while
-                # this is being sent must already see it.
-                self.admission.sending(ticket)  # type: ignore[union-attr]
-                self.admission.settle(ticket, completion.cost)  # type: ignore[union-attr]
-                settled.append(ticket)
-            try:
-                await self._publish(self.topics.completions, prompt.dataset, completion)
-            finally:
-                if ticket is not None:
-                    self.admission.published(ticket)  # type: ignore[union-attr]
-            metrics.EVENTS_PRODUCED.labels(topic="completions").inc()
-            metrics.COMPLETIONS.labels(
-                dataset=prompt.dataset,
-                finish_reason=finish_label(result, answer, request.max_new_tokens, max_new),
-            ).inc()
-            self.report.completed += 1
+            await self._publish(self.topics.completions, prompt.dataset, completion)
         finally:
-            for unsettled in tickets:
-                if unsettled not in settled:
-                    self.admission.settle(unsettled, None)  # type: ignore[union-attr]
+            if ticket is not None:
+                tickets.published(ticket)
+        metrics.EVENTS_PRODUCED.labels(topic="completions").inc()
+        metrics.COMPLETIONS.labels(
+            dataset=prompt.dataset,
+            finish_reason=finish_label(result, fitted.answer, request.max_new_tokens, max_new),
+        ).inc()
+        self.report.completed += 1
 
     async def _generate(
         self,
@@ -671,7 +809,7 @@ class Dispatcher:
         request: GenerationRequest,
         ticket: Ticket | None,
         slot: _Slot | None,
-    ) -> tuple[GenerationResult, float, float] | None:
+    ) -> _Generated | None:
         """The server's answer with when it was sent and finished; None when it was
         aborted because its lease was revoked (a lowered budget)."""
         rid = request.rid
@@ -699,7 +837,7 @@ class Dispatcher:
                 # before the snapshot that shows it): what fits is known.
                 await self.board.sync()
                 await self.board.decided(prompt.dataset)
-            return result, sent_at, finished_at
+            return _Generated(result, sent_at, finished_at)
         except asyncio.CancelledError:
             self._forget_in_cap(lease_id, rid)
             current = asyncio.current_task()
@@ -745,22 +883,20 @@ class Dispatcher:
     async def _kept(
         self,
         prompt: ev.PromptEvent,
-        ticket: Ticket | None,
+        tickets: _Tickets,
         rid: str,
         answer: GenerationResult,
         slot: _Slot | None,
-        settled: list[Ticket],
     ) -> tuple[Ticket | None, GenerationResult] | None:
         """What of the answer is kept, and on which ticket: its own; a fresh one when
-        its lease may have expired meanwhile (the old one is settled, into
-        ``settled``); or, on a lease revoked by a lowered budget, what its allowance
-        holds. None: nothing of it fits."""
+        its lease may have expired meanwhile (the old one is settled); or, on a lease
+        revoked by a lowered budget, what its allowance holds. None: nothing fits."""
+        ticket = tickets.admitted
         if ticket is None or self.admission is None:
             return ticket, answer
         if self.admission.retire_if_expired(ticket):
             # Its budget may be someone else's now: claim the answer anew.
-            self.admission.settle(ticket, None)
-            settled.append(ticket)
+            tickets.settle(ticket, None)
             return await self._claim(prompt, answer, slot)
         fitted = self._fit_to_cap(ticket.lease_id, prompt.dataset, rid, answer)
         return None if fitted is None else (ticket, fitted)
@@ -807,7 +943,9 @@ class Dispatcher:
             text=result.text,
             attempts=attempts,
             lease_id=ticket.lease_id if ticket else "",
-            cost=unit_cost(self.config.budget.unit, result.prompt_tokens, result.completion_tokens),
+            cost=budget.unit_cost(
+                self.config.budget.unit, result.prompt_tokens, result.completion_tokens
+            ),
             dispatched_at=sent_at,
             first_token_at=result.first_token_at,
             count_source=result.count_source,

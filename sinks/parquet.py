@@ -52,6 +52,7 @@ from kafka import KafkaConsumer, KafkaProducer, OffsetAndMetadata
 from kafka.errors import KafkaError
 
 from streams import events as ev
+from streams.ledger import Outcome, outcome_change
 from streams.topics import Topics
 from tokenbudget import metrics
 from tokenbudget.config import Config
@@ -244,7 +245,8 @@ class FirstCompletion:
         if lease_id and lease_id in self.fenced:
             self.rejected.setdefault(prompt_id, dataset)
             return False
-        if prompt_id in self.seen:
+        previous: Outcome | None = "completed" if prompt_id in self.seen else None
+        if not outcome_change(previous, "completed"):
             self.duplicates += 1
             return False
         self.seen.add(prompt_id)

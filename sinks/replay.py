@@ -57,6 +57,7 @@ from sinks.parquet import (
 )
 from streams import events as ev
 from streams.halts import BudgetBoard
+from streams.ledger import Outcome, outcome_change
 from streams.topics import Topics, completion_topic_configs
 from tokenbudget.errors import BrokerError, EventDecodeError, TokenBudgetError
 from tokenbudget.extras import require
@@ -335,23 +336,28 @@ def outcome_counts(
     or failure counts unless the prompt has a completion. An answer no one kept
     because its lease was fenced (``rejected``: prompt -> dataset) counts as a skip
     of a prompt with no other outcome."""
-    first: dict[str, tuple[str, str]] = {}  # prompt_id -> (dataset, outcome)
+    first: dict[str, tuple[str, Outcome]] = {}  # prompt_id -> (dataset, outcome)
+
+    def record(prompt_id: str, dataset: str, outcome: Outcome) -> None:
+        previous = first.get(prompt_id)
+        if outcome_change(None if previous is None else previous[1], outcome):
+            first[prompt_id] = (dataset, outcome)
 
     def apply(event: ev.Event) -> None:
         if isinstance(event, ev.PromptSkipped | ev.PromptFailed):
             if datasets and event.dataset not in datasets:
                 return
-            kind = "skipped" if isinstance(event, ev.PromptSkipped) else "failed"
-            first.setdefault(event.prompt_id, (event.dataset, kind))
+            kind: Outcome = "skipped" if isinstance(event, ev.PromptSkipped) else "failed"
+            record(event.prompt_id, event.dataset, kind)
 
     read_to_end(bootstrap, topics.outcomes, apply)
     for prompt_id, dataset in (rejected or {}).items():
         if not datasets or dataset in datasets:
-            first.setdefault(prompt_id, (dataset, "skipped"))
+            record(prompt_id, dataset, "skipped")
     counts: dict[str, list[int]] = {}
     for prompt_id, (dataset, kind) in first.items():
         if prompt_id in completed:
-            continue
+            continue  # a completion replaces a skip or a failure (outcome_change)
         entry = counts.setdefault(dataset, [0, 0])
         entry[0 if kind == "skipped" else 1] += 1
     return {name: (c[0], c[1]) for name, c in counts.items()}

@@ -26,6 +26,7 @@ from typing import Any, Literal, overload
 import msgspec
 import numpy as np
 
+from tokenbudget.config import Unit as BudgetUnit
 from tokenbudget.errors import EventDecodeError
 
 SCHEMA_VERSION = 1
@@ -36,7 +37,6 @@ COMPLETION_VERSION = 3
 COMPLETION_VERSIONS = frozenset({1, 2, 3})
 
 FinishReason = Literal["stop", "length", "abort"]
-BudgetUnit = Literal["completion_tokens", "total_tokens", "samples"]
 # "server": counts and token ids from the server; "usage": the server's counts but no
 # token ids (output_ids is None); "tokenizer": counted here, the server did not.
 CountSource = Literal["server", "usage", "tokenizer"]

@@ -29,6 +29,7 @@ from typing import Literal
 
 import msgspec
 
+from streams import budget
 from streams.events import (
     BudgetExceeded,
     BudgetRaised,
@@ -173,30 +174,6 @@ def load_outcome(raw: bytes) -> OutcomeEntry:
     return _outcome_decoder.decode(raw)
 
 
-def used(state: DatasetLedger, unit: BudgetUnit | None = None) -> int:
-    """How much of the budget the dataset has used, in the budget's unit."""
-    match unit or state.unit:
-        case "completion_tokens":
-            return state.completion_tokens
-        case "total_tokens":
-            return state.completion_tokens + state.prompt_tokens
-        case "samples":
-            return state.samples
-    raise ValueError(f"unknown budget unit {unit!r}")
-
-
-def unit_cost(unit: BudgetUnit, prompt_tokens: int, completion_tokens: int) -> int:
-    """What one completion consumes of a budget in ``unit``."""
-    match unit:
-        case "completion_tokens":
-            return completion_tokens
-        case "total_tokens":
-            return prompt_tokens + completion_tokens
-        case "samples":
-            return 1
-    raise ValueError(f"unknown budget unit {unit!r}")
-
-
 def reserved(state: DatasetLedger) -> int:
     return sum(lease.outstanding for lease in state.leases.values())
 
@@ -205,7 +182,7 @@ def remaining(state: DatasetLedger) -> int | None:
     """Budget neither kept nor reserved: what the ledger can still grant."""
     if state.budget is None:
         return None
-    return max(0, state.budget - used(state) - reserved(state))
+    return budget.unused(state.budget, budget.used(state) + reserved(state))
 
 
 def outcomes_recorded(state: DatasetLedger) -> int:
@@ -220,13 +197,6 @@ def status(state: DatasetLedger) -> DatasetStatus:
     if state.produced is not None and outcomes_recorded(state) >= state.produced:
         return "exhausted"
     return "open"
-
-
-def is_settled(state: DatasetLedger) -> bool:
-    """Nothing more will change: the producer is done and every prompt it published
-    has an outcome. A halted dataset is settled only once its queued prompts are
-    skipped and its in-flight requests completed."""
-    return state.produced is not None and outcomes_recorded(state) >= state.produced
 
 
 def snapshot(state: DatasetLedger, at: float) -> LedgerSnapshot:
@@ -267,7 +237,12 @@ def event_id(event: CompletionEvent | PromptSkipped | PromptFailed) -> str:
 
 
 def outcome_change(previous: Outcome | None, new: Outcome) -> bool:
-    """Whether a prompt's recorded outcome moves from ``previous`` to ``new``."""
+    """Whether a prompt's recorded outcome moves from ``previous`` to ``new``: the
+    first outcome wins, except that a completion replaces a skip or a failure.
+
+    The one rule of which outcome a prompt keeps: the ledger counts by it, and the
+    sink and the replay (:mod:`sinks.parquet`, :mod:`sinks.replay`) keep rows and
+    recount by it, so their totals agree with the ledger's."""
     if previous is None:
         return True
     return previous != "completed" and new == "completed"
@@ -279,8 +254,8 @@ def _check_budget(
     """Halt when the budget is reached; reopen when it was raised above what is used."""
     if state.budget is None:
         return state, []
-    spent = used(state)
-    full = state.budget - spent < state.admit_floor
+    spent = budget.used(state)
+    full = budget.full(state.budget, spent, state.admit_floor)
     if not state.halted and full:
         event = BudgetExceeded(
             dataset=state.dataset,
@@ -395,7 +370,7 @@ def _commit_to_lease(state: DatasetLedger, event: CompletionEvent) -> dict[str, 
     lease = state.leases.get(event.lease_id) if event.lease_id else None
     if lease is None:
         return state.leases
-    cost = unit_cost(state.unit, event.prompt_tokens, event.completion_tokens)
+    cost = budget.unit_cost(state.unit, event.prompt_tokens, event.completion_tokens)
     committed = lease.committed + cost
     leases = dict(state.leases)
     if lease.spent is not None and committed >= lease.spent:
@@ -430,7 +405,7 @@ def apply_lease_request(
             lease_id=event.lease_id,
             holder=event.holder,
             remaining=-1 if available is None else available,
-            full=state.budget is not None and state.budget - used(state) < floor,
+            full=state.budget is not None and budget.full(state.budget, budget.used(state), floor),
             closed=closed,
             at=at,
         )
@@ -553,7 +528,7 @@ def revoke_overdrawn(state: DatasetLedger, at: float) -> tuple[DatasetLedger, li
     for what it has in flight. Its whole grant stays reserved until it releases
     (then what it published, until that arrives).
     """
-    if state.budget is None or used(state) + reserved(state) <= state.budget:
+    if state.budget is None or budget.used(state) + reserved(state) <= state.budget:
         return state, []
     open_leases = {
         i: lease for i, lease in state.leases.items() if lease.spent is None and not lease.closing
@@ -563,7 +538,7 @@ def revoke_overdrawn(state: DatasetLedger, at: float) -> tuple[DatasetLedger, li
         for lease in state.leases.values()
         if lease.spent is not None or lease.closing
     )
-    free = max(0, state.budget - used(state) - closing)
+    free = budget.unused(state.budget, budget.used(state) + closing)
     outstanding = sum(lease.outstanding for lease in open_leases.values())
     emit: list[Event] = []
     for lease_id, lease in open_leases.items():
@@ -577,7 +552,7 @@ def revoke_overdrawn(state: DatasetLedger, at: float) -> tuple[DatasetLedger, li
                 holder=lease.holder,
                 allowance=allowance,
                 ceiling=lease.committed + allowance,
-                kept=used(state),
+                kept=budget.used(state),
                 at=at,
             )
         )

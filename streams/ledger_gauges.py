@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from streams import ledger
+from streams import budget, ledger
 from tokenbudget import metrics
 
 
@@ -45,8 +45,8 @@ class LedgerGauges:
         metrics.RESERVED.labels(dataset=name).set(ledger.reserved(state))
         metrics.OPEN_LEASES.labels(dataset=name).set(len(state.leases))
         if state.budget is not None:
-            spent = ledger.used(state)
+            spent = budget.used(state)
             metrics.BUDGET.labels(dataset=name).set(state.budget)
             metrics.BUDGET_USED.labels(dataset=name).set(spent)
-            metrics.BUDGET_REMAINING.labels(dataset=name).set(max(0, state.budget - spent))
-            metrics.OVERSHOOT.labels(dataset=name).set(max(0, spent - state.budget))
+            metrics.BUDGET_REMAINING.labels(dataset=name).set(budget.unused(state.budget, spent))
+            metrics.OVERSHOOT.labels(dataset=name).set(budget.overshoot(state.budget, spent))

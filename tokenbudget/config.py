@@ -23,7 +23,10 @@ import msgspec
 from tokenbudget.errors import ConfigError
 
 Api = Literal["sglang", "openai-completions", "openai-chat"]
+# The budget's choices, named once here; what each means is streams/budget.py's tables.
 Unit = Literal["completion_tokens", "total_tokens", "samples"]
+BoundaryPolicy = Literal["truncate", "finish"]
+AdmissionMode = Literal["reserve", "halt"]
 DatasetFormat = Literal["auto", "prompt", "openai", "sharegpt", "hf"]
 
 ENV_PREFIX = "TOKENBUDGET__"
@@ -113,8 +116,8 @@ class BudgetConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     snapshot_interval_s: float = 0.5
     # reserve: admission control (exact, the default); halt: stop a dataset only
     # once a completion shows its budget reached (in-flight requests overshoot).
-    admission: Literal["reserve", "halt"] = "reserve"
-    on_boundary: Literal["truncate", "finish"] = "truncate"
+    admission: AdmissionMode = "reserve"
+    on_boundary: BoundaryPolicy = "truncate"
     min_new_tokens: int = 1
     lease_tokens: int = 0  # 0: a quarter of concurrency x max_new_tokens
     lease_ttl_s: float = 30.0
@@ -218,14 +221,6 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
         """``[inference] tokenizer`` resolved against the config's folder, if set."""
         tokenizer = self.inference.tokenizer
         return _resolve(self.base_dir, tokenizer) if tokenizer else None
-
-    @property
-    def lease_tokens(self) -> int:
-        if self.budget.lease_tokens:
-            return self.budget.lease_tokens
-        if self.budget.unit == "samples":
-            return max(1, self.inference.concurrency // 4)
-        return max(1, self.inference.concurrency * self.inference.max_new_tokens // 4)
 
     @property
     def max_queued_per_dataset(self) -> int:

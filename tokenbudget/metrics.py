@@ -290,19 +290,6 @@ def consumed(topic: str, consumer: str, count: int = 1) -> None:
         EVENTS_CONSUMED.labels(topic=topic_role(topic), consumer=consumer).inc(count)
 
 
-def overshoot_allowance(
-    unit: str, admission: str, concurrency: int, max_new_tokens: int, dispatchers: int = 1
-) -> int:
-    """The overshoot the admission policy allows, in the budget's unit.
-
-    Reservations (``reserve``) send nothing the ledger has not granted: 0. With
-    ``halt``, what every dispatcher may still have in flight when the halt comes; for
-    ``total_tokens`` the prompt tokens of those requests come on top (unknown before
-    they are sent), so this is a lower bound there."""
-    if admission == "reserve":
-        return 0
-    per_request = 1 if unit == "samples" else max_new_tokens
-    return max(1, dispatchers) * concurrency * per_request
 
 
 class LagSampler:

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 from producers.admission import Admission, AdmissionSettings, RevokedCap, Ticket
 from streams import events as ev
 from streams import ledger
+from streams.budget import used
 from streams.halts import BudgetBoard
 from streams.topics import Topics
 
@@ -204,7 +205,7 @@ def test_truncate_clamps_max_new_tokens_at_the_end_of_the_budget() -> None:
         assert resumed is not None
         # ...and is clamped to what came back.
         assert (resumed.reserved, resumed.max_new_tokens) == (180, 180)
-        assert ledger.used(fake.state()) + ledger.reserved(fake.state()) <= 1000
+        assert used(fake.state()) + ledger.reserved(fake.state()) <= 1000
 
     run(main())
 
@@ -283,7 +284,7 @@ def test_sum_of_reservations_never_exceeds_the_budget() -> None:
         def check() -> None:
             assert kept + sum(t.reserved for t in live) <= budget
             state = fake.state()
-            assert ledger.used(state) + ledger.reserved(state) <= budget
+            assert used(state) + ledger.reserved(state) <= budget
 
         async def worker(admission: Admission, n: int) -> None:
             nonlocal kept, refused
@@ -314,7 +315,7 @@ def test_sum_of_reservations_never_exceeds_the_budget() -> None:
         await asyncio.sleep(0)
         state = fake.state()
         assert state.leases == {}
-        assert ledger.used(state) == kept <= budget
+        assert used(state) == kept <= budget
         assert refused > 0  # the budget did run out
         assert kept > budget // 2
 
@@ -369,7 +370,7 @@ def test_finish_returns_none_when_budget_left_is_below_an_answer() -> None:
         small = await admission2.admit(DS, 250)
         assert small is not None
         assert small.reserved == 250
-        assert ledger.used(fake.state()) + ledger.reserved(fake.state()) <= 300
+        assert used(fake.state()) + ledger.reserved(fake.state()) <= 300
 
     run(main())
 
@@ -409,7 +410,7 @@ def test_denial_with_requests_in_flight_waits_and_admits_from_leftovers() -> Non
         assert admission.refused_at == {}
         assert fake.releases() == []
         state = fake.state()
-        assert ledger.used(state) + ledger.reserved(state) <= 1000
+        assert used(state) + ledger.reserved(state) <= 1000
 
     run(main())
 
@@ -437,7 +438,7 @@ def test_denial_with_nothing_in_flight_refuses_and_releases() -> None:
         assert (released.lease_id, released.holder, released.spent) == (t1.lease_id, "d1", 280)
         assert fake.state().leases == {}
         assert DS not in admission._leases
-        assert ledger.used(fake.state()) == 280
+        assert used(fake.state()) == 280
         # A second refusal keeps the first time, on a fresh lease.
         assert await admission.admit(DS, 800) is None
         assert admission.refused_at[DS] == refused_at
@@ -467,7 +468,7 @@ def test_full_denial_with_requests_in_flight_releases_only_once_they_settle() ->
         [released] = fake.releases()
         assert (released.lease_id, released.spent) == (t1.lease_id, 900)
         assert fake.state().leases == {}
-        assert ledger.used(fake.state()) == 900
+        assert used(fake.state()) == 900
 
     run(main())
 
@@ -504,7 +505,7 @@ def test_denial_while_another_holder_reserves_the_rest_waits_for_it() -> None:
         assert a.refused_at == {}
         assert b.refused_at == {}
         state = fake.state()
-        assert ledger.used(state) + ledger.reserved(state) <= 1000
+        assert used(state) + ledger.reserved(state) <= 1000
 
     run(main())
 
@@ -585,7 +586,7 @@ def test_revoked_idle_lease_is_released_at_once() -> None:
         assert again.lease_id != ticket.lease_id
         assert again.reserved == 100
         state = fake.state()
-        assert ledger.used(state) + ledger.reserved(state) <= 500
+        assert used(state) + ledger.reserved(state) <= 500
 
     run(main())
 
@@ -654,7 +655,7 @@ def test_samples_reserve_one_per_request_and_keep_max_new_tokens() -> None:
             assert t is not None
             await settle_and_complete(admission, fake, t, 1)
         assert await fourth is None
-        assert ledger.used(fake.state()) == 3
+        assert used(fake.state()) == 3
         assert fake.releases()[-1].spent == 3
 
     run(main())
@@ -677,8 +678,8 @@ def test_total_tokens_reserve_prompt_estimate_plus_max_new() -> None:
         await settle_and_complete(admission, fake, a, 350)
         assert balance(admission) == 50
         state = fake.state()
-        assert ledger.used(state) == 350
-        assert ledger.used(state) + ledger.reserved(state) <= 1000
+        assert used(state) == 350
+        assert used(state) + ledger.reserved(state) <= 1000
 
     run(main())
 
@@ -776,7 +777,7 @@ def test_expired_lease_with_requests_in_flight_is_not_reopened() -> None:
         assert new is not None
         assert new.lease_id != old.lease_id
         state = fake.state()
-        assert ledger.used(state) + ledger.reserved(state) <= 1000
+        assert used(state) + ledger.reserved(state) <= 1000
         # What the ledger reserves covers what the holder may still spend.
         lease = state.leases[new.lease_id]
         assert lease.outstanding >= new.reserved + balance(admission)
@@ -827,7 +828,7 @@ def test_admit_waits_while_a_lower_budget_is_on_its_way_to_the_ledger() -> None:
         assert second is not None
         assert second.lease_id != first.lease_id
         state = fake.state()
-        assert ledger.used(state) + ledger.reserved(state) <= 600
+        assert used(state) + ledger.reserved(state) <= 600
 
     run(main())
 

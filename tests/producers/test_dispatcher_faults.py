@@ -16,6 +16,7 @@ from producers.inference import GenerationRequest, GenerationResult, InferenceBa
 from producers.server_gate import GateSettings, ServerGate
 from streams import events as ev
 from streams import ledger
+from streams.budget import used
 from tests.producers.test_admission import DS, run, until
 from tests.producers.test_dispatcher_caps import Recorder, make_dispatcher, prompt
 from tokenbudget import metrics
@@ -296,6 +297,6 @@ def test_a_claim_the_budget_has_no_room_for_is_not_kept() -> None:
         assert recorder.completions() == []
         [skipped] = recorder.skipped()
         assert "expired" in skipped.reason
-        assert ledger.used(fake.state()) == 1000
+        assert used(fake.state()) == 1000
 
     run(main())

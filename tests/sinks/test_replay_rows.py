@@ -14,6 +14,7 @@ import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 import pytest
 
+from sinks import replay
 from sinks.parquet import (
     CompletionRecord,
     FirstCompletion,
@@ -29,6 +30,7 @@ from sinks.parquet import (
     save_fenced_leases,
 )
 from streams import events as ev
+from streams.topics import Topics
 from tokenbudget.errors import EventDecodeError
 
 
@@ -371,3 +373,29 @@ def test_fenced_leases_survive_a_restart_of_the_sink(tmp_path: Path) -> None:
     assert load_fenced_leases(tmp_path) == {"h1:ds:3", "h2:ds:1"}
     # not a file any reader of the dataset tree picks up
     assert pads.dataset(tmp_path, format="parquet", partitioning="hive").files == []
+
+
+def test_replayed_outcome_counts_keep_each_prompts_first_outcome(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    events = [
+        ev.PromptSkipped(prompt_id="p1", dataset="ds", reason="halted"),
+        ev.PromptFailed(prompt_id="p1", dataset="ds", reason="boom", attempts=1),  # not first
+        ev.PromptFailed(prompt_id="p2", dataset="ds", reason="boom", attempts=1),
+        ev.PromptSkipped(prompt_id="p3", dataset="ds", reason="halted"),  # completed later
+        ev.PromptSkipped(prompt_id="q1", dataset="other", reason="halted"),  # not asked for
+    ]
+
+    def read_to_end(bootstrap: str, topic: str, apply: object) -> None:
+        for event in events:
+            apply(event)  # type: ignore[operator]
+
+    monkeypatch.setattr(replay, "read_to_end", read_to_end)
+    counts = replay.outcome_counts(
+        "unused:9092",
+        Topics("ns"),
+        completed={"p3"},
+        datasets=frozenset({"ds"}),
+        rejected={"p2": "ds", "p4": "ds"},  # p2 failed first; p4 has no other outcome
+    )
+    assert counts == {"ds": (2, 1)}  # skipped p1, p4; failed p2

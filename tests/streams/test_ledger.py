@@ -6,6 +6,7 @@ import msgspec
 import pytest
 
 from streams import ledger
+from streams.budget import used
 from streams.events import (
     BudgetExceeded,
     BudgetRaised,
@@ -260,19 +261,11 @@ def test_units(unit: str, budget: int, halts_after: int) -> None:
             assert len(t.emit) == 1
             assert isinstance(t.emit[0], BudgetExceeded)
             assert t.emit[0].unit == unit
-            assert t.emit[0].used == ledger.used(state)
+            assert t.emit[0].used == used(state)
             assert t.emit[0].used >= budget
         else:
             assert t.emit == []
         assert state.halted is (i >= halts_after)
-
-
-def test_used_per_unit() -> None:
-    state = fresh(completion_tokens=100, prompt_tokens=40, samples=3)
-    assert ledger.used(state) == 100
-    assert ledger.used(state, "completion_tokens") == 100
-    assert ledger.used(state, "total_tokens") == 140
-    assert ledger.used(state, "samples") == 3
 
 
 def test_skips_and_failures_do_not_use_budget() -> None:
@@ -369,37 +362,30 @@ def test_producer_done_sets_produced_once() -> None:
     assert not again.changed
 
 
-def test_status_and_is_settled() -> None:
+def test_status() -> None:
     state = fresh(budget=1000)
     assert ledger.status(state) == "open"
-    assert not ledger.is_settled(state)  # producer not done yet
     state = ledger.apply_producer_done(
         state, ProducerDone(dataset=DS, produced=3, reason="end_of_data")
     ).state
     assert ledger.status(state) == "open"
-    assert not ledger.is_settled(state)
     state = apply_outcome(state, completion("r1", "p1"), None, AT).state
     state = apply_outcome(state, skipped("p2"), None, AT).state
-    assert not ledger.is_settled(state)
     assert ledger.status(state) == "open"
     state = apply_outcome(state, failed("p3"), None, AT).state
-    assert ledger.is_settled(state)
     assert ledger.status(state) == "exhausted"
 
 
-def test_halted_status_wins_but_settles_only_when_every_prompt_has_an_outcome() -> None:
+def test_halted_status_wins() -> None:
     state = apply_outcome(fresh(budget=5), completion("r1", "p1"), None, AT).state
     state = msgspec.structs.replace(state, produced=2)
     assert ledger.status(state) == "halted"
-    assert not ledger.is_settled(state)
     state = apply_outcome(state, skipped("p2"), None, AT).state
     assert ledger.status(state) == "halted"
-    assert ledger.is_settled(state)
 
 
-def test_produced_zero_is_settled_immediately() -> None:
+def test_produced_zero_is_exhausted_immediately() -> None:
     state = fresh(produced=0)
-    assert ledger.is_settled(state)
     assert ledger.status(state) == "exhausted"
 
 

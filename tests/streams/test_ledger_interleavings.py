@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from streams.budget import used
 from streams.events import (
     BudgetSet,
     CompletionEvent,
@@ -38,7 +39,6 @@ from streams.ledger import (
     apply_lease_request,
     apply_outcome,
     reserved,
-    used,
 )
 
 DS = "ds"

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from streams import ledger
+from streams.budget import unit_cost, used
 from streams.events import (
     BudgetExceeded,
     BudgetRaised,
@@ -37,8 +38,6 @@ from streams.ledger import (
     expired_leases,
     remaining,
     reserved,
-    unit_cost,
-    used,
 )
 
 DS = "ds"
@@ -551,19 +550,6 @@ def test_lowering_budget_halts_below_admit_floor_then_raising_reopens() -> None:
 
 
 # ---- units -------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("unit", "expected"),
-    [("completion_tokens", 10), ("total_tokens", 13), ("samples", 1)],
-)
-def test_unit_cost(unit: BudgetUnit, expected: int) -> None:
-    assert unit_cost(unit, 3, 10) == expected
-
-
-def test_unit_cost_rejects_an_unknown_unit() -> None:
-    with pytest.raises(ValueError):
-        unit_cost("bytes", 1, 1)  # type: ignore[arg-type]
 
 
 def test_total_tokens_lease_commits_prompt_and_completion() -> None:

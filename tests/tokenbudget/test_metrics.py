@@ -3,10 +3,6 @@ from __future__ import annotations
 from prometheus_client import REGISTRY
 
 
-def value(name: str, dataset: str) -> float | None:
-    return REGISTRY.get_sample_value(name, {"dataset": dataset})
-
-
 def test_every_metric_is_declared_in_the_metrics_module_with_the_prefix() -> None:
     import re
     from pathlib import Path
@@ -52,12 +48,6 @@ def test_helpers() -> None:
 
     assert metrics.topic_role("ns-1.completions") == "completions"
     assert metrics.group_role("ns-1-ledger") == "ledger"
-    # Reservations never send what the ledger has not granted: nothing to allow.
-    assert metrics.overshoot_allowance("completion_tokens", "reserve", 64, 8192, 3) == 0
-    # Halting after the fact: whatever every dispatcher has in flight.
-    assert metrics.overshoot_allowance("completion_tokens", "halt", 64, 8192) == 524_288
-    assert metrics.overshoot_allowance("completion_tokens", "halt", 64, 8192, 3) == 3 * 524_288
-    assert metrics.overshoot_allowance("samples", "halt", 64, 8192, 2) == 128
     metrics.consumed("ns.prompts", "dispatcher", 3)
     assert (
         REGISTRY.get_sample_value(

@@ -9,13 +9,12 @@ from tokenbudget.app.tables import format_table, percent
 def print_table(report: RunReport) -> None:
     rows = []
     for name, r in report.datasets.items():
-        used = r.completion_tokens if r.unit == "completion_tokens" else r.overshoot + r.budget
         rows.append(
             [
                 name,
                 f"{r.budget:,}",
                 f"{r.completion_tokens:,}",
-                percent(max(0, used - r.budget), r.budget),
+                percent(r.overshoot, r.budget),
                 r.samples,
                 r.skipped,
                 r.failed,

@@ -35,6 +35,7 @@ from producers.dispatcher import Dispatcher, DispatchReport
 from producers.inference import prepare
 from producers.prompts import ProduceReport, PromptProducer
 from sinks.parquet import ParquetSink, SinkSettings, stored_prompt_ids
+from streams import budget
 from streams import events as ev
 from streams.halts import BudgetBoard, BudgetWatcher
 from streams.publisher import publish_events
@@ -42,7 +43,7 @@ from streams.topics import Topics
 from tokenbudget import lifetime, metrics
 from tokenbudget.app.bootstrap import resolve_bootstrap
 from tokenbudget.app.progress import BudgetProgress
-from tokenbudget.config import Config
+from tokenbudget.config import Config, Unit
 from tokenbudget.errors import ConfigError, WorkerFailedError
 from tokenbudget.kafka import GroupLag
 from tokenbudget.security import subprocess_env
@@ -59,16 +60,11 @@ class DatasetResult:
     skipped: int
     failed: int
     status: str  # "exhausted" | "halted"
-    unit: str
+    unit: Unit
 
     @property
     def overshoot(self) -> int:
-        used = {
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.completion_tokens + self.prompt_tokens,
-            "samples": self.samples,
-        }[self.unit]
-        return max(0, used - self.budget)
+        return budget.overshoot(self.budget, budget.used(self))
 
 
 @dataclass
@@ -453,7 +449,7 @@ async def run_async(
     topics = Topics(config.kafka.namespace)
     for dataset in config.datasets:
         metrics.OVERSHOOT_ALLOWANCE.labels(dataset=dataset.name).set(
-            metrics.overshoot_allowance(
+            budget.overshoot_allowance(
                 config.budget.unit,
                 config.budget.admission,
                 config.inference.concurrency,

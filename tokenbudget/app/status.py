@@ -22,6 +22,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from streams import budget as policy
 from streams import events as ev
 from streams.halts import BudgetBoard, BudgetWatcher
 from streams.topics import Topics
@@ -65,16 +66,6 @@ def rate_and_eta(
     return rate, eta
 
 
-def used_of(snap: ev.LedgerSnapshot) -> int:
-    """What the snapshot says is used of the budget, in the budget's unit."""
-    match snap.unit:
-        case "total_tokens":
-            return snap.completion_tokens + snap.prompt_tokens
-        case "samples":
-            return snap.samples
-    return snap.completion_tokens
-
-
 @dataclass(frozen=True)
 class StatusRow:
     dataset: str
@@ -107,7 +98,7 @@ class Tracker:
             return
         self.latest[snap.dataset] = snap
         points = self.history.setdefault(snap.dataset, deque())
-        points.append((snap.at, used_of(snap)))
+        points.append((snap.at, policy.used(snap)))
         while points and points[0][0] < snap.at - 2 * self.window:
             points.popleft()
 
@@ -127,8 +118,8 @@ class Tracker:
                 "unknown",
             )
         budget = snap.budget if snap.budget is not None else budget
-        kept = used_of(snap)
-        remaining = None if budget is None else max(0, budget - kept)
+        kept = policy.used(snap)
+        remaining = None if budget is None else policy.unused(budget, kept)
         points = list(self.history.get(dataset, ()))
         rate, eta = rate_and_eta(points, remaining, self.window, now)
         if snap.status != "open":

@@ -1,0 +1,266 @@
+"""The budget policy, in one place: pure arithmetic and small tables, no I/O.
+
+The ledger (:mod:`streams.ledger`), the admission and the dispatcher
+(:mod:`producers`), ``tokenbudget status``, the run report and the metrics call
+these, so what a budget means is written once. The choices are named in the
+config (:data:`tokenbudget.config.Unit`, :data:`~tokenbudget.config.BoundaryPolicy`,
+:data:`~tokenbudget.config.AdmissionMode`); what each does is a row of a table
+here. Adding a unit, a policy or a mode means a row here and a name there.
+
+Units (``[budget] unit``), :data:`UNITS`:
+
+    completion_tokens  tokens generated; an answer can be cut at a token to fit
+    total_tokens       prompt + completion tokens; a request reserves an upper
+                       bound on its prompt's tokens too
+    samples            completions, one each whatever their length
+
+Boundary policies (``[budget] on_boundary``), :data:`BOUNDARY_POLICIES`: the
+smallest request still worth sending when the budget's last part cannot cover a
+whole one (the *floor*):
+
+    truncate  the last tokens go out as a request with a lower max_new_tokens,
+              down to ``min_new_tokens``
+    finish    a request goes out whole or not at all
+
+Admission modes (``[budget] admission``), :data:`ADMISSION_MODES`:
+
+    reserve   every request reserves its cost before it is sent: nothing is kept
+              beyond the budget
+    halt      a dataset stops once a completion shows its budget reached: what is
+              in flight then is kept beyond it (the overshoot allowance)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+from tokenbudget.config import AdmissionMode, BoundaryPolicy, Unit
+
+
+class Counts(Protocol):
+    """What the ledger has kept of a dataset (a ledger state, a snapshot, a result)."""
+
+    @property
+    def unit(self) -> Unit: ...
+    @property
+    def completion_tokens(self) -> int: ...
+    @property
+    def prompt_tokens(self) -> int: ...
+    @property
+    def samples(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class UnitRule:
+    """What a budget unit counts and how requests reserve it."""
+
+    cost: Callable[[int, int], int]  # (prompt tokens, completion tokens) -> one answer's cost
+    used: Callable[[Counts], int]  # what the kept answers cost together
+    # A request reserves its tokens (max_new_tokens, plus the prompt's estimate when
+    # ``prompt_reserved``), so a smaller reservation means a lower max_new_tokens;
+    # otherwise it reserves 1 whatever its length.
+    in_tokens: bool
+    prompt_reserved: bool
+    # An answer can be cut at a token to fit what is left (given its token ids).
+    cuttable: bool
+
+
+UNITS: Mapping[Unit, UnitRule] = {
+    "completion_tokens": UnitRule(
+        cost=lambda prompt, completion: completion,
+        used=lambda counts: counts.completion_tokens,
+        in_tokens=True,
+        prompt_reserved=False,
+        cuttable=True,
+    ),
+    "total_tokens": UnitRule(
+        cost=lambda prompt, completion: prompt + completion,
+        used=lambda counts: counts.completion_tokens + counts.prompt_tokens,
+        in_tokens=True,
+        prompt_reserved=True,
+        cuttable=False,
+    ),
+    "samples": UnitRule(
+        cost=lambda prompt, completion: 1,
+        used=lambda counts: counts.samples,
+        in_tokens=False,
+        prompt_reserved=False,
+        cuttable=False,
+    ),
+}
+
+
+def unit_rule(unit: Unit) -> UnitRule:
+    """The rule of ``unit``; ValueError for a name that is no unit."""
+    try:
+        return UNITS[unit]
+    except KeyError:
+        raise ValueError(f"unknown budget unit {unit!r}") from None
+
+
+def unit_cost(unit: Unit, prompt_tokens: int, completion_tokens: int) -> int:
+    """What one completion consumes of a budget in ``unit``."""
+    return unit_rule(unit).cost(prompt_tokens, completion_tokens)
+
+
+def used(counts: Counts, unit: Unit | None = None) -> int:
+    """How much of the budget the kept answers used, in ``unit`` (default: their own)."""
+    return unit_rule(unit or counts.unit).used(counts)
+
+
+def unused(budget: int, spent: int) -> int:
+    """What is left of ``budget`` once ``spent`` is kept (never below 0)."""
+    return max(0, budget - spent)
+
+
+def overshoot(budget: int, spent: int) -> int:
+    """What was kept beyond ``budget`` (0 within it)."""
+    return max(0, spent - budget)
+
+
+def full(budget: int, spent: int, floor: int) -> bool:
+    """Whether what is left of the budget is below the smallest useful request."""
+    return budget - spent < floor
+
+
+def cuttable(unit: Unit, has_token_ids: bool) -> bool:
+    """Whether an answer can be cut at a token to fit: only in a unit that allows it,
+    and only with its token ids (text alone cannot be cut exactly)."""
+    return unit_rule(unit).cuttable and has_token_ids
+
+
+def fit(cost: int, left: int, can_cut: bool) -> int | None:
+    """How much of an answer costing ``cost`` is kept when ``left`` may still be:
+    all of it if it fits, else what is left when it can be cut (``can_cut``) and
+    something is, else None (nothing of it)."""
+    if cost <= left:
+        return cost
+    if not can_cut or left <= 0:
+        return None
+    return left
+
+
+# -- boundary policies: the floor of a request -------------------------------------------
+
+
+def _truncate_floor(want: int, overhead: int, min_new_tokens: int) -> int:
+    """Cut at the line: the prompt and the fewest new tokens still worth asking for."""
+    return overhead + min_new_tokens
+
+
+def _finish_floor(want: int, overhead: int, min_new_tokens: int) -> int:
+    """Whole or nothing: the request as it was asked for."""
+    return want
+
+
+#: policy -> floor(want, overhead, min_new_tokens), in the budget's unit
+BOUNDARY_POLICIES: Mapping[BoundaryPolicy, Callable[[int, int, int], int]] = {
+    "truncate": _truncate_floor,
+    "finish": _finish_floor,
+}
+
+
+@dataclass(frozen=True)
+class Ask:
+    """What one request asks of a lease, in the budget's unit (see :func:`ask`)."""
+
+    unit: Unit
+    want: int  # the whole request
+    floor: int  # the least worth sending: below it the request does not go out
+    overhead: int  # what of ``want`` is not new tokens (the prompt's estimate)
+    max_new_tokens: int  # the request's own limit
+
+    def clamp(self, balance: int, ledger_short: bool) -> int | None:
+        """What to reserve from a lease holding ``balance``: the whole request when
+        it covers it; once the ledger has no more to give (``ledger_short``), the
+        balance itself if it reaches the floor; else None (ask the ledger first)."""
+        if balance >= self.want:
+            return self.want
+        if ledger_short and balance >= self.floor:
+            return balance
+        return None
+
+    def max_new_tokens_for(self, reserved: int) -> int:
+        """The max_new_tokens to send for ``reserved`` (from :meth:`clamp`), so the
+        server cannot generate more than was reserved."""
+        if not unit_rule(self.unit).in_tokens:
+            return self.max_new_tokens
+        return reserved - self.overhead
+
+    def lease_request(self, lease_size: int) -> int:
+        """What to ask the ledger for on the lease: a lease's worth, or more if this
+        one request needs it."""
+        return max(lease_size, self.want)
+
+
+def ask(
+    unit: Unit,
+    policy: BoundaryPolicy,
+    max_new_tokens: int,
+    prompt_estimate: int = 0,
+    min_new_tokens: int = 1,
+) -> Ask:
+    """What a request of ``max_new_tokens`` (its prompt at most ``prompt_estimate``
+    tokens) reserves, and its floor under ``policy``. A request in a unit that is
+    not tokens reserves 1, whole or nothing."""
+    rule = unit_rule(unit)
+    if not rule.in_tokens:
+        return Ask(unit, want=1, floor=1, overhead=0, max_new_tokens=max_new_tokens)
+    overhead = prompt_estimate if rule.prompt_reserved else 0
+    want = overhead + max_new_tokens
+    floor = BOUNDARY_POLICIES[policy](want, overhead, min_new_tokens)
+    return Ask(unit, want=want, floor=floor, overhead=overhead, max_new_tokens=max_new_tokens)
+
+
+# -- leases and admission modes ----------------------------------------------------------
+
+
+def lease_size(unit: Unit, configured: int, concurrency: int, max_new_tokens: int) -> int:
+    """What a dispatcher asks the ledger for at a time: ``configured`` when set (not
+    0), else a quarter of what its requests in flight can reserve together."""
+    if configured:
+        return configured
+    if not unit_rule(unit).in_tokens:
+        return max(1, concurrency // 4)
+    return max(1, concurrency * max_new_tokens // 4)
+
+
+@dataclass(frozen=True)
+class AdmissionRule:
+    """How requests are admitted under a mode."""
+
+    reserves: bool  # requests reserve before they are sent (a lease per dispatcher)
+    # (requests that may be in flight at once, each's largest cost) -> the overshoot
+    allowance: Callable[[int, int], int]
+
+
+ADMISSION_MODES: Mapping[AdmissionMode, AdmissionRule] = {
+    # Nothing is sent that the ledger has not granted.
+    "reserve": AdmissionRule(reserves=True, allowance=lambda in_flight, each: 0),
+    # The halt comes after the fact: whatever is in flight then is kept.
+    "halt": AdmissionRule(reserves=False, allowance=lambda in_flight, each: in_flight * each),
+}
+
+
+def reserves(admission: AdmissionMode) -> bool:
+    """Whether requests reserve budget before they are sent under ``admission``."""
+    return ADMISSION_MODES[admission].reserves
+
+
+def overshoot_allowance(
+    unit: Unit,
+    admission: AdmissionMode,
+    concurrency: int,
+    max_new_tokens: int,
+    dispatchers: int = 1,
+) -> int:
+    """The overshoot the admission mode allows, in the budget's unit.
+
+    Reservations (``reserve``) send nothing the ledger has not granted: 0. With
+    ``halt``, what every dispatcher may still have in flight when the halt comes; for
+    ``total_tokens`` the prompt tokens of those requests come on top (unknown before
+    they are sent), so this is a lower bound there."""
+    each = max_new_tokens if unit_rule(unit).in_tokens else 1
+    return ADMISSION_MODES[admission].allowance(max(1, dispatchers) * concurrency, each)

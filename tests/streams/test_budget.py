@@ -1,0 +1,188 @@
+"""The budget policy: units, boundary policies (ask, floor, clamp, fit), allowances."""
+
+from __future__ import annotations
+
+from typing import get_args
+
+import pytest
+
+from streams import budget
+from streams.budget import ask, unit_cost, used
+from streams.events import BudgetUnit, LedgerSnapshot
+from streams.ledger import DatasetLedger
+from tokenbudget.config import AdmissionMode, BoundaryPolicy, Unit
+
+# ---- every name the config accepts has its row -------------------------------------
+
+
+def test_each_configured_name_has_a_rule() -> None:
+    assert set(budget.UNITS) == set(get_args(Unit))
+    assert set(budget.BOUNDARY_POLICIES) == set(get_args(BoundaryPolicy))
+    assert set(budget.ADMISSION_MODES) == set(get_args(AdmissionMode))
+
+
+# ---- units ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("unit", "expected"),
+    [("completion_tokens", 10), ("total_tokens", 13), ("samples", 1)],
+)
+def test_unit_cost(unit: BudgetUnit, expected: int) -> None:
+    assert unit_cost(unit, 3, 10) == expected
+
+
+def test_unit_cost_rejects_an_unknown_unit() -> None:
+    with pytest.raises(ValueError):
+        unit_cost("bytes", 1, 1)  # type: ignore[arg-type]
+
+
+def test_used_per_unit() -> None:
+    state = DatasetLedger(dataset="ds", completion_tokens=100, prompt_tokens=40, samples=3)
+    assert used(state) == 100
+    assert used(state, "completion_tokens") == 100
+    assert used(state, "total_tokens") == 140
+    assert used(state, "samples") == 3
+
+
+def test_used_reads_a_snapshot_in_its_own_unit() -> None:
+    snap = LedgerSnapshot(
+        dataset="ds",
+        budget=500,
+        unit="total_tokens",
+        completion_tokens=100,
+        prompt_tokens=40,
+        samples=3,
+        skipped=0,
+        failed=0,
+        produced=None,
+        halted=False,
+        status="open",
+        at=1.0,
+    )
+    assert used(snap) == 140
+
+
+def test_used_rejects_an_unknown_unit() -> None:
+    with pytest.raises(ValueError):
+        used(DatasetLedger(dataset="ds"), "bytes")  # type: ignore[arg-type]
+
+
+def test_unused_overshoot_and_full_at_their_boundaries() -> None:
+    assert budget.unused(100, 60) == 40
+    assert budget.unused(100, 130) == 0
+    assert budget.overshoot(100, 100) == 0
+    assert budget.overshoot(100, 130) == 30
+    # Full once what is left is below the smallest useful request, not at it.
+    assert not budget.full(100, 90, 10)
+    assert budget.full(100, 91, 10)
+    assert budget.full(100, 120, 1)
+
+
+# ---- the ask and the floor of each policy ---------------------------------------------
+
+
+def test_truncate_asks_for_the_whole_request_down_to_min_new_tokens() -> None:
+    request = ask("completion_tokens", "truncate", 4096, prompt_estimate=500, min_new_tokens=16)
+    # A completion-token budget does not reserve the prompt.
+    assert (request.want, request.floor, request.overhead) == (4096, 16, 0)
+
+
+def test_truncate_in_total_tokens_reserves_the_prompt_too() -> None:
+    request = ask("total_tokens", "truncate", 4096, prompt_estimate=500, min_new_tokens=16)
+    assert (request.want, request.floor, request.overhead) == (4596, 516, 500)
+
+
+@pytest.mark.parametrize(("unit", "want"), [("completion_tokens", 4096), ("total_tokens", 4596)])
+def test_finish_asks_for_the_whole_request_or_nothing(unit: Unit, want: int) -> None:
+    request = ask(unit, "finish", 4096, prompt_estimate=500, min_new_tokens=16)
+    assert request.want == request.floor == want
+
+
+@pytest.mark.parametrize("policy", get_args(BoundaryPolicy))
+def test_a_sample_is_one_whole_request_under_any_policy(policy: BoundaryPolicy) -> None:
+    request = ask("samples", policy, 4096, prompt_estimate=500, min_new_tokens=16)
+    assert (request.want, request.floor, request.overhead) == (1, 1, 0)
+
+
+# ---- the clamp: what a lease's balance admits -------------------------------------------
+
+
+def test_clamp_takes_the_whole_request_when_the_balance_covers_it() -> None:
+    request = ask("completion_tokens", "truncate", 100, min_new_tokens=10)
+    assert request.clamp(100, ledger_short=False) == 100
+    assert request.clamp(5000, ledger_short=True) == 100
+
+
+def test_clamp_cuts_only_once_the_ledger_has_no_more_to_give() -> None:
+    request = ask("completion_tokens", "truncate", 100, min_new_tokens=10)
+    assert request.clamp(99, ledger_short=False) is None  # ask the ledger first
+    assert request.clamp(99, ledger_short=True) == 99
+    assert request.clamp(10, ledger_short=True) == 10  # at the floor
+    assert request.clamp(9, ledger_short=True) is None  # below it
+
+
+def test_clamp_under_finish_never_cuts() -> None:
+    request = ask("completion_tokens", "finish", 100)
+    assert request.clamp(99, ledger_short=True) is None
+    assert request.clamp(100, ledger_short=True) == 100
+
+
+def test_max_new_tokens_sent_is_what_was_reserved_for_new_tokens() -> None:
+    assert ask("completion_tokens", "truncate", 100).max_new_tokens_for(40) == 40
+    total = ask("total_tokens", "truncate", 100, prompt_estimate=30)
+    assert total.max_new_tokens_for(70) == 40  # the prompt's estimate is not new tokens
+    # A sample reserves 1, whatever max_new_tokens it is sent with.
+    assert ask("samples", "truncate", 100).max_new_tokens_for(1) == 100
+
+
+def test_lease_request_is_a_lease_or_the_one_request_that_needs_more() -> None:
+    assert ask("completion_tokens", "truncate", 100).lease_request(4096) == 4096
+    assert ask("completion_tokens", "truncate", 8192).lease_request(4096) == 8192
+
+
+# ---- the fit: what of a generated answer is kept -----------------------------------------
+
+
+def test_fit_keeps_an_answer_whole_when_it_fits() -> None:
+    assert budget.fit(30, 100, can_cut=False) == 30
+    assert budget.fit(100, 100, can_cut=False) == 100  # exactly at the line
+
+
+def test_fit_cuts_at_the_line_only_when_the_answer_can_be_cut() -> None:
+    assert budget.fit(140, 100, can_cut=True) == 100
+    assert budget.fit(140, 100, can_cut=False) is None
+    assert budget.fit(140, 0, can_cut=True) is None  # nothing left to cut to
+
+
+def test_only_completion_token_answers_with_ids_can_be_cut() -> None:
+    assert budget.cuttable("completion_tokens", has_token_ids=True)
+    assert not budget.cuttable("completion_tokens", has_token_ids=False)
+    assert not budget.cuttable("total_tokens", has_token_ids=True)
+    assert not budget.cuttable("samples", has_token_ids=True)
+
+
+# ---- lease size and admission modes ----------------------------------------------------
+
+
+def test_lease_size() -> None:
+    assert budget.lease_size("completion_tokens", 20_000, 64, 8192) == 20_000  # configured
+    # Automatic: a quarter of what the requests in flight can reserve together.
+    assert budget.lease_size("completion_tokens", 0, 64, 8192) == 64 * 8192 // 4
+    assert budget.lease_size("total_tokens", 0, 8, 100) == 200
+    assert budget.lease_size("samples", 0, 64, 8192) == 16
+    assert budget.lease_size("samples", 0, 2, 8192) == 1  # never 0
+
+
+def test_only_reserve_reserves() -> None:
+    assert budget.reserves("reserve")
+    assert not budget.reserves("halt")
+
+
+def test_overshoot_allowance() -> None:
+    # Reservations never send what the ledger has not granted: nothing to allow.
+    assert budget.overshoot_allowance("completion_tokens", "reserve", 64, 8192, 3) == 0
+    # Halting after the fact: whatever every dispatcher has in flight.
+    assert budget.overshoot_allowance("completion_tokens", "halt", 64, 8192) == 524_288
+    assert budget.overshoot_allowance("completion_tokens", "halt", 64, 8192, 3) == 3 * 524_288
+    assert budget.overshoot_allowance("samples", "halt", 64, 8192, 2) == 128
