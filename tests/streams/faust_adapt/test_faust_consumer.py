@@ -1,56 +1,119 @@
-"""The ledger's flow control: stream queues survive a resume, not a revoke."""
+"""The ledger's consumer: per-message delivery without Faust's tasks, a seek that
+rewinds partitions never committed, a livelock check that waits for a position."""
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 from types import SimpleNamespace
+from typing import Any
 
+import mode
+import pytest
 from aiokafka import TopicPartition
-from mode.utils.queues import FlowControlEvent, FlowControlQueue
 
-from streams.app import LedgerSettings, build_app
-from streams.faust_flow import LedgerConsumer, ResumeKeepsQueued, never_committed
-from streams.topics import Topics
-
-
-def queue_after(flow: FlowControlEvent, step: str) -> list[str]:
-    async def main() -> list[str]:
-        queue: FlowControlQueue[str] = FlowControlQueue(flow_control=flow, clear_on_resume=True)
-        flow.resume()
-        await queue.put("delivered after the seek")
-        flow.suspend()
-        getattr(flow, step)()
-        return [queue.get_nowait() for _ in range(queue.qsize())]
-
-    return asyncio.run(main())
+from streams.faust_adapt.consumer import (
+    LedgerConsumer,
+    never_committed,
+    position_known,
+    wait_first_fast,
+)
 
 
-def test_events_queued_before_a_resume_are_kept() -> None:
-    assert queue_after(ResumeKeepsQueued(), "resume") == ["delivered after the seek"]
-    # Faust's own flow control drops them: the loss this class exists for.
-    assert queue_after(FlowControlEvent(), "resume") == []
+class Fallback:
+    """mode's real ``Service.wait_first``, counting its calls."""
+
+    def __init__(self) -> None:
+        self.service = mode.Service()
+        self.calls = 0
+
+    async def __call__(self, *waitables: Any) -> Any:
+        self.calls += 1
+        return await self.service.wait_first(*waitables)
 
 
-def test_a_revoke_still_clears_the_queues() -> None:
-    assert queue_after(ResumeKeepsQueued(), "clear") == []
+async def _never() -> None:
+    await asyncio.Event().wait()
 
 
-def test_deliveries_wait_while_suspended_and_go_on_after_resume() -> None:
+def test_a_delivery_that_does_not_wait_wins_without_the_fallback() -> None:
+    async def deliver() -> str:
+        return "delivered"
+
     async def main() -> None:
-        flow = ResumeKeepsQueued()
-        waiting = asyncio.ensure_future(flow.acquire())
-        await asyncio.sleep(0)
-        assert not waiting.done()
-        flow.resume()
-        await asyncio.wait_for(waiting, 5)
-        assert flow.is_active()
+        fallback = Fallback()
+        loser = _never()
+        result = await wait_first_fast(fallback, deliver(), loser)
+        assert result.results == ["delivered"]
+        assert not result.stopped
+        assert fallback.calls == 0
+        assert inspect.getcoroutinestate(loser) == inspect.CORO_CLOSED
 
     asyncio.run(main())
 
 
-def test_the_ledger_app_uses_it() -> None:
-    app = build_app(LedgerSettings("127.0.0.1:9", Topics("unit")))
-    assert isinstance(app.flow_control, ResumeKeepsQueued)
+def test_a_delivery_that_waits_is_finished_under_the_fallback() -> None:
+    steps: list[str] = []
+
+    async def deliver(gate: asyncio.Future[int]) -> int:
+        steps.append("started")
+        value = await gate
+        await asyncio.sleep(0)  # a bare yield after the future
+        steps.append("finished")
+        return value * 2
+
+    async def main() -> None:
+        fallback = Fallback()
+        gate: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        asyncio.get_running_loop().call_later(0.01, gate.set_result, 21)
+        result = await wait_first_fast(fallback, deliver(gate), _never())
+        assert result.results == [42]
+        assert fallback.calls == 1
+        assert steps == ["started", "finished"]
+
+    asyncio.run(main())
+
+
+def test_a_waiting_delivery_is_abandoned_when_the_flow_is_suspended() -> None:
+    cleaned_up: list[bool] = []
+
+    async def deliver(gate: asyncio.Future[None]) -> None:
+        try:
+            await gate
+        finally:
+            cleaned_up.append(True)
+
+    async def main() -> None:
+        fallback = Fallback()
+        suspend_flow = asyncio.Event()
+        gate: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        asyncio.get_running_loop().call_later(0.01, suspend_flow.set)
+        result = await wait_first_fast(fallback, deliver(gate), suspend_flow.wait())
+        assert result.results == [True]  # the suspension won
+        await asyncio.sleep(0)
+        assert cleaned_up == [True]
+        assert gate.cancelled()
+
+    asyncio.run(main())
+
+
+def test_a_delivery_error_is_raised_whether_or_not_it_waited() -> None:
+    async def fails_at_once() -> None:
+        raise ValueError("undeliverable")
+
+    async def fails_later() -> None:
+        await asyncio.sleep(0.01)
+        raise ValueError("undeliverable later")
+
+    async def main() -> None:
+        loser = _never()
+        with pytest.raises(ValueError, match="undeliverable"):
+            await wait_first_fast(Fallback(), fails_at_once(), loser)
+        assert inspect.getcoroutinestate(loser) == inspect.CORO_CLOSED
+        with pytest.raises(ValueError, match="undeliverable later"):
+            await wait_first_fast(Fallback(), fails_later(), _never())
+
+    asyncio.run(main())
 
 
 class FakeConsumerThread:
@@ -110,8 +173,6 @@ class ThreadWithSubscriptions:
 def test_the_livelock_check_passes_over_a_partition_without_a_position() -> None:
     from aiokafka.consumer.subscription_state import SubscriptionState
 
-    from streams.faust_flow import position_known
-
     async def main() -> None:
         fresh, running = TopicPartition("ns.completions", 0), TopicPartition("ns.completions", 1)
         subscriptions = SubscriptionState()
@@ -134,8 +195,6 @@ def test_the_livelock_check_passes_over_a_partition_without_a_position() -> None
 def test_fausts_livelock_check_still_reads_the_position_it_may_not_have() -> None:
     """The installed Faust reads aiokafka's ``position``, which asserts one is set:
     if a Faust upgrade stops doing so, LedgerConsumer.verify_event_path can go."""
-    import inspect
-
     from aiokafka.consumer.subscription_state import TopicPartitionState
     from faust.transport.drivers.aiokafka import AIOKafkaConsumerThread
 
