@@ -8,16 +8,26 @@ import inspect
 from types import SimpleNamespace
 from typing import Any
 
+import aiokafka
 import mode
 import pytest
 from aiokafka import TopicPartition
+from aiokafka.consumer.fetcher import Fetcher
+from faust.tables.recovery import Recovery
+from faust.transport.consumer import Consumer
+from faust.transport.drivers.aiokafka import AIOKafkaConsumerThread
+from faust.transport.drivers.aiokafka import Consumer as AIOKafkaConsumer
 
+from streams.app import LedgerSettings, build_app
+from streams.faust_adapt import HotPath
 from streams.faust_adapt.consumer import (
+    FastDeliveryConsumer,
     LedgerConsumer,
     never_committed,
     position_known,
     wait_first_fast,
 )
+from streams.topics import Topics
 
 
 class Fallback:
@@ -203,3 +213,101 @@ def test_fausts_livelock_check_still_reads_the_position_it_may_not_have() -> Non
     assert "assert self._position is not None" in inspect.getsource(
         TopicPartitionState.position.fget  # type: ignore[attr-defined]
     )
+
+
+# -- against the installed Faust, mode and aiokafka ------------------------------------
+
+
+def shape(function: object) -> list[tuple[str, object, object]]:
+    """A signature without its annotations: how callers bind the arguments."""
+    parameters = inspect.signature(function).parameters.values()  # type: ignore[arg-type]
+    return [(p.name, p.kind, p.default) for p in parameters]
+
+
+@pytest.mark.parametrize(
+    ("ours", "name"),
+    [
+        (LedgerConsumer, "verify_event_path"),
+        (LedgerConsumer, "seek_to_committed"),
+        (FastDeliveryConsumer, "wait_first"),
+    ],
+)
+def test_the_overridden_methods_exist_on_fausts_consumer_with_their_signatures(
+    ours: type, name: str
+) -> None:
+    assert shape(getattr(ours, name)) == shape(getattr(AIOKafkaConsumer, name))
+    assert inspect.iscoroutinefunction(getattr(ours, name)) == inspect.iscoroutinefunction(
+        getattr(AIOKafkaConsumer, name)
+    )
+
+
+def test_faust_delivers_every_message_through_wait_first() -> None:
+    source = inspect.getsource(Consumer._drain_messages)
+    assert "await self.wait_first(\n" in source
+    assert "callback(message), self.suspend_flow.wait()" in source
+
+
+def test_fausts_seek_after_recovery_goes_through_seek_to_committed() -> None:
+    assert "await self.seek_to_committed()" in inspect.getsource(Consumer.perform_seek)
+    assert "consumer.perform_seek()" in inspect.getsource(Recovery.on_recovery_completed)
+    # LedgerConsumer rewinds through the thread, by aiokafka partitions.
+    assert shape(AIOKafkaConsumerThread.seek_to_beginning) == [
+        ("self", inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.empty),
+        ("partitions", inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.empty),
+    ]
+
+
+def test_the_livelock_check_reaches_aiokafkas_subscriptions_where_ledger_consumer_looks() -> None:
+    assert "self._subscriptions = subscriptions" in inspect.getsource(Fetcher.__init__)
+    assert "self._fetcher = Fetcher(" in inspect.getsource(aiokafka.AIOKafkaConsumer.start)
+    assert (
+        inspect.getsource(AIOKafkaConsumer.verify_event_path)
+        .rstrip()
+        .endswith("return self._thread.verify_event_path(now, tp)")
+    )
+
+
+def _app(hot_path: HotPath | None = None) -> Any:
+    settings = LedgerSettings("127.0.0.1:9", Topics("unit"), hot_path=hot_path or HotPath())
+    return build_app(settings)
+
+
+def test_the_ledger_apps_consumer_is_ours_and_knows_its_changelogs() -> None:
+    app = _app()
+    assert type(app.consumer) is FastDeliveryConsumer
+    assert app.tables.changelog_topics == {
+        "unit-ledger-ledger-changelog",
+        "unit-ledger-outcomes-changelog",
+    }
+    assert type(_app(HotPath(fast_delivery=False)).consumer) is LedgerConsumer
+
+
+def test_the_real_consumer_delivers_at_once_and_closes_the_flow_wait() -> None:
+    async def deliver() -> str:
+        return "delivered"
+
+    async def main() -> None:
+        consumer = _app().consumer
+        suspended = _never()
+        result = await consumer.wait_first(deliver(), suspended)
+        assert result.results == ["delivered"]
+        assert inspect.getcoroutinestate(suspended) == inspect.CORO_CLOSED
+
+    asyncio.run(main())
+
+
+def test_the_real_consumer_still_abandons_a_waiting_delivery_when_the_flow_suspends() -> None:
+    async def main() -> None:
+        consumer = _app().consumer
+        gate: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        suspend_flow = asyncio.Event()
+        asyncio.get_running_loop().call_soon(suspend_flow.set)
+        result = await consumer.wait_first(gate_waiter(gate), suspend_flow.wait())
+        assert result.results == [True]
+        await asyncio.sleep(0)
+        assert gate.cancelled()
+
+    async def gate_waiter(gate: asyncio.Future[None]) -> None:
+        await gate
+
+    asyncio.run(main())
