@@ -46,7 +46,7 @@ class LedgerSettings:
     on_state: Callable[[ledger.DatasetLedger], None] | None = None  # metrics hook
     # Of the topics Faust may create itself (every other one exists before it starts).
     replication_factor: int = 1
-    hot_path: HotPath = field(default_factory=HotPath)  # bench/ledger.py --stock turns cuts off
+    hot_path: HotPath = field(default_factory=HotPath)  # bench/ledger.py --without turns cuts off
 
 
 BATCH = 1000
@@ -335,12 +335,12 @@ class LedgerWorker:
             topic, encode = self.datasets_changelog, self.dataset_key
         else:
             topic, encode = self.outcomes_changelog, self.outcome_key
+        encoded = {p: [(encode(key), value) for key, value in kv] for p, kv in writes.items()}
         producer = faust_adapt.kafka_producer(self.app)
         sent: list[asyncio.Future[Any]] = []
         try:
-            for partition, entries in writes.items():
-                encoded = [(encode(key), value) for key, value in entries]
-                sent += await faust_adapt.write_changelog(producer, topic, partition, encoded)
+            for partition, entries in encoded.items():
+                sent += await faust_adapt.write_changelog(producer, topic, partition, entries)
         except Exception as exc:  # not queued: a timeout, a closed or failed producer
             _exit_after_failed_write(repr(exc))
         return sent

@@ -11,7 +11,7 @@ Correctness (each closes a way Faust lost or mis-attributed events on a real bro
 * :mod:`.recovery`: table recovery keeps the newer owner's value.
 * Faust's producer buffer holds 20,000 messages (:func:`install`).
 
-Speed (:mod:`.hot_path`, measured by ``bench/ledger.py --stock``): delivery without
+Speed (:mod:`.hot_path`, measured by ``bench/ledger.py --without``): delivery without
 four tasks per message, changelog writes as record batches, raw schema, quiet
 monitor.
 

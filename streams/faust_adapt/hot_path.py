@@ -27,7 +27,7 @@ from faust.sensors.monitor import Monitor
 @dataclass(frozen=True)
 class HotPath:
     """Which of Faust's per-message costs the ledger cuts: all of them, except where
-    ``bench/ledger.py --stock`` turns one off to measure it against stock Faust."""
+    ``bench/ledger.py --without`` turns one off to measure it against stock Faust."""
 
     fast_delivery: bool = True  # FastDeliveryConsumer instead of LedgerConsumer
     quiet_monitor: bool = True  # QuietMonitor instead of Faust's Monitor
