@@ -167,7 +167,7 @@ class LedgerWorker:
         self.outcome_key = faust_adapt.changelog_key_encoder(self.outcomes)
         self.source = app.topic(
             *sources,
-            schema=settings.hot_path.schema(key_type=bytes, value_type=bytes),
+            schema=faust.Schema(key_type=bytes, value_type=bytes),
             partitions=topics.partitions,
         )
         self.budgets_out = self._raw_topic(topics.budgets)
@@ -538,7 +538,6 @@ def new_app(settings: LedgerSettings) -> faust.App:
         broker_heartbeat_interval=1.0,
         key_serializer="raw",
         value_serializer="raw",
-        Monitor=settings.hot_path.monitor,
     )
 
 

@@ -11,9 +11,9 @@ Correctness (each closes a way Faust lost or mis-attributed events on a real bro
 * :mod:`.recovery`: table recovery keeps the newer owner's value.
 * Faust's producer buffer holds 20,000 messages (:func:`install`).
 
-Speed (:mod:`.hot_path`, measured by ``bench/ledger.py --without``): delivery without
-four tasks per message, changelog writes as record batches, raw schema, quiet
-monitor.
+Speed (switches in :mod:`.hot_path`, measured by ``bench/ledger.py --without``):
+delivery without four tasks per message (:mod:`.consumer`), changelog writes as
+record batches (:mod:`.producer`).
 
 Importing this package changes nothing in those libraries; :func:`install` (once per
 process, before the app is built) checks their versions (:mod:`.versions`) and
@@ -32,7 +32,7 @@ from faust.transport.producer import ProducerBuffer
 
 from streams.faust_adapt.consumer import FastDeliveryConsumer, LedgerConsumer
 from streams.faust_adapt.flow import LedgerApp
-from streams.faust_adapt.hot_path import HotPath, QuietMonitor, RawSchema
+from streams.faust_adapt.hot_path import HotPath
 from streams.faust_adapt.ownership import Ownership
 from streams.faust_adapt.producer import (
     LedgerProducer,
@@ -48,8 +48,6 @@ __all__ = [
     "HotPath",
     "LedgerApp",
     "Ownership",
-    "QuietMonitor",
-    "RawSchema",
     "changelog_key_encoder",
     "install",
     "kafka_producer",
