@@ -123,6 +123,9 @@ def test_the_producer_written_to_is_the_one_faust_flushes_before_a_commit() -> N
 
 
 def test_the_ledgers_producer_is_idempotent_where_fausts_is_not() -> None:
+    assert list(inspect.signature(LedgerProducer._settings_extra).parameters) == list(
+        inspect.signature(FaustProducer._settings_extra).parameters
+    )
     assert inspect.getsource(FaustProducer._new_producer).count("self._settings_extra()") == 1
     app = _app()
     assert type(app.producer) is LedgerProducer

@@ -4,15 +4,19 @@ change applied by install()."""
 
 from __future__ import annotations
 
+import inspect
 import subprocess
 import sys
 import tomllib
 from pathlib import Path
 
 import pytest
+from faust.transport.producer import ProducerBuffer
 
 from streams import faust_adapt
+from streams.app import LedgerSettings, build_app
 from streams.faust_adapt.versions import NOT_INSTALLED, REQUIRED, check_versions
+from streams.topics import Topics
 from tokenbudget.errors import FaustVersionError, TokenBudgetError
 
 PYPROJECT = Path(__file__).resolve().parents[3] / "pyproject.toml"
@@ -87,3 +91,13 @@ def _run(code: str) -> str:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     )
     return done.stdout.strip()
+
+
+def test_fausts_producer_buffer_stalls_deliveries_at_the_class_wide_limit() -> None:
+    """What install() changes is what Faust reads: the limit is a class attribute,
+    not set per instance, and the wait that holds deliveries compares with it."""
+    assert "max_messages" not in inspect.getsource(ProducerBuffer.__init__)
+    assert "if self.size > self.max_messages:" in inspect.getsource(ProducerBuffer.wait_until_ebb)
+    app = build_app(LedgerSettings("127.0.0.1:9", Topics("unit")))  # install()s
+    assert type(app.producer.buffer) is ProducerBuffer
+    assert app.producer.buffer.max_messages == faust_adapt.PRODUCER_BUFFER_MESSAGES
