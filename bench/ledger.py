@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/ledger.py [--events 100000] [--datasets 8] [--output-tokens 0]
     .venv/bin/python bench/ledger.py --cluster --workers 1,2,4
+    .venv/bin/python bench/ledger.py --without none,fast_delivery,changelog_batches,all
 
 ``--cluster`` runs on a three-node KRaft cluster (tokenbudget.dev.cluster: replication 3,
 min.insync.replicas 2) instead of the local broker; ``--workers`` lists the worker
@@ -17,12 +18,21 @@ workers, the rebalances as they join are: a real scale-out pays them too). The w
 peak resident memory is printed too: a catching-up worker buffers up to the stream
 buffer's worth of events, so try ``--output-tokens 4000`` (events the size of long
 real answers) for its memory.
+
+``--without`` measures the ledger with some of the cuts of Faust's per-message costs
+(:class:`streams.faust_adapt.HotPath`) turned off, one variant after the other in
+the same run: each variant names the cuts turned off, joined by ``+`` (``none``:
+every cut on; ``all``: stock Faust's hot path). The worker then runs from this
+script (``--serve-ledger``) instead of ``tokenbudget ledger``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -31,13 +41,52 @@ from tempfile import TemporaryDirectory
 from kafka import KafkaAdminClient, KafkaProducer
 
 from streams import events as ev
+from streams.app import LedgerSettings, run_worker
+from streams.faust_adapt import HotPath
 from streams.halts import BudgetWatcher
+from streams.ledger_gauges import LedgerGauges
 from streams.topics import Topics
-from tokenbudget import kafka_admin
+from tokenbudget import kafka_admin, lifetime
 from tokenbudget.app.runner import start_ledger_process, stop_process
 from tokenbudget.dev.cluster import LocalCluster
 from tokenbudget.kafka import kafka_python_producer_options
+from tokenbudget.kafka_admin import topic_layout
 from tokenbudget.localkafka import broker
+from tokenbudget.security import subprocess_env
+
+SNAPSHOT_INTERVAL_S = 0.25
+ALL_CUTS = "+".join(field.name for field in dataclasses.fields(HotPath))
+
+
+def hot_path(variant: str) -> HotPath:
+    """The cuts of a ``--without`` variant (``none``, ``all`` or names joined by +)."""
+    names = {"none": "", "all": ALL_CUTS}.get(variant, variant)
+    return HotPath.without({name for name in names.split("+") if name})
+
+
+def serve_ledger(bootstrap: str, namespace: str, variant: str) -> None:
+    """Run one ledger worker as ``tokenbudget ledger`` would, with ``variant``'s cuts."""
+    topics = Topics(namespace)
+    layout = topic_layout(bootstrap, topics.completions)
+    assert layout is not None, f"no topics in namespace {namespace}"
+    sys.argv = [sys.argv[0], "worker"]  # Faust's Worker reads argv
+    run_worker(
+        LedgerSettings(
+            bootstrap,
+            Topics(namespace, layout.partitions),
+            snapshot_interval=SNAPSHOT_INTERVAL_S,
+            on_state=LedgerGauges().observe,
+            replication_factor=layout.replication_factor,
+            hot_path=hot_path(variant),
+        )
+    )
+
+
+def start_ledger(bootstrap: str, namespace: str, variant: str | None) -> subprocess.Popen[bytes]:
+    if variant is None:
+        return start_ledger_process(bootstrap, namespace, SNAPSHOT_INTERVAL_S)
+    command = [sys.executable, __file__, "--serve-ledger", namespace, "--bootstrap", bootstrap]
+    return lifetime.spawn([*command, "--variant", variant], env=subprocess_env(bootstrap))
 
 
 def produce(bootstrap: str, topics: Topics, events: int, datasets: int, output_tokens: int) -> None:
@@ -96,13 +145,15 @@ def peak_rss_kb(pid: int) -> int:
     raise RuntimeError(f"no VmHWM in /proc/{pid}/status")
 
 
-def measure(bootstrap: str, workers: int, args: argparse.Namespace) -> float:
+def measure(
+    bootstrap: str, workers: int, args: argparse.Namespace, variant: str | None = None
+) -> float:
     topics = Topics(f"bench-ledger-{workers}w-{uuid.uuid4().hex[:6]}")
     kafka_admin.ensure_topics(bootstrap, topics.specs())
     t0 = time.monotonic()
     produce(bootstrap, topics, args.events, args.datasets, args.output_tokens)
     print(f"produced {args.events:,} completion events in {time.monotonic() - t0:.1f} s")
-    ledgers = [start_ledger_process(bootstrap, topics.namespace, 0.25) for _ in range(workers)]
+    ledgers = [start_ledger(bootstrap, topics.namespace, variant) for _ in range(workers)]
     try:
         start, end, processed = asyncio.run(watch(bootstrap, topics, args.events, args.datasets))
         peak_rss_mb = max(peak_rss_kb(ledger.pid) for ledger in ledgers) / 1024
@@ -113,7 +164,8 @@ def measure(bootstrap: str, workers: int, args: argparse.Namespace) -> float:
     print(
         f"ledger: {processed:,} completion events in {end - start:.1f} s = {rate:,.0f} events/s"
         f" ({workers} Faust worker{'s' if workers > 1 else ''}, idempotency table,"
-        f" {args.datasets} datasets, {topics.partitions} partitions)"
+        f" {args.datasets} datasets, {topics.partitions} partitions"
+        + (f", without: {variant})" if variant is not None else ")")
     )
     print(
         f"ledger worker peak RSS: {peak_rss_mb:,.0f} MB ({args.output_tokens} token ids per event)"
@@ -131,7 +183,21 @@ def main() -> None:
     parser.add_argument("--output-tokens", type=int, default=0, help="token ids per event")
     parser.add_argument("--cluster", action="store_true", help="a three-node cluster")
     parser.add_argument("--workers", default="1", help="worker counts, e.g. 1,2,4")
+    parser.add_argument(
+        "--without",
+        default="",
+        help=f"variants of cuts turned off, e.g. none,fast_delivery,all (cuts: {ALL_CUTS})",
+    )
+    parser.add_argument("--bootstrap", default="", help="a running broker (default: local)")
+    parser.add_argument("--serve-ledger", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--variant", default="none", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.serve_ledger:
+        serve_ledger(args.bootstrap, args.serve_ledger, args.variant)
+        return
+    if args.without:
+        compare_variants(args)
+        return
     counts = [int(n) for n in args.workers.split(",")]
     with TemporaryDirectory(prefix="bench-cluster-") as home:
         cluster = LocalCluster.create(Path(home)) if args.cluster else None
@@ -140,7 +206,7 @@ def main() -> None:
                 bootstrap = cluster.up()
                 print(f"three-node cluster at {bootstrap}")
             else:
-                bootstrap = broker.up(broker.BrokerSettings.from_env(), [])
+                bootstrap = args.bootstrap or broker.up(broker.BrokerSettings.from_env(), [])
             rates = {workers: measure(bootstrap, workers, args) for workers in counts}
         finally:
             if cluster is not None:
@@ -150,6 +216,21 @@ def main() -> None:
         print(
             f"{workers} worker(s): {rate:,.0f} events/s = {rate / baseline:.2f}x"
             f" the {counts[0]}-worker baseline"
+        )
+
+
+def compare_variants(args: argparse.Namespace) -> None:
+    """One worker per ``--without`` variant, in order, on the local (or given) broker."""
+    variants = args.without.split(",")
+    for variant in variants:
+        hot_path(variant)  # refuse a misspelt cut before producing anything
+    bootstrap = args.bootstrap or broker.up(broker.BrokerSettings.from_env(), [])
+    rates = {variant: measure(bootstrap, 1, args, variant) for variant in variants}
+    baseline = rates[variants[0]]
+    for variant, rate in rates.items():
+        print(
+            f"without {variant}: {rate:,.0f} events/s = {rate / baseline:.2f}x"
+            f" the {variants[0]} variant"
         )
 
 

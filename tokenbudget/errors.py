@@ -6,6 +6,7 @@
     ├── EventDecodeError       bytes on a topic are not a known event of a known version
     ├── BrokerError            the local Kafka broker cannot be fetched, started or reached
     ├── KafkaAuthError         a Kafka broker refused our credentials, or TLS failed
+    ├── FaustVersionError      faust-streaming, mode or aiokafka is not the pinned version
     ├── InferenceError         the inference server failed a request
     │   ├── InferenceTransportError   connection refused/reset, timeout (server away)
     │   ├── InferenceUnavailableError HTTP 429, 408, 502, 503, 504 (server away)
@@ -72,6 +73,21 @@ class KafkaAuthError(TokenBudgetError):
     def __init__(self, message: str, *, keys: list[str]) -> None:
         self.keys = keys
         super().__init__(f"{message}; check config keys {', '.join(keys)}")
+
+
+class FaustVersionError(TokenBudgetError):
+    """An installed library the ledger adapts (faust-streaming, mode-streaming,
+    aiokafka) is not the version its adaptations were written and tested against."""
+
+    def __init__(self, package: str, installed: str, required: str) -> None:
+        self.package = package
+        self.installed = installed
+        self.required = required
+        super().__init__(
+            f"the ledger needs {package}=={required} (its Faust adaptations are tested "
+            f"against that version only), but {package} {installed} is installed; "
+            f"fix: pip install '{package}=={required}'"
+        )
 
 
 class InferenceError(TokenBudgetError):

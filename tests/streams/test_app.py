@@ -1,13 +1,17 @@
-"""The ledger worker's guard on its table writes (the rest of streams/app.py runs
+"""The ledger worker's guard on its table writes and its batch step (the rest of streams/app.py runs
 against the real broker in tests/integration/test_ledger_worker.py)."""
 
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
+from faust.types import Message
 
-from streams import app
+from streams import app, ledger
+from streams import events as ev
+from streams.topics import Topics
 
 
 class Exited(Exception):
@@ -74,3 +78,66 @@ def test_a_skipped_delivery_ends_the_worker(exits: list[int]) -> None:
     with pytest.raises(Exited):
         app._exit_after_skipped_delivery("completions", 2, (27, 98))
     assert exits == [75]
+
+
+# -- LedgerWorker's steps, one by one, on a real Faust app without a broker ------------
+
+
+def _worker() -> app.LedgerWorker:
+    settings = app.LedgerSettings("127.0.0.1:9", Topics("unit"))
+    return app.LedgerWorker(app.new_app(settings), settings)
+
+
+def _delivered(worker: app.LedgerWorker, topic: str, offset: int, event: ev.Event) -> Any:
+    """A Faust event as the ledger's source topic hands it over."""
+    value = ev.encode(event)
+    message = Message(topic, 1, offset, 0.0, 0, [], b"d0", value, None)
+    return worker.app.create_event(b"d0", value, [], message)
+
+
+def _completion(prompt: str, tokens: int) -> ev.CompletionEvent:
+    return ev.CompletionEvent(
+        request_id=f"r-{prompt}",
+        prompt_id=prompt,
+        dataset="d0",
+        prompt_tokens=10,
+        completion_tokens=tokens,
+        output_ids=[],
+        finish_reason="stop",
+        max_new_tokens=100,
+    )
+
+
+def _own_snapshot() -> ev.Event:
+    return ledger.snapshot(ledger.DatasetLedger(dataset="d0", budget=5), 0.0)
+
+
+def test_a_batch_is_applied_in_memory_with_offsets_and_outcomes_nothing_written() -> None:
+    worker = _worker()
+    batch = [
+        _delivered(worker, "unit.budgets", 4, ev.BudgetSet(dataset="d0", budget=1000)),
+        _delivered(worker, "unit.completions", 7, _completion("p1", 30)),
+        _delivered(worker, "unit.completions", 8, _completion("p2", 12)),
+        # Our own snapshots come back on the budgets topic: not applied.
+        _delivered(worker, "unit.budgets", 5, _own_snapshot()),
+    ]
+    changes = asyncio.run(worker.apply_batch(batch))
+    state = changes.states["d0"]
+    assert (state.budget, state.completion_tokens, state.samples) == (1000, 42, 2)
+    assert state.applied == {"unit.budgets:1": 4, "unit.completions:1": 8}
+    assert changes.partition_of == {"d0": 1}
+    assert set(changes.outcome_entries) == {"p1", "p2"}
+    assert changes.per_topic == {"unit.budgets": 2, "unit.completions": 2}
+    assert worker.datasets.data == {} and worker.outcomes.data == {}
+
+
+def test_events_applied_before_a_restart_are_skipped_by_offset() -> None:
+    worker = _worker()
+    first = asyncio.run(
+        worker.apply_batch([_delivered(worker, "unit.completions", 7, _completion("p1", 30))])
+    )
+    worker.datasets.data["d0"] = ledger.dump_ledger(first.states["d0"])  # as written
+    again = asyncio.run(
+        worker.apply_batch([_delivered(worker, "unit.completions", 7, _completion("p1", 30))])
+    )
+    assert again.states == {}

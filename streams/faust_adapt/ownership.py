@@ -22,8 +22,7 @@ stamped on everything the worker publishes for datasets of that partition, so th
 readers drop what a stale worker published anyway.
 
 This module reaches into aiokafka's group coordinator (``_do_heartbeat``) through
-Faust's consumer thread: written against faust-streaming 0.15.3, mode-streaming 0.7
-and aiokafka 0.14 (pinned in pyproject.toml).
+Faust's consumer thread (versions pinned in :mod:`streams.faust_adapt.versions`).
 """
 
 from __future__ import annotations
@@ -31,10 +30,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
-from aiokafka.partitioner import DefaultPartitioner
 from faust.types import TP
 
 from streams import events as ev
@@ -43,14 +41,6 @@ log = logging.getLogger(__name__)
 
 # Of the session timeout, what a heartbeat's answer may take on its way back.
 MARGIN = 0.2
-
-_partitioner = DefaultPartitioner()
-
-
-def partition_of(dataset: str, partitions: int) -> int:
-    """The partition of a dataset's events (keyed by its name) on every topic, as the
-    producers' default partitioner (murmur2, as Java's) places them."""
-    return int(_partitioner(dataset.encode(), list(range(partitions)), list(range(partitions))))
 
 
 class Ownership:
@@ -133,26 +123,3 @@ class Ownership:
 
         coordinator._do_heartbeat = tracked
         self._hooked = coordinator
-
-
-def recover_preferring(table: Any, prefer: Callable[[bytes, bytes], bool]) -> None:
-    """Make Faust's recovery of ``table`` (a memory store of bytes values) replace a
-    key's value by a changelog record only when ``prefer(current, record)``, instead
-    of letting the last record win: a write a stale worker's producer sent after the
-    next owner's writes must not become the state the one after recovers."""
-    store = table.data
-
-    def apply_changelog_batch(batch: Iterable[Any]) -> None:
-        for event in batch:
-            key = table._to_key(event.key)
-            if event.message.value is None:  # a tombstone
-                store.data.pop(key, None)
-                store._key_partition.pop(key, None)
-                continue
-            value = table._to_value(event.value)
-            current = store.data.get(key)
-            if current is None or prefer(current, value):
-                store.data[key] = value
-            store._key_partition[key] = event.message.partition
-
-    table.apply_changelog_batch = apply_changelog_batch
