@@ -399,12 +399,6 @@ def _ids_from_raw(raws: Sequence[msgspec.Raw]) -> pa.ListArray | None:
     return _list_array(lengths, values)
 
 
-def completions_to_table(rows: Sequence[ev.CompletionEvent]) -> pa.Table:
-    """The rows of fully decoded events (the same table :func:`decode_values` gives)."""
-    ids = _ids_from_bytes([_id_bytes(r.output_ids) for r in rows])
-    return pa.Table.from_arrays(_column_arrays(rows, ids), schema=SCHEMA)
-
-
 def _ids_of_records(rows: Sequence[Record]) -> pa.ListArray | None:
     """The ``output_ids`` column of decoded records, or None when v1 ids among them
     are not flat int32 arrays (the caller then decodes event by event)."""

@@ -21,11 +21,11 @@ from producers.inference import (
     OpenAICompletionsBackend,
     RetryPolicy,
     SGLangBackend,
-    generate_with_retries,
     make_backend,
     parse_retry_after,
 )
 from streams.events import ChatMessage
+from tests.producers.retries import generate_with_retries
 from tokenbudget import simulator
 from tokenbudget.errors import (
     InferenceError,

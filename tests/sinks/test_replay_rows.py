@@ -20,7 +20,6 @@ from sinks.parquet import (
     LegacyCompletionRecord,
     PartitionedWriter,
     WriterSettings,
-    completions_to_table,
     decode_records,
     keep_first,
     load_fenced_leases,
@@ -29,6 +28,7 @@ from sinks.parquet import (
     save_fenced_leases,
 )
 from streams import events as ev
+from tests.sinks.tables import completions_to_table
 from tokenbudget.errors import EventDecodeError
 
 
