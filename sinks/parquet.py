@@ -55,8 +55,12 @@ from streams import events as ev
 from streams.topics import Topics
 from tokenbudget import metrics
 from tokenbudget.config import Config
-from tokenbudget.errors import BrokerError, EventDecodeError
-from tokenbudget.kafka import kafka_python_options, kafka_python_producer_options
+from tokenbudget.errors import EventDecodeError
+from tokenbudget.kafka import (
+    kafka_python_options,
+    kafka_python_producer_options,
+    wait_for_partitions,
+)
 
 log = logging.getLogger(__name__)
 
@@ -839,11 +843,7 @@ class ParquetSink:
         # Join the group only once this client's metadata has the topic: a group
         # joined without it is assigned nothing and kafka-python does not rejoin
         # until its metadata ages out (minutes).
-        deadline = time.monotonic() + 30
-        while not self._consumer.partitions_for_topic(self.topics.completions):
-            if time.monotonic() > deadline:
-                raise BrokerError(f"topic {self.topics.completions} does not exist")
-            time.sleep(0.2)
+        wait_for_partitions(self._consumer, self.topics.completions, timeout=30)
         self._consumer.subscribe([self.topics.completions])
         self._dlq = KafkaProducer(**kafka_python_producer_options(self.bootstrap))
 
