@@ -19,6 +19,14 @@ kept completions to any of its targets in one pass:
 Where "first" matters (duplicates), a replay that starts later than the
 beginning (``--from-offset``, ``--since``) may keep a different completion than
 the live sink did; ``--ledger`` therefore needs the whole topic.
+
+One Kafka client library per job. The range is read with aiokafka, in async code:
+it parses record batches in C, for about half kafka-python's CPU time per GB
+(:func:`_read_range`). kafka-python serves the two jobs that need a blocking client:
+:func:`read_to_end` (the small budgets and outcomes topics, through
+:func:`tokenbudget.kafka.read_topic`), which runs after the event loop has ended
+and is called from plain code elsewhere, and ``--to-topic``'s producer, which sends
+from the processor thread, where no event loop runs.
 """
 
 from __future__ import annotations
@@ -641,15 +649,8 @@ def replay(options: ReplayOptions, *, progress: bool = True) -> ReplaySummary:
     summary = ReplaySummary(topic=options.source)
     started = time.monotonic()
     tokenizer = load_tokenizer_folder(options.recount_with) if options.recount_with else None
-    writer: _BackgroundWriter | None = None
     first = FirstCompletion()
-    if options.to_parquet is not None:
-        remove_stale_temporaries(options.to_parquet)
-        already = existing_prompt_ids(options.to_parquet)
-        first.fenced.update(load_fenced_leases(options.to_parquet))
-        writer = _BackgroundWriter(PartitionedWriter(options.to_parquet, options.writer))
-    else:
-        already = set()
+    writer, already = _open_parquet(options, first)
     producer: KafkaProducer | None = None
     if options.to_topic:
         from streams.topics import TopicSpec, completion_topic_configs
@@ -671,15 +672,7 @@ def replay(options: ReplayOptions, *, progress: bool = True) -> ReplaySummary:
         finally:
             processor.close()
         if writer is not None:
-            writer.finish()
-            if first.fenced:
-                save_fenced_leases(writer.writer.root, first.fenced)
-            summary.stages["write"] = writer.seconds
-            summary.parquet = {
-                "path": str(options.to_parquet),
-                "files": len(writer.writer.files),
-                "rows": dict(sorted(writer.writer.rows_written.items())),
-            }
+            _finish_parquet(writer, first, options, summary)
             writer = None
         if producer is not None:
             producer.flush()
@@ -691,35 +684,84 @@ def replay(options: ReplayOptions, *, progress: bool = True) -> ReplaySummary:
             producer.close()
     summary.duplicates = first.duplicates
     if options.ledger:
-        completed = first.seen
-        outcomes = outcome_counts(
-            options.bootstrap, options.topics, completed, options.datasets, first.rejected
-        )
-        for name, (skipped, failed) in outcomes.items():
-            totals = summary.datasets.setdefault(name, Totals())
-            totals.skipped, totals.failed = skipped, failed
-        summary.ledger = compare_ledger(
-            summary.datasets, live_snapshots(options.bootstrap, options.topics), options.datasets
-        )
+        summary.ledger = _compare_with_live_ledger(options, summary, first)
     if tokenizer is not None:
-        summary.recount = {
-            "tokenizer": str(options.recount_with),
-            "datasets": {
-                name: {
-                    "stored_completion_tokens": t.completion_tokens,
-                    "recounted_tokens": t.recounted_tokens,
-                    "ratio": (
-                        round(t.recounted_tokens / t.completion_tokens, 4)
-                        if t.completion_tokens
-                        else None
-                    ),
-                    "rows_without_text": t.rows_without_text,
-                }
-                for name, t in sorted(summary.datasets.items())
-            },
-        }
+        summary.recount = _recount_report(options.recount_with, summary.datasets)
     summary.seconds = time.monotonic() - started
     return summary
+
+
+def _open_parquet(
+    options: ReplayOptions, first: FirstCompletion
+) -> tuple[_BackgroundWriter | None, set[str]]:
+    """For ``--to-parquet``: the folder's writer, after its crash leftovers are
+    removed and its fenced leases loaded into ``first``, and the prompts already in
+    it (skipped, so a replay into the same folder resumes). ``(None, set())``
+    without the option."""
+    if options.to_parquet is None:
+        return None, set()
+    remove_stale_temporaries(options.to_parquet)
+    already = existing_prompt_ids(options.to_parquet)
+    first.fenced.update(load_fenced_leases(options.to_parquet))
+    return _BackgroundWriter(PartitionedWriter(options.to_parquet, options.writer)), already
+
+
+def _finish_parquet(
+    writer: _BackgroundWriter,
+    first: FirstCompletion,
+    options: ReplayOptions,
+    summary: ReplaySummary,
+) -> None:
+    """Write what ``writer`` still holds and the fenced leases beside the files (a
+    later replay into the folder keeps fencing them); note the files in
+    ``summary``."""
+    writer.finish()
+    if first.fenced:
+        save_fenced_leases(writer.writer.root, first.fenced)
+    summary.stages["write"] = writer.seconds
+    summary.parquet = {
+        "path": str(options.to_parquet),
+        "files": len(writer.writer.files),
+        "rows": dict(sorted(writer.writer.rows_written.items())),
+    }
+
+
+def _compare_with_live_ledger(
+    options: ReplayOptions, summary: ReplaySummary, first: FirstCompletion
+) -> dict[str, Any]:
+    """``--ledger``: complete the replayed totals with the skips and failures of the
+    outcomes topic, then compare them with the live ledger's snapshots
+    (:func:`compare_ledger`)."""
+    outcomes = outcome_counts(
+        options.bootstrap, options.topics, first.seen, options.datasets, first.rejected
+    )
+    for name, (skipped, failed) in outcomes.items():
+        totals = summary.datasets.setdefault(name, Totals())
+        totals.skipped, totals.failed = skipped, failed
+    return compare_ledger(
+        summary.datasets, live_snapshots(options.bootstrap, options.topics), options.datasets
+    )
+
+
+def _recount_report(tokenizer_path: Path | None, datasets: dict[str, Totals]) -> dict[str, Any]:
+    """``--recount-with``: per dataset, the stored and recounted tokens and their
+    ratio (None for a dataset with no stored tokens)."""
+    return {
+        "tokenizer": str(tokenizer_path),
+        "datasets": {
+            name: {
+                "stored_completion_tokens": t.completion_tokens,
+                "recounted_tokens": t.recounted_tokens,
+                "ratio": (
+                    round(t.recounted_tokens / t.completion_tokens, 4)
+                    if t.completion_tokens
+                    else None
+                ),
+                "rows_without_text": t.rows_without_text,
+            }
+            for name, t in sorted(datasets.items())
+        },
+    }
 
 
 class _Processor:
