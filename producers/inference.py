@@ -925,25 +925,3 @@ def _json_or_none(response: httpx.Response) -> Any:
         return response.json()
     except ValueError:
         return None
-
-
-async def generate_with_retries(
-    backend: InferenceBackend,
-    request: GenerationRequest,
-    policy: RetryPolicy,
-    *,
-    on_error: Any = None,
-) -> tuple[GenerationResult, int]:
-    """Returns the result and the number of attempts it took; raises the last
-    error once retries are spent or at once for errors that are not retryable."""
-    attempt = 0
-    while True:
-        attempt += 1
-        try:
-            return await backend.generate(request), attempt
-        except InferenceError as exc:
-            if on_error is not None:
-                on_error(exc)
-            if not exc.retryable or attempt > policy.retries:
-                raise
-            await asyncio.sleep(policy.delay(attempt))

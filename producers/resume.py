@@ -20,17 +20,16 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import msgspec
+from kafka import KafkaConsumer
 
 from producers.datasets import PromptRow
 from streams.ledger import is_prompt_key, load_outcome
 from streams.topics import OUTCOME_TABLE, Topics
-from tokenbudget.errors import BrokerError
-from tokenbudget.kafka import kafka_python_options
+from tokenbudget.kafka import kafka_python_options, read_to_ends, read_topic, wait_for_partitions
 
 log = logging.getLogger(__name__)
 
@@ -49,34 +48,27 @@ def _text(data: bytes | None) -> str | None:
 def outcome_records(bootstrap: str, topics: Topics, *, timeout: float = 60.0) -> dict[str, str]:
     """``prompt_id -> "completed" | "skipped" | "failed"`` as the ledger last recorded
     them, read from the outcome table's changelog (blocking: run it in a thread)."""
-    from kafka import KafkaConsumer, TopicPartition
-
     topic = topics.changelog(OUTCOME_TABLE)
-    consumer = KafkaConsumer(
-        **kafka_python_options(bootstrap), group_id=None, enable_auto_commit=False
-    )
     records: dict[str, str] = {}
-    try:
-        deadline = time.monotonic() + timeout
-        partitions = _wait_for_partitions(consumer, topic, timeout)
-        tps = [TopicPartition(topic, p) for p in sorted(partitions)]
-        consumer.assign(tps)
-        consumer.seek_to_beginning(*tps)
-        ends = consumer.end_offsets(tps)
-        while any(consumer.position(tp) < ends[tp] for tp in tps):
-            if time.monotonic() > deadline:
-                raise BrokerError(f"reading {topic} to its end took longer than {timeout:.0f} s")
-            for batch in consumer.poll(timeout_ms=500, max_records=10_000).values():
-                for record in batch:
-                    key = _text(record.key)
-                    if key is None or not is_prompt_key(key):
-                        continue  # a fenced lease or a copy noted beside the prompts
-                    if record.value is None:  # a tombstone
-                        records.pop(key, None)
-                        continue
-                    records[key] = load_outcome(record.value).outcome
-    finally:
-        consumer.close()
+
+    def apply(record: Any) -> None:
+        key = _text(record.key)
+        if key is None or not is_prompt_key(key):
+            return  # a fenced lease or a copy noted beside the prompts
+        if record.value is None:  # a tombstone
+            records.pop(key, None)
+            return
+        records[key] = load_outcome(record.value).outcome
+
+    read_topic(
+        bootstrap,
+        topic,
+        apply,
+        timeout=timeout,
+        metadata_timeout=timeout,
+        missing=_no_metadata(topic),
+        max_records=10_000,
+    )
     return records
 
 
@@ -94,31 +86,28 @@ class OutcomeView:
         self._consumer: Any = None
 
     def refresh(self, timeout: float = 60.0) -> None:
-        from kafka import KafkaConsumer, TopicPartition
-
         if self._consumer is None:
             consumer = KafkaConsumer(
                 **kafka_python_options(self.bootstrap), group_id=None, enable_auto_commit=False
             )
-            partitions = _wait_for_partitions(consumer, self.topic, timeout)
-            tps = [TopicPartition(self.topic, p) for p in sorted(partitions)]
+            tps = wait_for_partitions(
+                consumer,
+                self.topic,
+                timeout=timeout,
+                interval=0.5,
+                missing=_no_metadata(self.topic),
+            )
             consumer.assign(tps)
             consumer.seek_to_beginning(*tps)
             self._consumer = consumer
-        consumer = self._consumer
-        tps = list(consumer.assignment())
-        ends = consumer.end_offsets(tps)
-        deadline = time.monotonic() + timeout
-        while any(consumer.position(tp) < ends[tp] for tp in tps):
-            if time.monotonic() > deadline:
-                raise BrokerError(f"reading {self.topic} took longer than {timeout:.0f} s")
-            for batch in consumer.poll(timeout_ms=500, max_records=10_000).values():
-                for record in batch:
-                    key = _text(record.key)
-                    if key is None or record.value is None or not is_prompt_key(key):
-                        continue
-                    if load_outcome(record.value).outcome == "completed":
-                        self.completed.add(key)
+        read_to_ends(self._consumer, self._apply, timeout=timeout, max_records=10_000)
+
+    def _apply(self, record: Any) -> None:
+        key = _text(record.key)
+        if key is None or record.value is None or not is_prompt_key(key):
+            return
+        if load_outcome(record.value).outcome == "completed":
+            self.completed.add(key)
 
     def close(self) -> None:
         if self._consumer is not None:
@@ -126,17 +115,11 @@ class OutcomeView:
             self._consumer = None
 
 
-def _wait_for_partitions(consumer: Any, topic: str, timeout: float) -> set[int]:
-    # The topic is created with the namespace's others before any run, so no
-    # partitions means metadata not there yet (a busy broker), not "no history".
-    deadline = time.monotonic() + timeout
-    partitions = consumer.partitions_for_topic(topic)
-    while not partitions:
-        if time.monotonic() > deadline:
-            raise BrokerError(f"no metadata for {topic}: cannot tell which prompts are done")
-        time.sleep(0.5)
-        partitions = consumer.partitions_for_topic(topic)
-    return set(partitions)
+def _no_metadata(topic: str) -> str:
+    """The error when ``topic`` never shows partitions: it is created with the
+    namespace's others before any run, so that is a broker not answering, not a
+    namespace with no history."""
+    return f"no metadata for {topic}: cannot tell which prompts are done"
 
 
 class _PromptHead(msgspec.Struct):
@@ -151,33 +134,33 @@ def queued_prompt_ids(bootstrap: str, topics: Topics, group: str) -> set[str]:
     """The prompts on the prompts topic that the dispatchers' group has not
     committed yet: they will be dispatched (again), so a rerun does not produce them
     a second time (blocking: run it in a thread)."""
-    from kafka import KafkaConsumer, TopicPartition
-
     consumer = KafkaConsumer(
         **kafka_python_options(bootstrap), group_id=group, enable_auto_commit=False
     )
     queued: set[str] = set()
+
+    def apply(record: Any) -> None:
+        try:
+            head = _prompt_head(record.value)
+        except msgspec.DecodeError:
+            return  # the dispatcher dead-letters it
+        if head.prompt_id:
+            queued.add(head.prompt_id)
+
     try:
-        partitions = _wait_for_partitions(consumer, topics.prompts, 60.0)
-        tps = [TopicPartition(topics.prompts, p) for p in sorted(partitions)]
+        tps = wait_for_partitions(
+            consumer,
+            topics.prompts,
+            timeout=60.0,
+            interval=0.5,
+            missing=_no_metadata(topics.prompts),
+        )
         consumer.assign(tps)
-        ends = consumer.end_offsets(tps)
         starts = consumer.beginning_offsets(tps)
         for tp in tps:
             committed = consumer.committed(tp)
             consumer.seek(tp, max(starts[tp], committed if committed is not None else 0))
-        deadline = time.monotonic() + 60.0
-        while any(consumer.position(tp) < ends[tp] for tp in tps):
-            if time.monotonic() > deadline:
-                raise BrokerError(f"reading {topics.prompts} to its end took over 60 s")
-            for batch in consumer.poll(timeout_ms=500, max_records=10_000).values():
-                for record in batch:
-                    try:
-                        head = _prompt_head(record.value)
-                    except msgspec.DecodeError:
-                        continue  # the dispatcher dead-letters it
-                    if head.prompt_id:
-                        queued.add(head.prompt_id)
+        read_to_ends(consumer, apply, timeout=60.0, max_records=10_000)
     finally:
         consumer.close(autocommit=False)
     return queued

@@ -56,8 +56,12 @@ from streams.ledger import Outcome, outcome_change
 from streams.topics import Topics
 from tokenbudget import metrics
 from tokenbudget.config import Config
-from tokenbudget.errors import BrokerError, EventDecodeError
-from tokenbudget.kafka import kafka_python_options, kafka_python_producer_options
+from tokenbudget.errors import EventDecodeError
+from tokenbudget.kafka import (
+    kafka_python_options,
+    kafka_python_producer_options,
+    wait_for_partitions,
+)
 
 log = logging.getLogger(__name__)
 
@@ -399,12 +403,6 @@ def _ids_from_raw(raws: Sequence[msgspec.Raw]) -> pa.ListArray | None:
     else:
         values = column.combine_chunks()
     return _list_array(lengths, values)
-
-
-def completions_to_table(rows: Sequence[ev.CompletionEvent]) -> pa.Table:
-    """The rows of fully decoded events (the same table :func:`decode_values` gives)."""
-    ids = _ids_from_bytes([_id_bytes(r.output_ids) for r in rows])
-    return pa.Table.from_arrays(_column_arrays(rows, ids), schema=SCHEMA)
 
 
 def _ids_of_records(rows: Sequence[Record]) -> pa.ListArray | None:
@@ -847,11 +845,7 @@ class ParquetSink:
         # Join the group only once this client's metadata has the topic: a group
         # joined without it is assigned nothing and kafka-python does not rejoin
         # until its metadata ages out (minutes).
-        deadline = time.monotonic() + 30
-        while not self._consumer.partitions_for_topic(self.topics.completions):
-            if time.monotonic() > deadline:
-                raise BrokerError(f"topic {self.topics.completions} does not exist")
-            time.sleep(0.2)
+        wait_for_partitions(self._consumer, self.topics.completions, timeout=30)
         self._consumer.subscribe([self.topics.completions])
         self._dlq = KafkaProducer(**kafka_python_producer_options(self.bootstrap))
 

@@ -19,11 +19,20 @@ kept completions to any of its targets in one pass:
 Where "first" matters (duplicates), a replay that starts later than the
 beginning (``--from-offset``, ``--since``) may keep a different completion than
 the live sink did; ``--ledger`` therefore needs the whole topic.
+
+One Kafka client library per job. The range is read with aiokafka, in async code:
+it parses record batches in C, for about half kafka-python's CPU time per GB
+(:func:`_read_range`). kafka-python serves the two jobs that need a blocking client:
+:func:`read_to_end` (the small budgets and outcomes topics, through
+:func:`tokenbudget.kafka.read_topic`), which runs after the event loop has ended
+and is called from plain code elsewhere, and ``--to-topic``'s producer, which sends
+from the processor thread, where no event loop runs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 import sys
 import threading
@@ -40,7 +49,7 @@ import pyarrow.compute as pc
 from aiokafka import AIOKafkaConsumer
 from aiokafka import TopicPartition as AIOTopicPartition
 from aiokafka.errors import KafkaConnectionError
-from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+from kafka import KafkaProducer
 
 from sinks.parquet import (
     FETCH_OPTIONS,
@@ -61,7 +70,12 @@ from streams.ledger import Outcome, outcome_change
 from streams.topics import Topics, completion_topic_configs
 from tokenbudget.errors import BrokerError, EventDecodeError, TokenBudgetError
 from tokenbudget.extras import require
-from tokenbudget.kafka import aiokafka_options, kafka_python_options, kafka_python_producer_options
+from tokenbudget.kafka import (
+    aiokafka_options,
+    kafka_python_producer_options,
+    read_topic,
+    wait_for_partitions_aio,
+)
 from tokenbudget.kafka_admin import TopicSpec, ensure_topics
 
 REPLAY_WRITER = WriterSettings(rotate_rows=20_000, rotate_bytes=256 * 1024 * 1024)
@@ -270,49 +284,19 @@ class Progress:
 # ----------------------------------------------------------------------------- reading
 
 
-def _consumer(bootstrap: str) -> KafkaConsumer:
-    return KafkaConsumer(
-        **kafka_python_options(bootstrap),
-        group_id=None,
-        enable_auto_commit=False,
-        auto_offset_reset="earliest",
-        **FETCH_OPTIONS,
-    )
-
-
-def _partitions(consumer: KafkaConsumer, topic: str, timeout: float = 15) -> list[TopicPartition]:
-    deadline = time.monotonic() + timeout
-    while True:
-        found = consumer.partitions_for_topic(topic)
-        if found:
-            return [TopicPartition(topic, p) for p in sorted(found)]
-        if time.monotonic() > deadline:
-            raise BrokerError(f"topic {topic} does not exist")
-        time.sleep(0.2)
-
-
 def read_to_end(
     bootstrap: str, topic: str, apply: Callable[[ev.Event], None], timeout: float = 60
 ) -> None:
-    """Decode every event of a (small) topic, from the beginning to its current end."""
-    consumer = _consumer(bootstrap)
-    try:
-        tps = _partitions(consumer, topic)
-        consumer.assign(tps)
-        consumer.seek_to_beginning(*tps)
-        ends = consumer.end_offsets(tps)
-        deadline = time.monotonic() + timeout
-        while any(consumer.position(tp) < ends[tp] for tp in tps):
-            if time.monotonic() > deadline:
-                raise BrokerError(f"timed out reading {topic}")
-            for records in consumer.poll(timeout_ms=500, max_records=5000).values():
-                for record in records:
-                    try:
-                        apply(ev.decode(record.value))
-                    except EventDecodeError:
-                        continue
-    finally:
-        consumer.close(autocommit=False)
+    """Decode every event of a (small) topic, from the beginning to its current end,
+    and ``apply`` it; an event that does not decode is passed over. Raises
+    :class:`BrokerError` if the topic is missing or not read within ``timeout``
+    seconds (:func:`tokenbudget.kafka.read_topic`). Blocking."""
+
+    def decode(record: Any) -> None:
+        with contextlib.suppress(EventDecodeError):
+            apply(ev.decode(record.value))
+
+    read_topic(bootstrap, topic, decode, timeout=timeout, consumer_options=FETCH_OPTIONS)
 
 
 # ----------------------------------------------------------------------------- ledger
@@ -445,19 +429,59 @@ def load_tokenizer_folder(path: Path, flag: str = "replay --recount-with") -> An
         raise TokenBudgetError(f"{flag} {path}: cannot load a tokenizer: {exc}") from exc
 
 
-async def _aio_partitions(
-    consumer: AIOKafkaConsumer, topic: str, timeout: float = 15
-) -> list[AIOTopicPartition]:
-    deadline = time.monotonic() + timeout
-    while True:
-        # aiokafka only refreshes metadata of unsubscribed topics every few minutes
-        await consumer._client.force_metadata_update()
-        found = consumer.partitions_for_topic(topic)
-        if found:
-            return [AIOTopicPartition(topic, p) for p in sorted(found)]
-        if time.monotonic() > deadline:
-            raise BrokerError(f"topic {topic} does not exist")
-        await asyncio.sleep(0.2)
+async def _started_consumer(bootstrap: str) -> AIOKafkaConsumer:
+    """An aiokafka consumer of no group, started; :class:`BrokerError` if Kafka at
+    ``bootstrap`` does not answer."""
+    consumer = AIOKafkaConsumer(
+        **aiokafka_options(bootstrap),
+        group_id=None,
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+        **REPLAY_FETCH_OPTIONS,
+    )
+    try:
+        await consumer.start()
+    except KafkaConnectionError as exc:
+        await consumer.stop()
+        raise BrokerError(f"cannot reach Kafka at {bootstrap}: {exc}") from exc
+    return consumer
+
+
+@dataclass(frozen=True)
+class _Range:
+    """What a replay reads: offsets ``starts[tp]`` (included) to ``ends[tp]``
+    (excluded) of each partition of the topic, in partition order."""
+
+    starts: dict[AIOTopicPartition, int]
+    ends: dict[AIOTopicPartition, int]
+
+    @property
+    def active(self) -> list[AIOTopicPartition]:
+        """The partitions with anything to read."""
+        return [tp for tp in self.starts if self.starts[tp] < self.ends[tp]]
+
+    @property
+    def events(self) -> int:
+        return sum(self.ends[tp] - self.starts[tp] for tp in self.starts)
+
+
+def _start_offsets(
+    tps: list[AIOTopicPartition],
+    begins: dict[AIOTopicPartition, int],
+    from_offset: dict[int, int] | int | None,
+) -> dict[AIOTopicPartition, int]:
+    """Where each partition's range starts: ``--from-offset`` (one offset for all
+    partitions, or per partition; the beginning for a partition not named), never
+    before the partition's beginning. Raises :class:`TokenBudgetError` for a
+    partition the topic does not have."""
+    if isinstance(from_offset, int):
+        return {tp: max(begins[tp], from_offset) for tp in tps}
+    if isinstance(from_offset, dict):
+        unknown = set(from_offset) - {tp.partition for tp in tps}
+        if unknown:
+            raise TokenBudgetError(f"--from-offset: no partition {sorted(unknown)}")
+        return {tp: max(begins[tp], from_offset.get(tp.partition, begins[tp])) for tp in tps}
+    return dict(begins)
 
 
 async def _aio_offsets_at(
@@ -471,6 +495,130 @@ async def _aio_offsets_at(
     return {tp: (found[tp].offset if found.get(tp) is not None else default[tp]) for tp in tps}
 
 
+async def _plan_range(consumer: AIOKafkaConsumer, options: ReplayOptions) -> _Range:
+    """The offsets ``options`` select: from the beginning, ``--from-offset`` or
+    ``--since`` (the latest of them) to the end as of now or ``--until``."""
+    tps = await wait_for_partitions_aio(consumer, options.source, timeout=15)
+    begins = await consumer.beginning_offsets(tps)
+    ends = await consumer.end_offsets(tps)
+    starts = _start_offsets(tps, begins, options.from_offset)
+    if options.since is not None:
+        at = await _aio_offsets_at(consumer, tps, options.since, ends)
+        starts = {tp: max(starts[tp], at[tp]) for tp in tps}
+    if options.until is not None:
+        # an offset past --until (timestamps are roughly monotonic); records are
+        # also filtered one by one (_RecordFilter)
+        after = await _aio_offsets_at(consumer, tps, options.until + 0.001, ends)
+        ends = {tp: min(ends[tp], after[tp]) for tp in tps}
+    return _Range({tp: min(starts[tp], ends[tp]) for tp in tps}, ends)
+
+
+@dataclass(frozen=True)
+class _RecordFilter:
+    """The records a replay keeps of its range: those keyed by one of ``keys``
+    (``--dataset``; any key when empty) and stamped within ``--since``/``--until``
+    (milliseconds; no bound when None)."""
+
+    keys: frozenset[bytes]
+    since_ms: float | None
+    until_ms: float | None
+
+    @classmethod
+    def of(cls, options: ReplayOptions) -> _RecordFilter:
+        return cls(
+            frozenset(name.encode() for name in options.datasets),
+            None if options.since is None else options.since * 1000,
+            None if options.until is None else options.until * 1000,
+        )
+
+    @property
+    def keeps_all(self) -> bool:
+        return not self.keys and self.since_ms is None and self.until_ms is None
+
+    def __call__(self, records: list[Any]) -> list[Any]:
+        """The kept ``records``, in order (``records`` itself when all are kept)."""
+        if self.keeps_all:
+            return records
+        return [
+            r
+            for r in records
+            if (not self.keys or r.key in self.keys)
+            and (self.since_ms is None or r.timestamp >= self.since_ms)
+            and (self.until_ms is None or r.timestamp <= self.until_ms)
+        ]
+
+
+def _value_bytes(records: Sequence[Any]) -> int:
+    return sum(len(r.value) for r in records if r.value is not None)
+
+
+class _Batches:
+    """Gathers each partition's records into batches, and decodes and submits a
+    batch to the processor once it holds ``batch_records`` records or
+    ``batch_bytes`` bytes, or its partition is read to the end."""
+
+    def __init__(
+        self, options: ReplayOptions, summary: ReplaySummary, processor: _Processor
+    ) -> None:
+        self.options = options
+        self.summary = summary
+        self.processor = processor
+        self._records: dict[AIOTopicPartition, list[Any]] = {}
+        self._bytes: dict[AIOTopicPartition, int] = {}
+
+    def add(self, tp: AIOTopicPartition, records: list[Any], *, last: bool) -> None:
+        """Add ``tp``'s next ``records``; ``last``: the partition has no more."""
+        batch = self._records.setdefault(tp, [])
+        batch.extend(records)
+        self._bytes[tp] = self._bytes.get(tp, 0) + _value_bytes(records)
+        if batch and (
+            last
+            or len(batch) >= self.options.batch_records
+            or self._bytes[tp] >= self.options.batch_bytes
+        ):
+            self._records[tp], self._bytes[tp] = [], 0
+            clock = time.perf_counter()
+            decoded = decode_records([r.value for r in batch])
+            self.summary.stages["decode"] += time.perf_counter() - clock
+            # blocks the event loop while the processor is behind: nothing else
+            # runs on it, and the fetcher simply waits
+            self.processor.submit(batch, decoded)
+
+
+async def _read_batches(
+    consumer: AIOKafkaConsumer,
+    plan: _Range,
+    options: ReplayOptions,
+    summary: ReplaySummary,
+    batches: _Batches,
+    bar: Progress,
+) -> None:
+    """Read the partitions ``consumer`` is assigned (at their starts) up to their
+    ends in ``plan``, counting what is read and filtered in ``summary`` and handing
+    the kept records to ``batches``."""
+    keep = _RecordFilter.of(options)
+    remaining = set(plan.active)
+    while remaining:
+        clock = time.perf_counter()
+        polled = await consumer.getmany(timeout_ms=1000, max_records=options.batch_records)
+        summary.stages["read"] += time.perf_counter() - clock
+        for tp, records in polled.items():
+            if tp not in remaining:
+                continue
+            end = plan.ends[tp]
+            last = records[-1].offset >= end - 1
+            if last:
+                records = [r for r in records if r.offset < end]
+                remaining.discard(tp)
+                consumer.pause(tp)
+            summary.events += len(records)
+            summary.bytes += _value_bytes(records)
+            kept = keep(records)
+            summary.filtered += len(records) - len(kept)
+            batches.add(tp, kept, last=last)
+        bar.update(summary.events, summary.bytes)
+
+
 async def _read_range(
     options: ReplayOptions, summary: ReplaySummary, processor: _Processor, progress: bool
 ) -> None:
@@ -481,96 +629,18 @@ async def _read_range(
     a whole fetch response at once, where kafka-python 3 reads the socket 4 KB at a
     time in Python; reading the topic took about half the CPU time per GB.
     """
-    wanted = {name.encode() for name in options.datasets}
-    since_ms = None if options.since is None else options.since * 1000
-    until_ms = None if options.until is None else options.until * 1000
-    consumer = AIOKafkaConsumer(
-        **aiokafka_options(options.bootstrap),
-        group_id=None,
-        enable_auto_commit=False,
-        auto_offset_reset="earliest",
-        **REPLAY_FETCH_OPTIONS,
-    )
-    try:
-        await consumer.start()
-    except KafkaConnectionError as exc:
-        await consumer.stop()
-        raise BrokerError(f"cannot reach Kafka at {options.bootstrap}: {exc}") from exc
+    consumer = await _started_consumer(options.bootstrap)
     bar: Progress | None = None
     try:
-        tps = await _aio_partitions(consumer, options.source)
-        begins = await consumer.beginning_offsets(tps)
-        ends = await consumer.end_offsets(tps)
-        starts = dict(begins)
-        if isinstance(options.from_offset, int):
-            starts = {tp: max(begins[tp], options.from_offset) for tp in tps}
-        elif isinstance(options.from_offset, dict):
-            unknown = set(options.from_offset) - {tp.partition for tp in tps}
-            if unknown:
-                raise TokenBudgetError(f"--from-offset: no partition {sorted(unknown)}")
-            starts = {
-                tp: max(begins[tp], options.from_offset.get(tp.partition, begins[tp])) for tp in tps
-            }
-        if options.since is not None:
-            at = await _aio_offsets_at(consumer, tps, options.since, ends)
-            starts = {tp: max(starts[tp], at[tp]) for tp in tps}
-        if options.until is not None:
-            # an offset past --until (timestamps are roughly monotonic); records are
-            # also filtered one by one below
-            after = await _aio_offsets_at(consumer, tps, options.until + 0.001, ends)
-            ends = {tp: min(ends[tp], after[tp]) for tp in tps}
-        for tp in tps:
-            starts[tp] = min(starts[tp], ends[tp])
-            summary.partitions[tp.partition] = (starts[tp], ends[tp])
-        active = [tp for tp in tps if starts[tp] < ends[tp]]
-        bar = Progress(sum(ends[tp] - starts[tp] for tp in tps), enabled=progress)
-        consumer.assign(active)
-        for tp in active:
-            consumer.seek(tp, starts[tp])
-        remaining = set(active)
-        pending: dict[AIOTopicPartition, list[Any]] = {tp: [] for tp in active}
-        pending_bytes = dict.fromkeys(active, 0)
-        while remaining:
-            clock = time.perf_counter()
-            polled = await consumer.getmany(timeout_ms=1000, max_records=options.batch_records)
-            summary.stages["read"] += time.perf_counter() - clock
-            for tp, records in polled.items():
-                if tp not in remaining:
-                    continue
-                end = ends[tp]
-                done = records[-1].offset >= end - 1
-                if done:
-                    records = [r for r in records if r.offset < end]
-                    remaining.discard(tp)
-                    consumer.pause(tp)
-                summary.events += len(records)
-                summary.bytes += sum(len(r.value) for r in records if r.value is not None)
-                if wanted or since_ms is not None or until_ms is not None:
-                    before = len(records)
-                    records = [
-                        r
-                        for r in records
-                        if (not wanted or r.key in wanted)
-                        and (since_ms is None or r.timestamp >= since_ms)
-                        and (until_ms is None or r.timestamp <= until_ms)
-                    ]
-                    summary.filtered += before - len(records)
-                batch = pending[tp]
-                batch.extend(records)
-                pending_bytes[tp] += sum(len(r.value) for r in records if r.value is not None)
-                if batch and (
-                    done
-                    or len(batch) >= options.batch_records
-                    or pending_bytes[tp] >= options.batch_bytes
-                ):
-                    pending[tp], pending_bytes[tp] = [], 0
-                    clock = time.perf_counter()
-                    decoded = decode_records([r.value for r in batch])
-                    summary.stages["decode"] += time.perf_counter() - clock
-                    # blocks this loop while the processor is behind: nothing else
-                    # runs on it, and the fetcher simply waits
-                    processor.submit(batch, decoded)
-            bar.update(summary.events, summary.bytes)
+        plan = await _plan_range(consumer, options)
+        for tp, start in plan.starts.items():
+            summary.partitions[tp.partition] = (start, plan.ends[tp])
+        bar = Progress(plan.events, enabled=progress)
+        consumer.assign(plan.active)
+        for tp in plan.active:
+            consumer.seek(tp, plan.starts[tp])
+        batches = _Batches(options, summary, processor)
+        await _read_batches(consumer, plan, options, summary, batches, bar)
     finally:
         if bar is not None:
             bar.close()
@@ -584,15 +654,8 @@ def replay(options: ReplayOptions, *, progress: bool = True) -> ReplaySummary:
     summary = ReplaySummary(topic=options.source)
     started = time.monotonic()
     tokenizer = load_tokenizer_folder(options.recount_with) if options.recount_with else None
-    writer: _BackgroundWriter | None = None
     first = FirstCompletion()
-    if options.to_parquet is not None:
-        remove_stale_temporaries(options.to_parquet)
-        already = existing_prompt_ids(options.to_parquet)
-        first.fenced.update(load_fenced_leases(options.to_parquet))
-        writer = _BackgroundWriter(PartitionedWriter(options.to_parquet, options.writer))
-    else:
-        already = set()
+    writer, already = _open_parquet(options, first)
     producer: KafkaProducer | None = None
     if options.to_topic:
         ensure_topics(
@@ -611,15 +674,7 @@ def replay(options: ReplayOptions, *, progress: bool = True) -> ReplaySummary:
         finally:
             processor.close()
         if writer is not None:
-            writer.finish()
-            if first.fenced:
-                save_fenced_leases(writer.writer.root, first.fenced)
-            summary.stages["write"] = writer.seconds
-            summary.parquet = {
-                "path": str(options.to_parquet),
-                "files": len(writer.writer.files),
-                "rows": dict(sorted(writer.writer.rows_written.items())),
-            }
+            _finish_parquet(writer, first, options, summary)
             writer = None
         if producer is not None:
             producer.flush()
@@ -631,35 +686,84 @@ def replay(options: ReplayOptions, *, progress: bool = True) -> ReplaySummary:
             producer.close()
     summary.duplicates = first.duplicates
     if options.ledger:
-        completed = first.seen
-        outcomes = outcome_counts(
-            options.bootstrap, options.topics, completed, options.datasets, first.rejected
-        )
-        for name, (skipped, failed) in outcomes.items():
-            totals = summary.datasets.setdefault(name, Totals())
-            totals.skipped, totals.failed = skipped, failed
-        summary.ledger = compare_ledger(
-            summary.datasets, live_snapshots(options.bootstrap, options.topics), options.datasets
-        )
+        summary.ledger = _compare_with_live_ledger(options, summary, first)
     if tokenizer is not None:
-        summary.recount = {
-            "tokenizer": str(options.recount_with),
-            "datasets": {
-                name: {
-                    "stored_completion_tokens": t.completion_tokens,
-                    "recounted_tokens": t.recounted_tokens,
-                    "ratio": (
-                        round(t.recounted_tokens / t.completion_tokens, 4)
-                        if t.completion_tokens
-                        else None
-                    ),
-                    "rows_without_text": t.rows_without_text,
-                }
-                for name, t in sorted(summary.datasets.items())
-            },
-        }
+        summary.recount = _recount_report(options.recount_with, summary.datasets)
     summary.seconds = time.monotonic() - started
     return summary
+
+
+def _open_parquet(
+    options: ReplayOptions, first: FirstCompletion
+) -> tuple[_BackgroundWriter | None, set[str]]:
+    """For ``--to-parquet``: the folder's writer, after its crash leftovers are
+    removed and its fenced leases loaded into ``first``, and the prompts already in
+    it (skipped, so a replay into the same folder resumes). ``(None, set())``
+    without the option."""
+    if options.to_parquet is None:
+        return None, set()
+    remove_stale_temporaries(options.to_parquet)
+    already = existing_prompt_ids(options.to_parquet)
+    first.fenced.update(load_fenced_leases(options.to_parquet))
+    return _BackgroundWriter(PartitionedWriter(options.to_parquet, options.writer)), already
+
+
+def _finish_parquet(
+    writer: _BackgroundWriter,
+    first: FirstCompletion,
+    options: ReplayOptions,
+    summary: ReplaySummary,
+) -> None:
+    """Write what ``writer`` still holds and the fenced leases beside the files (a
+    later replay into the folder keeps fencing them); note the files in
+    ``summary``."""
+    writer.finish()
+    if first.fenced:
+        save_fenced_leases(writer.writer.root, first.fenced)
+    summary.stages["write"] = writer.seconds
+    summary.parquet = {
+        "path": str(options.to_parquet),
+        "files": len(writer.writer.files),
+        "rows": dict(sorted(writer.writer.rows_written.items())),
+    }
+
+
+def _compare_with_live_ledger(
+    options: ReplayOptions, summary: ReplaySummary, first: FirstCompletion
+) -> dict[str, Any]:
+    """``--ledger``: complete the replayed totals with the skips and failures of the
+    outcomes topic, then compare them with the live ledger's snapshots
+    (:func:`compare_ledger`)."""
+    outcomes = outcome_counts(
+        options.bootstrap, options.topics, first.seen, options.datasets, first.rejected
+    )
+    for name, (skipped, failed) in outcomes.items():
+        totals = summary.datasets.setdefault(name, Totals())
+        totals.skipped, totals.failed = skipped, failed
+    return compare_ledger(
+        summary.datasets, live_snapshots(options.bootstrap, options.topics), options.datasets
+    )
+
+
+def _recount_report(tokenizer_path: Path | None, datasets: dict[str, Totals]) -> dict[str, Any]:
+    """``--recount-with``: per dataset, the stored and recounted tokens and their
+    ratio (None for a dataset with no stored tokens)."""
+    return {
+        "tokenizer": str(tokenizer_path),
+        "datasets": {
+            name: {
+                "stored_completion_tokens": t.completion_tokens,
+                "recounted_tokens": t.recounted_tokens,
+                "ratio": (
+                    round(t.recounted_tokens / t.completion_tokens, 4)
+                    if t.completion_tokens
+                    else None
+                ),
+                "rows_without_text": t.rows_without_text,
+            }
+            for name, t in sorted(datasets.items())
+        },
+    }
 
 
 class _Processor:

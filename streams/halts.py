@@ -30,7 +30,7 @@ from streams import events as ev
 from streams.topics import Topics
 from tokenbudget import metrics
 from tokenbudget.errors import BrokerError, EventDecodeError
-from tokenbudget.kafka import aiokafka_options
+from tokenbudget.kafka import aiokafka_options, wait_for_partitions_aio
 
 log = logging.getLogger(__name__)
 
@@ -176,18 +176,16 @@ class BudgetWatcher:
                     await consumer.stop()
                 await asyncio.sleep(delay)
                 delay = min(5.0, delay * 2)
-        partitions: set[int] = set()
-        deadline = time.monotonic() + 15
-        while not partitions:
-            # A topic created a moment ago may not be in this client's metadata yet.
-            await consumer._client.force_metadata_update()
-            partitions = consumer.partitions_for_topic(self.topics.budgets) or set()
-            if not partitions and time.monotonic() > deadline:
-                await consumer.stop()
-                raise BrokerError(f"topic {self.topics.budgets} does not exist: run `broker up`")
-            if not partitions:
-                await asyncio.sleep(0.2)
-        tps = [TopicPartition(self.topics.budgets, p) for p in sorted(partitions)]
+        try:
+            tps = await wait_for_partitions_aio(
+                consumer,
+                self.topics.budgets,
+                timeout=15,
+                missing=f"topic {self.topics.budgets} does not exist: run `broker up`",
+            )
+        except BrokerError:
+            await consumer.stop()
+            raise
         consumer.assign(tps)
         await consumer.seek_to_beginning(*tps)
         self._end = await consumer.end_offsets(tps)

@@ -10,12 +10,18 @@ the application's business (:mod:`tokenbudget.app.bootstrap`); creating topics i
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
+from aiokafka import AIOKafkaConsumer
+from aiokafka import TopicPartition as AIOTopicPartition
 from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
 
 from tokenbudget import security
+from tokenbudget.errors import BrokerError
 
 log = logging.getLogger(__name__)
 
@@ -102,3 +108,122 @@ class GroupLag:
     def close(self) -> None:
         self._admin.close()
         self._consumer.close()
+
+
+# ----------------------------------------------------------------- waiting for a topic
+#
+# Every topic is created before any worker starts, so a consumer that sees no
+# partitions for one has not got its metadata yet (a busy broker, a topic made a
+# moment ago): it asks again until ``timeout``. Then the topic is taken to be missing,
+# with the caller's ``missing`` message (what that means for the caller).
+
+
+def wait_for_partitions(
+    consumer: KafkaConsumer,
+    topic: str,
+    *,
+    timeout: float,
+    interval: float = 0.2,
+    missing: str = "",
+) -> list[TopicPartition]:
+    """The partitions of ``topic``, sorted, once the kafka-python ``consumer`` has
+    metadata for it; it asks every ``interval`` seconds. Raises
+    :class:`BrokerError` (``missing``, by default "topic ... does not exist") if it
+    has none after ``timeout`` seconds. Blocking."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = consumer.partitions_for_topic(topic)
+        if found:
+            return [TopicPartition(topic, p) for p in sorted(found)]
+        if time.monotonic() > deadline:
+            raise BrokerError(missing or f"topic {topic} does not exist")
+        time.sleep(interval)
+
+
+async def wait_for_partitions_aio(
+    consumer: AIOKafkaConsumer,
+    topic: str,
+    *,
+    timeout: float,
+    interval: float = 0.2,
+    missing: str = "",
+) -> list[AIOTopicPartition]:
+    """:func:`wait_for_partitions` for a started aiokafka ``AIOKafkaConsumer``: the
+    same contract, without blocking the event loop."""
+    deadline = time.monotonic() + timeout
+    while True:
+        # aiokafka refreshes the metadata of topics it is not subscribed to only
+        # every few minutes (metadata_max_age_ms): ask for it now.
+        await consumer._client.force_metadata_update()
+        found = consumer.partitions_for_topic(topic)
+        if found:
+            return [AIOTopicPartition(topic, p) for p in sorted(found)]
+        if time.monotonic() > deadline:
+            raise BrokerError(missing or f"topic {topic} does not exist")
+        await asyncio.sleep(interval)
+
+
+# ----------------------------------------------------------------- reading a topic
+#
+# Small topics (budgets, outcomes, a changelog, the prompts still queued) are read
+# from blocking code, from a position to the end offsets as of the start, with
+# kafka-python; bulk reads in async code (``tokenbudget replay``) use aiokafka.
+
+
+def read_to_ends(
+    consumer: KafkaConsumer,
+    handle: Callable[[Any], None],
+    *,
+    timeout: float,
+    started: float | None = None,
+    max_records: int = 5000,
+) -> None:
+    """Hand ``handle`` each record (a kafka-python ``ConsumerRecord``, in offset
+    order within a partition) of the partitions assigned to ``consumer``, from its
+    positions up to their end offsets as of this call. Raises :class:`BrokerError`
+    if the ends are not reached ``timeout`` seconds after ``started`` (a
+    ``time.monotonic()`` reading; default: now). Blocking."""
+    deadline = (time.monotonic() if started is None else started) + timeout
+    tps = list(consumer.assignment())
+    ends = consumer.end_offsets(tps)
+    while any(consumer.position(tp) < ends[tp] for tp in tps):
+        if time.monotonic() > deadline:
+            topics = ", ".join(sorted({tp.topic for tp in tps}))
+            raise BrokerError(f"reading {topics} to its end took longer than {timeout:.0f} s")
+        for records in consumer.poll(timeout_ms=500, max_records=max_records).values():
+            for record in records:
+                handle(record)
+
+
+def read_topic(
+    bootstrap: str,
+    topic: str,
+    handle: Callable[[Any], None],
+    *,
+    timeout: float = 60.0,
+    metadata_timeout: float = 15.0,
+    missing: str = "",
+    max_records: int = 5000,
+    consumer_options: Mapping[str, Any] | None = None,
+) -> None:
+    """Hand ``handle`` every record of ``topic`` from the beginning to its end
+    offsets as of the call (see :func:`read_to_ends`), with a consumer of no group
+    (``consumer_options`` added to its settings, e.g. fetch sizes). Raises
+    :class:`BrokerError` if the topic has no partitions within ``metadata_timeout``
+    seconds (``missing``, as in :func:`wait_for_partitions`) or is not read within
+    ``timeout`` seconds of the call. Blocking: run it in a thread from async code."""
+    started = time.monotonic()
+    consumer = KafkaConsumer(
+        **kafka_python_options(bootstrap),
+        group_id=None,
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+        **(consumer_options or {}),
+    )
+    try:
+        tps = wait_for_partitions(consumer, topic, timeout=metadata_timeout, missing=missing)
+        consumer.assign(tps)
+        consumer.seek_to_beginning(*tps)
+        read_to_ends(consumer, handle, timeout=timeout, started=started, max_records=max_records)
+    finally:
+        consumer.close(autocommit=False)

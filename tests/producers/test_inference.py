@@ -21,11 +21,11 @@ from producers.inference import (
     OpenAICompletionsBackend,
     RetryPolicy,
     SGLangBackend,
-    generate_with_retries,
     make_backend,
     parse_retry_after,
 )
 from streams.events import ChatMessage
+from tests.producers.retries import generate_with_retries
 from tokenbudget.dev import simulator
 from tokenbudget.dev.simulator import Faults, RunningSimulator, SimulatorConfig
 from tokenbudget.errors import (

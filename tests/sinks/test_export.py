@@ -11,8 +11,9 @@ import pyarrow as pa
 import pytest
 
 from sinks.export import ExportOptions, export
-from sinks.parquet import COLUMNS, completions_to_table, dataset_dir, write_atomically
+from sinks.parquet import COLUMNS, dataset_dir, write_atomically
 from streams import events as ev
+from tests.sinks.tables import completions_to_table
 from tokenbudget.errors import ExportError
 
 

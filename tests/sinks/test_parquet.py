@@ -10,12 +10,12 @@ import pytest
 
 from sinks.parquet import (
     SCHEMA,
-    completions_to_table,
     dataset_dir,
     existing_prompt_ids,
     write_atomically,
 )
 from streams.events import CompletionEvent
+from tests.sinks.tables import completions_to_table
 
 
 def completion(i: int, *, dataset: str = "ds", n_ids: int | None = None) -> CompletionEvent:

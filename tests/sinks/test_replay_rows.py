@@ -21,7 +21,6 @@ from sinks.parquet import (
     LegacyCompletionRecord,
     PartitionedWriter,
     WriterSettings,
-    completions_to_table,
     decode_records,
     keep_first,
     load_fenced_leases,
@@ -31,6 +30,7 @@ from sinks.parquet import (
 )
 from streams import events as ev
 from streams.topics import Topics
+from tests.sinks.tables import completions_to_table
 from tokenbudget.errors import EventDecodeError
 
 

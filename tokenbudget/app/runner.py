@@ -585,18 +585,29 @@ def _results(config: Config, board: BudgetBoard) -> dict[str, DatasetResult]:
     return results
 
 
-async def _run_components(
-    config: Config,
-    bootstrap: str,
-    topics: Topics,
-    ledger: LedgerWorkers | None,
-    started: float,
-    keep_dispatch_log: bool = False,
-    progress: bool = False,
-    dispatchers: int = 1,
-) -> RunReport:
-    extra = ExtraDispatchers(config, dispatchers - 1)
-    children: list[_Child] = [extra] if ledger is None else [ledger, extra]
+@dataclass
+class _InProcess:
+    """What ``run`` runs in this process beside the producer: the budget watcher
+    (with the progress bars), the sink's thread and the first dispatcher. Started by
+    :func:`_start_in_process`, stopped by :func:`_stop_in_process`."""
+
+    watcher: BudgetWatcher
+    watch_task: asyncio.Task[None]
+    bars: BudgetProgress | None
+    sink: ParquetSink
+    sink_stop: threading.Event
+    sink_thread: threading.Thread
+    dispatcher: Dispatcher
+    dispatch_stop: asyncio.Event
+    dispatch_task: asyncio.Task[DispatchReport]
+
+
+async def _start_in_process(
+    config: Config, bootstrap: str, topics: Topics, keep_dispatch_log: bool, progress: bool
+) -> _InProcess:
+    """Start the watcher and wait until it has read the budgets topic (so the board
+    is current before anything is admitted), then the bars, the sink and the
+    dispatcher."""
     watcher = BudgetWatcher(bootstrap, topics)
     await watcher.start()
     watch_task = asyncio.create_task(watcher.run())
@@ -623,52 +634,129 @@ async def _run_components(
     )
     dispatch_stop = asyncio.Event()
     dispatch_task = asyncio.create_task(dispatcher.run(dispatch_stop))
+    return _InProcess(
+        watcher,
+        watch_task,
+        bars,
+        sink,
+        sink_stop,
+        sink_thread,
+        dispatcher,
+        dispatch_stop,
+        dispatch_task,
+    )
+
+
+@dataclass
+class _Producing:
+    """The prompt producer, running as a task until ``stop`` is set."""
+
+    producer: PromptProducer
+    stop: asyncio.Event
+    task: asyncio.Task[dict[str, ProduceReport]]
+
+    @classmethod
+    def start(cls, config: Config, bootstrap: str, board: BudgetBoard) -> _Producing:
+        producer = PromptProducer(
+            config, bootstrap, board, stored_prompt_ids=stored_prompt_ids(config)
+        )
+        stop = asyncio.Event()
+        return cls(producer, stop, asyncio.create_task(producer.run(stop)))
+
+
+async def _produce_until_drained(
+    config: Config,
+    bootstrap: str,
+    producing: _Producing,
+    running: _InProcess,
+    children: list[_Child],
+) -> dict[str, ProduceReport]:
+    """Wait (under :func:`supervise`) until the pipeline is drained, stop the
+    producer and return its reports; if it left rows unsent, wait until the ledger
+    has applied their outcomes too."""
+    watcher = running.watcher
+    drain = asyncio.create_task(_wait_drained(config, bootstrap, producing.producer, watcher))
+    await supervise(drain, [producing.task, running.dispatch_task], children)
+    producing.stop.set()
+    produced = await producing.task
+    if any(report.not_sent for report in produced.values()):
+        # The ledger may die here too: it is started again while we wait for it.
+        applied = asyncio.create_task(_wait_ledger_applied(config, bootstrap, watcher))
+        await supervise(applied, [running.dispatch_task], children)
+    return produced
+
+
+def _refusals(
+    extra_refused: dict[str, list[float]],
+    refused_here: dict[str, float],
+    board: BudgetBoard,
+) -> dict[str, list[float]]:
+    """When each dispatcher first refused each dataset: the extra dispatchers'
+    times (``extra_refused``, extended in place), this process's dispatcher's, and
+    for a dataset it never refused but saw halted, the time the halt was seen."""
+    refused = extra_refused
+    for refused_name, at in refused_here.items():
+        refused.setdefault(refused_name, []).append(at)
+    for name, view in board.views.items():
+        if view.halted_at is not None and name not in refused_here:
+            refused.setdefault(name, []).append(view.halted_at)
+    return refused
+
+
+async def _stop_in_process(running: _InProcess, extra: ExtraDispatchers) -> dict[str, list[float]]:
+    """Stop the dispatchers (this one, then the extra processes), the sink (it
+    reads to the end of the completions topic first), the bars and the watcher, in
+    that order; return when they refused each dataset (:func:`_refusals`)."""
+    running.dispatch_stop.set()
+    with contextlib.suppress(Exception):
+        await running.dispatch_task
+    extra_refused = await asyncio.to_thread(extra.finish)
+    refused = _refusals(extra_refused, running.dispatcher.refused_at, running.watcher.board)
+    running.sink_stop.set()
+    await asyncio.to_thread(running.sink_thread.join, 120)
+    if running.bars is not None:
+        await running.bars.stop()
+    running.watch_task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await running.watch_task
+    await running.watcher.stop()
+    return refused
+
+
+async def _run_components(
+    config: Config,
+    bootstrap: str,
+    topics: Topics,
+    ledger: LedgerWorkers | None,
+    started: float,
+    keep_dispatch_log: bool = False,
+    progress: bool = False,
+    dispatchers: int = 1,
+) -> RunReport:
+    extra = ExtraDispatchers(config, dispatchers - 1)
+    children: list[_Child] = [extra] if ledger is None else [ledger, extra]
+    running = await _start_in_process(config, bootstrap, topics, keep_dispatch_log, progress)
     extra.start()
     if extra.count:
         # Prompts handed out before every dispatcher joined would move at the
         # rebalance and be generated twice: wait for the group to settle first.
-        joined = _wait_for_members(bootstrap, dispatcher.group_id, extra.count + 1)
-        await supervise(asyncio.create_task(joined), [dispatch_task], children)
-    producer = PromptProducer(
-        config, bootstrap, watcher.board, stored_prompt_ids=stored_prompt_ids(config)
-    )
-    producer_stop = asyncio.Event()
-    produce_task = asyncio.create_task(producer.run(producer_stop))
+        group = running.dispatcher.group_id
+        joined = _wait_for_members(bootstrap, group, extra.count + 1)
+        await supervise(asyncio.create_task(joined), [running.dispatch_task], children)
+    producing = _Producing.start(config, bootstrap, running.watcher.board)
     try:
-        drain = asyncio.create_task(_wait_drained(config, bootstrap, producer, watcher))
-        await supervise(drain, [produce_task, dispatch_task], children)
-        producer_stop.set()
-        produced = await produce_task
-        if any(report.not_sent for report in produced.values()):
-            # The ledger may die here too: it is started again while we wait for it.
-            applied = asyncio.create_task(_wait_ledger_applied(config, bootstrap, watcher))
-            await supervise(applied, [dispatch_task], children)
+        produced = await _produce_until_drained(config, bootstrap, producing, running, children)
     finally:
-        dispatch_stop.set()
-        with contextlib.suppress(Exception):
-            await dispatch_task
-        refused = await asyncio.to_thread(extra.finish)
-        for refused_name, at in dispatcher.refused_at.items():
-            refused.setdefault(refused_name, []).append(at)
-        for name, view in watcher.board.views.items():
-            if view.halted_at is not None and name not in dispatcher.refused_at:
-                refused.setdefault(name, []).append(view.halted_at)
-        sink_stop.set()
-        await asyncio.to_thread(sink_thread.join, 120)
-        if bars is not None:
-            await bars.stop()
-        watch_task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await watch_task
-        await watcher.stop()
+        refused = await _stop_in_process(running, extra)
 
+    board = running.watcher.board
     return RunReport(
-        datasets=_results(config, watcher.board),
+        datasets=_results(config, board),
         produced=produced,
-        dispatch=dispatcher.report,
-        parquet_rows=dict(sink.rows_written),
+        dispatch=running.dispatcher.report,
+        parquet_rows=dict(running.sink.rows_written),
         seconds=time.monotonic() - started,
-        halt_seen_at={d.name: watcher.board.view(d.name).halted_at for d in config.datasets},
+        halt_seen_at={d.name: board.view(d.name).halted_at for d in config.datasets},
         refused_at=refused,
         restarts=[*(ledger.restarts if ledger is not None else []), *extra.restarts],
     )
