@@ -41,6 +41,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+import pyarrow.parquet as pq
+
+from producers.tokenizers import load_tokenizer
 from streams.events import ChatMessage
 from tokenbudget.config import RAW_TEXT_APIS, untemplated_chat
 from tokenbudget.errors import ConfigError, DatasetError
@@ -240,8 +243,6 @@ class JsonlReader(DatasetReader):
 
 class ParquetReader(DatasetReader):
     def rows(self) -> Iterator[tuple[int, Any | DatasetError]]:
-        import pyarrow.parquet as pq
-
         try:
             parquet = pq.ParquetFile(self.path)
         except (OSError, ValueError) as exc:
@@ -462,8 +463,6 @@ def read_options(config: Config, dataset: Dataset) -> dict[str, Any]:
     """The :func:`read_prompts` keywords a configured dataset asks for."""
     template: Template | None = None
     if dataset.template:
-        from producers.tokenizers import load_tokenizer
-
         if config.tokenizer_path is None:  # config validation names the key first
             raise DatasetError(str(dataset.path), "template = true needs [inference] tokenizer")
         tokenizer = load_tokenizer(config.tokenizer_path)

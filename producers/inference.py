@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import msgspec
 
+from producers.tokenizers import load_tokenizer
 from streams.events import ChatMessage, CountSource, FinishReason
 from tokenbudget.errors import (
     InferenceError,
@@ -816,8 +817,6 @@ def backend_for_config(
     inference = config.inference
     tokenizer = None
     if config.tokenizer_path is not None:
-        from producers.tokenizers import load_tokenizer
-
         tokenizer = load_tokenizer(config.tokenizer_path)
     return make_backend(
         inference.api,
@@ -838,8 +837,6 @@ async def prepare(config: Config) -> None:
     """Before a run: load the tokenizer (off the event loop, once per process) and,
     unless ``[inference] check_server = false``, check the server."""
     if config.tokenizer_path is not None:
-        from producers.tokenizers import load_tokenizer
-
         await asyncio.to_thread(load_tokenizer, config.tokenizer_path)
     if config.inference.check_server:
         await check_server(config)

@@ -40,7 +40,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +50,9 @@ from aiokafka import AIOKafkaConsumer
 from aiokafka import TopicPartition as AIOTopicPartition
 from aiokafka.errors import KafkaConnectionError
 from kafka import KafkaProducer
+from rich.console import Console
+from rich.progress import BarColumn, TextColumn
+from rich.progress import Progress as RichProgress
 
 from sinks.parquet import (
     FETCH_OPTIONS,
@@ -103,8 +106,6 @@ def parse_time(text: str) -> float:
             f"{text!r} is not a time: use seconds since the epoch or ISO 8601"
         ) from exc
     if moment.tzinfo is None:
-        from datetime import UTC
-
         moment = moment.replace(tzinfo=UTC)
     return moment.timestamp()
 
@@ -243,10 +244,6 @@ class Progress:
         self._rich: Any = None
         self._task: Any = None
         if enabled and sys.stderr.isatty():
-            from rich.console import Console
-            from rich.progress import BarColumn, TextColumn
-            from rich.progress import Progress as RichProgress
-
             self._rich = RichProgress(
                 TextColumn("replay"),
                 BarColumn(),

@@ -41,6 +41,7 @@ import msgspec
 import numpy as np
 from aiohttp import web
 
+from producers.tokenizers import load_tokenizer
 from tokenbudget.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -1118,9 +1119,6 @@ def _prom_escape(value: str) -> str:
 
 
 def _load_tokenizer(path: str) -> LocalTokenizer:
-    # Imported here: transformers takes seconds to import, and only --tokenizer needs it.
-    from producers.tokenizers import load_tokenizer
-
     return load_tokenizer(path)
 
 
