@@ -54,7 +54,7 @@ from streams.topics import Topics
 from tokenbudget import metrics
 from tokenbudget.config import Config
 from tokenbudget.errors import EventDecodeError, InferenceError, ServerOutageError
-from tokenbudget.kafka import aiokafka_options, aiokafka_producer_options
+from tokenbudget.kafka import aiokafka_producer_options, client_options
 
 log = logging.getLogger(__name__)
 
@@ -328,7 +328,7 @@ class Dispatcher:
         """The prompts consumer and the events producer, not started yet."""
         hold_ms = int(self.config.inference.prompt_hold_s * 1000)
         consumer = AIOKafkaConsumer(
-            **aiokafka_options(self.bootstrap),
+            **client_options(self.bootstrap),
             group_id=self.group_id,
             # A restarted dispatcher of the same name takes its prompts straight back.
             group_instance_id=self.instance,

@@ -58,7 +58,7 @@ from tokenbudget import metrics
 from tokenbudget.config import Config
 from tokenbudget.errors import EventDecodeError
 from tokenbudget.kafka import (
-    kafka_python_options,
+    client_options,
     kafka_python_producer_options,
     wait_for_partitions,
 )
@@ -833,7 +833,7 @@ class ParquetSink:
 
     def start(self) -> None:
         self._consumer = KafkaConsumer(
-            **kafka_python_options(self.bootstrap),
+            **client_options(self.bootstrap),
             group_id=self.group_id,
             enable_auto_commit=False,
             auto_offset_reset="earliest",

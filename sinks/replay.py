@@ -74,7 +74,7 @@ from streams.topics import Topics, completion_topic_configs
 from tokenbudget.errors import BrokerError, EventDecodeError, TokenBudgetError
 from tokenbudget.extras import require
 from tokenbudget.kafka import (
-    aiokafka_options,
+    client_options,
     kafka_python_producer_options,
     read_topic,
     wait_for_partitions_aio,
@@ -430,7 +430,7 @@ async def _started_consumer(bootstrap: str) -> AIOKafkaConsumer:
     """An aiokafka consumer of no group, started; :class:`BrokerError` if Kafka at
     ``bootstrap`` does not answer."""
     consumer = AIOKafkaConsumer(
-        **aiokafka_options(bootstrap),
+        **client_options(bootstrap),
         group_id=None,
         enable_auto_commit=False,
         auto_offset_reset="earliest",

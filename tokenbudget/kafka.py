@@ -26,7 +26,9 @@ from tokenbudget.errors import BrokerError
 log = logging.getLogger(__name__)
 
 
-def aiokafka_options(bootstrap: str) -> dict[str, Any]:
+def client_options(bootstrap: str) -> dict[str, Any]:
+    """Every client's connection: the address and the security registered for it
+    (aiokafka and kafka-python take the same keywords)."""
     return {
         "bootstrap_servers": bootstrap,
         "client_id": "tokenbudget",
@@ -45,7 +47,7 @@ def aiokafka_producer_options(bootstrap: str) -> dict[str, Any]:
     """aiokafka retries a batch until ``request_timeout_ms`` has passed since it was
     queued: that is its delivery timeout."""
     return {
-        **aiokafka_options(bootstrap),
+        **client_options(bootstrap),
         "acks": "all",
         "enable_idempotence": True,
         "request_timeout_ms": DELIVERY_TIMEOUT_MS,
@@ -55,19 +57,11 @@ def aiokafka_producer_options(bootstrap: str) -> dict[str, Any]:
 
 def kafka_python_producer_options(bootstrap: str) -> dict[str, Any]:
     return {
-        **kafka_python_options(bootstrap),
+        **client_options(bootstrap),
         "acks": "all",
         "enable_idempotence": True,
         "delivery_timeout_ms": DELIVERY_TIMEOUT_MS,
         "retry_backoff_ms": 250,
-    }
-
-
-def kafka_python_options(bootstrap: str) -> dict[str, Any]:
-    return {
-        "bootstrap_servers": bootstrap,
-        "client_id": "tokenbudget",
-        **security.client_options(bootstrap),
     }
 
 
@@ -80,8 +74,8 @@ class GroupLag:
     """
 
     def __init__(self, bootstrap: str) -> None:
-        self._admin = KafkaAdminClient(**kafka_python_options(bootstrap))
-        self._consumer = KafkaConsumer(**kafka_python_options(bootstrap), group_id=None)
+        self._admin = KafkaAdminClient(**client_options(bootstrap))
+        self._consumer = KafkaConsumer(**client_options(bootstrap), group_id=None)
 
     def lag(self, group: str, topics: list[str]) -> int:
         partitions = [
@@ -214,7 +208,7 @@ def read_topic(
     ``timeout`` seconds of the call. Blocking: run it in a thread from async code."""
     started = time.monotonic()
     consumer = KafkaConsumer(
-        **kafka_python_options(bootstrap),
+        **client_options(bootstrap),
         group_id=None,
         enable_auto_commit=False,
         auto_offset_reset="earliest",

@@ -32,7 +32,7 @@ from kafka.errors import KafkaError
 from tokenbudget import security
 from tokenbudget.errors import BrokerError, KafkaAuthError
 from tokenbudget.files import write_atomic
-from tokenbudget.kafka import kafka_python_options
+from tokenbudget.kafka import client_options
 
 log = logging.getLogger(__name__)
 
@@ -288,7 +288,7 @@ def wait_reachable(bootstrap: str, timeout: float = STARTUP_WAIT_S) -> None:
     deadline = time.monotonic() + timeout
     while True:
         try:
-            KafkaAdminClient(**kafka_python_options(bootstrap)).close()
+            KafkaAdminClient(**client_options(bootstrap)).close()
             return
         except KafkaError as exc:
             if time.monotonic() > deadline:
@@ -305,7 +305,7 @@ class TopicLayout:
 
 def topic_layout(bootstrap: str, topic: str) -> TopicLayout | None:
     """How ``topic`` is laid out on the cluster; None if it does not exist."""
-    admin = KafkaAdminClient(**kafka_python_options(bootstrap))
+    admin = KafkaAdminClient(**client_options(bootstrap))
     try:
         described = admin.describe_topics([topic])
     finally:

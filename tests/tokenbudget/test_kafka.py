@@ -16,9 +16,8 @@ from streams.topics import Topics, TopicSpec
 from tokenbudget import kafka_admin
 from tokenbudget.kafka import (
     GroupLag,
-    aiokafka_options,
     aiokafka_producer_options,
-    kafka_python_options,
+    client_options,
     kafka_python_producer_options,
 )
 
@@ -80,7 +79,7 @@ def test_kafka_python_and_aiokafka_clients_reach_the_cluster_through_any_address
             await sender.send_and_wait(topic, b"from aiokafka")
         finally:
             await sender.stop()
-        reader = AIOKafkaConsumer(topic, **aiokafka_options(listed), auto_offset_reset="earliest")
+        reader = AIOKafkaConsumer(topic, **client_options(listed), auto_offset_reset="earliest")
         await reader.start()
         try:
             batch = await reader.getmany(timeout_ms=10_000, max_records=10)
@@ -91,7 +90,7 @@ def test_kafka_python_and_aiokafka_clients_reach_the_cluster_through_any_address
     values = asyncio.run(aiokafka_round_trip())
     assert values == [b"from kafka-python", b"from aiokafka"]
 
-    consumer = KafkaConsumer(**kafka_python_options(listed))
+    consumer = KafkaConsumer(**client_options(listed))
     ends = consumer.end_offsets([TopicPartition(topic, 0)])
     consumer.close()
     assert ends == {TopicPartition(topic, 0): 2}

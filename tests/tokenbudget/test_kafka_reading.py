@@ -15,8 +15,7 @@ from kafka.admin import NewTopic
 
 from tokenbudget.errors import BrokerError
 from tokenbudget.kafka import (
-    aiokafka_options,
-    kafka_python_options,
+    client_options,
     kafka_python_producer_options,
     read_topic,
     wait_for_partitions,
@@ -53,7 +52,7 @@ def test_a_topic_that_never_shows_partitions_raises_the_callers_message() -> Non
 
 
 def _create(bootstrap: str, topic: str, partitions: int) -> None:
-    admin = KafkaAdminClient(**kafka_python_options(bootstrap))
+    admin = KafkaAdminClient(**client_options(bootstrap))
     try:
         admin.create_topics([NewTopic(topic, partitions, 1)])
     finally:
@@ -95,7 +94,7 @@ def test_an_aiokafka_consumer_sees_a_topic_created_after_it_started(kafka_bootst
     topic = f"t{uuid.uuid4().hex[:10]}.late"
 
     async def main() -> list[Any]:
-        consumer = AIOKafkaConsumer(**aiokafka_options(kafka_bootstrap), group_id=None)
+        consumer = AIOKafkaConsumer(**client_options(kafka_bootstrap), group_id=None)
         await consumer.start()
         try:
             assert not consumer.partitions_for_topic(topic)

@@ -173,11 +173,15 @@ def test_every_client_builder_uses_the_registered_security(
     monkeypatch.setenv("TB_UNIT_KAFKA_PASSWORD", "registry-pw")
     bootstrap = "registered.example:9093"
     security.register(bootstrap, KafkaSecurity.from_config(config(tmp_path)))
-    for options in (kafka.aiokafka_options(bootstrap), kafka.kafka_python_options(bootstrap)):
+    for options in (
+        kafka.client_options(bootstrap),
+        kafka.aiokafka_producer_options(bootstrap),
+        kafka.kafka_python_producer_options(bootstrap),
+    ):
         assert options["bootstrap_servers"] == bootstrap
         assert options["security_protocol"] == "SASL_SSL"
         assert options["sasl_plain_password"] == "registry-pw"
-    other = kafka.kafka_python_options("unregistered.example:9092")
+    other = kafka.client_options("unregistered.example:9092")
     assert other["security_protocol"] == "PLAINTEXT" and "sasl_plain_password" not in other
 
 
