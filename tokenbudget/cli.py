@@ -21,9 +21,8 @@ from tokenbudget.errors import TokenBudgetError
 DESCRIPTION = "Exact per-dataset token budgets for synthetic data generation, over Kafka."
 
 # Command name -> its module and one line of help. Only the module of the command
-# being run is imported: all of them (Faust, transformers, pyarrow, the simulator)
-# would add a second to every start, and `run` starts several children
-# (bench/cli_startup.py measures it).
+# being run is imported: all of them (Faust, pyarrow, the simulator, ...) would add
+# 0.15-0.4 s to every start, and `run` starts several children (bench/cli_startup.py).
 COMMANDS: dict[str, tuple[str, str]] = {
     "broker": (
         "tokenbudget.dev.commands.broker",
