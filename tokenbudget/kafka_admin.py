@@ -41,6 +41,9 @@ STARTUP_WAIT_S = 60.0
 
 DEFAULT_PARTITIONS = 4
 
+# kafka-python's own request and bootstrap timeouts, for the calls that never set theirs.
+_CLIENT_DEFAULT_TIMEOUT_MS = 30_000
+
 
 @dataclass(frozen=True)
 class TopicSpec:
@@ -68,12 +71,12 @@ class _Admin(KafkaAdminClient):  # type: ignore[misc]
 
 
 def admin_client(bootstrap: str, timeout_ms: int = 10_000) -> Any:
+    """A kafka-python admin client of ``bootstrap`` (every admin call here goes
+    through one: a failed connection leaks nothing)."""
     return _Admin(
-        bootstrap_servers=bootstrap,
-        client_id="tokenbudget-broker",
+        **{**client_options(bootstrap), "client_id": "tokenbudget-broker"},
         request_timeout_ms=timeout_ms,
         bootstrap_timeout_ms=timeout_ms,
-        **security.client_options(bootstrap),
     )
 
 
@@ -288,7 +291,7 @@ def wait_reachable(bootstrap: str, timeout: float = STARTUP_WAIT_S) -> None:
     deadline = time.monotonic() + timeout
     while True:
         try:
-            KafkaAdminClient(**client_options(bootstrap)).close()
+            admin_client(bootstrap, timeout_ms=_CLIENT_DEFAULT_TIMEOUT_MS).close()
             return
         except KafkaError as exc:
             if time.monotonic() > deadline:
@@ -305,7 +308,7 @@ class TopicLayout:
 
 def topic_layout(bootstrap: str, topic: str) -> TopicLayout | None:
     """How ``topic`` is laid out on the cluster; None if it does not exist."""
-    admin = KafkaAdminClient(**client_options(bootstrap))
+    admin = admin_client(bootstrap, timeout_ms=_CLIENT_DEFAULT_TIMEOUT_MS)
     try:
         described = admin.describe_topics([topic])
     finally:
