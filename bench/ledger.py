@@ -41,16 +41,14 @@ from tempfile import TemporaryDirectory
 from kafka import KafkaAdminClient, KafkaProducer
 
 from streams import events as ev
-from streams.app import LedgerSettings, run_worker
 from streams.faust_adapt import HotPath
 from streams.halts import BudgetWatcher
-from streams.ledger_gauges import LedgerGauges
 from streams.topics import Topics
 from tokenbudget import kafka_admin, lifetime
+from tokenbudget.app.commands import ledger as ledger_command
 from tokenbudget.app.runner import start_ledger_process, stop_process
 from tokenbudget.dev.cluster import LocalCluster
 from tokenbudget.kafka import kafka_python_producer_options
-from tokenbudget.kafka_admin import topic_layout
 from tokenbudget.localkafka import broker
 from tokenbudget.security import subprocess_env
 
@@ -65,21 +63,8 @@ def hot_path(variant: str) -> HotPath:
 
 
 def serve_ledger(bootstrap: str, namespace: str, variant: str) -> None:
-    """Run one ledger worker as ``tokenbudget ledger`` would, with ``variant``'s cuts."""
-    topics = Topics(namespace)
-    layout = topic_layout(bootstrap, topics.completions)
-    assert layout is not None, f"no topics in namespace {namespace}"
-    sys.argv = [sys.argv[0], "worker"]  # Faust's Worker reads argv
-    run_worker(
-        LedgerSettings(
-            bootstrap,
-            Topics(namespace, layout.partitions),
-            snapshot_interval=SNAPSHOT_INTERVAL_S,
-            on_state=LedgerGauges().observe,
-            replication_factor=layout.replication_factor,
-            hot_path=hot_path(variant),
-        )
-    )
+    """Run one ledger worker as ``tokenbudget ledger`` does, with ``variant``'s cuts."""
+    ledger_command.serve(bootstrap, namespace, SNAPSHOT_INTERVAL_S, hot_path(variant))
 
 
 def start_ledger(bootstrap: str, namespace: str, variant: str | None) -> subprocess.Popen[bytes]:

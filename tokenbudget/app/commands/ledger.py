@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from streams.app import LedgerSettings, run_worker
+from streams.faust_adapt import HotPath
 from streams.ledger_gauges import LedgerGauges
 from streams.topics import Topics
 from tokenbudget import config as config_module
@@ -35,23 +36,32 @@ def main(args: argparse.Namespace) -> int:
         wait_reachable(bootstrap)  # Faust gives up at once on a broker restarting
     else:
         raise TokenBudgetError("ledger needs --config FILE, or --bootstrap HOST:PORT")
-    # The worker follows the topics as they are (made by run, or by an operator).
+    if args.metrics_port:
+        metrics.serve(args.metrics_host, args.metrics_port, namespace, "ledger")
+    serve(bootstrap, namespace, interval)
+    return 0
+
+
+def serve(
+    bootstrap: str, namespace: str, snapshot_interval: float, hot_path: HotPath | None = None
+) -> None:
+    """Run one ledger worker of ``namespace`` until SIGTERM/SIGINT, on its topics as
+    they are (made by run, or by an operator; made here if there are none).
+    ``hot_path``: Faust's per-message cuts (all on by default; bench/ledger.py
+    turns some off)."""
     layout = topic_layout(bootstrap, Topics(namespace).completions)
     if layout is None:
         ensure_topics(bootstrap, Topics(namespace).specs())
         layout = topic_layout(bootstrap, Topics(namespace).completions)
         assert layout is not None
-    gauges = LedgerGauges()
-    if args.metrics_port:
-        metrics.serve(args.metrics_host, args.metrics_port, namespace, "ledger")
     sys.argv = [sys.argv[0], "worker"]  # Faust's Worker reads argv
     run_worker(
         LedgerSettings(
             bootstrap,
             Topics(namespace, layout.partitions),
-            snapshot_interval=interval,
-            on_state=gauges.observe,
+            snapshot_interval=snapshot_interval,
+            on_state=LedgerGauges().observe,
             replication_factor=layout.replication_factor,
+            hot_path=hot_path or HotPath(),
         )
     )
-    return 0
