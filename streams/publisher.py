@@ -1,5 +1,5 @@
-"""Publishing a few events from outside a worker: budgets set by a user, a
-producer's end, a replayed run's outcomes."""
+"""Publishing a few events from outside a worker: the budgets a job starts with and
+those `tokenbudget budget set` changes."""
 
 from __future__ import annotations
 

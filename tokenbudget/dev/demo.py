@@ -180,13 +180,12 @@ def comparison_rows(report: RunReport) -> tuple[int, list[list[object]]]:
     for name, r in report.datasets.items():
         mean = r.completion_tokens / r.samples if r.samples else 0.0
         capped = round(cap * mean)
-        overshoot = max(0, r.completion_tokens - r.budget)
         rows.append(
             [
                 name,
                 f"{r.budget:,}",
                 f"{r.completion_tokens:,}",
-                percent(overshoot, r.budget),
+                percent(r.overshoot, r.budget),
                 r.samples,
                 r.skipped,
                 r.status,
@@ -230,7 +229,7 @@ def run_demo(workdir: Path, *, json_output: bool = False, budget: int = DEMO_BUD
     ]
     print(format_table(headers, rows))
     halt_bound = CONCURRENCY * MAX_NEW_TOKENS
-    worst = max(max(0, r.completion_tokens - r.budget) for r in report.datasets.values())
+    worst = max(r.overshoot for r in report.datasets.values())
     print(
         f"\ntokenbudget: worst overshoot {worst:,} tokens (reservations allow none;"
         f" halting after the fact would allow concurrency x max_new_tokens = {halt_bound:,});"
