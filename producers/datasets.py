@@ -11,7 +11,9 @@ Formats (``[[datasets]] format``):
 * ``auto``     any of the above, per row (a folder is read as ``hf``)
 
 Every row may carry an ``id``. JSONL, Parquet and Hugging Face datasets take the
-same columns.
+same columns. Rows that hold the prompt elsewhere are read through the dataset's
+column mapping (:mod:`tokenbudget.columns`: ``prompt_field``, ``prompt_template``,
+``messages_field``, ``id_field``).
 
 Conversations give one prompt (``turns = "first"``: the turns up to and including
 the first user turn) or one per assistant turn (``turns = "all"``: the history
@@ -45,6 +47,7 @@ import pyarrow.parquet as pq
 
 from producers.tokenizers import load_tokenizer
 from streams.events import ChatMessage
+from tokenbudget.columns import DEFAULT_COLUMNS, Columns, FieldError, field_text
 from tokenbudget.config import RAW_TEXT_APIS, untemplated_chat
 from tokenbudget.errors import ConfigError, DatasetError
 from tokenbudget.extras import require
@@ -89,9 +92,11 @@ def stable_prompt_id(dataset: str, identity: str) -> str:
     return hashlib.blake2b(f"{dataset}\x00{identity}".encode(), digest_size=16).hexdigest()
 
 
-def _parse_messages(value: Any, path: str, line: int) -> tuple[ChatMessage, ...]:
+def _parse_messages(
+    value: Any, path: str, line: int, field: str = "messages"
+) -> tuple[ChatMessage, ...]:
     if not isinstance(value, list) or not value:
-        raise DatasetError(path, "'messages' must be a non-empty list", line=line)
+        raise DatasetError(path, f"{field!r} must be a non-empty list", line=line)
     parsed: list[ChatMessage] = []
     for i, message in enumerate(value):
         if (
@@ -101,16 +106,18 @@ def _parse_messages(value: Any, path: str, line: int) -> tuple[ChatMessage, ...]
         ):
             raise DatasetError(
                 path,
-                f"messages[{i}] must be an object with string 'role' and 'content'",
+                f"{field}[{i}] must be an object with string 'role' and 'content'",
                 line=line,
             )
         parsed.append(ChatMessage(role=message["role"], content=message["content"]))
     return tuple(parsed)
 
 
-def _parse_conversations(value: Any, path: str, line: int) -> tuple[ChatMessage, ...]:
+def _parse_conversations(
+    value: Any, path: str, line: int, field: str = "conversations"
+) -> tuple[ChatMessage, ...]:
     if not isinstance(value, list) or not value:
-        raise DatasetError(path, "'conversations' must be a non-empty list", line=line)
+        raise DatasetError(path, f"{field!r} must be a non-empty list", line=line)
     parsed: list[ChatMessage] = []
     for i, turn in enumerate(value):
         if (
@@ -120,7 +127,7 @@ def _parse_conversations(value: Any, path: str, line: int) -> tuple[ChatMessage,
         ):
             raise DatasetError(
                 path,
-                f"conversations[{i}] must be an object with string 'from' and 'value'",
+                f"{field}[{i}] must be an object with string 'from' and 'value'",
                 line=line,
             )
         role = SHAREGPT_ROLES.get(turn["from"].strip().lower())
@@ -128,7 +135,7 @@ def _parse_conversations(value: Any, path: str, line: int) -> tuple[ChatMessage,
             known = ", ".join(sorted(SHAREGPT_ROLES))
             raise DatasetError(
                 path,
-                f"conversations[{i}]: unknown speaker {turn['from']!r} (known: {known})",
+                f"{field}[{i}]: unknown speaker {turn['from']!r} (known: {known})",
                 line=line,
             )
         parsed.append(ChatMessage(role=role, content=turn["value"]))
@@ -136,15 +143,19 @@ def _parse_conversations(value: Any, path: str, line: int) -> tuple[ChatMessage,
 
 
 def parse_row(
-    row: Any, path: str, line: int, format: Format = "auto"
+    row: Any, path: str, line: int, format: Format = "auto", columns: Columns = DEFAULT_COLUMNS
 ) -> tuple[str | None, str | None, tuple[ChatMessage, ...] | None]:
     """Validate one row; returns (id, text, messages) or raises DatasetError."""
     if not isinstance(row, dict):
         raise DatasetError(path, f"expected a JSON object, got {type(row).__name__}", line=line)
-    row_id = row.get("id")
+    row_id = row.get(columns.id_field)
     if row_id is not None and not isinstance(row_id, (str, int)):
-        raise DatasetError(path, f"'id' must be a string or integer, got {row_id!r}", line=line)
+        raise DatasetError(
+            path, f"{columns.id_field!r} must be a string or integer, got {row_id!r}", line=line
+        )
     key = None if row_id is None else str(row_id)
+    if columns.key:
+        return (key, *_mapped_row(row, path, line, format, columns))
     prompt = row.get("prompt")
     messages = row.get("messages")
     conversations = row.get("conversations")
@@ -175,9 +186,48 @@ def parse_row(
         parsed = _parse_messages(messages, path, line)
     else:
         parsed = _parse_conversations(conversations, path, line)
-    if not any(m.content.strip() for m in parsed):
+    return key, None, _with_content(parsed, path, line)
+
+
+def _with_content(
+    messages: tuple[ChatMessage, ...], path: str, line: int
+) -> tuple[ChatMessage, ...]:
+    if not any(m.content.strip() for m in messages):
         raise DatasetError(path, "every message's 'content' is empty", line=line)
-    return key, None, parsed
+    return messages
+
+
+def _mapped_row(
+    row: dict[str, Any], path: str, line: int, format: Format, columns: Columns
+) -> tuple[str | None, tuple[ChatMessage, ...] | None]:
+    """(text, messages) of a row read through the dataset's column mapping."""
+    try:
+        if columns.prompt_field:
+            return field_text(row, columns.prompt_field), None
+        if columns.prompt_template is not None:
+            text = columns.prompt_template.render(row)
+            if not text.strip():
+                raise DatasetError(path, "prompt_template left every paragraph out", line=line)
+            return text, None
+    except FieldError as exc:
+        raise DatasetError(path, str(exc), line=line) from None
+    field = columns.messages_field
+    value = row.get(field)
+    if value is None:
+        raise DatasetError(path, f"field {field!r} is missing", line=line)
+    # "auto" and "hf" tell ShareGPT turns from chat messages by their shape.
+    if format == "sharegpt" or (format != "openai" and _sharegpt_shaped(value)):
+        return None, _with_content(_parse_conversations(value, path, line, field), path, line)
+    return None, _with_content(_parse_messages(value, path, line, field), path, line)
+
+
+def _sharegpt_shaped(value: Any) -> bool:
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and isinstance(value[0], dict)
+        and ("from" in value[0])
+    )
 
 
 def select_turns(
@@ -337,6 +387,7 @@ def _in_file_order(
     turns: Turns,
     on_bad_row: Callable[[DatasetError], None] | None,
     keep_columns: Sequence[str] = (),
+    columns: Columns = DEFAULT_COLUMNS,
 ) -> Iterator[PromptRow]:
     occurrences: dict[str, int] = {}
     name = reader.name
@@ -344,7 +395,7 @@ def _in_file_order(
         try:
             if isinstance(row, DatasetError):
                 raise row
-            row_id, text, messages = parse_row(row, name, line, format)
+            row_id, text, messages = parse_row(row, name, line, format, columns)
             selected = (
                 [(-1, messages)] if messages is None else select_turns(messages, turns, name, line)
             )
@@ -419,6 +470,7 @@ def read_prompts(
     template: Template | None = None,
     keep_columns: Sequence[str] = (),
     samples: int = 1,
+    columns: Columns = DEFAULT_COLUMNS,
 ) -> Iterator[PromptRow]:
     """Yield the dataset's prompts, in file order or shuffled with ``shuffle_seed``.
 
@@ -428,10 +480,11 @@ def read_prompts(
     fills ``input_ids``; a plain prompt is templated as one user turn.
     ``keep_columns`` are copied from each row; ``samples`` (the dataset's ``n``)
     repeats each prompt as that many prompts of their own (:func:`with_samples`).
+    ``columns`` says where the rows hold the prompt and the id.
     """
     reader = reader_for(path, format, split)
     rows: Iterator[PromptRow] = _in_file_order(
-        dataset, reader, format, turns, on_bad_row, keep_columns
+        dataset, reader, format, turns, on_bad_row, keep_columns, columns
     )
     if shuffle_seed is not None:
         # Ids are fixed in file order first, so the order never changes an id.
@@ -482,6 +535,7 @@ def read_options(config: Config, dataset: Dataset) -> dict[str, Any]:
         "template": template,
         "keep_columns": dataset.keep_columns,
         "samples": dataset.n,
+        "columns": dataset.columns,
     }
 
 
@@ -490,7 +544,12 @@ PEEK_ROWS = 1000
 
 
 def first_chat_row(
-    path: Path, format: Format = "auto", split: str = "", *, peek: int = PEEK_ROWS
+    path: Path,
+    format: Format = "auto",
+    split: str = "",
+    *,
+    peek: int = PEEK_ROWS,
+    columns: Columns = DEFAULT_COLUMNS,
 ) -> str | None:
     """``path:line`` of the first conversation among the first ``peek`` rows, or None.
 
@@ -498,17 +557,20 @@ def first_chat_row(
     try:
         reader = reader_for(path, format, split)
         for line, row in itertools.islice(reader.rows(), peek):
-            if isinstance(row, DatasetError):
-                continue
-            try:
-                messages = parse_row(row, reader.name, line, format)[2]
-            except DatasetError:
-                continue
-            if messages is not None:
+            if not isinstance(row, DatasetError) and _chat_row(
+                reader.name, line, row, format, columns
+            ):
                 return f"{reader.name}:{line}"
     except DatasetError:
         pass  # a file that cannot be read stops the producer with its own error
     return None
+
+
+def _chat_row(name: str, line: int, row: Any, format: Format, columns: Columns) -> bool:
+    try:
+        return parse_row(row, name, line, format, columns)[2] is not None
+    except DatasetError:
+        return False
 
 
 def check_untemplated_chat(config: Config) -> None:
@@ -523,7 +585,7 @@ def check_untemplated_chat(config: Config) -> None:
         # explicit chat formats never get here: config validation refused them
         if dataset.template or dataset.format not in ("auto", "hf"):
             continue
-        row = first_chat_row(dataset.path, dataset.format, dataset.split)
+        row = first_chat_row(dataset.path, dataset.format, dataset.split, columns=dataset.columns)
         if row is not None:
             found = f"{row} holds messages"
             raise untemplated_chat(f"datasets[{index}]", dataset.name, api, found, config.source)

@@ -20,6 +20,13 @@ from typing import Any, Literal
 
 import msgspec
 
+from tokenbudget.columns import (
+    CONFLICTING_FORMATS,
+    DEFAULT_COLUMNS,
+    Columns,
+    PromptTemplate,
+    TemplateError,
+)
 from tokenbudget.errors import ConfigError
 
 Api = Literal["sglang", "openai-completions", "openai-chat"]
@@ -148,6 +155,12 @@ class DatasetConfig(_Sampling, frozen=True, forbid_unknown_fields=True, kw_only=
     path: str
     budget: int | str
     format: DatasetFormat = "auto"
+    # Where the prompt is when not in prompt/messages/conversations (one of the
+    # three), and the id's field: tokenbudget.columns.
+    prompt_field: str = ""
+    prompt_template: str = ""
+    messages_field: str = ""
+    id_field: str = "id"
     max_new_tokens: int | None = None
     limit: int | None = None
     template: bool = False  # apply the tokenizer's chat template here, send input_ids
@@ -184,6 +197,7 @@ class Dataset(msgspec.Struct, frozen=True, kw_only=True):
     sampling: dict[str, Any] = {}  # the sampling settings its requests carry
     n: int = 1  # answers per prompt
     keep_columns: tuple[str, ...] = ()
+    columns: Columns = DEFAULT_COLUMNS  # where the rows hold the prompt
 
 
 SAMPLING_KEYS = _Sampling.__struct_fields__
@@ -358,6 +372,7 @@ def build(
                 sampling=_sampling(raw.inference, d),
                 n=d.n if d.n is not None else raw.inference.n,
                 keep_columns=tuple(d.keep_columns),
+                columns=_columns(d, key, source),
             )
         )
         _check_dataset(raw, d, key, source)
@@ -517,10 +532,11 @@ def _check_dataset(raw: _RawConfig, d: DatasetConfig, key: str, source: str) -> 
                 "'openai-completions' with a local template, or drop template",
                 source=source,
             )
-    if d.turns == "all" and d.format == "prompt":
+    if d.turns == "all" and (d.format == "prompt" or d.prompt_field or d.prompt_template):
         raise ConfigError(
             f"{key}.turns",
-            "'all' needs conversations (format openai, sharegpt, hf or auto)",
+            "'all' needs conversations (format openai, sharegpt, hf or auto, "
+            "without prompt_field or prompt_template)",
             source=source,
         )
     if d.split and d.format not in ("hf", "auto"):
@@ -529,8 +545,48 @@ def _check_dataset(raw: _RawConfig, d: DatasetConfig, key: str, source: str) -> 
         )
     # "auto" and "hf" rows say whether they are chat only when read: run and produce
     # check those before anything starts (producers.datasets.check_untemplated_chat).
-    if d.format in CHAT_FORMATS and raw.inference.api in RAW_TEXT_APIS and not d.template:
-        raise untemplated_chat(key, d.name, raw.inference.api, f"format {d.format!r}", source)
+    if raw.inference.api in RAW_TEXT_APIS and not d.template:
+        if d.format in CHAT_FORMATS:
+            found = f"format {d.format!r}"
+            raise untemplated_chat(key, d.name, raw.inference.api, found, source)
+        if d.messages_field:
+            found = f"messages_field {d.messages_field!r}"
+            raise untemplated_chat(key, d.name, raw.inference.api, found, source)
+
+
+def _columns(d: DatasetConfig, key: str, source: str) -> Columns:
+    """The dataset's column mapping (tokenbudget.columns), checked key by key and
+    against its format."""
+    chosen = [name for name in CONFLICTING_FORMATS if getattr(d, name)]
+    if len(chosen) > 1:
+        raise ConfigError(
+            f"{key}.{chosen[1]}",
+            f"set one of {', '.join(CONFLICTING_FORMATS)}, not both {chosen[0]} and {chosen[1]}",
+            source=source,
+        )
+    for name in ("prompt_field", "messages_field", "id_field"):
+        value = getattr(d, name)
+        if value != value.strip() or (name == "id_field" and not value):
+            raise ConfigError(f"{key}.{name}", f"{value!r} is not a field name", source=source)
+    if chosen and d.format in CONFLICTING_FORMATS[chosen[0]]:
+        what = "chat turns" if chosen[0] == "messages_field" else "a plain prompt"
+        raise ConfigError(
+            f"{key}.{chosen[0]}",
+            f'maps {what}, which format {d.format!r} does not read: set format = "auto"',
+            source=source,
+        )
+    template = None
+    if d.prompt_template:
+        try:
+            template = PromptTemplate.parse(d.prompt_template)
+        except TemplateError as exc:
+            raise ConfigError(f"{key}.prompt_template", str(exc), source=source) from exc
+    return Columns(
+        prompt_field=d.prompt_field,
+        prompt_template=template,
+        messages_field=d.messages_field,
+        id_field=d.id_field,
+    )
 
 
 # APIs that take the prompt as one string: chat turns need a template applied first.

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from tokenbudget.columns import Columns, PromptTemplate
 from tokenbudget.config import build, load, parse_budget
 from tokenbudget.errors import ConfigError
 
@@ -458,3 +459,71 @@ def test_the_configured_layout_reaches_every_topic_spec() -> None:
     assert {s.configs["min.insync.replicas"] for s in specs} == {"2"}
     keyed = [s for s in specs if not s.name.endswith("-__assignor-__leader")]
     assert {s.partitions for s in keyed} == {8}  # co-partitioned
+
+
+# ---- datasets ----------------------------------------------------------------------
+
+
+def test_column_mapping_keys() -> None:
+    config = build(
+        {
+            "datasets": [
+                dataset("a"),
+                dataset("b", prompt_field="question", id_field="qid"),
+                dataset("c", prompt_template="{instruction}\n\n{input?}"),
+                dataset("d", messages_field="dialog"),
+            ],
+            "inference": {"api": "openai-chat"},
+        },
+        environ=NO_ENV,
+    )
+    a, b, c, d = (ds.columns for ds in config.datasets)
+    assert a == Columns() and a.id_field == "id"
+    assert (b.prompt_field, b.id_field) == ("question", "qid")
+    assert c.prompt_template == PromptTemplate.parse("{instruction}\n\n{input?}")
+    assert d.messages_field == "dialog"
+
+
+@pytest.mark.parametrize(
+    ("extra", "key", "message"),
+    [
+        (
+            {"prompt_field": "question", "prompt_template": "{question}"},
+            "prompt_template",
+            "set one of prompt_field, prompt_template, messages_field, not both",
+        ),
+        (
+            {"prompt_template": "{q}", "messages_field": "dialog"},
+            "messages_field",
+            "not both prompt_template and messages_field",
+        ),
+        ({"prompt_template": "{input!r}"}, "prompt_template", "a placeholder is {field} or"),
+        ({"prompt_template": "{a}\n{b?}"}, "prompt_template", "{b?} shares a paragraph"),
+        (
+            {"prompt_field": "question", "format": "openai"},
+            "prompt_field",
+            "maps a plain prompt, which format 'openai' does not read: set format = \"auto\"",
+        ),
+        (
+            {"prompt_template": "{q}", "format": "sharegpt"},
+            "prompt_template",
+            "maps a plain prompt, which format 'sharegpt' does not read",
+        ),
+        (
+            {"messages_field": "dialog", "format": "prompt"},
+            "messages_field",
+            "maps chat turns, which format 'prompt' does not read",
+        ),
+        ({"prompt_field": "q", "turns": "all"}, "turns", "'all' needs conversations"),
+        ({"prompt_field": " q"}, "prompt_field", "' q' is not a field name"),
+        ({"id_field": ""}, "id_field", "'' is not a field name"),
+        ({"messages_field": "dialog"}, "template", "is chat (messages_field 'dialog')"),
+    ],
+)
+def test_column_mappings_that_cannot_work_are_named(
+    extra: dict[str, Any], key: str, message: str
+) -> None:
+    # api sglang sends raw text: chat needs template = true
+    error = config_error({"datasets": [dataset("x"), dataset("a", **extra)]})
+    assert error.key == f"datasets[1].{key}"
+    assert message in str(error)
