@@ -28,6 +28,8 @@ resumed run recognise work already done.
 
 Bad rows raise :class:`DatasetError` naming file and line; :func:`read_prompts`
 either skips them (reporting each through ``on_bad_row``) or stops, per config.
+Before a job starts, :func:`check_datasets` reads the first rows of every dataset
+and stops with the config key to fix when a dataset cannot work at all.
 """
 
 from __future__ import annotations
@@ -47,7 +49,13 @@ import pyarrow.parquet as pq
 
 from producers.tokenizers import load_tokenizer
 from streams.events import ChatMessage
-from tokenbudget.columns import DEFAULT_COLUMNS, Columns, FieldError, field_text
+from tokenbudget.columns import (
+    CONFLICTING_FORMATS,
+    DEFAULT_COLUMNS,
+    Columns,
+    FieldError,
+    field_text,
+)
 from tokenbudget.config import RAW_TEXT_APIS, untemplated_chat
 from tokenbudget.errors import ConfigError, DatasetError
 from tokenbudget.extras import require
@@ -230,6 +238,12 @@ def _sharegpt_shaped(value: Any) -> bool:
     )
 
 
+def _chat_shaped(value: Any) -> bool:
+    if not isinstance(value, list) or not value or not isinstance(value[0], dict):
+        return False
+    return {"role", "content"} <= value[0].keys() or {"from", "value"} <= value[0].keys()
+
+
 def select_turns(
     messages: tuple[ChatMessage, ...], turns: Turns, path: str, line: int
 ) -> list[tuple[int, tuple[ChatMessage, ...]]]:
@@ -304,6 +318,10 @@ class ParquetReader(DatasetReader):
                 yield number, row
 
 
+class SplitError(DatasetError):
+    """A saved Hugging Face dataset has no such split, or needs one chosen."""
+
+
 class HFDiskReader(DatasetReader):
     """A dataset saved with ``Dataset.save_to_disk`` / ``DatasetDict.save_to_disk``.
 
@@ -335,7 +353,7 @@ class HFDiskReader(DatasetReader):
             if not split and len(splits) == 1:
                 split = splits[0]
             if split not in loaded:
-                raise DatasetError(
+                raise SplitError(
                     str(self.path),
                     f"choose a split with 'split' (this dataset has {', '.join(splits)})"
                     if not self.split
@@ -344,7 +362,7 @@ class HFDiskReader(DatasetReader):
             self.split = split
             return loaded[split]
         if self.split:
-            raise DatasetError(str(self.path), f"a single Dataset has no split {self.split!r}")
+            raise SplitError(str(self.path), f"a single Dataset has no split {self.split!r}")
         return loaded
 
     def rows(self) -> Iterator[tuple[int, Any | DatasetError]]:
@@ -370,7 +388,24 @@ def reader_for(path: Path, format: Format = "auto", split: str = "") -> DatasetR
         raise DatasetError(
             str(path), "a folder is read only as a saved Hugging Face dataset (format 'hf')"
         )
-    raise DatasetError(str(path), "unknown file type: use .jsonl or .parquet")
+    raise DatasetError(str(path), f"{_unknown_type(path)}; {SUPPORTED}")
+
+
+SUPPORTED = (
+    "tokenbudget reads JSON lines (.jsonl, .json, .ndjson), Parquet (.parquet, .pq) "
+    'and a folder saved by Hugging Face datasets\' save_to_disk (format = "hf")'
+)
+
+
+def _unknown_type(path: Path) -> str:
+    suffix = path.suffix.lower()
+    if suffix == ".csv":
+        return (
+            "CSV is not read (its values have no types); convert it, e.g. python -c "
+            '"import pyarrow.csv as c, pyarrow.parquet as p; '
+            f"p.write_table(c.read_csv('{path.name}'), '{path.stem}.parquet')\""
+        )
+    return f"unknown file type {suffix!r}" if suffix else "a file without a suffix"
 
 
 def _content_identity(text: str | None, messages: tuple[ChatMessage, ...] | None) -> str:
@@ -573,19 +608,151 @@ def _chat_row(name: str, line: int, row: Any, format: Format, columns: Columns) 
         return False
 
 
-def check_untemplated_chat(config: Config) -> None:
-    """Before anything runs: chat rows bound for a raw-text API (``sglang``,
-    ``openai-completions``) without ``template = true`` are a ConfigError naming the
-    dataset's key and both fixes. Config validation catches explicit chat formats;
-    ``auto`` and ``hf`` rows are peeked here."""
-    api = config.inference.api
-    if api not in RAW_TEXT_APIS:
-        return
+# ---- before a job starts: what the first rows of each dataset say -------------------
+
+# Fields that often hold the prompt, in the order they are suggested.
+PROMPT_FIELD_GUESSES = ("question", "query", "problem", "instruction", "input", "text")
+ALPACA_TEMPLATE = "{instruction}\n\n{input?}"
+
+
+def check_datasets(config: Config, *, peek: int = PEEK_ROWS) -> None:
+    """Everything about the datasets that can be known before a job starts, from the
+    first ``peek`` rows of each (never a whole file), so that ``run`` and ``produce``
+    stop before any broker or server is touched: a dataset at all; each file there,
+    of a known type and readable; its rows giving prompts through the dataset's
+    format and column mapping; ``id_field`` and ``keep_columns`` in its rows; no chat
+    rows bound untemplated for a raw-text API. Raises ConfigError naming the key."""
+    config.require_datasets()
     for index, dataset in enumerate(config.datasets):
-        # explicit chat formats never get here: config validation refused them
-        if dataset.template or dataset.format not in ("auto", "hf"):
+        key = f"datasets[{index}]"
+        name, rows = _peek(dataset, key, config.source, peek)
+        _check_rows(config, dataset, key, name, rows, peek)
+
+
+def _peek(dataset: Dataset, key: str, source: str, peek: int) -> tuple[str, list[tuple[int, Any]]]:
+    """The reader's name for the dataset and its first ``peek`` rows."""
+    if not dataset.path.exists():
+        raise ConfigError(
+            f"{key}.path",
+            f"{dataset.path} does not exist (a relative path is read from the config "
+            "file's folder)",
+            source=source,
+        )
+    try:
+        reader = reader_for(dataset.path, dataset.format, dataset.split)
+        return reader.name, list(itertools.islice(reader.rows(), peek))
+    except SplitError as exc:
+        raise ConfigError(f"{key}.split", str(exc), source=source) from exc
+    except DatasetError as exc:
+        raise ConfigError(f"{key}.path", str(exc), source=source) from exc
+
+
+def _check_rows(
+    config: Config,
+    dataset: Dataset,
+    key: str,
+    name: str,
+    rows: list[tuple[int, Any]],
+    peek: int,
+) -> None:
+    first_error: DatasetError | None = None
+    prompts = 0
+    chat_at = None
+    for line, row in rows:
+        try:
+            if isinstance(row, DatasetError):
+                raise row
+            messages = parse_row(row, name, line, dataset.format, dataset.columns)[2]
+        except DatasetError as exc:
+            first_error = first_error or exc
             continue
-        row = first_chat_row(dataset.path, dataset.format, dataset.split, columns=dataset.columns)
-        if row is not None:
-            found = f"{row} holds messages"
-            raise untemplated_chat(f"datasets[{index}]", dataset.name, api, found, config.source)
+        prompts += 1
+        if messages is not None and chat_at is None:
+            chat_at = f"{name}:{line}"
+    objects = [row for _, row in rows if isinstance(row, dict)]
+    if first_error is not None and not prompts:
+        read = _rows_read(len(rows), peek)
+        raise _no_prompts(dataset, key, read, first_error, objects, config.source)
+    api = config.inference.api
+    # Explicit chat formats never get here untemplated: config validation refused them.
+    if chat_at and api in RAW_TEXT_APIS and not dataset.template:
+        found = f"{chat_at} holds messages"
+        raise untemplated_chat(key, dataset.name, api, found, config.source)
+    wanted = [("keep_columns", column) for column in dataset.keep_columns]
+    if dataset.columns.id_field != DEFAULT_COLUMNS.id_field:
+        wanted.append(("id_field", dataset.columns.id_field))
+    for option, field in wanted:
+        if objects and not any(field in row for row in objects):
+            raise ConfigError(
+                f"{key}.{option}",
+                f"no field {field!r} in {_rows_read(len(rows), peek)} of {name} "
+                f"(their fields: {_fields(objects)})",
+                source=config.source,
+            )
+
+
+def _rows_read(count: int, peek: int) -> str:
+    if count >= peek:
+        return f"the first {count} rows"
+    return "the only row" if count == 1 else f"the {count} rows"
+
+
+def _fields(objects: list[dict[str, Any]], most: int = 20) -> str:
+    names = list(dict.fromkeys(name for row in objects for name in row))
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+def suggest_mapping(row: dict[str, Any]) -> tuple[str, str] | None:
+    """The column mapping a row's fields suggest: (key, value), or None."""
+    if isinstance(row.get("instruction"), str) and "input" in row:
+        return "prompt_template", ALPACA_TEMPLATE
+    for name, value in row.items():
+        if name not in ("messages", "conversations") and _chat_shaped(value):
+            return "messages_field", name
+    for name in PROMPT_FIELD_GUESSES:
+        if isinstance(row.get(name), str):
+            return "prompt_field", name
+    return None
+
+
+def _suggestion(dataset: Dataset, row: dict[str, Any]) -> tuple[str, str] | None:
+    """What to set for a dataset whose first rows give no prompt, judged from ``row``."""
+    if dataset.format not in ("auto", "hf"):
+        try:
+            parse_row(row, "", 0, "auto", dataset.columns)
+            return "format", "auto"  # the rows are fine, the format is not theirs
+        except DatasetError:
+            pass
+    suggestion = suggest_mapping(row)
+    return None if suggestion == dataset.columns.mapping else suggestion
+
+
+def _no_prompts(
+    dataset: Dataset,
+    key: str,
+    read: str,
+    error: DatasetError,
+    objects: list[dict[str, Any]],
+    source: str,
+) -> ConfigError:
+    """The first rows give no prompt at all: which key to set, and to what."""
+    columns = dataset.columns
+    message = f"no prompt in {read} (first problem: {error})"
+    if objects:
+        message += f"; their fields: {_fields(objects)}"
+    suggestion = _suggestion(dataset, objects[0]) if objects else None
+    if suggestion is None:
+        option = columns.key or "prompt_field"
+        fix = (
+            'say where the prompt is with prompt_field = "<field>", prompt_template = '
+            '"<text with {field} and {field?}>" or messages_field = "<field>"'
+        )
+    else:
+        option, value = suggestion
+        fix = f"set {option} = {json.dumps(value)}"
+        if columns.key and option != "format" and columns.key != option:
+            fix += f" in place of {columns.key}"
+        if dataset.format in CONFLICTING_FORMATS.get(option, ()):
+            fix += ' and format = "auto"'
+    message = f"{message}: {fix} (README: Column mapping)"
+    return ConfigError(f"{key}.{option}", message, source=source)

@@ -240,6 +240,16 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     def max_queued_per_dataset(self) -> int:
         return self.producer.max_queued_per_dataset or 2 * self.inference.concurrency
 
+    def require_datasets(self) -> None:
+        """``run`` and ``produce`` have nothing to do without a dataset (and would wait
+        for ever); ``ledger``, ``dispatch`` and ``status`` need none."""
+        if not self.datasets:
+            raise ConfigError(
+                "datasets",
+                "no [[datasets]] table: add one with name, path and budget",
+                source=self.source,
+            )
+
     def dataset(self, name: str) -> Dataset:
         for dataset in self.datasets:
             if dataset.name == name:
@@ -544,7 +554,7 @@ def _check_dataset(raw: _RawConfig, d: DatasetConfig, key: str, source: str) -> 
             f"{key}.split", "only a Hugging Face dataset (format 'hf') has splits", source=source
         )
     # "auto" and "hf" rows say whether they are chat only when read: run and produce
-    # check those before anything starts (producers.datasets.check_untemplated_chat).
+    # check those before anything starts (producers.datasets.check_datasets).
     if raw.inference.api in RAW_TEXT_APIS and not d.template:
         if d.format in CHAT_FORMATS:
             found = f"format {d.format!r}"

@@ -464,6 +464,15 @@ def test_the_configured_layout_reaches_every_topic_spec() -> None:
 # ---- datasets ----------------------------------------------------------------------
 
 
+def test_run_and_produce_need_a_dataset() -> None:
+    build({}, environ=NO_ENV)  # ledger, dispatch and status need none
+    with pytest.raises(ConfigError) as info:
+        build({}, environ=NO_ENV, source="job.toml").require_datasets()
+    assert str(info.value) == (
+        "job.toml: config key 'datasets': no [[datasets]] table: add one with name, path and budget"
+    )
+
+
 def test_column_mapping_keys() -> None:
     config = build(
         {
