@@ -14,6 +14,9 @@ from __future__ import annotations
 import os
 import re
 import tomllib
+import types
+import typing
+import urllib.parse
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -295,6 +298,41 @@ def _key_from_msgspec(message: str) -> str:
     return path or "<root>"
 
 
+def _literal_values(key: str) -> tuple[Any, ...]:
+    """The values a Literal key (``inference.api``, ``datasets[0].format``) takes, in
+    the order they are declared; () for any other key."""
+    kind: Any = _RawConfig
+    for part in re.findall(r"[^.\[\]]+|\[\d+\]", key):
+        if part.startswith("["):
+            kind = typing.get_args(kind)[0] if typing.get_origin(kind) is list else None
+        elif isinstance(kind, type) and issubclass(kind, msgspec.Struct):
+            kind = typing.get_type_hints(kind).get(part)
+        else:
+            return ()
+    union = typing.get_origin(kind) in (typing.Union, types.UnionType)
+    choices = typing.get_args(kind) if union else (kind,)
+    return tuple(
+        value
+        for choice in choices
+        if typing.get_origin(choice) is Literal
+        for value in typing.get_args(choice)
+    )
+
+
+def _from_msgspec(exc: msgspec.ValidationError, source: str) -> ConfigError:
+    """msgspec's error as ours: the key named and, for a key with a fixed set of
+    values, every value it takes."""
+    message = str(exc)
+    key = _key_from_msgspec(message)
+    values = _literal_values(key)
+    if values:
+        what = message.split(" - at ")[0]
+        given = re.fullmatch(r"Invalid enum value (.*)", what)
+        problem = f"{given.group(1)} is not a valid value" if given else what
+        message = f"{problem}; use one of {', '.join(map(repr, values))}"
+    return ConfigError(key, message, source=source)
+
+
 def _apply_env(data: dict[str, Any], environ: Mapping[str, str]) -> None:
     for name, value in environ.items():
         if not name.startswith(ENV_PREFIX):
@@ -350,7 +388,7 @@ def build(
     try:
         raw = msgspec.convert(data, _RawConfig)
     except msgspec.ValidationError as exc:
-        raise ConfigError(_key_from_msgspec(str(exc)), str(exc), source=source) from exc
+        raise _from_msgspec(exc, source) from exc
     base = base_dir or Path(".").resolve()
     datasets: list[Dataset] = []
     seen: set[str] = set()
@@ -652,14 +690,35 @@ def _check_ranges(raw: _RawConfig, source: str) -> None:
             "must be within 6..1800 seconds (the broker's group.min/max.session.timeout.ms)",
             source=source,
         )
-    if not raw.inference.url.startswith(("http://", "https://")):
-        raise ConfigError(
-            "inference.url", f"{raw.inference.url!r} is not an http(s) URL", source=source
-        )
+    _check_url(raw.inference.url, source)
     if not re.fullmatch(r"[A-Za-z0-9_\-]+", raw.kafka.namespace):
         raise ConfigError("kafka.namespace", "use letters, digits, '_' and '-'", source=source)
     _check_replication(raw.kafka, source)
     _check_bootstrap(raw.kafka.bootstrap, source)
+
+
+def one_server_per_url(url: str) -> str:
+    """What to do with several servers: the one place that says it (a fleet of
+    servers behind one job would change it)."""
+    return (
+        f"{url!r} names several servers, but it takes one URL: run one `tokenbudget "
+        "dispatch` per server with TOKENBUDGET__INFERENCE__URL set to its URL, or put a "
+        "router in front of them and set its URL here"
+    )
+
+
+def _check_url(url: str, source: str) -> None:
+    if "," in url or len(url.split()) > 1:
+        raise ConfigError("inference.url", one_server_per_url(url), source=source)
+    if not url.startswith(("http://", "https://")):
+        raise ConfigError("inference.url", f"{url!r} is not an http(s) URL", source=source)
+    parts = urllib.parse.urlsplit(url)
+    try:
+        parts.port  # noqa: B018 - parsing the port is the check
+    except ValueError as exc:
+        raise ConfigError("inference.url", f"{url!r}: {exc}", source=source) from None
+    if not parts.hostname:
+        raise ConfigError("inference.url", f"{url!r} names no host", source=source)
 
 
 _ADDRESS_RE = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.\-]+):\d{1,5}$")
