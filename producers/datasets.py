@@ -620,8 +620,9 @@ def check_datasets(config: Config, *, peek: int = PEEK_ROWS) -> None:
     first ``peek`` rows of each (never a whole file), so that ``run`` and ``produce``
     stop before any broker or server is touched: a dataset at all; each file there,
     of a known type and readable; its rows giving prompts through the dataset's
-    format and column mapping; ``id_field`` and ``keep_columns`` in its rows; no chat
-    rows bound untemplated for a raw-text API. Raises ConfigError naming the key."""
+    format and column mapping; an ``id_field`` other than ``id`` in its rows; no chat
+    rows bound untemplated for a raw-text API. Raises ConfigError naming the key.
+    (A ``keep_columns`` entry no row has is allowed: it is kept as null.)"""
     config.require_datasets()
     for index, dataset in enumerate(config.datasets):
         key = f"datasets[{index}]"
@@ -678,17 +679,17 @@ def _check_rows(
     if chat_at and api in RAW_TEXT_APIS and not dataset.template:
         found = f"{chat_at} holds messages"
         raise untemplated_chat(key, dataset.name, api, found, config.source)
-    wanted = [("keep_columns", column) for column in dataset.keep_columns]
-    if dataset.columns.id_field != DEFAULT_COLUMNS.id_field:
-        wanted.append(("id_field", dataset.columns.id_field))
-    for option, field in wanted:
-        if objects and not any(field in row for row in objects):
-            raise ConfigError(
-                f"{key}.{option}",
-                f"no field {field!r} in {_rows_read(len(rows), peek)} of {name} "
-                f"(their fields: {_fields(objects)})",
-                source=config.source,
-            )
+    # Rows without an id are identified by their content: a misspelt id_field would
+    # change every prompt id, the key a rerun resumes by.
+    id_field = dataset.columns.id_field
+    missing = bool(objects) and not any(id_field in row for row in objects)
+    if id_field != DEFAULT_COLUMNS.id_field and missing:
+        raise ConfigError(
+            f"{key}.id_field",
+            f"no field {id_field!r} in {_rows_read(len(rows), peek)} of {name} "
+            f"(their fields: {_fields(objects)})",
+            source=config.source,
+        )
 
 
 def _rows_read(count: int, peek: int) -> str:

@@ -1,7 +1,7 @@
 """Before a job starts, one pass over the first rows of each dataset: a dataset at
 all, each file there with a type tokenbudget reads, rows that give prompts through
 the format and column mapping (else the fields the rows have and the key to set),
-``id_field`` and ``keep_columns`` present. Every error names the config key."""
+an ``id_field`` present. Every error names the config key."""
 
 from __future__ import annotations
 
@@ -196,15 +196,15 @@ def test_a_file_that_cannot_be_read_names_the_path_key(
     assert message in str(error)
 
 
-def test_id_field_and_keep_columns_must_be_in_the_rows(tmp_path: Path) -> None:
+def test_an_id_field_must_be_in_the_rows(tmp_path: Path) -> None:
     write_jsonl(tmp_path / "d.jsonl", [{"prompt": "hi", "qid": 1, "level": 2}])
-    check_datasets(build(tmp_path, id_field="qid", keep_columns=["level"]))
+    check_datasets(build(tmp_path, id_field="qid"))
     error = check_error(build(tmp_path, id_field="task_id"))
     assert error.key == "datasets[1].id_field"
     assert "no field 'task_id' in the only row of" in str(error)
     assert "(their fields: prompt, qid, level)" in str(error)
-    error = check_error(build(tmp_path, keep_columns=["level", "topic"]))
-    assert error.key == "datasets[1].keep_columns" and "no field 'topic'" in str(error)
+    # a kept column no row has is kept as null (README), not refused
+    check_datasets(build(tmp_path, keep_columns=["level", "topic"]))
 
 
 def test_chat_found_in_a_mapped_field_still_needs_a_template_on_raw_text_apis(
