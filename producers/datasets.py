@@ -11,7 +11,9 @@ Formats (``[[datasets]] format``):
 * ``auto``     any of the above, per row (a folder is read as ``hf``)
 
 Every row may carry an ``id``. JSONL, Parquet and Hugging Face datasets take the
-same columns.
+same columns. Rows that hold the prompt elsewhere are read through the dataset's
+column mapping (:mod:`tokenbudget.columns`: ``prompt_field``, ``prompt_template``,
+``messages_field``, ``id_field``).
 
 Conversations give one prompt (``turns = "first"``: the turns up to and including
 the first user turn) or one per assistant turn (``turns = "all"``: the history
@@ -26,6 +28,8 @@ resumed run recognise work already done.
 
 Bad rows raise :class:`DatasetError` naming file and line; :func:`read_prompts`
 either skips them (reporting each through ``on_bad_row``) or stops, per config.
+Before a job starts, :func:`check_datasets` reads the first rows of every dataset
+and stops with the config key to fix when a dataset cannot work at all.
 """
 
 from __future__ import annotations
@@ -45,6 +49,13 @@ import pyarrow.parquet as pq
 
 from producers.tokenizers import load_tokenizer
 from streams.events import ChatMessage
+from tokenbudget.columns import (
+    CONFLICTING_FORMATS,
+    DEFAULT_COLUMNS,
+    Columns,
+    FieldError,
+    field_text,
+)
 from tokenbudget.config import RAW_TEXT_APIS, untemplated_chat
 from tokenbudget.errors import ConfigError, DatasetError
 from tokenbudget.extras import require
@@ -89,9 +100,11 @@ def stable_prompt_id(dataset: str, identity: str) -> str:
     return hashlib.blake2b(f"{dataset}\x00{identity}".encode(), digest_size=16).hexdigest()
 
 
-def _parse_messages(value: Any, path: str, line: int) -> tuple[ChatMessage, ...]:
+def _parse_messages(
+    value: Any, path: str, line: int, field: str = "messages"
+) -> tuple[ChatMessage, ...]:
     if not isinstance(value, list) or not value:
-        raise DatasetError(path, "'messages' must be a non-empty list", line=line)
+        raise DatasetError(path, f"{field!r} must be a non-empty list", line=line)
     parsed: list[ChatMessage] = []
     for i, message in enumerate(value):
         if (
@@ -101,16 +114,18 @@ def _parse_messages(value: Any, path: str, line: int) -> tuple[ChatMessage, ...]
         ):
             raise DatasetError(
                 path,
-                f"messages[{i}] must be an object with string 'role' and 'content'",
+                f"{field}[{i}] must be an object with string 'role' and 'content'",
                 line=line,
             )
         parsed.append(ChatMessage(role=message["role"], content=message["content"]))
     return tuple(parsed)
 
 
-def _parse_conversations(value: Any, path: str, line: int) -> tuple[ChatMessage, ...]:
+def _parse_conversations(
+    value: Any, path: str, line: int, field: str = "conversations"
+) -> tuple[ChatMessage, ...]:
     if not isinstance(value, list) or not value:
-        raise DatasetError(path, "'conversations' must be a non-empty list", line=line)
+        raise DatasetError(path, f"{field!r} must be a non-empty list", line=line)
     parsed: list[ChatMessage] = []
     for i, turn in enumerate(value):
         if (
@@ -120,7 +135,7 @@ def _parse_conversations(value: Any, path: str, line: int) -> tuple[ChatMessage,
         ):
             raise DatasetError(
                 path,
-                f"conversations[{i}] must be an object with string 'from' and 'value'",
+                f"{field}[{i}] must be an object with string 'from' and 'value'",
                 line=line,
             )
         role = SHAREGPT_ROLES.get(turn["from"].strip().lower())
@@ -128,7 +143,7 @@ def _parse_conversations(value: Any, path: str, line: int) -> tuple[ChatMessage,
             known = ", ".join(sorted(SHAREGPT_ROLES))
             raise DatasetError(
                 path,
-                f"conversations[{i}]: unknown speaker {turn['from']!r} (known: {known})",
+                f"{field}[{i}]: unknown speaker {turn['from']!r} (known: {known})",
                 line=line,
             )
         parsed.append(ChatMessage(role=role, content=turn["value"]))
@@ -136,15 +151,19 @@ def _parse_conversations(value: Any, path: str, line: int) -> tuple[ChatMessage,
 
 
 def parse_row(
-    row: Any, path: str, line: int, format: Format = "auto"
+    row: Any, path: str, line: int, format: Format = "auto", columns: Columns = DEFAULT_COLUMNS
 ) -> tuple[str | None, str | None, tuple[ChatMessage, ...] | None]:
     """Validate one row; returns (id, text, messages) or raises DatasetError."""
     if not isinstance(row, dict):
         raise DatasetError(path, f"expected a JSON object, got {type(row).__name__}", line=line)
-    row_id = row.get("id")
+    row_id = row.get(columns.id_field)
     if row_id is not None and not isinstance(row_id, (str, int)):
-        raise DatasetError(path, f"'id' must be a string or integer, got {row_id!r}", line=line)
+        raise DatasetError(
+            path, f"{columns.id_field!r} must be a string or integer, got {row_id!r}", line=line
+        )
     key = None if row_id is None else str(row_id)
+    if columns.key:
+        return (key, *_mapped_row(row, path, line, format, columns))
     prompt = row.get("prompt")
     messages = row.get("messages")
     conversations = row.get("conversations")
@@ -175,9 +194,54 @@ def parse_row(
         parsed = _parse_messages(messages, path, line)
     else:
         parsed = _parse_conversations(conversations, path, line)
-    if not any(m.content.strip() for m in parsed):
+    return key, None, _with_content(parsed, path, line)
+
+
+def _with_content(
+    messages: tuple[ChatMessage, ...], path: str, line: int
+) -> tuple[ChatMessage, ...]:
+    if not any(m.content.strip() for m in messages):
         raise DatasetError(path, "every message's 'content' is empty", line=line)
-    return key, None, parsed
+    return messages
+
+
+def _mapped_row(
+    row: dict[str, Any], path: str, line: int, format: Format, columns: Columns
+) -> tuple[str | None, tuple[ChatMessage, ...] | None]:
+    """(text, messages) of a row read through the dataset's column mapping."""
+    try:
+        if columns.prompt_field:
+            return field_text(row, columns.prompt_field), None
+        if columns.prompt_template is not None:
+            text = columns.prompt_template.render(row)
+            if not text.strip():
+                raise DatasetError(path, "prompt_template left every paragraph out", line=line)
+            return text, None
+    except FieldError as exc:
+        raise DatasetError(path, str(exc), line=line) from None
+    field = columns.messages_field
+    value = row.get(field)
+    if value is None:
+        raise DatasetError(path, f"field {field!r} is missing", line=line)
+    # "auto" and "hf" tell ShareGPT turns from chat messages by their shape.
+    if format == "sharegpt" or (format != "openai" and _sharegpt_shaped(value)):
+        return None, _with_content(_parse_conversations(value, path, line, field), path, line)
+    return None, _with_content(_parse_messages(value, path, line, field), path, line)
+
+
+def _sharegpt_shaped(value: Any) -> bool:
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and isinstance(value[0], dict)
+        and ("from" in value[0])
+    )
+
+
+def _chat_shaped(value: Any) -> bool:
+    if not isinstance(value, list) or not value or not isinstance(value[0], dict):
+        return False
+    return {"role", "content"} <= value[0].keys() or {"from", "value"} <= value[0].keys()
 
 
 def select_turns(
@@ -254,6 +318,10 @@ class ParquetReader(DatasetReader):
                 yield number, row
 
 
+class SplitError(DatasetError):
+    """A saved Hugging Face dataset has no such split, or needs one chosen."""
+
+
 class HFDiskReader(DatasetReader):
     """A dataset saved with ``Dataset.save_to_disk`` / ``DatasetDict.save_to_disk``.
 
@@ -285,7 +353,7 @@ class HFDiskReader(DatasetReader):
             if not split and len(splits) == 1:
                 split = splits[0]
             if split not in loaded:
-                raise DatasetError(
+                raise SplitError(
                     str(self.path),
                     f"choose a split with 'split' (this dataset has {', '.join(splits)})"
                     if not self.split
@@ -294,7 +362,7 @@ class HFDiskReader(DatasetReader):
             self.split = split
             return loaded[split]
         if self.split:
-            raise DatasetError(str(self.path), f"a single Dataset has no split {self.split!r}")
+            raise SplitError(str(self.path), f"a single Dataset has no split {self.split!r}")
         return loaded
 
     def rows(self) -> Iterator[tuple[int, Any | DatasetError]]:
@@ -320,7 +388,24 @@ def reader_for(path: Path, format: Format = "auto", split: str = "") -> DatasetR
         raise DatasetError(
             str(path), "a folder is read only as a saved Hugging Face dataset (format 'hf')"
         )
-    raise DatasetError(str(path), "unknown file type: use .jsonl or .parquet")
+    raise DatasetError(str(path), f"{_unknown_type(path)}; {SUPPORTED}")
+
+
+SUPPORTED = (
+    "tokenbudget reads JSON lines (.jsonl, .json, .ndjson), Parquet (.parquet, .pq) "
+    'and a folder saved by Hugging Face datasets\' save_to_disk (format = "hf")'
+)
+
+
+def _unknown_type(path: Path) -> str:
+    suffix = path.suffix.lower()
+    if suffix == ".csv":
+        return (
+            "CSV is not read (its values have no types); convert it, e.g. python -c "
+            '"import pyarrow.csv as c, pyarrow.parquet as p; '
+            f"p.write_table(c.read_csv('{path.name}'), '{path.stem}.parquet')\""
+        )
+    return f"unknown file type {suffix!r}" if suffix else "a file without a suffix"
 
 
 def _content_identity(text: str | None, messages: tuple[ChatMessage, ...] | None) -> str:
@@ -337,6 +422,7 @@ def _in_file_order(
     turns: Turns,
     on_bad_row: Callable[[DatasetError], None] | None,
     keep_columns: Sequence[str] = (),
+    columns: Columns = DEFAULT_COLUMNS,
 ) -> Iterator[PromptRow]:
     occurrences: dict[str, int] = {}
     name = reader.name
@@ -344,7 +430,7 @@ def _in_file_order(
         try:
             if isinstance(row, DatasetError):
                 raise row
-            row_id, text, messages = parse_row(row, name, line, format)
+            row_id, text, messages = parse_row(row, name, line, format, columns)
             selected = (
                 [(-1, messages)] if messages is None else select_turns(messages, turns, name, line)
             )
@@ -419,6 +505,7 @@ def read_prompts(
     template: Template | None = None,
     keep_columns: Sequence[str] = (),
     samples: int = 1,
+    columns: Columns = DEFAULT_COLUMNS,
 ) -> Iterator[PromptRow]:
     """Yield the dataset's prompts, in file order or shuffled with ``shuffle_seed``.
 
@@ -428,10 +515,11 @@ def read_prompts(
     fills ``input_ids``; a plain prompt is templated as one user turn.
     ``keep_columns`` are copied from each row; ``samples`` (the dataset's ``n``)
     repeats each prompt as that many prompts of their own (:func:`with_samples`).
+    ``columns`` says where the rows hold the prompt and the id.
     """
     reader = reader_for(path, format, split)
     rows: Iterator[PromptRow] = _in_file_order(
-        dataset, reader, format, turns, on_bad_row, keep_columns
+        dataset, reader, format, turns, on_bad_row, keep_columns, columns
     )
     if shuffle_seed is not None:
         # Ids are fixed in file order first, so the order never changes an id.
@@ -482,6 +570,7 @@ def read_options(config: Config, dataset: Dataset) -> dict[str, Any]:
         "template": template,
         "keep_columns": dataset.keep_columns,
         "samples": dataset.n,
+        "columns": dataset.columns,
     }
 
 
@@ -490,7 +579,12 @@ PEEK_ROWS = 1000
 
 
 def first_chat_row(
-    path: Path, format: Format = "auto", split: str = "", *, peek: int = PEEK_ROWS
+    path: Path,
+    format: Format = "auto",
+    split: str = "",
+    *,
+    peek: int = PEEK_ROWS,
+    columns: Columns = DEFAULT_COLUMNS,
 ) -> str | None:
     """``path:line`` of the first conversation among the first ``peek`` rows, or None.
 
@@ -498,32 +592,168 @@ def first_chat_row(
     try:
         reader = reader_for(path, format, split)
         for line, row in itertools.islice(reader.rows(), peek):
-            if isinstance(row, DatasetError):
-                continue
-            try:
-                messages = parse_row(row, reader.name, line, format)[2]
-            except DatasetError:
-                continue
-            if messages is not None:
+            if not isinstance(row, DatasetError) and _chat_row(
+                reader.name, line, row, format, columns
+            ):
                 return f"{reader.name}:{line}"
     except DatasetError:
         pass  # a file that cannot be read stops the producer with its own error
     return None
 
 
-def check_untemplated_chat(config: Config) -> None:
-    """Before anything runs: chat rows bound for a raw-text API (``sglang``,
-    ``openai-completions``) without ``template = true`` are a ConfigError naming the
-    dataset's key and both fixes. Config validation catches explicit chat formats;
-    ``auto`` and ``hf`` rows are peeked here."""
-    api = config.inference.api
-    if api not in RAW_TEXT_APIS:
-        return
+def _chat_row(name: str, line: int, row: Any, format: Format, columns: Columns) -> bool:
+    try:
+        return parse_row(row, name, line, format, columns)[2] is not None
+    except DatasetError:
+        return False
+
+
+# ---- before a job starts: what the first rows of each dataset say -------------------
+
+# Fields that often hold the prompt, in the order they are suggested.
+PROMPT_FIELD_GUESSES = ("question", "query", "problem", "instruction", "input", "text")
+ALPACA_TEMPLATE = "{instruction}\n\n{input?}"
+
+
+def check_datasets(config: Config, *, peek: int = PEEK_ROWS) -> None:
+    """Everything about the datasets that can be known before a job starts, from the
+    first ``peek`` rows of each (never a whole file), so that ``run`` and ``produce``
+    stop before any broker or server is touched: a dataset at all; each file there,
+    of a known type and readable; its rows giving prompts through the dataset's
+    format and column mapping; an ``id_field`` other than ``id`` in its rows; no chat
+    rows bound untemplated for a raw-text API. Raises ConfigError naming the key.
+    (A ``keep_columns`` entry no row has is allowed: it is kept as null.)"""
+    config.require_datasets()
     for index, dataset in enumerate(config.datasets):
-        # explicit chat formats never get here: config validation refused them
-        if dataset.template or dataset.format not in ("auto", "hf"):
+        key = f"datasets[{index}]"
+        name, rows = _peek(dataset, key, config.source, peek)
+        _check_rows(config, dataset, key, name, rows, peek)
+
+
+def _peek(dataset: Dataset, key: str, source: str, peek: int) -> tuple[str, list[tuple[int, Any]]]:
+    """The reader's name for the dataset and its first ``peek`` rows."""
+    if not dataset.path.exists():
+        raise ConfigError(
+            f"{key}.path",
+            f"{dataset.path} does not exist (a relative path is read from the config "
+            "file's folder)",
+            source=source,
+        )
+    try:
+        reader = reader_for(dataset.path, dataset.format, dataset.split)
+        return reader.name, list(itertools.islice(reader.rows(), peek))
+    except SplitError as exc:
+        raise ConfigError(f"{key}.split", str(exc), source=source) from exc
+    except DatasetError as exc:
+        raise ConfigError(f"{key}.path", str(exc), source=source) from exc
+
+
+def _check_rows(
+    config: Config,
+    dataset: Dataset,
+    key: str,
+    name: str,
+    rows: list[tuple[int, Any]],
+    peek: int,
+) -> None:
+    first_error: DatasetError | None = None
+    prompts = 0
+    chat_at = None
+    for line, row in rows:
+        try:
+            if isinstance(row, DatasetError):
+                raise row
+            messages = parse_row(row, name, line, dataset.format, dataset.columns)[2]
+        except DatasetError as exc:
+            first_error = first_error or exc
             continue
-        row = first_chat_row(dataset.path, dataset.format, dataset.split)
-        if row is not None:
-            found = f"{row} holds messages"
-            raise untemplated_chat(f"datasets[{index}]", dataset.name, api, found, config.source)
+        prompts += 1
+        if messages is not None and chat_at is None:
+            chat_at = f"{name}:{line}"
+    objects = [row for _, row in rows if isinstance(row, dict)]
+    if first_error is not None and not prompts:
+        read = _rows_read(len(rows), peek)
+        raise _no_prompts(dataset, key, read, first_error, objects, config.source)
+    api = config.inference.api
+    # Explicit chat formats never get here untemplated: config validation refused them.
+    if chat_at and api in RAW_TEXT_APIS and not dataset.template:
+        found = f"{chat_at} holds messages"
+        raise untemplated_chat(key, dataset.name, api, found, config.source)
+    # Rows without an id are identified by their content: a misspelt id_field would
+    # change every prompt id, the key a rerun resumes by.
+    id_field = dataset.columns.id_field
+    missing = bool(objects) and not any(id_field in row for row in objects)
+    if id_field != DEFAULT_COLUMNS.id_field and missing:
+        raise ConfigError(
+            f"{key}.id_field",
+            f"no field {id_field!r} in {_rows_read(len(rows), peek)} of {name} "
+            f"(their fields: {_fields(objects)})",
+            source=config.source,
+        )
+
+
+def _rows_read(count: int, peek: int) -> str:
+    if count >= peek:
+        return f"the first {count} rows"
+    return "the only row" if count == 1 else f"the {count} rows"
+
+
+def _fields(objects: list[dict[str, Any]], most: int = 20) -> str:
+    names = list(dict.fromkeys(name for row in objects for name in row))
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+def suggest_mapping(row: dict[str, Any]) -> tuple[str, str] | None:
+    """The column mapping a row's fields suggest: (key, value), or None."""
+    if isinstance(row.get("instruction"), str) and "input" in row:
+        return "prompt_template", ALPACA_TEMPLATE
+    for name, value in row.items():
+        if name not in ("messages", "conversations") and _chat_shaped(value):
+            return "messages_field", name
+    for name in PROMPT_FIELD_GUESSES:
+        if isinstance(row.get(name), str):
+            return "prompt_field", name
+    return None
+
+
+def _suggestion(dataset: Dataset, row: dict[str, Any]) -> tuple[str, str] | None:
+    """What to set for a dataset whose first rows give no prompt, judged from ``row``."""
+    if dataset.format not in ("auto", "hf"):
+        try:
+            parse_row(row, "", 0, "auto", dataset.columns)
+            return "format", "auto"  # the rows are fine, the format is not theirs
+        except DatasetError:
+            pass
+    suggestion = suggest_mapping(row)
+    return None if suggestion == dataset.columns.mapping else suggestion
+
+
+def _no_prompts(
+    dataset: Dataset,
+    key: str,
+    read: str,
+    error: DatasetError,
+    objects: list[dict[str, Any]],
+    source: str,
+) -> ConfigError:
+    """The first rows give no prompt at all: which key to set, and to what."""
+    columns = dataset.columns
+    message = f"no prompt in {read} (first problem: {error})"
+    if objects:
+        message += f"; their fields: {_fields(objects)}"
+    suggestion = _suggestion(dataset, objects[0]) if objects else None
+    if suggestion is None:
+        option = columns.key or "prompt_field"
+        fix = (
+            'say where the prompt is with prompt_field = "<field>", prompt_template = '
+            '"<text with {field} and {field?}>" or messages_field = "<field>"'
+        )
+    else:
+        option, value = suggestion
+        fix = f"set {option} = {json.dumps(value)}"
+        if columns.key and option != "format" and columns.key != option:
+            fix += f" in place of {columns.key}"
+        if dataset.format in CONFLICTING_FORMATS.get(option, ()):
+            fix += ' and format = "auto"'
+    message = f"{message}: {fix} (README: Column mapping)"
+    return ConfigError(f"{key}.{option}", message, source=source)

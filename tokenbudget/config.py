@@ -14,12 +14,22 @@ from __future__ import annotations
 import os
 import re
 import tomllib
+import types
+import typing
+import urllib.parse
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
 
+from tokenbudget.columns import (
+    CONFLICTING_FORMATS,
+    DEFAULT_COLUMNS,
+    Columns,
+    PromptTemplate,
+    TemplateError,
+)
 from tokenbudget.errors import ConfigError
 
 Api = Literal["sglang", "openai-completions", "openai-chat"]
@@ -148,6 +158,12 @@ class DatasetConfig(_Sampling, frozen=True, forbid_unknown_fields=True, kw_only=
     path: str
     budget: int | str
     format: DatasetFormat = "auto"
+    # Where the prompt is when not in prompt/messages/conversations (one of the
+    # three), and the id's field: tokenbudget.columns.
+    prompt_field: str = ""
+    prompt_template: str = ""
+    messages_field: str = ""
+    id_field: str = "id"
     max_new_tokens: int | None = None
     limit: int | None = None
     template: bool = False  # apply the tokenizer's chat template here, send input_ids
@@ -184,6 +200,7 @@ class Dataset(msgspec.Struct, frozen=True, kw_only=True):
     sampling: dict[str, Any] = {}  # the sampling settings its requests carry
     n: int = 1  # answers per prompt
     keep_columns: tuple[str, ...] = ()
+    columns: Columns = DEFAULT_COLUMNS  # where the rows hold the prompt
 
 
 SAMPLING_KEYS = _Sampling.__struct_fields__
@@ -225,6 +242,16 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def max_queued_per_dataset(self) -> int:
         return self.producer.max_queued_per_dataset or 2 * self.inference.concurrency
+
+    def require_datasets(self) -> None:
+        """``run`` and ``produce`` have nothing to do without a dataset (and would wait
+        for ever); ``ledger``, ``dispatch`` and ``status`` need none."""
+        if not self.datasets:
+            raise ConfigError(
+                "datasets",
+                "no [[datasets]] table: add one with name, path and budget",
+                source=self.source,
+            )
 
     def dataset(self, name: str) -> Dataset:
         for dataset in self.datasets:
@@ -269,6 +296,41 @@ def _key_from_msgspec(message: str) -> str:
     if field_match and ("unknown field" in message or "missing required" in message):
         path = f"{path}.{field_match.group('field')}" if path else field_match.group("field")
     return path or "<root>"
+
+
+def _literal_values(key: str) -> tuple[Any, ...]:
+    """The values a Literal key (``inference.api``, ``datasets[0].format``) takes, in
+    the order they are declared; () for any other key."""
+    kind: Any = _RawConfig
+    for part in re.findall(r"[^.\[\]]+|\[\d+\]", key):
+        if part.startswith("["):
+            kind = typing.get_args(kind)[0] if typing.get_origin(kind) is list else None
+        elif isinstance(kind, type) and issubclass(kind, msgspec.Struct):
+            kind = typing.get_type_hints(kind).get(part)
+        else:
+            return ()
+    union = typing.get_origin(kind) in (typing.Union, types.UnionType)
+    choices = typing.get_args(kind) if union else (kind,)
+    return tuple(
+        value
+        for choice in choices
+        if typing.get_origin(choice) is Literal
+        for value in typing.get_args(choice)
+    )
+
+
+def _from_msgspec(exc: msgspec.ValidationError, source: str) -> ConfigError:
+    """msgspec's error as ours: the key named and, for a key with a fixed set of
+    values, every value it takes."""
+    message = str(exc)
+    key = _key_from_msgspec(message)
+    values = _literal_values(key)
+    if values:
+        what = message.split(" - at ")[0]
+        given = re.fullmatch(r"Invalid enum value (.*)", what)
+        problem = f"{given.group(1)} is not a valid value" if given else what
+        message = f"{problem}; use one of {', '.join(map(repr, values))}"
+    return ConfigError(key, message, source=source)
 
 
 def _apply_env(data: dict[str, Any], environ: Mapping[str, str]) -> None:
@@ -326,7 +388,7 @@ def build(
     try:
         raw = msgspec.convert(data, _RawConfig)
     except msgspec.ValidationError as exc:
-        raise ConfigError(_key_from_msgspec(str(exc)), str(exc), source=source) from exc
+        raise _from_msgspec(exc, source) from exc
     base = base_dir or Path(".").resolve()
     datasets: list[Dataset] = []
     seen: set[str] = set()
@@ -358,6 +420,7 @@ def build(
                 sampling=_sampling(raw.inference, d),
                 n=d.n if d.n is not None else raw.inference.n,
                 keep_columns=tuple(d.keep_columns),
+                columns=_columns(d, key, source),
             )
         )
         _check_dataset(raw, d, key, source)
@@ -517,10 +580,11 @@ def _check_dataset(raw: _RawConfig, d: DatasetConfig, key: str, source: str) -> 
                 "'openai-completions' with a local template, or drop template",
                 source=source,
             )
-    if d.turns == "all" and d.format == "prompt":
+    if d.turns == "all" and (d.format == "prompt" or d.prompt_field or d.prompt_template):
         raise ConfigError(
             f"{key}.turns",
-            "'all' needs conversations (format openai, sharegpt, hf or auto)",
+            "'all' needs conversations (format openai, sharegpt, hf or auto, "
+            "without prompt_field or prompt_template)",
             source=source,
         )
     if d.split and d.format not in ("hf", "auto"):
@@ -528,9 +592,49 @@ def _check_dataset(raw: _RawConfig, d: DatasetConfig, key: str, source: str) -> 
             f"{key}.split", "only a Hugging Face dataset (format 'hf') has splits", source=source
         )
     # "auto" and "hf" rows say whether they are chat only when read: run and produce
-    # check those before anything starts (producers.datasets.check_untemplated_chat).
-    if d.format in CHAT_FORMATS and raw.inference.api in RAW_TEXT_APIS and not d.template:
-        raise untemplated_chat(key, d.name, raw.inference.api, f"format {d.format!r}", source)
+    # check those before anything starts (producers.datasets.check_datasets).
+    if raw.inference.api in RAW_TEXT_APIS and not d.template:
+        if d.format in CHAT_FORMATS:
+            found = f"format {d.format!r}"
+            raise untemplated_chat(key, d.name, raw.inference.api, found, source)
+        if d.messages_field:
+            found = f"messages_field {d.messages_field!r}"
+            raise untemplated_chat(key, d.name, raw.inference.api, found, source)
+
+
+def _columns(d: DatasetConfig, key: str, source: str) -> Columns:
+    """The dataset's column mapping (tokenbudget.columns), checked key by key and
+    against its format."""
+    chosen = [name for name in CONFLICTING_FORMATS if getattr(d, name)]
+    if len(chosen) > 1:
+        raise ConfigError(
+            f"{key}.{chosen[1]}",
+            f"set one of {', '.join(CONFLICTING_FORMATS)}, not both {chosen[0]} and {chosen[1]}",
+            source=source,
+        )
+    for name in ("prompt_field", "messages_field", "id_field"):
+        value = getattr(d, name)
+        if value != value.strip() or (name == "id_field" and not value):
+            raise ConfigError(f"{key}.{name}", f"{value!r} is not a field name", source=source)
+    if chosen and d.format in CONFLICTING_FORMATS[chosen[0]]:
+        what = "chat turns" if chosen[0] == "messages_field" else "a plain prompt"
+        raise ConfigError(
+            f"{key}.{chosen[0]}",
+            f'maps {what}, which format {d.format!r} does not read: set format = "auto"',
+            source=source,
+        )
+    template = None
+    if d.prompt_template:
+        try:
+            template = PromptTemplate.parse(d.prompt_template)
+        except TemplateError as exc:
+            raise ConfigError(f"{key}.prompt_template", str(exc), source=source) from exc
+    return Columns(
+        prompt_field=d.prompt_field,
+        prompt_template=template,
+        messages_field=d.messages_field,
+        id_field=d.id_field,
+    )
 
 
 # APIs that take the prompt as one string: chat turns need a template applied first.
@@ -586,14 +690,35 @@ def _check_ranges(raw: _RawConfig, source: str) -> None:
             "must be within 6..1800 seconds (the broker's group.min/max.session.timeout.ms)",
             source=source,
         )
-    if not raw.inference.url.startswith(("http://", "https://")):
-        raise ConfigError(
-            "inference.url", f"{raw.inference.url!r} is not an http(s) URL", source=source
-        )
+    _check_url(raw.inference.url, source)
     if not re.fullmatch(r"[A-Za-z0-9_\-]+", raw.kafka.namespace):
         raise ConfigError("kafka.namespace", "use letters, digits, '_' and '-'", source=source)
     _check_replication(raw.kafka, source)
     _check_bootstrap(raw.kafka.bootstrap, source)
+
+
+def one_server_per_url(url: str) -> str:
+    """What to do with several servers: the one place that says it (a fleet of
+    servers behind one job would change it)."""
+    return (
+        f"{url!r} names several servers, but it takes one URL: run one `tokenbudget "
+        "dispatch` per server with TOKENBUDGET__INFERENCE__URL set to its URL, or put a "
+        "router in front of them and set its URL here"
+    )
+
+
+def _check_url(url: str, source: str) -> None:
+    if "," in url or len(url.split()) > 1:
+        raise ConfigError("inference.url", one_server_per_url(url), source=source)
+    if not url.startswith(("http://", "https://")):
+        raise ConfigError("inference.url", f"{url!r} is not an http(s) URL", source=source)
+    parts = urllib.parse.urlsplit(url)
+    try:
+        parts.port  # noqa: B018 - parsing the port is the check
+    except ValueError as exc:
+        raise ConfigError("inference.url", f"{url!r}: {exc}", source=source) from None
+    if not parts.hostname:
+        raise ConfigError("inference.url", f"{url!r} names no host", source=source)
 
 
 _ADDRESS_RE = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.\-]+):\d{1,5}$")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -215,10 +217,23 @@ def test_missing_file(tmp_path: Path) -> None:
 
 
 def test_unknown_suffix(tmp_path: Path) -> None:
+    path = tmp_path / "d.txt"
+    path.write_text("prompt\nhello\n")
+    with pytest.raises(DatasetError, match=r"unknown file type '\.txt'; tokenbudget reads JSON"):
+        reader_for(path)
+
+
+def test_a_csv_is_refused_with_the_command_that_converts_it(tmp_path: Path) -> None:
     path = tmp_path / "d.csv"
     path.write_text("prompt\nhello\n")
-    with pytest.raises(DatasetError, match="unknown file type"):
+    with pytest.raises(DatasetError) as info:
         reader_for(path)
+    message = str(info.value)
+    assert "CSV is not read" in message and "Parquet (.parquet, .pq)" in message
+    command = message.split('python -c "')[1].split('"')[0]
+    # the command it gives converts this very file
+    subprocess.run([sys.executable, "-c", command], cwd=tmp_path, check=True)
+    assert [r.text for r in read("ds", tmp_path / "d.parquet")] == ["hello"]
 
 
 def _parquet_table(rows: list[dict[str, Any]]) -> pa.Table:

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from producers.datasets import check_untemplated_chat, first_chat_row
+from producers.datasets import check_datasets, first_chat_row
 from tests.producers.tokenizer_fixture import build_tokenizer
 from tokenbudget import cli
 from tokenbudget import config as config_module
@@ -65,7 +65,7 @@ def test_auto_detected_chat_rows_are_refused_before_the_run(
     config = build(tmp_path, {"api": api})  # "auto": the config alone cannot tell
     assert first_chat_row(path) == f"{path}:3"
     with pytest.raises(ConfigError) as info:
-        check_untemplated_chat(config)
+        check_datasets(config)
     assert_names_key_and_fixes(info.value)
     assert f"{path}:3" in str(info.value)
 
@@ -75,7 +75,7 @@ def test_a_hugging_face_chat_dataset_is_refused(tmp_path: Path) -> None:
     hf.Dataset.from_list([CHAT, CHAT]).save_to_disk(str(tmp_path / "d"))
     config = build(tmp_path, {}, path="d", format="hf")
     with pytest.raises(ConfigError) as info:
-        check_untemplated_chat(config)
+        check_datasets(config)
     assert_names_key_and_fixes(info.value)
 
 
@@ -83,21 +83,24 @@ def test_a_hugging_face_chat_dataset_is_refused(tmp_path: Path) -> None:
 def test_plain_prompts_pass(tmp_path: Path, api: str) -> None:
     write_jsonl(tmp_path / "d.jsonl", [{"prompt": "hi"}, "{not json", {"prompt": "hello"}])
     for format in ("auto", "prompt"):
-        check_untemplated_chat(build(tmp_path, {"api": api}, format=format))
+        check_datasets(build(tmp_path, {"api": api}, format=format))
 
 
 def test_templated_chat_and_openai_chat_pass(tmp_path: Path) -> None:
     write_jsonl(tmp_path / "d.jsonl", [CHAT])
     tokenizer = str(build_tokenizer(tmp_path / "tok"))
-    check_untemplated_chat(build(tmp_path, {"tokenizer": tokenizer}, template=True))
-    check_untemplated_chat(build(tmp_path, {"api": "openai-chat"}))
-    check_untemplated_chat(build(tmp_path, {"api": "openai-chat"}, format="sharegpt"))
+    check_datasets(build(tmp_path, {"tokenizer": tokenizer}, template=True))
+    check_datasets(build(tmp_path, {"api": "openai-chat"}))
+    write_jsonl(tmp_path / "d.jsonl", [SHAREGPT])
+    check_datasets(build(tmp_path, {"api": "openai-chat"}, format="sharegpt"))
 
 
-def test_an_unreadable_dataset_is_left_to_the_producer(tmp_path: Path) -> None:
+def test_a_missing_dataset_is_named_by_the_same_check(tmp_path: Path) -> None:
     config = build(tmp_path, {}, path="absent.jsonl")
     assert first_chat_row(config.datasets[1].path) is None
-    check_untemplated_chat(config)  # the producer reports the missing file as ever
+    with pytest.raises(ConfigError) as info:
+        check_datasets(config)
+    assert info.value.key == "datasets[1].path"
 
 
 def job(tmp_path: Path) -> Path:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import typing
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tokenbudget.config import build, load, parse_budget
+from tokenbudget.columns import Columns, PromptTemplate
+from tokenbudget.config import _RawConfig, build, load, one_server_per_url, parse_budget
 from tokenbudget.errors import ConfigError
 
 NO_ENV: dict[str, str] = {}
@@ -458,3 +460,153 @@ def test_the_configured_layout_reaches_every_topic_spec() -> None:
     assert {s.configs["min.insync.replicas"] for s in specs} == {"2"}
     keyed = [s for s in specs if not s.name.endswith("-__assignor-__leader")]
     assert {s.partitions for s in keyed} == {8}  # co-partitioned
+
+
+# ---- keys with a fixed set of values ---------------------------------------------
+
+
+def literal_keys() -> list[tuple[str, tuple[Any, ...]]]:
+    """Every key of the config whose type is a Literal, with its values, as
+    ``(section.key, values)``; dataset keys as ``datasets[0].key``."""
+    found = []
+    for section, kind in typing.get_type_hints(_RawConfig).items():
+        struct = typing.get_args(kind)[0] if section == "datasets" else kind
+        prefix = "datasets[0]" if section == "datasets" else section
+        for key, hint in typing.get_type_hints(struct).items():
+            if typing.get_origin(hint) is typing.Literal:
+                found.append((f"{prefix}.{key}", typing.get_args(hint)))
+    return found
+
+
+def test_the_config_has_literal_keys_in_every_part_that_checks_them() -> None:
+    keys = dict(literal_keys())
+    assert keys["inference.api"] == ("sglang", "openai-completions", "openai-chat")
+    assert {"budget.unit", "kafka.security_protocol", "producer.on_bad_row"} <= keys.keys()
+    assert {"datasets[0].format", "datasets[0].turns"} <= keys.keys()
+
+
+@pytest.mark.parametrize(("key", "values"), literal_keys(), ids=lambda v: str(v))
+@pytest.mark.parametrize("bad", ["vllm", 3])
+def test_a_bad_value_of_any_literal_key_lists_every_value_it_takes(
+    key: str, values: tuple[Any, ...], bad: object
+) -> None:
+    section, name = key.split(".")
+    data: dict[str, Any] = (
+        {"datasets": [dataset("a", **{name: bad})]}
+        if section == "datasets[0]"
+        else {section: {name: bad}}
+    )
+    error = config_error(data, source="job.toml")
+    assert error.key == key
+    listed = ", ".join(repr(v) for v in values)
+    assert str(error).endswith(f"; use one of {listed}")
+    if bad == "vllm":
+        assert f"config key '{key}': 'vllm' is not a valid value; use one of" in str(error)
+
+
+def test_a_bad_literal_from_the_environment_lists_the_values_too() -> None:
+    error = config_error({}, environ={"TOKENBUDGET__INFERENCE__API": "vllm"})
+    assert error.key == "inference.api"
+    assert "'vllm' is not a valid value; use one of 'sglang', 'openai-completions'" in str(error)
+
+
+# ---- inference.url ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "url", ["http://gpu1:30000,http://gpu2:30000", "http://gpu1:30000, http://gpu2:30000", "a,b"]
+)
+def test_several_servers_in_inference_url_say_what_to_do_instead(url: str) -> None:
+    error = config_error({"inference": {"url": url}})
+    assert error.key == "inference.url"
+    assert str(error).endswith(one_server_per_url(url))
+    assert "run one `tokenbudget dispatch` per server with TOKENBUDGET__INFERENCE__URL" in str(
+        error
+    )
+    assert "or put a router in front of them" in str(error)
+
+
+@pytest.mark.parametrize(
+    ("url", "problem"),
+    [("http://gpu1:3o000", "Port could not be cast"), ("http://:30000", "names no host")],
+)
+def test_a_url_that_cannot_be_requested_is_named(url: str, problem: str) -> None:
+    error = config_error({"inference": {"url": url}})
+    assert error.key == "inference.url" and problem in str(error)
+
+
+# ---- datasets ----------------------------------------------------------------------
+
+
+def test_run_and_produce_need_a_dataset() -> None:
+    build({}, environ=NO_ENV)  # ledger, dispatch and status need none
+    with pytest.raises(ConfigError) as info:
+        build({}, environ=NO_ENV, source="job.toml").require_datasets()
+    assert str(info.value) == (
+        "job.toml: config key 'datasets': no [[datasets]] table: add one with name, path and budget"
+    )
+
+
+def test_column_mapping_keys() -> None:
+    config = build(
+        {
+            "datasets": [
+                dataset("a"),
+                dataset("b", prompt_field="question", id_field="qid"),
+                dataset("c", prompt_template="{instruction}\n\n{input?}"),
+                dataset("d", messages_field="dialog"),
+            ],
+            "inference": {"api": "openai-chat"},
+        },
+        environ=NO_ENV,
+    )
+    a, b, c, d = (ds.columns for ds in config.datasets)
+    assert a == Columns() and a.id_field == "id"
+    assert (b.prompt_field, b.id_field) == ("question", "qid")
+    assert c.prompt_template == PromptTemplate.parse("{instruction}\n\n{input?}")
+    assert d.messages_field == "dialog"
+
+
+@pytest.mark.parametrize(
+    ("extra", "key", "message"),
+    [
+        (
+            {"prompt_field": "question", "prompt_template": "{question}"},
+            "prompt_template",
+            "set one of prompt_field, prompt_template, messages_field, not both",
+        ),
+        (
+            {"prompt_template": "{q}", "messages_field": "dialog"},
+            "messages_field",
+            "not both prompt_template and messages_field",
+        ),
+        ({"prompt_template": "{input!r}"}, "prompt_template", "a placeholder is {field} or"),
+        ({"prompt_template": "{a}\n{b?}"}, "prompt_template", "{b?} shares a paragraph"),
+        (
+            {"prompt_field": "question", "format": "openai"},
+            "prompt_field",
+            "maps a plain prompt, which format 'openai' does not read: set format = \"auto\"",
+        ),
+        (
+            {"prompt_template": "{q}", "format": "sharegpt"},
+            "prompt_template",
+            "maps a plain prompt, which format 'sharegpt' does not read",
+        ),
+        (
+            {"messages_field": "dialog", "format": "prompt"},
+            "messages_field",
+            "maps chat turns, which format 'prompt' does not read",
+        ),
+        ({"prompt_field": "q", "turns": "all"}, "turns", "'all' needs conversations"),
+        ({"prompt_field": " q"}, "prompt_field", "' q' is not a field name"),
+        ({"id_field": ""}, "id_field", "'' is not a field name"),
+        ({"messages_field": "dialog"}, "template", "is chat (messages_field 'dialog')"),
+    ],
+)
+def test_column_mappings_that_cannot_work_are_named(
+    extra: dict[str, Any], key: str, message: str
+) -> None:
+    # api sglang sends raw text: chat needs template = true
+    error = config_error({"datasets": [dataset("x"), dataset("a", **extra)]})
+    assert error.key == f"datasets[1].{key}"
+    assert message in str(error)

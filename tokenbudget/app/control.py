@@ -10,7 +10,7 @@ import signal
 import time
 from pathlib import Path
 
-from producers.datasets import check_untemplated_chat
+from producers.datasets import check_datasets
 from producers.dispatcher import Dispatcher
 from producers.prompts import PromptProducer
 from sinks.parquet import stored_prompt_ids
@@ -121,7 +121,7 @@ async def produce_until_done(config: config_module.Config, bootstrap: str) -> No
 
 def run_produce_cli(args: argparse.Namespace) -> int:
     config = config_module.load(args.config)
-    check_untemplated_chat(config)  # before the broker is asked for anything
+    check_datasets(config)  # before the broker is asked for anything
     asyncio.run(produce_until_done(config, resolve_bootstrap(config)))
     return 0
 

@@ -30,7 +30,7 @@ from typing import Any, Protocol
 import msgspec
 from kafka.errors import KafkaError
 
-from producers.datasets import check_untemplated_chat
+from producers.datasets import check_datasets
 from producers.dispatcher import Dispatcher, DispatchReport
 from producers.inference import prepare
 from producers.prompts import ProduceReport, PromptProducer
@@ -439,8 +439,9 @@ async def run_async(
     ledgers: int = 1,
 ) -> RunReport:
     started = time.monotonic()
-    # Chat rows joined as raw text would be generated from, and kept: refuse them first.
-    await asyncio.to_thread(check_untemplated_chat, config)
+    # What the config and the datasets' first rows can tell is told before anything
+    # starts: no broker, no server touched for a job that cannot run.
+    await asyncio.to_thread(check_datasets, config)
     await prepare(config)  # tokenizer loaded; server and model checked before anything runs
     if bootstrap is None:
         bootstrap = await asyncio.to_thread(resolve_bootstrap, config)

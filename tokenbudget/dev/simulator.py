@@ -144,6 +144,9 @@ class RequestRecord:
     output_crc: int = 0
     # crc32 of the int32 bytes of the prompt ids, when the prompt came as ids (else 0)
     prompt_crc: int = 0
+    # crc32 of the UTF-8 prompt text, when the prompt came as text (else 0): the whole
+    # text a request carried, checkable without the log holding it
+    text_crc: int = 0
     fault: str = ""
     # The sampling settings the request asked for, by their names on the wire
     # (SGLang's sampling_params minus max_new_tokens; OpenAI's sampling fields), and
@@ -250,6 +253,12 @@ def _generate(
     return ids, ("length" if natural > max_new_tokens else "stop")
 
 
+def _text_crc(parsed: _Parsed) -> int:
+    if parsed.prompt_ids is not None:
+        return 0
+    return zlib.crc32(parsed.text.encode("utf-8", "surrogatepass"))
+
+
 def _prompt_ids_from_text(text: str, vocab_size: int) -> list[int]:
     words = text.split()
     if not words:
@@ -301,6 +310,7 @@ class _Job:
     natural_finish: str
     text_head: str
     prompt_crc: int = 0
+    text_crc: int = 0
     produced: int = 0
     finish: str | None = None
     abort_requested: bool = False
@@ -422,6 +432,7 @@ class _SimServer:
             natural_finish=natural_finish,
             text_head=parsed.text[:80],
             prompt_crc=ids_crc(parsed.prompt_ids) if parsed.prompt_ids is not None else 0,
+            text_crc=_text_crc(parsed),
             sampling=parsed.sampling,
             extra=parsed.extra,
         )
@@ -489,6 +500,7 @@ class _SimServer:
                 text_head=job.text_head,
                 output_crc=ids_crc(job.output.ids[: job.produced]),
                 prompt_crc=job.prompt_crc,
+                text_crc=job.text_crc,
                 fault=job.fault,
                 sampling=job.sampling,
                 extra=job.extra,
@@ -568,6 +580,7 @@ class _SimServer:
                 completion_tokens=0,
                 finish="fault",
                 text_head=parsed.text[:80],
+                text_crc=_text_crc(parsed),
                 fault=kind,
                 sampling=parsed.sampling,
                 extra=parsed.extra,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import zlib
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
@@ -568,3 +569,20 @@ def test_the_request_log_file_is_the_servers_own_account(tmp_path: Any) -> None:
 
 async def _append_one(sim: RunningSimulator, c: httpx.AsyncClient) -> None:
     await c.post("/generate", json={"text": "again", "rid": "a2"})
+
+
+def test_the_log_holds_a_crc_of_the_whole_prompt_text_the_request_carried(
+    tmp_path: Any,
+) -> None:
+    log_file = tmp_path / "requests.jsonl"
+    text = "Add the numbers\n\n" + "1 2 3 " * 40  # longer than text_head
+
+    async def body(sim: RunningSimulator, c: httpx.AsyncClient) -> None:
+        await c.post("/generate", json={"text": text, "rid": "t"})
+        await c.post("/v1/completions", json={"prompt": text + "!", "max_tokens": 4})
+        await c.post("/generate", json={"input_ids": [5, 6, 7], "rid": "ids"})
+
+    run(replace(FAST, log_file=str(log_file)), body)
+    lines = [json.loads(line) for line in log_file.read_text().splitlines()]
+    expected = [zlib.crc32(text.encode()), zlib.crc32((text + "!").encode()), 0]
+    assert [line["text_crc"] for line in lines] == expected  # ids: no text was sent
