@@ -132,7 +132,8 @@ class PromptProducer:
         is recorded for the rows not read yet, so a restart carries on from there."""
         own_producer = self._producer is None
         producer = self._producer or AIOKafkaProducer(
-            **aiokafka_producer_options(self.bootstrap), linger_ms=5
+            **aiokafka_producer_options(self.bootstrap, self.config.kafka.compression),
+            linger_ms=5,
         )
         if own_producer:
             await producer.start()

@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from tokenbudget import sizes
 from tokenbudget.errors import ConfigError
 
 Api = Literal["sglang", "openai-completions", "openai-chat"]
@@ -52,6 +53,8 @@ class KafkaConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=Tru
     # Partitions of every topic it creates: bounds how many ledger workers and
     # dispatchers share the work (one partition has one reader per group).
     partitions: int = 4
+    # What every producer of ours compresses its batches with (tokenbudget.sizes).
+    compression: sizes.Compression = sizes.DEFAULT_COMPRESSION
     # Security (see README "Secured Kafka"). Secrets are never written here: only the
     # name of an environment variable (*_env) or a file (*_file) that holds them.
     security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"

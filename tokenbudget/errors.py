@@ -6,6 +6,7 @@
     ├── EventDecodeError       bytes on a topic are not a known event of a known version
     ├── BrokerError            the local Kafka broker cannot be fetched, started or reached
     ├── KafkaAuthError         a Kafka broker refused our credentials, or TLS failed
+    ├── KafkaLimitsError       a Kafka cluster refuses the message sizes tokenbudget needs
     ├── FaustVersionError      faust-streaming, mode or aiokafka is not the pinned version
     ├── InferenceError         the inference server failed a request
     │   ├── InferenceTransportError   connection refused/reset, timeout (server away)
@@ -73,6 +74,12 @@ class KafkaAuthError(TokenBudgetError):
     def __init__(self, message: str, *, keys: list[str]) -> None:
         self.keys = keys
         super().__init__(f"{message}; check config keys {', '.join(keys)}")
+
+
+class KafkaLimitsError(TokenBudgetError):
+    """A Kafka cluster refuses the message size every topic of ours must accept
+    (:mod:`tokenbudget.sizes`): a topic's ``max.message.bytes`` cannot be raised,
+    or a broker limit is lower. The message names the setting and the fix."""
 
 
 class FaustVersionError(TokenBudgetError):
