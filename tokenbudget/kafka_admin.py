@@ -345,6 +345,17 @@ def _raise_message_limits(admin: Any, bootstrap: str, specs: Sequence[TopicSpec]
             f"--alter --entity-type topics --entity-name <topic> --add-config "
             f"{key}={sizes.MESSAGE_BYTES} for each"
         )
+    # The brokers apply a config change from the metadata log a moment later: a
+    # producer started before then would still be refused.
+    deadline = time.monotonic() + 30
+    while any(v < asked[n] for n, v in message_limits(admin, list(low)).items()):
+        if time.monotonic() > deadline:
+            raise KafkaLimitsError(
+                f"raising {key} of {', '.join(sorted(low))} to {sizes.MESSAGE_BYTES} was "
+                "accepted but not applied within 30 s; fix: check the brokers' logs, then "
+                "run again"
+            )
+        time.sleep(0.2)
     log.warning(
         "raised %s of %s to %d (made before this version, with the broker's default)",
         key,
