@@ -50,11 +50,29 @@ class ConfigError(TokenBudgetError):
 class DatasetError(TokenBudgetError):
     """A dataset file or one of its rows cannot be used."""
 
-    def __init__(self, path: str, message: str, *, line: int | None = None) -> None:
+    def __init__(
+        self,
+        path: str,
+        message: str,
+        *,
+        line: int | None = None,
+        excerpt: str = "",
+        size: int | None = None,
+    ) -> None:
         self.path = path
         self.line = line
+        self.message = message
+        # What its dead letter shows of the row (bounded: tokenbudget.sizes.excerpt),
+        # and the size in bytes of what it was cut from.
+        self.excerpt = excerpt
+        self.size = size
         where = f"{path}:{line}" if line is not None else path
         super().__init__(f"{where}: {message}")
+
+    @property
+    def where(self) -> str:
+        """``path:line``, or the path of an error about the whole file."""
+        return f"{self.path}:{self.line}" if self.line is not None else self.path
 
 
 class EventDecodeError(TokenBudgetError):

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from tokenbudget import sizes
 from tokenbudget.config import build, load, parse_budget
 from tokenbudget.errors import ConfigError
 
@@ -458,3 +459,44 @@ def test_the_configured_layout_reaches_every_topic_spec() -> None:
     assert {s.configs["min.insync.replicas"] for s in specs} == {"2"}
     keyed = [s for s in specs if not s.name.endswith("-__assignor-__leader")]
     assert {s.partitions for s in keyed} == {8}  # co-partitioned
+
+
+# ---- sizes and compression ----------------------------------------------------------
+
+
+def test_size_and_compression_defaults() -> None:
+    config = build({}, environ=NO_ENV)
+    assert config.kafka.compression == "zstd"
+    assert config.producer.max_prompt_bytes == sizes.DEFAULT_PROMPT_BYTES == 1024 * 1024
+    assert config.producer.max_prompt_tokens == 0
+
+
+@pytest.mark.parametrize("codec", ["zstd", "lz4", "gzip", "none"])
+def test_compression_choices_also_from_the_environment(codec: str) -> None:
+    assert build({"kafka": {"compression": codec}}, environ=NO_ENV).kafka.compression == codec
+    env = {"TOKENBUDGET__KAFKA__COMPRESSION": codec}
+    assert build({}, environ=env).kafka.compression == codec
+
+
+@pytest.mark.parametrize(
+    ("data", "key"),
+    [
+        ({"kafka": {"compression": "snappy"}}, "kafka.compression"),
+        ({"producer": {"max_prompt_bytes": 0}}, "producer.max_prompt_bytes"),
+        # over half a Kafka message: the answer would have no room beside it
+        (
+            {"producer": {"max_prompt_bytes": sizes.PROMPT_EVENT_BYTES + 1}},
+            "producer.max_prompt_bytes",
+        ),
+        ({"producer": {"max_prompt_tokens": -1}}, "producer.max_prompt_tokens"),
+    ],
+)
+def test_size_settings_that_cannot_work_are_named(data: dict[str, Any], key: str) -> None:
+    assert config_error(data).key == key
+
+
+def test_the_size_limit_reaches_every_topic_spec() -> None:
+    from tokenbudget.app.bootstrap import topic_specs
+
+    specs = topic_specs(build({}, environ=NO_ENV))
+    assert {s.configs["max.message.bytes"] for s in specs} == {str(sizes.MESSAGE_BYTES)}

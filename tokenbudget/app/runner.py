@@ -84,6 +84,11 @@ class RunReport:
         report = self.produced.get(dataset)
         return report.already_done if report is not None else 0
 
+    def bad_rows(self, dataset: str) -> int:
+        """Rows of the dataset that are not prompts: dead-lettered and skipped."""
+        report = self.produced.get(dataset)
+        return report.bad_rows if report is not None else 0
+
     def to_json(self) -> dict[str, object]:
         return {
             "datasets": {
@@ -101,10 +106,12 @@ class RunReport:
                     if r.budget
                     else 0.0,
                     "already_done": self.already_done(name),
+                    "bad_rows": self.bad_rows(name),
                 }
                 for name, r in self.datasets.items()
             },
             "failed": self.failed,
+            "bad_rows": sum(self.bad_rows(name) for name in self.datasets),
             "already_done": sum(self.already_done(name) for name in self.datasets),
             "seconds": round(self.seconds, 3),
             "restarts": [vars(r) for r in self.restarts],
