@@ -479,20 +479,25 @@ def test_compression_choices_also_from_the_environment(codec: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("data", "key"),
+    ("data", "key", "says"),
     [
-        ({"kafka": {"compression": "snappy"}}, "kafka.compression"),
-        ({"producer": {"max_prompt_bytes": 0}}, "producer.max_prompt_bytes"),
+        ({"kafka": {"compression": "snappy"}}, "kafka.compression", "Invalid enum value 'snappy'"),
+        ({"producer": {"max_prompt_bytes": 0}}, "producer.max_prompt_bytes", "within 1.."),
         # over half a Kafka message: the answer would have no room beside it
         (
             {"producer": {"max_prompt_bytes": sizes.PROMPT_EVENT_BYTES + 1}},
             "producer.max_prompt_bytes",
+            "the other half holds the answer",
         ),
-        ({"producer": {"max_prompt_tokens": -1}}, "producer.max_prompt_tokens"),
+        ({"producer": {"max_prompt_tokens": -1}}, "producer.max_prompt_tokens", "0: no limit"),
     ],
 )
-def test_size_settings_that_cannot_work_are_named(data: dict[str, Any], key: str) -> None:
-    assert config_error(data).key == key
+def test_size_settings_that_cannot_work_are_named(
+    data: dict[str, Any], key: str, says: str
+) -> None:
+    error = config_error(data)
+    assert error.key == key
+    assert says in str(error)
 
 
 def test_the_size_limit_reaches_every_topic_spec() -> None:
