@@ -32,7 +32,7 @@ import httpx
 import kafka.errors
 import msgspec
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
-from aiokafka.errors import KafkaError
+from aiokafka.errors import KafkaError, MessageSizeTooLargeError
 
 from producers.admission import Admission, AdmissionSettings, RevokedCap, Ticket
 from producers.inference import (
@@ -51,10 +51,15 @@ from streams import budget
 from streams import events as ev
 from streams.halts import BudgetBoard
 from streams.topics import Topics
-from tokenbudget import metrics
+from tokenbudget import metrics, sizes
 from tokenbudget.config import Config
-from tokenbudget.errors import EventDecodeError, InferenceError, ServerOutageError
-from tokenbudget.kafka import aiokafka_producer_options, client_options
+from tokenbudget.errors import (
+    EventDecodeError,
+    InferenceError,
+    KafkaLimitsError,
+    ServerOutageError,
+)
+from tokenbudget.kafka import aiokafka_producer_options, consumer_options
 
 log = logging.getLogger(__name__)
 
@@ -328,7 +333,7 @@ class Dispatcher:
         """The prompts consumer and the events producer, not started yet."""
         hold_ms = int(self.config.inference.prompt_hold_s * 1000)
         consumer = AIOKafkaConsumer(
-            **client_options(self.bootstrap),
+            **consumer_options(self.bootstrap),
             group_id=self.group_id,
             # A restarted dispatcher of the same name takes its prompts straight back.
             group_instance_id=self.instance,
@@ -347,14 +352,13 @@ class Dispatcher:
         )
         consumer.subscribe([self.topics.prompts], listener=_CommitOnRevoke(self))
         producer = AIOKafkaProducer(
-            **aiokafka_producer_options(self.bootstrap),
+            **aiokafka_producer_options(self.bootstrap, self.config.kafka.compression),
             linger_ms=2,
             # aiokafka sends one request per broker at a time, with at most one batch
             # per partition: with its default 16 KiB batches every completion (tens of
             # KiB) would be a request of its own, and under load completions queued
             # for seconds before reaching Kafka, holding their slots meanwhile.
             max_batch_size=PRODUCER_BATCH_BYTES,
-            max_request_size=8 * 1024 * 1024,
         )
         return consumer, producer
 
@@ -974,6 +978,15 @@ class Dispatcher:
             try:
                 await self._producer.send_and_wait(topic, key=dataset.encode(), value=value)
                 return
+            except MessageSizeTooLargeError as exc:
+                # Sending it again cannot help. Prompts take at most half a message
+                # (tokenbudget.sizes), so only an answer of hundreds of thousands of
+                # tokens gets here.
+                raise KafkaLimitsError(
+                    f"a {type(event).__name__} of dataset {dataset} is {len(value):,} bytes, "
+                    f"over the {sizes.MESSAGE_BYTES:,}-byte Kafka message every topic "
+                    "accepts; fix: lower [inference] max_new_tokens (or the dataset's)"
+                ) from exc
             except KafkaError as exc:
                 log.warning("publishing to %s failed (%r); trying again", topic, exc)
                 await asyncio.sleep(delay)

@@ -54,11 +54,11 @@ from kafka.errors import KafkaError
 from streams import events as ev
 from streams.ledger import Outcome, outcome_change
 from streams.topics import Topics
-from tokenbudget import metrics
+from tokenbudget import metrics, sizes
 from tokenbudget.config import Config
 from tokenbudget.errors import EventDecodeError
 from tokenbudget.kafka import (
-    client_options,
+    consumer_options,
     kafka_python_producer_options,
     wait_for_partitions,
 )
@@ -137,13 +137,11 @@ def _check_columns() -> None:
 _check_columns()
 
 TEMPORARY_GLOB = "dataset=*/.part-*.tmp"
-# Measured on the local broker with ~20 KB events: larger fetches are slower with
-# kafka-python (it assembles each response in Python), smaller ones cost round trips.
-FETCH_OPTIONS = {
-    "max_partition_fetch_bytes": 8 * 1024 * 1024,
-    "fetch_max_bytes": 32 * 1024 * 1024,
-    "receive_buffer_bytes": 4 * 1024 * 1024,
-}
+# Fetch sizes are every consumer's (tokenbudget.sizes: a whole message per partition,
+# four per response); measured on the local broker with ~20 KB events, larger fetches
+# are slower with kafka-python (it assembles each response in Python), smaller ones
+# cost round trips. A larger socket buffer takes a response in fewer reads.
+RECEIVE_BUFFER = {"receive_buffer_bytes": 4 * 1024 * 1024}
 
 
 # --------------------------------------------------------------------------- decoding
@@ -770,6 +768,7 @@ class SinkSettings:
     row_group_rows: int = 1000
     flush_interval: float = 5.0
     row_group_bytes: int = 32 * 1024 * 1024
+    compression: sizes.Compression = sizes.DEFAULT_COMPRESSION  # of its dead letters
 
     @classmethod
     def from_config(cls, config: Config) -> SinkSettings:
@@ -779,6 +778,7 @@ class SinkSettings:
             rotate_bytes=config.sink.rotate_bytes,
             row_group_rows=config.sink.row_group_rows,
             flush_interval=config.sink.flush_interval_s,
+            compression=config.kafka.compression,
         )
 
     def writer(self) -> WriterSettings:
@@ -833,21 +833,23 @@ class ParquetSink:
 
     def start(self) -> None:
         self._consumer = KafkaConsumer(
-            **client_options(self.bootstrap),
+            **consumer_options(self.bootstrap),
             group_id=self.group_id,
             enable_auto_commit=False,
             auto_offset_reset="earliest",
             # a restarted sink gets the partitions of its crashed self back this fast
             session_timeout_ms=10_000,
             heartbeat_interval_ms=3_000,
-            **FETCH_OPTIONS,
+            **RECEIVE_BUFFER,
         )
         # Join the group only once this client's metadata has the topic: a group
         # joined without it is assigned nothing and kafka-python does not rejoin
         # until its metadata ages out (minutes).
         wait_for_partitions(self._consumer, self.topics.completions, timeout=30)
         self._consumer.subscribe([self.topics.completions])
-        self._dlq = KafkaProducer(**kafka_python_producer_options(self.bootstrap))
+        self._dlq = KafkaProducer(
+            **kafka_python_producer_options(self.bootstrap, self.settings.compression)
+        )
 
     def close(self) -> None:
         if self._consumer is not None:

@@ -27,7 +27,7 @@ import msgspec
 import numpy as np
 
 from tokenbudget.config import Unit as BudgetUnit
-from tokenbudget.errors import EventDecodeError
+from tokenbudget.errors import DatasetError, EventDecodeError
 
 SCHEMA_VERSION = 1
 SUPPORTED_VERSIONS = frozenset({1})
@@ -481,7 +481,9 @@ class ProducerDone(_Event, tag="producer_done", frozen=True):
 
 
 class DeadLetter(_Event, tag="dead_letter", frozen=True):
-    """An event that could not be used, with why and where it came from."""
+    """An event that could not be used, with why and where it came from; or a
+    dataset row that never became one (:func:`bad_row_letter`: ``source_topic`` is
+    empty, ``key`` is the dataset, ``source`` says where in its file)."""
 
     reason: str
     source_topic: str
@@ -490,6 +492,8 @@ class DeadLetter(_Event, tag="dead_letter", frozen=True):
     key: str | None = None
     payload: str = ""  # the original bytes, decoded as UTF-8 with replacement
     at: float = 0.0
+    source: str = ""  # a bad row's "path:line"
+    size: int = -1  # bytes of what the payload is an excerpt of, when it is cut
 
 
 Event = (
@@ -610,6 +614,20 @@ def dead_letter_for(reason: str, record: Any) -> DeadLetter:
         partition=record.partition,
         offset=record.offset,
         key=record.key,
+    )
+
+
+def bad_row_letter(dataset: str, row: DatasetError, fix: str) -> DeadLetter:
+    """The dead letter of a dataset row that is not a prompt: where it is, why, and
+    a bounded excerpt of it (never the megabytes of an oversized row)."""
+    return DeadLetter(
+        reason=f"bad row of dataset {dataset} at {row.where}: {row.message}; {fix}",
+        source_topic="",
+        key=dataset,
+        payload=row.excerpt,
+        at=now(),
+        source=row.where,
+        size=-1 if row.size is None else row.size,
     )
 
 

@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from tokenbudget import sizes
 from tokenbudget.columns import (
     CONFLICTING_FORMATS,
     DEFAULT_COLUMNS,
@@ -62,6 +63,8 @@ class KafkaConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=Tru
     # Partitions of every topic it creates: bounds how many ledger workers and
     # dispatchers share the work (one partition has one reader per group).
     partitions: int = 4
+    # What every producer of ours compresses its batches with (tokenbudget.sizes).
+    compression: sizes.Compression = sizes.DEFAULT_COMPRESSION
     # Security (see README "Secured Kafka"). Secrets are never written here: only the
     # name of an environment variable (*_env) or a file (*_file) that holds them.
     security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
@@ -144,6 +147,9 @@ class SinkConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True
 class ProducerConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
     max_queued_per_dataset: int = 0  # 0: twice the dispatcher concurrency
     on_bad_row: Literal["skip", "fail"] = "skip"
+    # A longer prompt is a bad row (beyond any model's context, and Kafka's messages).
+    max_prompt_bytes: int = sizes.DEFAULT_PROMPT_BYTES  # of UTF-8
+    max_prompt_tokens: int = 0  # once templated (template = true); 0: no limit
 
 
 class MetricsConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -670,6 +676,15 @@ def _check_ranges(raw: _RawConfig, source: str) -> None:
             raise ConfigError(key, f"must be positive, got {value}", source=source)
     if raw.budget.min_new_tokens < 1:
         raise ConfigError("budget.min_new_tokens", "must be >= 1", source=source)
+    if not 1 <= raw.producer.max_prompt_bytes <= sizes.PROMPT_EVENT_BYTES:
+        raise ConfigError(
+            "producer.max_prompt_bytes",
+            f"must be within 1..{sizes.PROMPT_EVENT_BYTES} (half of a Kafka message: the "
+            f"other half holds the answer), got {raw.producer.max_prompt_bytes}",
+            source=source,
+        )
+    if raw.producer.max_prompt_tokens < 0:
+        raise ConfigError("producer.max_prompt_tokens", "must be >= 0 (0: no limit)", source=source)
     if raw.budget.lease_tokens < 0:
         raise ConfigError("budget.lease_tokens", "must be >= 0 (0: automatic)", source=source)
     if raw.budget.lease_ttl_s < 2:

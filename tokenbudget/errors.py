@@ -6,6 +6,7 @@
     ├── EventDecodeError       bytes on a topic are not a known event of a known version
     ├── BrokerError            the local Kafka broker cannot be fetched, started or reached
     ├── KafkaAuthError         a Kafka broker refused our credentials, or TLS failed
+    ├── KafkaLimitsError       a Kafka cluster refuses the message sizes tokenbudget needs
     ├── FaustVersionError      faust-streaming, mode or aiokafka is not the pinned version
     ├── InferenceError         the inference server failed a request
     │   ├── InferenceTransportError   connection refused/reset, timeout (server away)
@@ -49,11 +50,29 @@ class ConfigError(TokenBudgetError):
 class DatasetError(TokenBudgetError):
     """A dataset file or one of its rows cannot be used."""
 
-    def __init__(self, path: str, message: str, *, line: int | None = None) -> None:
+    def __init__(
+        self,
+        path: str,
+        message: str,
+        *,
+        line: int | None = None,
+        excerpt: str = "",
+        size: int | None = None,
+    ) -> None:
         self.path = path
         self.line = line
+        self.message = message
+        # What its dead letter shows of the row (bounded: tokenbudget.sizes.excerpt),
+        # and the size in bytes of what it was cut from.
+        self.excerpt = excerpt
+        self.size = size
         where = f"{path}:{line}" if line is not None else path
         super().__init__(f"{where}: {message}")
+
+    @property
+    def where(self) -> str:
+        """``path:line``, or the path of an error about the whole file."""
+        return f"{self.path}:{self.line}" if self.line is not None else self.path
 
 
 class EventDecodeError(TokenBudgetError):
@@ -73,6 +92,12 @@ class KafkaAuthError(TokenBudgetError):
     def __init__(self, message: str, *, keys: list[str]) -> None:
         self.keys = keys
         super().__init__(f"{message}; check config keys {', '.join(keys)}")
+
+
+class KafkaLimitsError(TokenBudgetError):
+    """A Kafka cluster refuses the message size every topic of ours must accept
+    (:mod:`tokenbudget.sizes`): a topic's ``max.message.bytes`` cannot be raised,
+    or a broker limit is lower. The message names the setting and the fix."""
 
 
 class FaustVersionError(TokenBudgetError):

@@ -94,6 +94,14 @@ OPEN = Gauge(
 
 # --- per dataset, set by the run process -----------------------------------------
 
+#: counter: dataset rows that are not prompts (bad JSON, no prompt, over
+#: ``[producer] max_prompt_bytes``...), each dead-lettered, then skipped or stopping
+#: the run (``on_bad_row``); counted by the prompt producer
+BAD_ROWS = Counter(
+    "tokenbudget_bad_rows_total",
+    "Dataset rows that are not prompts, dead-lettered (skipped or stopping the run)",
+    ["dataset"],
+)
 #: counter: prompts not sent because their dataset was halted (dispatcher)
 SKIPPED_PROMPTS = Counter(
     "tokenbudget_skipped_prompts_total",
@@ -288,8 +296,6 @@ def group_role(group: str) -> str:
 def consumed(topic: str, consumer: str, count: int = 1) -> None:
     if count:
         EVENTS_CONSUMED.labels(topic=topic_role(topic), consumer=consumer).inc(count)
-
-
 
 
 class LagSampler:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from streams import events as ev
-from tokenbudget.errors import EventDecodeError
+from tokenbudget.errors import DatasetError, EventDecodeError
 
 ALL_EVENTS: list[ev.Event] = [
     ev.PromptEvent(
@@ -381,3 +381,22 @@ def test_token_ids_reject_what_is_not_int32(bad: list[Any]) -> None:
 def test_token_ids_from_bytes_needs_whole_int32s() -> None:
     with pytest.raises(ValueError, match="not a whole number of int32"):
         ev.TokenIds.from_bytes(b"\x01\x00\x00")
+
+
+def test_a_bad_row_letter_names_dataset_line_and_fix_and_keeps_only_an_excerpt() -> None:
+    row = DatasetError(
+        "data/big.jsonl",
+        "the prompt is 1,500,000 bytes of UTF-8, over [producer] max_prompt_bytes",
+        line=3,
+        excerpt="aaaa... (1,499,996 more characters)",
+        size=1_500_000,
+    )
+    letter = ev.bad_row_letter("big", row, "fix: shorten the row")
+    assert letter.key == "big" and letter.source == "data/big.jsonl:3"
+    assert letter.size == 1_500_000 and letter.payload == row.excerpt
+    assert letter.reason.startswith("bad row of dataset big at data/big.jsonl:3: the prompt is")
+    assert letter.reason.endswith("fix: shorten the row")
+    assert letter.source_topic == ""  # it never was an event
+    assert ev.decode(ev.encode(letter)) == letter
+    # Readers of an older build ignore the fields they do not know.
+    assert ev.decode(ev.encode(letter).replace(b',"source":"data/big.jsonl:3"', b"")).key == "big"

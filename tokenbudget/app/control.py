@@ -147,7 +147,7 @@ def run_budget_cli(args: argparse.Namespace) -> int:
             set_at=time.time(),
             set_by="tokenbudget budget set",
         )
-        asyncio.run(publish_events(bootstrap, topics.budgets, [event]))
+        asyncio.run(publish_events(bootstrap, topics.budgets, [event], config.kafka.compression))
         print(f"{args.dataset}: budget set to {budget:,} {config.budget.unit}")
         return 0
     snapshots = dict(sorted(live_snapshots(bootstrap, topics).items()))

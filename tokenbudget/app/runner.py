@@ -40,7 +40,7 @@ from streams import events as ev
 from streams.halts import BudgetBoard, BudgetWatcher
 from streams.publisher import publish_events
 from streams.topics import Topics
-from tokenbudget import lifetime, metrics
+from tokenbudget import lifetime, metrics, sizes
 from tokenbudget.app.bootstrap import resolve_bootstrap
 from tokenbudget.app.progress import BudgetProgress
 from tokenbudget.config import Config, Unit
@@ -84,6 +84,11 @@ class RunReport:
         report = self.produced.get(dataset)
         return report.already_done if report is not None else 0
 
+    def bad_rows(self, dataset: str) -> int:
+        """Rows of the dataset that are not prompts: dead-lettered and skipped."""
+        report = self.produced.get(dataset)
+        return report.bad_rows if report is not None else 0
+
     def to_json(self) -> dict[str, object]:
         return {
             "datasets": {
@@ -101,10 +106,12 @@ class RunReport:
                     if r.budget
                     else 0.0,
                     "already_done": self.already_done(name),
+                    "bad_rows": self.bad_rows(name),
                 }
                 for name, r in self.datasets.items()
             },
             "failed": self.failed,
+            "bad_rows": sum(self.bad_rows(name) for name in self.datasets),
             "already_done": sum(self.already_done(name) for name in self.datasets),
             "seconds": round(self.seconds, 3),
             "restarts": [vars(r) for r in self.restarts],
@@ -133,6 +140,7 @@ def start_ledger_process(
     snapshot_interval: float,
     metrics_port: int = 0,
     metrics_host: str = "127.0.0.1",
+    compression: sizes.Compression = sizes.DEFAULT_COMPRESSION,
 ) -> subprocess.Popen[bytes]:
     command = cli_command(
         "ledger",
@@ -146,6 +154,8 @@ def start_ledger_process(
         metrics_host,
         "--metrics-port",
         str(metrics_port),
+        "--compression",
+        compression,
     )
     # Given only --bootstrap, the child learns the cluster's TLS/SASL from its env.
     return lifetime.spawn(command, env=subprocess_env(bootstrap))
@@ -264,6 +274,7 @@ class LedgerWorkers(SupervisedGroup):
                 config.budget.snapshot_interval_s,
                 port + offset if port else 0,
                 config.metrics.host,
+                config.kafka.compression,
             )
             self.children.append(
                 Supervised("ledger worker" if count == 1 else f"ledger worker {i + 1}", start)
@@ -334,7 +345,9 @@ async def publish_budgets(config: Config, bootstrap: str) -> None:
         )
         for dataset in config.datasets
     ]
-    await publish_events(bootstrap, Topics(config.kafka.namespace).budgets, events)
+    await publish_events(
+        bootstrap, Topics(config.kafka.namespace).budgets, events, config.kafka.compression
+    )
     metrics.EVENTS_PRODUCED.labels(topic="budgets").inc(len(events))
 
 

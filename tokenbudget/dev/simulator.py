@@ -169,6 +169,9 @@ PROFILES: dict[str, tuple[LengthRule, ...]] = {
     ),
     "uniform": (LengthRule("", 1000.0, 0.5),),
     "short": (LengthRule("", 64.0, 0.5),),
+    # Answers of a long-context model's full length (~100k tokens), for what sizes
+    # the pipeline must carry: run it at a high --tokens-per-second.
+    "long": (LengthRule("", 100_000.0, 0.05),),
 }
 
 # A streamed chunk every ~32 tokens is what real servers look like on the wire; one chunk

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from streams.topics import Topics
 from tokenbudget import config as config_module
 from tokenbudget.app import runner
 from tokenbudget.app.report import print_table
@@ -36,6 +37,14 @@ def main(args: argparse.Namespace) -> int:
         print(json.dumps(report.to_json(), indent=2))
     else:
         print_table(report)
+    bad = {name: report.bad_rows(name) for name in report.datasets}
+    if any(bad.values()):
+        per = ", ".join(f"{name} {n}" for name, n in bad.items() if n)
+        print(
+            f"tokenbudget: skipped {sum(bad.values())} bad row(s) ({per}), each dead-lettered to "
+            f"{Topics(config.kafka.namespace).dead_letter} with its file:line and why",
+            file=sys.stderr,
+        )
     if report.failed:
         print(
             f"tokenbudget: {report.failed} prompt(s) failed for good (see the log); exit code 3",
