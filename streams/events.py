@@ -436,6 +436,30 @@ class LeaseRevoked(_LedgerEvent, tag="lease_revoked", frozen=True):
     at: float = 0.0
 
 
+class DatasetIdentity(msgspec.Struct, frozen=True, kw_only=True):
+    """What one dataset of a job is: its rows (``content``, a hash of the file's
+    bytes) and the settings its prompts and answers depend on, each one that is not
+    at its default (see :mod:`tokenbudget.app.identity`)."""
+
+    name: str
+    file: str  # where the content was read when recorded (for messages)
+    content: str  # "<algorithm>:<hex digest>"
+    settings: dict[str, Any] = {}
+
+
+class JobIdentity(_Event, tag="job_identity", frozen=True):
+    """What the job of a namespace is, recorded on its budgets topic by its first
+    ``run`` or ``produce``, and again when a dataset is added or a rerun that differs
+    is resumed anyway. The latest one is the job a rerun is compared with. It has no
+    dataset (the ledger and the budget board pass it by)."""
+
+    datasets: tuple[DatasetIdentity, ...]
+    settings: dict[str, Any]  # the job's own: inference.api, inference.model, sink.path
+    first_at: float  # the namespace's first run
+    recorded_at: float = 0.0
+    recorded_by: str = ""
+
+
 DatasetStatus = Literal["open", "halted", "exhausted"]
 
 
@@ -517,6 +541,7 @@ Event = (
     | LeaseExpired
     | LeaseRevoked
     | LeaseFenced
+    | JobIdentity
 )
 
 
