@@ -7,13 +7,14 @@ dataset files, the topics' end offsets, the Parquet files."""
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
-from kafka import KafkaConsumer, TopicPartition
+from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
 
 from streams.topics import Topics
 from tokenbudget import cli
@@ -199,3 +200,40 @@ def test_produce_resumed_anyway_into_another_folder_waits_for_the_earlier_rows_t
     assert cli.main([*produce, "--resume-changed"]) == 0
     assert "d: 0 prompts produced (end_of_data); 6 already done" in capsys.readouterr().out
     assert len(rows(tmp_path / "job2" / "out")) == 6
+
+
+def test_run_resumed_into_another_folder_refuses_while_the_topic_lacks_earlier_rows(
+    tmp_path: Path,
+    kafka_bootstrap: str,
+    namespace: str,
+    sim: Simulator,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Replaying the completions topic is how the earlier rows reach a moved
+    sink.path; when its retention has dropped them, the run stops instead of
+    leaving them silently missing, and goes on once they were copied there."""
+    data = prompts(tmp_path / "d.jsonl", "A", range(6))
+    first = job(tmp_path / "job1", kafka_bootstrap, namespace, sim.url, {"d": (data, 1_000_000)})
+    moved = job(tmp_path / "job2", kafka_bootstrap, namespace, sim.url, {"d": (data, 1_000_000)})
+    assert run(first) == 0
+    served = read_server_log(sim.log)
+    completions = Topics(namespace).completions
+    admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap)
+    try:  # what a finite completion_retention_ms does in time
+        ends = end_offsets(kafka_bootstrap, completions)
+        admin.delete_records({TopicPartition(completions, p): end for p, end in ends.items()})
+    finally:
+        admin.close()
+    capsys.readouterr()
+    assert run(moved, "--resume-changed") == 2
+    error = capsys.readouterr().err.splitlines()[-1]
+    assert f"{tmp_path / 'job2' / 'out'} holds 0 of the 6 rows earlier runs kept of d" in error
+    assert f"copy {tmp_path / 'job1' / 'out'}/dataset=*/ there" in error
+    shutil.copytree(
+        tmp_path / "job1" / "out" / "dataset=d", tmp_path / "job2" / "out" / "dataset=d"
+    )
+    assert run(moved, "--resume-changed") == 0
+    assert read_server_log(sim.log) == served  # nothing done again
+    assert sorted(r["prompt_id"] for r in rows(tmp_path / "job2" / "out")) == sorted(
+        valid_prompt_ids("d", data)
+    )
