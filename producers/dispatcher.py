@@ -77,10 +77,11 @@ def wasted(dataset: str, reason: str, tokens: int) -> None:
 
 def finish_label(
     kept: GenerationResult, generated: GenerationResult, request_max: int, wanted_max: int
-) -> str:
-    """Why the kept answer ends: ``budget`` when the budget's line cut it (the answer
-    was cut to fit, or it ran into a max_new_tokens lowered below the dataset's own),
-    else the server's finish reason (``stop``, ``length``, ``abort``)."""
+) -> ev.StopReason:
+    """Why the kept answer ends (its ``stop_reason``): ``budget`` when the budget's
+    line cut it (the answer was cut to fit, or it ran into a max_new_tokens lowered
+    below the dataset's own), else the server's finish reason (``stop``, ``length``,
+    ``abort``)."""
     if kept.completion_tokens < generated.completion_tokens:
         return "budget"
     if kept.finish_reason == "length" and request_max < wanted_max:
@@ -787,8 +788,9 @@ class Dispatcher:
         metrics.REQUEST_LATENCY.labels(dataset=prompt.dataset).observe(finished_at - sent_at)
         if result.first_token_at is not None:
             metrics.TIME_TO_FIRST_TOKEN.observe(max(0.0, result.first_token_at - sent_at))
+        stop_reason = finish_label(result, fitted.answer, request.max_new_tokens, max_new)
         completion = self._completion(
-            prompt, request, result, ticket, attempts, sent_at, finished_at
+            prompt, request, result, ticket, attempts, sent_at, finished_at, stop_reason
         )
         if ticket is not None:
             # Spent from here on, before any await: a revocation arriving while
@@ -800,10 +802,7 @@ class Dispatcher:
             if ticket is not None:
                 tickets.published(ticket)
         metrics.EVENTS_PRODUCED.labels(topic="completions").inc()
-        metrics.COMPLETIONS.labels(
-            dataset=prompt.dataset,
-            finish_reason=finish_label(result, fitted.answer, request.max_new_tokens, max_new),
-        ).inc()
+        metrics.COMPLETIONS.labels(dataset=prompt.dataset, finish_reason=stop_reason).inc()
         self.report.completed += 1
 
     async def _generate(
@@ -934,6 +933,7 @@ class Dispatcher:
         attempts: int,
         sent_at: float,
         finished_at: float,
+        stop_reason: ev.StopReason,
     ) -> ev.CompletionEvent:
         return ev.CompletionEvent(
             request_id=request.rid,
@@ -965,6 +965,7 @@ class Dispatcher:
             row_id=prompt.row_id,
             input_columns=prompt.input_columns,
             sample_index=prompt.sample_index,
+            stop_reason=stop_reason,
         )
 
     async def _publish(self, topic: str, dataset: str, event: ev.Event) -> None:

@@ -11,10 +11,11 @@ Three formats, every one loadable with Hugging Face ``datasets.load_dataset``:
   column of the sink's rows.
 
 Every record also carries ``dataset``, ``prompt_id``, ``sample_index``, ``model``,
-``finish_reason`` and the row's kept input columns (``[[datasets]] keep_columns``,
-at the top level in JSONL, as their JSON text in Parquet). ``with_ids`` adds
-``input_ids`` (the prompt's ids then the answer's) and ``loss_mask`` (0 over the
-prompt, 1 over the answer), for drafter training.
+``finish_reason`` (the server's), ``stop_reason`` (``budget`` where the budget's
+line ended the answer, else the server's reason) and the row's kept input columns
+(``[[datasets]] keep_columns``, at the top level in JSONL, as their JSON text in
+Parquet). ``with_ids`` adds ``input_ids`` (the prompt's ids then the answer's) and
+``loss_mask`` (0 over the prompt, 1 over the answer), for drafter training.
 
 The rows come from the sink's Parquet output, any version's files
 (:func:`sinks.parquet.read_rows`); ``tokenbudget export --from-topic`` first
@@ -131,6 +132,7 @@ def training_record(
         sample_index=row["sample_index"] or 0,
         model=row["model"],
         finish_reason=row["finish_reason"],
+        stop_reason=row["stop_reason"],
     )
     record[turns_key] = [
         *prompt_turns(row),

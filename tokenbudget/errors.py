@@ -16,7 +16,8 @@
     │   └── InferenceProtocolError    the body is not the wire format we expect (retried)
     ├── ServerOutageError      the inference server stayed away longer than allowed
     ├── WorkerFailedError      a worker process of ``run`` kept exiting on its own
-    └── ExportError            kept rows cannot be exported as asked (and what to fix)
+    ├── ExportError            kept rows cannot be exported as asked (and what to fix)
+    └── JobChangedError        a rerun is not the job its namespace recorded (and the ways on)
 
 "Server away" errors say nothing about the request: they are retried for as long as
 the server is away (dispatch pauses meanwhile) and never fail a prompt. The other
@@ -170,3 +171,9 @@ class WorkerFailedError(TokenBudgetError):
 class ExportError(TokenBudgetError):
     """``tokenbudget export`` cannot write the rows as asked; the message says what
     to change."""
+
+
+class JobChangedError(TokenBudgetError):
+    """A rerun of a namespace is not the job recorded there (another dataset file,
+    model, sampling, output folder ...): it would resume work that is not its own.
+    The message names what changed and the ways on."""

@@ -115,6 +115,37 @@ def test_a_cut_answer_without_text_is_decoded_or_refused(tmp_path: Path) -> None
     assert hf.load_dataset(str(tmp_path / "folder"), split="train")[0]["text"] == "w10 w20"
 
 
+def test_why_an_answer_stopped_is_in_every_format(tmp_path: Path) -> None:
+    """finish_reason stays the server's; stop_reason says where the budget ended an
+    answer; a row from before stop_reason existed says nothing rather than guess."""
+    out = tmp_path / "out"
+    write_rows(
+        out,
+        [
+            completion(0, stop_reason="stop"),
+            completion(1, finish_reason="length", stop_reason="length"),
+            completion(2, finish_reason="length", stop_reason="budget"),
+        ],
+    )
+    write_rows(out, [completion(5, prompt_id="p5", finish_reason="length")], old=True)
+    export(ExportOptions("conversations", tmp_path / "c.jsonl", out))
+    rows = {r["id"]: r for r in load_jsonl(tmp_path / "c.jsonl")}
+    assert {k: (r["finish_reason"], r["stop_reason"]) for k, r in rows.items()} == {
+        "id0": ("stop", "stop"),
+        "id1": ("length", "length"),
+        "id2": ("length", "budget"),
+        "p5": ("length", None),  # an old file: no row_id, the prompt_id stands in
+    }
+    export(ExportOptions("parquet", tmp_path / "folder", out))
+    loaded = hf.load_dataset(str(tmp_path / "folder"), split="train")
+    assert {r["request_id"]: r["stop_reason"] for r in loaded} == {
+        "r0": "stop",
+        "r1": "length",
+        "r2": "budget",
+        "r5": None,
+    }
+
+
 def test_with_ids_refuses_rows_without_ids_naming_the_fix(tmp_path: Path) -> None:
     out = tmp_path / "out"
     write_rows(out, [completion(0, prompt_ids=None)])

@@ -290,7 +290,7 @@ def v1_wire(event: ev.CompletionEvent) -> bytes:
 def test_completion_ids_are_little_endian_int32_bytes_on_the_wire() -> None:
     event = msgspec.structs.replace(COMPLETION, output_ids=[0, 1, 151_643, 2**31 - 1, -1])
     wire = json.loads(ev.encode(event))
-    assert wire["v"] == ev.COMPLETION_VERSION == 3
+    assert wire["v"] == ev.COMPLETION_VERSION == 4
     raw = base64.b64decode(wire["output_ids"], validate=True)
     assert raw == np.array([0, 1, 151_643, 2**31 - 1, -1], dtype="<i4").tobytes()
 
@@ -343,12 +343,28 @@ def test_malformed_output_ids_are_a_decode_error(output_ids: object, message: st
 
 
 def test_completion_versions() -> None:
-    assert ev.supported_versions("completion") == {1, 2, 3}
+    assert ev.supported_versions("completion") == {1, 2, 3, 4}
     assert ev.supported_versions("budget_set") == {1}
-    with pytest.raises(EventDecodeError, match="'completion' event has schema version 4"):
-        ev.decode(_with(COMPLETION, v=4))
+    with pytest.raises(EventDecodeError, match="'completion' event has schema version 5"):
+        ev.decode(_with(COMPLETION, v=5))
     with pytest.raises(EventDecodeError, match="upgrade tokenbudget"):
         ev.decode(_with(BUDGET_SET, v=2))  # only completions moved to version 2
+
+
+def test_a_v3_completion_decodes_with_no_stop_reason_and_is_written_again_as_v4() -> None:
+    """Completions written before stop_reason existed stay readable: the topic is the
+    permanent record, and nobody knows now whether the budget ended those answers."""
+    wire = json.loads(ev.encode(COMPLETION))
+    assert "stop_reason" not in wire or wire["stop_reason"] is None
+    wire.pop("stop_reason", None)
+    wire["v"] = 3
+    old = ev.decode(msgspec.json.encode(wire))
+    assert isinstance(old, ev.CompletionEvent) and old.stop_reason is None
+    assert json.loads(ev.encode(old))["v"] == 4
+    cut = msgspec.structs.replace(COMPLETION, stop_reason="budget")
+    decoded = ev.decode(ev.encode(cut))
+    assert isinstance(decoded, ev.CompletionEvent) and decoded.stop_reason == "budget"
+    assert decoded.finish_reason == "length"  # the server's own stays beside it
 
 
 def test_token_ids_behave_like_a_sequence_of_ints() -> None:

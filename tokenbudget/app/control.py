@@ -21,6 +21,7 @@ from streams.publisher import publish_events
 from streams.topics import Topics
 from tokenbudget import config as config_module
 from tokenbudget import metrics
+from tokenbudget.app import identity
 from tokenbudget.app.bootstrap import resolve_bootstrap
 from tokenbudget.app.runner import publish_budgets
 from tokenbudget.app.tables import format_table
@@ -80,12 +81,16 @@ def run_dispatch_cli(args: argparse.Namespace) -> int:
     return 0
 
 
-async def produce_until_done(config: config_module.Config, bootstrap: str) -> None:
+async def produce_until_done(
+    config: config_module.Config, bootstrap: str, *, resume_changed: bool = False
+) -> None:
     """The prompt producer on its own: publishes every dataset's prompts (paced by
     the ledger's snapshots) until each is read to its end or halted. SIGTERM stops
-    it early: what was sent is flushed; a restart skips what was completed."""
+    it early: what was sent is flushed; a restart skips what was completed. Like
+    ``run``, it first settles whether this is the namespace's job (:mod:`.identity`)."""
 
     topics = Topics(config.kafka.namespace)
+    await identity.settle(config, bootstrap, resume_changed=resume_changed, command="produce")
     await publish_budgets(config, bootstrap)
     interrupt = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -122,7 +127,8 @@ async def produce_until_done(config: config_module.Config, bootstrap: str) -> No
 def run_produce_cli(args: argparse.Namespace) -> int:
     config = config_module.load(args.config)
     check_datasets(config)  # before the broker is asked for anything
-    asyncio.run(produce_until_done(config, resolve_bootstrap(config)))
+    bootstrap = resolve_bootstrap(config)
+    asyncio.run(produce_until_done(config, bootstrap, resume_changed=args.resume_changed))
     return 0
 
 

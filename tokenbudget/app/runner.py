@@ -41,6 +41,7 @@ from streams.halts import BudgetBoard, BudgetWatcher
 from streams.publisher import publish_events
 from streams.topics import Topics
 from tokenbudget import lifetime, metrics, sizes
+from tokenbudget.app import identity
 from tokenbudget.app.bootstrap import resolve_bootstrap
 from tokenbudget.app.progress import BudgetProgress
 from tokenbudget.config import Config, Unit
@@ -450,6 +451,7 @@ async def run_async(
     progress: bool = False,
     dispatchers: int = 1,
     ledgers: int = 1,
+    resume_changed: bool = False,
 ) -> RunReport:
     started = time.monotonic()
     # What the config and the datasets' first rows can tell is told before anything
@@ -458,6 +460,8 @@ async def run_async(
     await prepare(config)  # tokenizer loaded; server and model checked before anything runs
     if bootstrap is None:
         bootstrap = await asyncio.to_thread(resolve_bootstrap, config)
+    # Is this the namespace's job? Settled before anything is published or started.
+    await identity.settle(config, bootstrap, resume_changed=resume_changed, command="run")
     # Once Kafka answered: a job that cannot start says only why (one line).
     config = serve_metrics(config, dispatchers, ledgers if ledger_process else 0)
     topics = Topics(config.kafka.namespace)
@@ -777,13 +781,25 @@ async def _run_components(
 
 
 def run(
-    config: Config, *, progress: bool | None = None, dispatchers: int = 1, ledgers: int = 1
+    config: Config,
+    *,
+    progress: bool | None = None,
+    dispatchers: int = 1,
+    ledgers: int = 1,
+    resume_changed: bool = False,
 ) -> RunReport:
     """Run ``config``; ``progress`` (default: stdout is a terminal) shows a bar per
-    dataset toward its budget while it runs."""
+    dataset toward its budget while it runs; ``resume_changed`` resumes its namespace
+    even when the job differs from the one recorded there (:mod:`.identity`)."""
     logging.basicConfig(level=logging.WARNING)  # no-op once the CLI configured logging
     if progress is None:
         progress = sys.stdout.isatty()
     return asyncio.run(
-        run_async(config, progress=progress, dispatchers=dispatchers, ledgers=ledgers)
+        run_async(
+            config,
+            progress=progress,
+            dispatchers=dispatchers,
+            ledgers=ledgers,
+            resume_changed=resume_changed,
+        )
     )

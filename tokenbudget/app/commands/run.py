@@ -23,6 +23,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--ledgers", type=int, default=1, help="ledger worker processes sharing the datasets"
     )
+    add_resume_changed(parser)
+
+
+def add_resume_changed(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--resume-changed",
+        action="store_true",
+        help="resume the namespace's job although its datasets, model, sampling or "
+        "sink.path changed since it was recorded, and record it as it is now",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -32,6 +42,7 @@ def main(args: argparse.Namespace) -> int:
         progress=False if args.json else None,
         dispatchers=args.dispatchers,
         ledgers=args.ledgers,
+        resume_changed=args.resume_changed,
     )
     if args.json:
         print(json.dumps(report.to_json(), indent=2))
