@@ -23,8 +23,8 @@ has no answer yet).
 ``prompt_id`` is a hash of the dataset name and the row's identity: its ``id`` when
 it has one, else its content (with an occurrence number, so two identical rows stay
 two prompts), plus the turn for ``turns = "all"``. The same file therefore yields
-the same ids on every run, in any order (``shuffle_seed``), which is what lets a
-resumed run recognise work already done.
+the same ids on every run, in any order (``order``, ``shuffle_seed``:
+:mod:`producers.order`), which is what lets a resumed run recognise work already done.
 
 Bad rows raise :class:`DatasetError` naming file and line; :func:`read_prompts`
 either skips them (reporting each through ``on_bad_row``) or stops, per config.
@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import pyarrow.parquet as pq
 
+from producers.order import prompt_length, stratified
 from producers.tokenizers import load_tokenizer
 from streams.events import ChatMessage
 from tokenbudget.columns import (
@@ -56,7 +57,13 @@ from tokenbudget.columns import (
     FieldError,
     field_text,
 )
-from tokenbudget.config import RAW_TEXT_APIS, untemplated_chat
+from tokenbudget.config import (
+    PROMPT_LENGTH,
+    RAW_TEXT_APIS,
+    DatasetOrder,
+    resolve_order,
+    untemplated_chat,
+)
 from tokenbudget.errors import ConfigError, DatasetError
 from tokenbudget.extras import require
 
@@ -94,6 +101,7 @@ class PromptRow:
     row_id: str | None = None  # the row's own "id"
     input_columns: dict[str, Any] | None = None  # the row's keep_columns (missing: null)
     sample_index: int = 0  # which of the dataset's n answers to this prompt
+    stratum: Any = None  # the row's stratify_by field, read for order = "stratified"
 
 
 def stable_prompt_id(dataset: str, identity: str) -> str:
@@ -423,6 +431,7 @@ def _in_file_order(
     on_bad_row: Callable[[DatasetError], None] | None,
     keep_columns: Sequence[str] = (),
     columns: Columns = DEFAULT_COLUMNS,
+    stratum_field: str = "",
 ) -> Iterator[PromptRow]:
     occurrences: dict[str, int] = {}
     name = reader.name
@@ -461,6 +470,7 @@ def _in_file_order(
                 messages=chosen,
                 row_id=row_id,
                 input_columns={c: row.get(c) for c in keep_columns} if keep_columns else None,
+                stratum=row.get(stratum_field) if stratum_field else None,
             )
 
 
@@ -501,16 +511,20 @@ def read_prompts(
     format: Format = "auto",
     turns: Turns = "first",
     shuffle_seed: int | None = None,
+    order: DatasetOrder | None = None,
+    stratify_by: str = PROMPT_LENGTH,
     split: str = "",
     template: Template | None = None,
     keep_columns: Sequence[str] = (),
     samples: int = 1,
     columns: Columns = DEFAULT_COLUMNS,
 ) -> Iterator[PromptRow]:
-    """Yield the dataset's prompts, in file order or shuffled with ``shuffle_seed``.
+    """Yield the dataset's prompts in ``order`` (:mod:`producers.order`): the file's,
+    shuffled, or stratified by ``stratify_by``, both seeded by ``shuffle_seed`` (0
+    when unset); ``order`` unset: shuffled when there is a seed, else the file's.
 
     With ``on_bad_row`` set, bad rows are passed to it and skipped; without, the
-    first bad row raises. ``limit`` counts prompts (after turns and shuffling), so
+    first bad row raises. ``limit`` counts prompts (after turns and ordering), so
     with a seed it takes a fixed random sample. ``template`` (messages -> ids)
     fills ``input_ids``; a plain prompt is templated as one user turn.
     ``keep_columns`` are copied from each row; ``samples`` (the dataset's ``n``)
@@ -518,19 +532,32 @@ def read_prompts(
     ``columns`` says where the rows hold the prompt and the id.
     """
     reader = reader_for(path, format, split)
+    order = resolve_order(order, shuffle_seed)
+    by_field = stratify_by if order == "stratified" and stratify_by != PROMPT_LENGTH else ""
     rows: Iterator[PromptRow] = _in_file_order(
-        dataset, reader, format, turns, on_bad_row, keep_columns, columns
+        dataset, reader, format, turns, on_bad_row, keep_columns, columns, by_field
     )
-    if shuffle_seed is not None:
-        # Ids are fixed in file order first, so the order never changes an id.
+    # Ids are fixed in file order first, so the order never changes an id.
+    if order == "shuffled":
         everything = list(rows)
-        random.Random(shuffle_seed).shuffle(everything)
+        random.Random(shuffle_seed or 0).shuffle(everything)
         rows = iter(everything)
+    elif order == "stratified":
+        key = _field_stratum if by_field else _length_stratum
+        rows = iter(stratified(list(rows), key, shuffle_seed or 0))
     if template is not None:
         rows = _with_template(rows, template, on_bad_row)
     if limit is not None:
         rows = itertools.islice(rows, max(0, limit))
     return with_samples(dataset, rows, samples) if samples > 1 else rows
+
+
+def _field_stratum(row: PromptRow) -> Any:
+    return row.stratum
+
+
+def _length_stratum(row: PromptRow) -> int:
+    return prompt_length(row.text, row.messages)
 
 
 def with_samples(dataset: str, rows: Iterator[PromptRow], samples: int) -> Iterator[PromptRow]:
@@ -566,6 +593,8 @@ def read_options(config: Config, dataset: Dataset) -> dict[str, Any]:
         "format": dataset.format,
         "turns": dataset.turns,
         "shuffle_seed": dataset.shuffle_seed,
+        "order": dataset.order,
+        "stratify_by": dataset.stratify_by,
         "split": dataset.split,
         "template": template,
         "keep_columns": dataset.keep_columns,
@@ -688,6 +717,16 @@ def _check_rows(
             f"{key}.id_field",
             f"no field {id_field!r} in {_rows_read(len(rows), peek)} of {name} "
             f"(their fields: {_fields(objects)})",
+            source=config.source,
+        )
+    # A misspelt stratify_by would put every row in one stratum: file order in effect.
+    by = dataset.stratify_by
+    by_field = dataset.order == "stratified" and by != PROMPT_LENGTH
+    if by_field and objects and not any(by in row for row in objects):
+        raise ConfigError(
+            f"{key}.stratify_by",
+            f"no field {by!r} in {_rows_read(len(rows), peek)} of {name} (their fields: "
+            f'{_fields(objects)}); or stratify_by = "{PROMPT_LENGTH}"',
             source=config.source,
         )
 
