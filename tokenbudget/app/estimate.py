@@ -201,7 +201,7 @@ def prompts_needed(remaining: int, costs: Spread, unit: Unit) -> tuple[int, int,
     m = remaining / costs.mean
     cv = costs.sd / costs.mean
     sd = cv * math.sqrt(m * (1 + m / costs.count))
-    return math.ceil(m), max(0, math.floor(m - Z90 * sd)), math.ceil(m + Z90 * sd)
+    return math.ceil(m), max(0, math.ceil(m - Z90 * sd)), math.ceil(m + Z90 * sd)
 
 
 def _outcome(known: Known, low: int, high: int) -> Outcome:

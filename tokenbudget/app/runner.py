@@ -437,7 +437,10 @@ async def run_async(
     progress: bool = False,
     dispatchers: int = 1,
     ledgers: int = 1,
+    on_start: Callable[[], object] | None = None,
 ) -> RunReport:
+    """Run ``config`` to its budgets. ``on_start`` is called (in a thread) once the
+    job can start, Kafka and the server having answered: ``run`` prints its plan."""
     started = time.monotonic()
     # What the config and the datasets' first rows can tell is told before anything
     # starts: no broker, no server touched for a job that cannot run.
@@ -447,6 +450,8 @@ async def run_async(
         bootstrap = await asyncio.to_thread(resolve_bootstrap, config)
     # Once Kafka answered: a job that cannot start says only why (one line).
     config = serve_metrics(config, dispatchers, ledgers if ledger_process else 0)
+    if on_start is not None:
+        await asyncio.to_thread(on_start)
     topics = Topics(config.kafka.namespace)
     for dataset in config.datasets:
         metrics.OVERSHOOT_ALLOWANCE.labels(dataset=dataset.name).set(
@@ -764,13 +769,24 @@ async def _run_components(
 
 
 def run(
-    config: Config, *, progress: bool | None = None, dispatchers: int = 1, ledgers: int = 1
+    config: Config,
+    *,
+    progress: bool | None = None,
+    dispatchers: int = 1,
+    ledgers: int = 1,
+    on_start: Callable[[], object] | None = None,
 ) -> RunReport:
     """Run ``config``; ``progress`` (default: stdout is a terminal) shows a bar per
-    dataset toward its budget while it runs."""
+    dataset toward its budget while it runs; ``on_start``: see :func:`run_async`."""
     logging.basicConfig(level=logging.WARNING)  # no-op once the CLI configured logging
     if progress is None:
         progress = sys.stdout.isatty()
     return asyncio.run(
-        run_async(config, progress=progress, dispatchers=dispatchers, ledgers=ledgers)
+        run_async(
+            config,
+            progress=progress,
+            dispatchers=dispatchers,
+            ledgers=ledgers,
+            on_start=on_start,
+        )
     )

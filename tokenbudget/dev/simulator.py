@@ -169,6 +169,9 @@ PROFILES: dict[str, tuple[LengthRule, ...]] = {
     ),
     "uniform": (LengthRule("", 1000.0, 0.5),),
     "short": (LengthRule("", 64.0, 0.5),),
+    # Answers of nearly one length (coefficient of variation 0.1): what a plan of a
+    # budget should predict closely from a few of them.
+    "steady": (LengthRule("", 1000.0, 0.1),),
 }
 
 # A streamed chunk every ~32 tokens is what real servers look like on the wire; one chunk

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 
 from tokenbudget import config as config_module
-from tokenbudget.app import runner
+from tokenbudget.app import plan, runner
 from tokenbudget.app.report import print_table
 
 EXIT_PROMPTS_FAILED = 3  # the job ended, but some prompts failed for good
@@ -31,11 +32,14 @@ def main(args: argparse.Namespace) -> int:
         progress=False if args.json else None,
         dispatchers=args.dispatchers,
         ledgers=args.ledgers,
+        on_start=functools.partial(plan.announce, config),
     )
+    kept = plan.kept_report(config)
     if args.json:
-        print(json.dumps(report.to_json(), indent=2))
+        print(json.dumps({**report.to_json(), "kept": [k.to_json() for k in kept]}, indent=2))
     else:
         print_table(report)
+        print("\n" + plan.kept_table(kept))
     if report.failed:
         print(
             f"tokenbudget: {report.failed} prompt(s) failed for good (see the log); exit code 3",

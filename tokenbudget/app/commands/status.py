@@ -9,6 +9,7 @@ import asyncio
 from streams.topics import Topics
 from tokenbudget import config as config_module
 from tokenbudget.app.bootstrap import local_broker_settings, resolve_bootstrap
+from tokenbudget.app.saved_plan import planned
 from tokenbudget.app.status import follow
 from tokenbudget.errors import TokenBudgetError
 from tokenbudget.localkafka import broker
@@ -42,5 +43,6 @@ def main(args: argparse.Namespace) -> int:
             watch=args.watch,
             as_json=args.json,
             interval=args.interval,
+            planned=planned(config),
         )
     )
