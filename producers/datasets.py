@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import pyarrow.parquet as pq
+from msgspec.structs import replace as msgspec_replace
 
 from producers.order import prompt_length, stratified
 from producers.tokenizers import load_tokenizer
@@ -55,11 +56,13 @@ from tokenbudget.columns import (
     DEFAULT_COLUMNS,
     Columns,
     FieldError,
+    PromptTemplate,
     field_text,
 )
 from tokenbudget.config import (
     PROMPT_LENGTH,
     RAW_TEXT_APIS,
+    Dataset,
     DatasetOrder,
     resolve_order,
     untemplated_chat,
@@ -68,7 +71,7 @@ from tokenbudget.errors import ConfigError, DatasetError
 from tokenbudget.extras import require
 
 if TYPE_CHECKING:
-    from tokenbudget.config import Config, Dataset
+    from tokenbudget.config import Config
 
 Format = Literal["auto", "prompt", "openai", "sharegpt", "hf"]
 Turns = Literal["first", "all"]
@@ -677,14 +680,17 @@ def _peek(dataset: Dataset, key: str, source: str, peek: int) -> tuple[str, list
         raise ConfigError(f"{key}.path", str(exc), source=source) from exc
 
 
-def _check_rows(
-    config: Config,
-    dataset: Dataset,
-    key: str,
-    name: str,
-    rows: list[tuple[int, Any]],
-    peek: int,
-) -> None:
+@dataclass(frozen=True)
+class _Survey:
+    """What a dataset's first rows give through its format and column mapping."""
+
+    prompts: int  # rows that give a prompt
+    first_error: DatasetError | None
+    chat_at: str | None  # path:line of the first chat row
+    objects: list[dict[str, Any]]  # the rows that are objects
+
+
+def _survey(dataset: Dataset, name: str, rows: list[tuple[int, Any]]) -> _Survey:
     first_error: DatasetError | None = None
     prompts = 0
     chat_at = None
@@ -700,7 +706,20 @@ def _check_rows(
         if messages is not None and chat_at is None:
             chat_at = f"{name}:{line}"
     objects = [row for _, row in rows if isinstance(row, dict)]
-    if first_error is not None and not prompts:
+    return _Survey(prompts, first_error, chat_at, objects)
+
+
+def _check_rows(
+    config: Config,
+    dataset: Dataset,
+    key: str,
+    name: str,
+    rows: list[tuple[int, Any]],
+    peek: int,
+) -> None:
+    survey = _survey(dataset, name, rows)
+    first_error, chat_at, objects = survey.first_error, survey.chat_at, survey.objects
+    if first_error is not None and not survey.prompts:
         read = _rows_read(len(rows), peek)
         raise _no_prompts(dataset, key, read, first_error, objects, config.source)
     api = config.inference.api
@@ -796,3 +815,64 @@ def _no_prompts(
             fix += ' and format = "auto"'
     message = f"{message}: {fix} (README: Column mapping)"
     return ConfigError(f"{key}.{option}", message, source=source)
+
+
+# ---- a dataset nobody has configured yet (tokenbudget init) ---------------------------
+
+
+@dataclass(frozen=True)
+class DatasetShape:
+    """What the first rows of a dataset file say about it, for ``tokenbudget init``."""
+
+    read_as: str  # JSON lines, Parquet, a saved Hugging Face dataset
+    rows: int  # rows read (at most PEEK_ROWS)
+    prompts: int  # of them, the rows that give a prompt
+    mapping: tuple[str, str] | None  # the column mapping they need: (key, value)
+    chat: bool  # they give chat turns
+    fields: str  # the rows' fields
+
+
+_READ_AS = {
+    JsonlReader: "JSON lines",
+    ParquetReader: "Parquet",
+    HFDiskReader: "a saved Hugging Face dataset",
+}
+
+
+def describe_dataset(path: Path, key: str, source: str, *, peek: int = PEEK_ROWS) -> DatasetShape:
+    """Read the first ``peek`` rows of ``path`` as :func:`check_datasets` does and say
+    what they hold: with ``format = "auto"``, the rows as they are, else through the
+    column mapping their fields suggest (:func:`suggest_mapping`). Raises the same
+    ConfigError as :func:`check_datasets` (under ``key``) when they give no prompt."""
+    # Only the reading matters here: the budget and max_new_tokens are never used.
+    dataset = Dataset(name="new", path=path, budget=1, format="auto", max_new_tokens=1, limit=None)
+    name, rows = _peek(dataset, key, source, peek)
+    if not rows:
+        raise ConfigError(f"{key}.path", f"{name} has no rows", source=source)
+    survey = _survey(dataset, name, rows)
+    mapping = None
+    if not survey.prompts and survey.objects:
+        mapping = _suggestion(dataset, survey.objects[0])
+        if mapping is not None:
+            columns = _mapped_columns(*mapping)
+            survey = _survey(msgspec_replace(dataset, columns=columns), name, rows)
+    if not survey.prompts:
+        error = survey.first_error or DatasetError(name, "no prompt")
+        read = _rows_read(len(rows), peek)
+        raise _no_prompts(dataset, key, read, error, survey.objects, source)
+    return DatasetShape(
+        read_as=_READ_AS.get(type(reader_for(path)), "rows"),
+        rows=len(rows),
+        prompts=survey.prompts,
+        mapping=mapping,
+        chat=survey.chat_at is not None,
+        fields=_fields(survey.objects),
+    )
+
+
+def _mapped_columns(key: str, value: str) -> Columns:
+    if key == "prompt_template":
+        return Columns(prompt_template=PromptTemplate.parse(value))
+    if key == "messages_field":
+        return Columns(messages_field=value)
+    return Columns(prompt_field=value)

@@ -789,7 +789,10 @@ class _SimServer:
         return _json({"until": self.outage_until})
 
     async def handle_model_info(self, request: web.Request) -> web.Response:
-        return _json({"model_path": self.config.model, "is_generation": True})
+        info: dict[str, Any] = {"model_path": self.config.model, "is_generation": True}
+        if self.config.tokenizer:  # as SGLang names the tokenizer it loaded
+            info["tokenizer_path"] = self.config.tokenizer
+        return _json(info)
 
     def _authorized(self, request: web.Request) -> bool:
         key = self.config.api_key
