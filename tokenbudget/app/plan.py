@@ -185,6 +185,7 @@ class Plan:
     measured_on: int = 0  # rows with timings the throughput was measured on
     piloted: list[str] = field(default_factory=list)  # datasets a pilot was sent for
     pilot_requests: int = 0
+    boundary: str = ""  # how the end of a budget moves the count (boundary_effect)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -193,6 +194,7 @@ class Plan:
             "measured_on": self.measured_on,
             "piloted": self.piloted,
             "pilot_requests": self.pilot_requests,
+            "boundary": self.boundary,
         }
 
 
@@ -236,7 +238,27 @@ def known_plan(
         )
         for d in config.datasets
     ]
-    return Plan(plans, rate, len(spans), sorted(piloted), pilot_requests if piloted else 0)
+    piloted_names = sorted(piloted)
+    pilot = pilot_requests if piloted else 0
+    return Plan(plans, rate, len(spans), piloted_names, pilot, boundary_effect(config))
+
+
+def boundary_effect(config: Config) -> str:
+    """What the end of a budget does to the count of prompts, which the estimate
+    (whole answers) leaves out: it depends on the answers in flight then."""
+    if not policy.unit_rule(config.budget.unit).in_tokens:
+        return ""  # one per answer: the count is exact
+    if not policy.reserves(config.budget.admission):
+        return "the answers in flight at the halt are kept beyond the budget: a few more prompts"
+    if config.budget.on_boundary == "finish":
+        return (
+            "a request goes out only while its max_new_tokens fits: a run stops short of"
+            " the budget, a few prompts fewer"
+        )
+    return (
+        "the answers in flight when a budget runs out are cut at the line and kept in"
+        " part: a run sends a few more prompts"
+    )
 
 
 async def make_plan(config: Config, *, pilot: int = 0, count_tokens: bool = True) -> Plan:
@@ -298,7 +320,7 @@ def _prompt_tokens_text(p: DatasetPlan) -> str:
 def _time_text(p: DatasetPlan) -> str:
     if p.seconds is None:
         return "unknown"
-    return "0s" if p.seconds == 0 else format_eta(p.seconds)
+    return "<1s" if 0 < p.seconds < 1 else format_eta(p.seconds)
 
 
 HEADERS = [
@@ -342,6 +364,8 @@ def notes(plan: Plan) -> list[str]:
             f"time: at {plan.tokens_per_s:,.0f} completion tokens/s, the server's throughput"
             f" measured on {plan.measured_on:,} rows (all datasets together)"
         )
+    if plan.boundary:
+        out.append(f"needed: whole answers; {plan.boundary}")
     if plan.piloted:
         out.append(
             f"pilot: up to {plan.pilot_requests} requests each for {', '.join(plan.piloted)},"

@@ -196,3 +196,20 @@ def test_after_a_run_the_kept_rows_are_shown_beside_their_source(tmp_path: Path)
     assert (small.kept, small.distance, small.answers) == (0, None, None)
     text = plan.kept_table([long, small])
     assert "50/300" in text and "12/12/12" in text
+
+
+@pytest.mark.parametrize(
+    ("budget", "says"),
+    [
+        ({}, "cut at the line"),
+        ({"on_boundary": "finish"}, "stops short"),
+        ({"admission": "halt"}, "kept beyond the budget"),
+        ({"unit": "samples"}, ""),
+    ],
+)
+def test_the_plan_says_how_the_end_of_a_budget_moves_the_count(
+    tmp_path: Path, budget: dict[str, str], says: str
+) -> None:
+    config = config_module.build({"budget": budget}, base_dir=tmp_path, environ={})
+    effect = plan.boundary_effect(config)
+    assert says in effect and (effect == "") == (says == "")
