@@ -57,6 +57,9 @@ def dataset_names(paths: Sequence[Path]) -> list[str]:
 
 
 def find_datasets(paths: Sequence[Path]) -> list[Found]:
+    for path in paths:
+        if not path.exists():
+            raise TokenBudgetError(f"{path} does not exist: name a dataset file or folder")
     names = dataset_names(paths)
     return [
         Found(name, path, describe_dataset(path, f"datasets[{i}]", str(path)))

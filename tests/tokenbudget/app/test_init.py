@@ -180,3 +180,9 @@ def test_init_refuses_an_existing_file_before_asking_anything(
         " name another with -o, or remove it\n"
     )
     assert out.read_text() == "# mine\n"
+    args[-1] = str(tmp_path / "new.toml")
+    assert cli.main(args) == 2
+    missing = tmp_path / "none.jsonl"
+    assert capsys.readouterr().err == (
+        f"tokenbudget: error: {missing} does not exist: name a dataset file or folder\n"
+    )
