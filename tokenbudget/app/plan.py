@@ -289,10 +289,6 @@ def _answers(config: Config, dataset: Dataset) -> Answers:
 # ---- how it reads ------------------------------------------------------------------------
 
 
-def _n(value: float | None) -> str:
-    return "unknown" if value is None else f"{value:,.0f}"
-
-
 def outcome_text(p: DatasetPlan) -> str:
     if p.outcome == "runs out":
         return f"runs out at {p.available:,}" + (f" (keeps ~{p.keeps:,})" if p.keeps else "")
@@ -360,9 +356,13 @@ def notes(plan: Plan) -> list[str]:
     if plan.tokens_per_s is None:
         out.append("time: unknown (no rows with timings under the sink path; --pilot N measures)")
     else:
+        seconds = [p.seconds for p in plan.datasets if p.seconds is not None]
+        job = ""
+        if len(seconds) == len(plan.datasets):
+            job = f"; the job, its datasets sharing the server: ~{format_eta(sum(seconds))}"
         out.append(
             f"time: at {plan.tokens_per_s:,.0f} completion tokens/s, the server's throughput"
-            f" measured on {plan.measured_on:,} rows (all datasets together)"
+            f" measured on {plan.measured_on:,} rows (all datasets together){job}"
         )
     if plan.boundary:
         out.append(f"needed: whole answers; {plan.boundary}")

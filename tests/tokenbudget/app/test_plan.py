@@ -143,6 +143,8 @@ def test_a_plan_from_earlier_rows(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert small.keeps == 10_000 + 10 * MAX_NEW_TOKENS
     text = plan.table(result)
     assert "runs out at 12" in text
+    # 83,000 + 10 x 4,000 tokens still to generate at 1,380.5 tokens/s
+    assert "the job, its datasets sharing the server: ~1m29s" in text
     line = plan.line(long, result.tokens_per_s)
     assert "need 103 at 1,000 tokens per answer (earlier rows: 17): fills" in line
     # run's plan: the same, one line per dataset, saved for status
