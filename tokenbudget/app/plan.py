@@ -443,7 +443,8 @@ def line(p: DatasetPlan, tokens_per_s: float | None) -> str:
         f" {needed_text(p.needed, p.needed_low, p.needed_high)}{per}{from_}: {outcome_text(p)}"
     )
     if p.seconds is not None and tokens_per_s:
-        text += f", ~{_time_text(p)} at {tokens_per_s:,.0f} tokens/s"
+        time = _time_text(p)
+        text += f", {time if time.startswith('<') else '~' + time} at {tokens_per_s:,.0f} tokens/s"
     return text
 
 
