@@ -69,6 +69,13 @@ PRODUCER_BATCH_BYTES = 512 * 1024
 UNEXPECTED_ERRORS = 5
 
 
+def about(prompt: ev.PromptEvent) -> str:
+    """A prompt as log lines name it: its dataset and row, then its id (the hash
+    alone says nothing to whoever reads the log)."""
+    row = f", {prompt.source}" if prompt.source else ""
+    return f"{prompt.dataset}{row} (prompt {prompt.prompt_id})"
+
+
 def wasted(dataset: str, reason: str, tokens: int) -> None:
     """Count ``tokens`` the server generated that are not kept."""
     if tokens > 0:
@@ -607,9 +614,8 @@ class Dispatcher:
             except Exception as exc:
                 errors += 1
                 log.warning(
-                    "prompt %s of %s: %r (attempt %d); trying again",
-                    prompt.prompt_id,
-                    prompt.dataset,
+                    "%s: %r (attempt %d); trying again",
+                    about(prompt),
                     exc,
                     errors,
                     exc_info=errors == 1,
@@ -685,7 +691,7 @@ class Dispatcher:
         tried again, False when it is to be given up."""
         tries.last_error = exc
         metrics.INFERENCE_ERRORS.labels(kind=type(exc).__name__).inc()
-        log.warning("%s attempt %d failed: %s", prompt.prompt_id, tries.attempts, exc)
+        log.warning("%s: attempt %d failed: %s", about(prompt), tries.attempts, exc)
         if self.gate is not None:
             self.gate.failed(exc)
         if not exc.retryable:
@@ -994,6 +1000,7 @@ class Dispatcher:
                 delay = min(5.0, delay * 2)
 
     async def _fail(self, prompt: ev.PromptEvent, attempts: int, reason: str) -> None:
+        log.warning("%s: failed for good (%s); see the dead-letter topic", about(prompt), reason)
         failed = ev.PromptFailed(
             prompt_id=prompt.prompt_id,
             dataset=prompt.dataset,
