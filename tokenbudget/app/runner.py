@@ -43,7 +43,7 @@ from streams.topics import Topics
 from tokenbudget import lifetime, metrics, sizes
 from tokenbudget.app import identity
 from tokenbudget.app.bootstrap import resolve_bootstrap
-from tokenbudget.app.progress import BudgetProgress
+from tokenbudget.app.progress import Display, ProgressMode, choose_mode, display
 from tokenbudget.config import Config, Unit
 from tokenbudget.errors import ConfigError, WorkerFailedError
 from tokenbudget.kafka import GroupLag
@@ -448,7 +448,7 @@ async def run_async(
     bootstrap: str | None = None,
     ledger_process: bool = True,
     keep_dispatch_log: bool = False,
-    progress: bool = False,
+    progress: ProgressMode = "off",
     dispatchers: int = 1,
     ledgers: int = 1,
     resume_changed: bool = False,
@@ -611,7 +611,7 @@ class _InProcess:
 
     watcher: BudgetWatcher
     watch_task: asyncio.Task[None]
-    bars: BudgetProgress | None
+    bars: Display | None
     sink: ParquetSink
     sink_stop: threading.Event
     sink_thread: threading.Thread
@@ -621,7 +621,11 @@ class _InProcess:
 
 
 async def _start_in_process(
-    config: Config, bootstrap: str, topics: Topics, keep_dispatch_log: bool, progress: bool
+    config: Config,
+    bootstrap: str,
+    topics: Topics,
+    keep_dispatch_log: bool,
+    progress: ProgressMode,
 ) -> _InProcess:
     """Start the watcher and wait until it has read the budgets topic (so the board
     is current before anything is admitted), then the bars, the sink and the
@@ -630,7 +634,7 @@ async def _start_in_process(
     await watcher.start()
     watch_task = asyncio.create_task(watcher.run())
     await watcher.caught_up.wait()
-    bars = BudgetProgress(config, watcher.board) if progress else None
+    bars = display(progress, config, watcher.board)
     if bars is not None:
         bars.start()
 
@@ -748,7 +752,7 @@ async def _run_components(
     ledger: LedgerWorkers | None,
     started: float,
     keep_dispatch_log: bool = False,
-    progress: bool = False,
+    progress: ProgressMode = "off",
     dispatchers: int = 1,
 ) -> RunReport:
     extra = ExtraDispatchers(config, dispatchers - 1)
@@ -783,21 +787,27 @@ async def _run_components(
 def run(
     config: Config,
     *,
-    progress: bool | None = None,
+    progress: ProgressMode | bool | None = None,
     dispatchers: int = 1,
     ledgers: int = 1,
     resume_changed: bool = False,
 ) -> RunReport:
-    """Run ``config``; ``progress`` (default: stdout is a terminal) shows a bar per
-    dataset toward its budget while it runs; ``resume_changed`` resumes its namespace
-    even when the job differs from the one recorded there (:mod:`.identity`)."""
+    """Run ``config``, showing its progress (:mod:`tokenbudget.app.progress`): by
+    default bars on a terminal and lines otherwise; True: bars, False: nothing.
+    ``resume_changed`` resumes its namespace even when the job differs from the one
+    recorded there (:mod:`.identity`)."""
     logging.basicConfig(level=logging.WARNING)  # no-op once the CLI configured logging
+    mode: ProgressMode
     if progress is None:
-        progress = sys.stdout.isatty()
+        mode = choose_mode()
+    elif isinstance(progress, bool):
+        mode = "live" if progress else "off"
+    else:
+        mode = progress
     return asyncio.run(
         run_async(
             config,
-            progress=progress,
+            progress=mode,
             dispatchers=dispatchers,
             ledgers=ledgers,
             resume_changed=resume_changed,

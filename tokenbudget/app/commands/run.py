@@ -39,7 +39,7 @@ def main(args: argparse.Namespace) -> int:
     config = config_module.load(args.config)
     report = runner.run(
         config,
-        progress=False if args.json else None,
+        progress="lines" if args.json else None,  # stdout is the JSON's
         dispatchers=args.dispatchers,
         ledgers=args.ledgers,
         resume_changed=args.resume_changed,
