@@ -35,17 +35,24 @@ async def dispatch_until_stopped(
     report_path: Path | None = None,
     instance: str | None = None,
 ) -> None:
-    """One dispatcher process: runs until SIGTERM/SIGINT, then finishes what it
-    started, hands back its leases, commits and exits."""
+    """One dispatcher process: runs until SIGTERM or SIGINT, then hands back its
+    leases, commits and exits. On SIGTERM it first finishes the requests it started;
+    on SIGINT (``run`` stopped by Ctrl-C) it publishes the answers it has and hands
+    back the requests still at the server, for the group's next dispatcher."""
     topics = Topics(config.kafka.namespace)
     watcher = BudgetWatcher(bootstrap, topics)
     await watcher.start()
     watch_task = asyncio.create_task(watcher.run())
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
     dispatcher = Dispatcher(config, bootstrap, watcher.board, instance=instance)
+
+    def hand_back() -> None:
+        dispatcher.hand_back()
+        stop.set()
+
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    loop.add_signal_handler(signal.SIGINT, hand_back)
     try:
         await dispatcher.run(stop)
     finally:

@@ -43,6 +43,7 @@ from streams.topics import Topics
 from tokenbudget import lifetime, metrics, sizes
 from tokenbudget.app import identity
 from tokenbudget.app.bootstrap import resolve_bootstrap
+from tokenbudget.app.interrupts import Interrupted, StopSignals
 from tokenbudget.app.progress import Display, ProgressMode, choose_mode, display
 from tokenbudget.config import Config, Unit
 from tokenbudget.errors import ConfigError, WorkerFailedError
@@ -219,8 +220,8 @@ class Supervised:
         self.process = self._start()
         return restart
 
-    def stop(self, timeout: float = 30) -> int | None:
-        return lifetime.stop(self.process, timeout)
+    def stop(self, timeout: float = 30, signum: int = signal.SIGTERM) -> int | None:
+        return lifetime.stop(self.process, timeout, signum)
 
 
 class SupervisedGroup:
@@ -236,13 +237,13 @@ class SupervisedGroup:
     def restarts(self) -> list[Restart]:
         return [r for child in self.children for r in child.restarts]
 
-    def stop(self, timeout: float = 30) -> None:
-        """SIGTERM to all at once (they wind down side by side), then wait for each."""
+    def stop(self, timeout: float = 30, signum: int = signal.SIGTERM) -> None:
+        """``signum`` to all at once (they wind down side by side), then wait for each."""
         for child in self.children:
             if child.process.poll() is None:
-                child.process.send_signal(signal.SIGTERM)
+                child.process.send_signal(signum)
         for child in self.children:
-            child.stop(timeout)
+            child.stop(timeout, signum)
 
 
 class LedgerWorkers(SupervisedGroup):
@@ -322,9 +323,11 @@ class ExtraDispatchers(SupervisedGroup):
             self.children.append(child)
             self.reports.append(report)
 
-    def finish(self) -> dict[str, list[float]]:
-        """Stop them, and say per dataset when each first refused it (their reports)."""
-        self.stop(60)
+    def finish(self, hand_back: bool = False) -> dict[str, list[float]]:
+        """Stop them (with ``hand_back``, SIGINT: requests the server has not answered
+        are handed back, not waited for), and say per dataset when each first refused
+        it (their reports)."""
+        self.stop(60, signal.SIGINT if hand_back else signal.SIGTERM)
         refused: dict[str, list[float]] = {}
         for report in self.reports:
             if report.exists():
@@ -452,7 +455,10 @@ async def run_async(
     dispatchers: int = 1,
     ledgers: int = 1,
     resume_changed: bool = False,
+    stop: StopSignals | None = None,
 ) -> RunReport:
+    """Run a job; ``stop``: the signals that stop it in order (see
+    :mod:`tokenbudget.app.interrupts`), installed by the caller."""
     started = time.monotonic()
     # What the config and the datasets' first rows can tell is told before anything
     # starts: no broker, no server touched for a job that cannot run.
@@ -489,9 +495,19 @@ async def run_async(
     ledger = LedgerWorkers(config, bootstrap, ledgers, dispatchers) if ledger_process else None
     try:
         return await _run_components(
-            config, bootstrap, topics, ledger, started, keep_dispatch_log, progress, dispatchers
+            config,
+            bootstrap,
+            topics,
+            ledger,
+            started,
+            keep_dispatch_log,
+            progress,
+            dispatchers,
+            stop,
         )
     finally:
+        if stop is not None:
+            stop.stopping()
         await asyncio.to_thread(lag_sampler.stop)
         if ledger is not None:
             await asyncio.to_thread(ledger.stop)
@@ -671,19 +687,28 @@ async def _start_in_process(
 
 @dataclass
 class _Producing:
-    """The prompt producer, running as a task until ``stop`` is set."""
+    """The prompt producer, running as a task until ``stop`` (or ``interrupt``) is set."""
 
     producer: PromptProducer
     stop: asyncio.Event
     task: asyncio.Task[dict[str, ProduceReport]]
+    interrupt: asyncio.Event = field(default_factory=asyncio.Event)
 
     @classmethod
     def start(cls, config: Config, bootstrap: str, board: BudgetBoard) -> _Producing:
         producer = PromptProducer(
             config, bootstrap, board, stored_prompt_ids=stored_prompt_ids(config)
         )
-        stop = asyncio.Event()
-        return cls(producer, stop, asyncio.create_task(producer.run(stop)))
+        stop, interrupt = asyncio.Event(), asyncio.Event()
+        task = asyncio.create_task(producer.run(stop, interrupt))
+        return cls(producer, stop, task, interrupt)
+
+    async def end(self) -> None:
+        """If it still runs (the job is stopped early), stop it: what it sent is
+        flushed, the rows it has not read are left for the rerun."""
+        self.interrupt.set()
+        with contextlib.suppress(Exception, asyncio.CancelledError):
+            await self.task
 
 
 async def _produce_until_drained(
@@ -725,14 +750,19 @@ def _refusals(
     return refused
 
 
-async def _stop_in_process(running: _InProcess, extra: ExtraDispatchers) -> dict[str, list[float]]:
-    """Stop the dispatchers (this one, then the extra processes), the sink (it
-    reads to the end of the completions topic first), the bars and the watcher, in
-    that order; return when they refused each dataset (:func:`_refusals`)."""
+async def _stop_in_process(
+    running: _InProcess, extra: ExtraDispatchers, hand_back: bool = False
+) -> dict[str, list[float]]:
+    """Stop the dispatchers (this one, then the extra processes; with ``hand_back``,
+    giving up the requests the server has not answered), the sink (it reads to the
+    end of the completions topic first), the bars and the watcher, in that order;
+    return when they refused each dataset (:func:`_refusals`)."""
+    if hand_back:
+        running.dispatcher.hand_back()
     running.dispatch_stop.set()
     with contextlib.suppress(Exception):
         await running.dispatch_task
-    extra_refused = await asyncio.to_thread(extra.finish)
+    extra_refused = await asyncio.to_thread(extra.finish, hand_back)
     refused = _refusals(extra_refused, running.dispatcher.refused_at, running.watcher.board)
     running.sink_stop.set()
     await asyncio.to_thread(running.sink_thread.join, 120)
@@ -754,22 +784,29 @@ async def _run_components(
     keep_dispatch_log: bool = False,
     progress: ProgressMode = "off",
     dispatchers: int = 1,
+    stop: StopSignals | None = None,
 ) -> RunReport:
     extra = ExtraDispatchers(config, dispatchers - 1)
     children: list[_Child] = [extra] if ledger is None else [ledger, extra]
     running = await _start_in_process(config, bootstrap, topics, keep_dispatch_log, progress)
-    extra.start()
-    if extra.count:
-        # Prompts handed out before every dispatcher joined would move at the
-        # rebalance and be generated twice: wait for the group to settle first.
-        group = running.dispatcher.group_id
-        joined = _wait_for_members(bootstrap, group, extra.count + 1)
-        await supervise(asyncio.create_task(joined), [running.dispatch_task], children)
-    producing = _Producing.start(config, bootstrap, running.watcher.board)
+    producing: _Producing | None = None
     try:
+        extra.start()
+        if extra.count:
+            # Prompts handed out before every dispatcher joined would move at the
+            # rebalance and be generated twice: wait for the group to settle first.
+            group = running.dispatcher.group_id
+            joined = _wait_for_members(bootstrap, group, extra.count + 1)
+            await supervise(asyncio.create_task(joined), [running.dispatch_task], children)
+        producing = _Producing.start(config, bootstrap, running.watcher.board)
         produced = await _produce_until_drained(config, bootstrap, producing, running, children)
     finally:
-        refused = await _stop_in_process(running, extra)
+        interrupted = stop is not None and stop.requested
+        if stop is not None:
+            stop.stopping()
+        if producing is not None:
+            await producing.end()
+        refused = await _stop_in_process(running, extra, hand_back=interrupted)
 
     board = running.watcher.board
     return RunReport(
@@ -805,7 +842,7 @@ def run(
     else:
         mode = progress
     return asyncio.run(
-        run_async(
+        _run_until_stopped(
             config,
             progress=mode,
             dispatchers=dispatchers,
@@ -813,3 +850,18 @@ def run(
             resume_changed=resume_changed,
         )
     )
+
+
+async def _run_until_stopped(config: Config, **options: Any) -> RunReport:
+    """:func:`run_async`, stopped in order by SIGINT or SIGTERM: then it raises
+    :class:`~tokenbudget.app.interrupts.Interrupted`."""
+    stop = StopSignals()
+    stop.install()
+    try:
+        return await run_async(config, stop=stop, **options)
+    except asyncio.CancelledError:
+        if stop.signum is None:
+            raise
+        raise Interrupted(stop.signum) from None
+    finally:
+        stop.uninstall()
