@@ -36,12 +36,11 @@ from producers.inference import prepare
 from producers.prompts import ProduceReport, PromptProducer
 from sinks.parquet import ParquetSink, SinkSettings, stored_prompt_ids
 from streams import budget
-from streams import events as ev
 from streams.halts import BudgetBoard, BudgetWatcher
 from streams.publisher import publish_events
 from streams.topics import Topics
 from tokenbudget import lifetime, metrics, sizes
-from tokenbudget.app import identity
+from tokenbudget.app import identity, precedence
 from tokenbudget.app.bootstrap import resolve_bootstrap
 from tokenbudget.app.interrupts import Interrupted, StopSignals
 from tokenbudget.app.progress import Display, ProgressMode, choose_mode, display
@@ -338,21 +337,21 @@ class ExtraDispatchers(SupervisedGroup):
         return refused
 
 
-async def publish_budgets(config: Config, bootstrap: str) -> None:
-    events = [
-        ev.BudgetSet(
-            dataset=dataset.name,
-            budget=dataset.budget,
-            unit=config.budget.unit,
-            set_at=time.time(),
-            set_by=f"config {config.source}",
-        )
-        for dataset in config.datasets
-    ]
-    await publish_events(
-        bootstrap, Topics(config.kafka.namespace).budgets, events, config.kafka.compression
-    )
-    metrics.EVENTS_PRODUCED.labels(topic="budgets").inc(len(events))
+async def publish_budgets(config: Config, bootstrap: str) -> list[precedence.BudgetChoice]:
+    """Put each dataset's budget in force for a job: the config's, unless a value set
+    with ``budget set`` holds (:mod:`tokenbudget.app.precedence`); say on stderr which
+    one a dataset runs with, and why, when a set value was involved."""
+    topics = Topics(config.kafka.namespace)
+    latest = await asyncio.to_thread(precedence.latest_budget_sets, bootstrap, topics)
+    chosen = precedence.choices(config, latest)
+    events = [precedence.config_budget_set(config, c) for c in chosen if c.source == "config"]
+    if events:
+        await publish_events(bootstrap, topics.budgets, events, config.kafka.compression)
+        metrics.EVENTS_PRODUCED.labels(topic="budgets").inc(len(events))
+    for choice in chosen:
+        if (line := choice.explain()) is not None:
+            print(f"tokenbudget: {line}", file=sys.stderr)
+    return chosen
 
 
 async def _group_lag(bootstrap: str) -> GroupLag:
