@@ -475,9 +475,10 @@ class Dispatcher:
         return self.report
 
     def hand_back(self) -> None:
-        """Make the next stop hand back instead of finishing: requests the server has
-        not answered are given up (their prompts stay uncommitted, for the group's
-        next dispatcher or a rerun), answers already in are published."""
+        """Stop, handing back rather than finishing: no prompt is started any more,
+        requests the server has not answered are given up (their prompts stay
+        uncommitted, for the group's next dispatcher or a rerun), answers already in
+        are published; then :meth:`run` commits and returns."""
         self._handing_back.set()
 
     def _stopping(self, stop: asyncio.Event) -> bool:
