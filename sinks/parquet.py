@@ -56,7 +56,7 @@ from streams.ledger import Outcome, outcome_change
 from streams.topics import Topics
 from tokenbudget import metrics, sizes
 from tokenbudget.config import Config
-from tokenbudget.errors import EventDecodeError
+from tokenbudget.errors import EventDecodeError, expected_kafka_error
 from tokenbudget.kafka import (
     consumer_options,
     kafka_python_producer_options,
@@ -909,8 +909,10 @@ class ParquetSink:
                 # A rebalance, or the broker out of reach (restarting): the files are
                 # durable; the rows after the last commit will be read again (here or
                 # by the partition's next owner) and dropped by prompt_id, so skipping
-                # this commit loses and duplicates nothing.
-                log.warning("sink: offsets not committed (%s); they will be re-read", exc)
+                # this commit loses and duplicates nothing. A rebalance is expected
+                # (a rerun's members coming back): not worth a warning.
+                level = logging.DEBUG if expected_kafka_error(exc) else logging.WARNING
+                log.log(level, "sink: offsets not committed (%s); they will be re-read", exc)
         self._last_flush = time.monotonic()
 
     def caught_up(self) -> bool:

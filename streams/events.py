@@ -303,13 +303,17 @@ class CompletionEvent(_Event, tag="completion", frozen=True):
 
 
 class BudgetSet(_Event, tag="budget_set", frozen=True):
-    """A user (or ``run`` from its config) sets a dataset's budget."""
+    """A user (or ``run`` from its config) sets a dataset's budget. ``config_budget``:
+    the config's own value for the dataset when it was set (its budget, from a config),
+    which decides whether a value set by hand still holds at the next job
+    (:mod:`tokenbudget.app.budgets`); None from older writers."""
 
     dataset: str
     budget: int
     unit: BudgetUnit = "completion_tokens"
     set_at: float = 0.0
     set_by: str = ""
+    config_budget: int | None = None
 
 
 class BudgetExceeded(_LedgerEvent, tag="budget_exceeded", frozen=True):

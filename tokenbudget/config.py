@@ -157,6 +157,8 @@ class MetricsConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=T
     # run serves /metrics here (the next free block when taken), its ledger on port + 1
     # and extra dispatchers after it; 0: no metrics endpoint
     port: int = 9464
+    # run's output when it is not a terminal: a line per dataset this often; 0: none
+    progress_interval_s: float = 60.0
 
 
 class DatasetConfig(_Sampling, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -695,6 +697,8 @@ def _check_ranges(raw: _RawConfig, source: str) -> None:
         raise ConfigError("inference.pause_after_failures", "must be >= 1", source=source)
     if raw.inference.health_interval_s <= 0:
         raise ConfigError("inference.health_interval_s", "must be > 0", source=source)
+    if raw.metrics.progress_interval_s < 0:
+        raise ConfigError("metrics.progress_interval_s", "must be >= 0 (0: none)", source=source)
     if raw.inference.outage_timeout_s < 0:
         raise ConfigError(
             "inference.outage_timeout_s", "must be >= 0 (0: wait for ever)", source=source

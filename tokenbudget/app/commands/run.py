@@ -9,6 +9,7 @@ import sys
 from streams.topics import Topics
 from tokenbudget import config as config_module
 from tokenbudget.app import runner
+from tokenbudget.app.interrupts import Interrupted
 from tokenbudget.app.report import print_table
 
 EXIT_PROMPTS_FAILED = 3  # the job ended, but some prompts failed for good
@@ -37,13 +38,16 @@ def add_resume_changed(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     config = config_module.load(args.config)
-    report = runner.run(
-        config,
-        progress=False if args.json else None,
-        dispatchers=args.dispatchers,
-        ledgers=args.ledgers,
-        resume_changed=args.resume_changed,
-    )
+    try:
+        report = runner.run(
+            config,
+            progress="lines" if args.json else None,  # stdout is the JSON's
+            dispatchers=args.dispatchers,
+            ledgers=args.ledgers,
+            resume_changed=args.resume_changed,
+        )
+    except Interrupted as stopped:  # it said so when the signal came
+        return stopped.exit_code
     if args.json:
         print(json.dumps(report.to_json(), indent=2))
     else:
