@@ -66,7 +66,7 @@ def test_chat_rows_and_exports_hold_the_reasoning_the_server_sent(
     think, off, cut = (f"{kind}-{style}" for kind in ("think", "off", "cut"))
     for name in (think, off, cut):
         write(tmp_path, name, 5)
-    datasets = [
+    datasets: list[dict[str, Any]] = [
         {"name": think, "path": f"{think}.jsonl", "budget": "1M", "reasoning": "save",
          "max_new_tokens": 4000},  # room to think and answer
         {"name": off, "path": f"{off}.jsonl", "budget": "1M", "reasoning": "disable"},
@@ -209,7 +209,9 @@ def test_generate_with_a_local_template_keeps_the_thinking_markers_in_the_ids(
         # /generate reports no split: the thinking is in the text and ids, as generated
         assert row["reasoning"] is None and row["reasoning_tokens"] is None
         assert crc(row["text"]) == record.content_crc
-        if 0 < record.reasoning_tokens < row["completion_tokens"]:  # thought, then answered
+        thinking = record.reasoning_tokens
+        assert thinking is not None  # a thinking server always says
+        if 0 < thinking < row["completion_tokens"]:  # thought, then answered
             assert row["output_ids"].count(closes) == 1
         assert row["unfinished"] is cut_while_thinking(record), row
     raw = [r for r in rows if r["dataset"] == "raw"]

@@ -15,6 +15,7 @@ from producers.dispatcher import cut_answer
 from producers.inference import GenerationResult
 from producers.reasoning import ReasoningRows, unfinished
 from streams import events as ev
+from tokenbudget.config import ReasoningMode
 
 
 def answer(tokens: int = 10, text: str = "", **fields: Any) -> GenerationResult:
@@ -64,7 +65,7 @@ def test_an_answer_cut_at_the_budgets_line_is_judged_by_what_it_kept() -> None:
     assert (kept.completion_tokens, kept.reasoning_tokens, kept.output_ids) == (
         8,
         8,
-        whole.output_ids[:8],
+        list(range(8)),
     )
     assert kept.text == "" and kept.reasoning is None
     assert unfinished(kept, whole, "budget", raw_thinks=False, end_marker="</think>")
@@ -86,8 +87,8 @@ def test_an_answer_cut_at_the_budgets_line_is_judged_by_what_it_kept() -> None:
 def test_save_warns_once_per_dataset_when_the_chat_server_splits_nothing(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    modes = {"saved": "save", "unset": None}
-    rows = ReasoningRows(modes, "</think>", "openai-chat", "http://gpu:8000")  # type: ignore[arg-type]
+    modes: dict[str, ReasoningMode | None] = {"saved": "save", "unset": None}
+    rows = ReasoningRows(modes, "</think>", "openai-chat", "http://gpu:8000")
     bare = answer(text="<think> hmm </think> 42")
     with caplog.at_level(logging.WARNING, logger="producers.reasoning"):
         for dataset in ("saved", "saved", "unset"):
@@ -97,7 +98,7 @@ def test_save_warns_once_per_dataset_when_the_chat_server_splits_nothing(
     assert 'dataset saved has reasoning = "save"' in record.getMessage()
     assert "http://gpu:8000" in record.getMessage() and "--reasoning-parser" in record.getMessage()
     # raw APIs hold the thinking inline by design: nothing to warn about
-    raw = ReasoningRows(modes, "</think>", "sglang", "http://gpu:30000")  # type: ignore[arg-type]
+    raw = ReasoningRows(modes, "</think>", "sglang", "http://gpu:30000")
     with caplog.at_level(logging.WARNING, logger="producers.reasoning"):
         raw.unfinished("saved", bare, bare, "stop")
     assert len(caplog.records) == 1
