@@ -285,6 +285,7 @@ class Dispatcher:
         self.tracker = OffsetTracker()
         self.report = DispatchReport()
         self.keep_log = keep_log
+        self.reasoning = ReasoningRows.for_config(config)
         inference = config.inference
         self.retry = RetryPolicy(inference.retries, inference.backoff_s, inference.backoff_max_s)
         self.timeouts = Timeouts(inference.connect_timeout_s, inference.read_timeout_s)
@@ -312,7 +313,6 @@ class Dispatcher:
         self.outcomes = OutcomeView(bootstrap, self.topics)
         self._reported_problems: set[str] = set()
         self.refused_at: dict[str, float] = {}  # first refusal per dataset, this process
-        self.reasoning = ReasoningRows.for_config(config)
 
     @property
     def group_id(self) -> str:
