@@ -112,11 +112,11 @@ class ReasoningRows:
             return
         self.warned.add(dataset)
         log.warning(
-            'dataset %s has reasoning = "save", but the inference server at %s sent no '
-            "reasoning field (message.reasoning_content or message.reasoning): its rows "
-            "hold the thinking, if any, inside the answer's text. Start SGLang or vLLM "
-            "with --reasoning-parser NAME (the model's parser, e.g. qwen3, deepseek_r1, "
-            "kimi_k2) to have it split off",
+            'dataset %s has reasoning = "save", but an answer from the inference server '
+            "at %s came with no reasoning field (message.reasoning_content or "
+            "message.reasoning; said once per dataset): a server started without "
+            "--reasoning-parser NAME (the model's parser, e.g. qwen3, deepseek-r1, "
+            "kimi_k2) leaves the thinking inside the answer's text",
             dataset,
             self.url,
         )
