@@ -45,6 +45,7 @@ from producers.inference import (
     http_client,
 )
 from producers.offsets import OffsetTracker
+from producers.reasoning import ReasoningRows
 from producers.resume import OutcomeView
 from producers.server_gate import GateSettings, ServerGate
 from streams import budget
@@ -294,6 +295,7 @@ class Dispatcher:
         self.tracker = OffsetTracker()
         self.report = DispatchReport()
         self.keep_log = keep_log
+        self.reasoning = ReasoningRows.for_config(config)
         inference = config.inference
         self.retry = RetryPolicy(inference.retries, inference.backoff_s, inference.backoff_max_s)
         self.timeouts = Timeouts(inference.connect_timeout_s, inference.read_timeout_s)
@@ -855,8 +857,9 @@ class Dispatcher:
         if result.first_token_at is not None:
             metrics.TIME_TO_FIRST_TOKEN.observe(max(0.0, result.first_token_at - sent_at))
         stop_reason = finish_label(result, fitted.answer, request.max_new_tokens, max_new)
+        unfinished = self.reasoning.unfinished(prompt.dataset, result, fitted.answer, stop_reason)
         completion = self._completion(
-            prompt, request, result, ticket, attempts, sent_at, finished_at, stop_reason
+            prompt, request, result, ticket, attempts, sent_at, finished_at, stop_reason, unfinished
         )
         if ticket is not None:
             # Spent from here on, before any await: a revocation arriving while
@@ -869,6 +872,7 @@ class Dispatcher:
                 tickets.published(ticket)
         metrics.EVENTS_PRODUCED.labels(topic="completions").inc()
         metrics.COMPLETIONS.labels(dataset=prompt.dataset, finish_reason=stop_reason).inc()
+        self.reasoning.count(completion)
         self.report.completed += 1
 
     async def _generate(
@@ -1002,6 +1006,7 @@ class Dispatcher:
         sent_at: float,
         finished_at: float,
         stop_reason: ev.StopReason,
+        unfinished: bool,
     ) -> ev.CompletionEvent:
         return ev.CompletionEvent(
             request_id=request.rid,
@@ -1034,6 +1039,9 @@ class Dispatcher:
             input_columns=prompt.input_columns,
             sample_index=prompt.sample_index,
             stop_reason=stop_reason,
+            reasoning=result.reasoning,
+            reasoning_tokens=result.reasoning_tokens,
+            unfinished=unfinished,
         )
 
     async def _publish(self, topic: str, dataset: str, event: ev.Event) -> None:
@@ -1122,12 +1130,18 @@ def within_request(
 
 
 def cut_answer(result: GenerationResult, keep: int) -> GenerationResult:
-    """The first ``keep`` tokens of an answer, as a server stopping there would give."""
+    """The first ``keep`` tokens of an answer, as a server stopping there would give.
+    With ids, the ids are the answer: they hold the thinking and the answer as
+    generated, so neither text is kept (the thinking comes first: at most ``keep``
+    of it is)."""
+    thinking = result.reasoning_tokens
     return dataclasses.replace(
         result,
         completion_tokens=keep,
         output_ids=None if result.output_ids is None else result.output_ids[:keep],
         text="" if result.output_ids else result.text,
+        reasoning=None if result.output_ids else result.reasoning,
+        reasoning_tokens=None if thinking is None else min(thinking, keep),
         finish_reason="length",
     )
 

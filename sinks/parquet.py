@@ -90,8 +90,8 @@ SAMPLING_TYPE = pa.struct(
 # lean records the sink decodes and the table builder both derive from it, and
 # ``_check_columns`` ties it to the event at import, so a field added to the event
 # without a column here fails every test. Columns after ``text`` came with
-# completion v3, ``stop_reason`` with v4; older files lack them and
-# :func:`read_rows` fills them with nulls.
+# completion v3, ``stop_reason`` with v4, the last three with v5; older files lack
+# them and :func:`read_rows` fills them with nulls.
 COLUMNS: tuple[tuple[str, pa.DataType], ...] = (
     ("request_id", pa.string()),
     ("prompt_id", pa.string()),
@@ -116,6 +116,9 @@ COLUMNS: tuple[tuple[str, pa.DataType], ...] = (
     ("input_columns", pa.string()),  # the row's keep_columns, as a JSON object
     ("sample_index", pa.int32()),
     ("stop_reason", pa.string()),  # "stop" | "length" | "budget" | "abort"
+    ("reasoning", pa.string()),  # the thinking the server split off ``text``
+    ("reasoning_tokens", pa.int64()),  # of completion_tokens, as the server reported
+    ("unfinished", pa.bool_()),  # cut while still thinking: no answer
 )
 # Event fields that are not row columns: how the ledger accounted for the answer.
 NOT_COLUMNS = frozenset({"type", "v", "lease_id", "cost"})

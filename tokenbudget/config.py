@@ -39,6 +39,13 @@ Unit = Literal["completion_tokens", "total_tokens", "samples"]
 BoundaryPolicy = Literal["truncate", "finish"]
 AdmissionMode = Literal["reserve", "halt"]
 DatasetFormat = Literal["auto", "prompt", "openai", "sharegpt", "hf"]
+# A thinking model's reasoning, per dataset: "save" keeps it (and says so when the
+# server sends none), "disable" asks the chat template for none; unset: as the server does.
+ReasoningMode = Literal["save", "disable"]
+# What "disable" puts in chat_template_kwargs: Qwen3's and GLM's templates read
+# enable_thinking, DeepSeek V3.1's and Kimi K2.5's (and vLLM's parsers for them)
+# thinking; a template ignores the key it does not read.
+NO_THINKING = {"enable_thinking": False, "thinking": False}
 
 ENV_PREFIX = "TOKENBUDGET__"
 
@@ -122,6 +129,9 @@ class InferenceConfig(_Sampling, frozen=True, forbid_unknown_fields=True, kw_onl
     tokenizer: str = ""  # local tokenizer folder: chat templates, counts the server omits
     check_server: bool = True  # /health or /v1/models (and the model) before a run
     n: int = 1  # answers per prompt: each its own request, budgeted and counted alone
+    # Ends a thinking block in the model's raw output: rows of raw text or ids (no
+    # reasoning field) of a reasoning = "save" dataset are unfinished without it.
+    reasoning_end: str = "</think>"
 
 
 class BudgetConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -180,6 +190,7 @@ class DatasetConfig(_Sampling, frozen=True, forbid_unknown_fields=True, kw_only=
     split: str = ""  # format "hf": the split of a saved DatasetDict
     n: int | None = None  # answers per prompt ([inference] n when unset)
     keep_columns: list[str] = []  # input columns copied into every output row
+    reasoning: ReasoningMode | None = None
 
 
 class _RawConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -209,13 +220,16 @@ class Dataset(msgspec.Struct, frozen=True, kw_only=True):
     n: int = 1  # answers per prompt
     keep_columns: tuple[str, ...] = ()
     columns: Columns = DEFAULT_COLUMNS  # where the rows hold the prompt
+    reasoning: ReasoningMode | None = None  # see ReasoningMode
 
 
 SAMPLING_KEYS = _Sampling.__struct_fields__
 
 
 def _sampling(inference: InferenceConfig, dataset: DatasetConfig) -> dict[str, Any]:
-    """The dataset's own settings over [inference]'s; unset ones left out."""
+    """The dataset's own settings over [inference]'s; unset ones left out. With
+    ``reasoning = "disable"``, :data:`NO_THINKING` over [inference]'s template
+    switches, unless the dataset sets its own (a template that reads another key)."""
     merged = {}
     for key in SAMPLING_KEYS:
         value = getattr(dataset, key)
@@ -223,6 +237,8 @@ def _sampling(inference: InferenceConfig, dataset: DatasetConfig) -> dict[str, A
             value = getattr(inference, key)
         if value is not None:
             merged[key] = value
+    if dataset.reasoning == "disable" and dataset.chat_template_kwargs is None:
+        merged["chat_template_kwargs"] = {**merged.get("chat_template_kwargs", {}), **NO_THINKING}
     return merged
 
 
@@ -429,6 +445,7 @@ def build(
                 n=d.n if d.n is not None else raw.inference.n,
                 keep_columns=tuple(d.keep_columns),
                 columns=_columns(d, key, source),
+                reasoning=d.reasoning,
             )
         )
         _check_dataset(raw, d, key, source)
@@ -599,6 +616,8 @@ def _check_dataset(raw: _RawConfig, d: DatasetConfig, key: str, source: str) -> 
         raise ConfigError(
             f"{key}.split", "only a Hugging Face dataset (format 'hf') has splits", source=source
         )
+    if d.reasoning == "disable":
+        _check_disable(raw, d, key, source)
     # "auto" and "hf" rows say whether they are chat only when read: run and produce
     # check those before anything starts (producers.datasets.check_datasets).
     if raw.inference.api in RAW_TEXT_APIS and not d.template:
@@ -608,6 +627,30 @@ def _check_dataset(raw: _RawConfig, d: DatasetConfig, key: str, source: str) -> 
         if d.messages_field:
             found = f"messages_field {d.messages_field!r}"
             raise untemplated_chat(key, d.name, raw.inference.api, found, source)
+
+
+def _check_disable(raw: _RawConfig, d: DatasetConfig, key: str, source: str) -> None:
+    """``reasoning = "disable"`` works through the chat template: a request with no
+    template to read it, or a dataset whose own template switches turn thinking on,
+    would think anyway."""
+    if raw.inference.api in RAW_TEXT_APIS and not d.template:
+        raise ConfigError(
+            f"{key}.reasoning",
+            f"'disable' is read by the chat template, but api {raw.inference.api!r} sends "
+            "this dataset's prompts as raw text without one: set template = true (with "
+            '[inference] tokenizer), use [inference] api = "openai-chat", or write the '
+            "prompts with thinking off",
+            source=source,
+        )
+    own = d.chat_template_kwargs or {}
+    for switch in ("enable_thinking", "thinking"):
+        if own.get(switch):
+            raise ConfigError(
+                f"{key}.reasoning",
+                f"'disable', but the dataset's chat_template_kwargs set {switch} = true: "
+                "drop one of them",
+                source=source,
+            )
 
 
 def _columns(d: DatasetConfig, key: str, source: str) -> Columns:

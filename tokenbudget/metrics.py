@@ -124,6 +124,22 @@ COMPLETIONS = Counter(
     "Completions published, by dataset and finish reason (budget: cut at the budget)",
     ["dataset", "finish_reason"],
 )
+#: counter: completion tokens of the published answers, by ``part``: ``reasoning``
+#: (a thinking model's thinking, as the server reported it in
+#: ``completion_tokens_details.reasoning_tokens``), ``answer`` (the rest), ``unsplit``
+#: (answers whose server reported no split); the three add up to the tokens kept
+COMPLETION_TOKEN_PARTS = Counter(
+    "tokenbudget_completion_token_parts_total",
+    "Completion tokens published, by dataset and part (reasoning, answer, unsplit)",
+    ["dataset", "part"],
+)
+#: counter: answers published unfinished: cut (length or budget) while the model was
+#: still thinking, so they hold no answer; they count against the budget all the same
+UNFINISHED_ANSWERS = Counter(
+    "tokenbudget_unfinished_answers_total",
+    "Answers cut before they began (still thinking), per dataset",
+    ["dataset"],
+)
 #: counter: tokens the server generated that are not kept: ``aborted`` (requests
 #: aborted when a budget was reached or lowered), ``cut`` (an answer longer than its
 #: request, cut at the dispatcher), ``refused`` (an answer on an expired lease the
