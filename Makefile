@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help venv jars broker-up broker-down lint rules test demo bench clean jars-lock
+.PHONY: help venv jars broker-up broker-down lint rules test test-fast demo bench clean jars-lock
 
 help: ## list the targets
 	@echo "usage: make TARGET"
@@ -49,6 +49,9 @@ rules: ## promtool check and unit-test the alert rules (needs the prometheus pac
 
 test: venv jars ## run the tests (integration tests start their own brokers)
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+test-fast: venv ## the unit tests only (no broker, no JVM): the edit loop
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not integration" $(PYTEST_ARGS)
 
 demo: venv jars ## eight datasets against the simulator, on the local broker
 	$(BIN)/tokenbudget demo

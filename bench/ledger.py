@@ -3,6 +3,7 @@
     .venv/bin/python bench/ledger.py [--events 100000] [--datasets 8] [--output-tokens 0]
     .venv/bin/python bench/ledger.py --cluster --workers 1,2,4
     .venv/bin/python bench/ledger.py --without none,fast_delivery,changelog_batches,all
+    .venv/bin/python bench/ledger.py --compression zstd,none
 
 ``--cluster`` runs on a three-node KRaft cluster (tokenbudget.dev.cluster: replication 3,
 min.insync.replicas 2) instead of the local broker; ``--workers`` lists the worker
@@ -24,6 +25,10 @@ real answers) for its memory.
 the same run: each variant names the cuts turned off, joined by ``+`` (``none``:
 every cut on; ``all``: stock Faust's hot path). The worker then runs from this
 script (``--serve-ledger``) instead of ``tokenbudget ledger``.
+
+``--compression`` measures the ledger with each codec in turn (``[kafka]
+compression``: the backlog is produced with it, and the worker compresses its
+changelogs and snapshots with it), the first being the baseline.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import dataclasses
 import subprocess
 import sys
 import time
+import typing
 import uuid
 from pathlib import Path
 from tempfile import TemporaryDirectory
@@ -44,7 +50,7 @@ from streams import events as ev
 from streams.faust_adapt import HotPath
 from streams.halts import BudgetWatcher
 from streams.topics import Topics
-from tokenbudget import kafka_admin, lifetime
+from tokenbudget import kafka_admin, lifetime, sizes
 from tokenbudget.app.commands import ledger as ledger_command
 from tokenbudget.app.runner import start_ledger_process, stop_process
 from tokenbudget.dev.cluster import LocalCluster
@@ -67,16 +73,25 @@ def serve_ledger(bootstrap: str, namespace: str, variant: str) -> None:
     ledger_command.serve(bootstrap, namespace, SNAPSHOT_INTERVAL_S, hot_path(variant))
 
 
-def start_ledger(bootstrap: str, namespace: str, variant: str | None) -> subprocess.Popen[bytes]:
+def start_ledger(
+    bootstrap: str, namespace: str, variant: str | None, compression: sizes.Compression
+) -> subprocess.Popen[bytes]:
     if variant is None:
-        return start_ledger_process(bootstrap, namespace, SNAPSHOT_INTERVAL_S)
+        return start_ledger_process(
+            bootstrap, namespace, SNAPSHOT_INTERVAL_S, compression=compression
+        )
     command = [sys.executable, __file__, "--serve-ledger", namespace, "--bootstrap", bootstrap]
     return lifetime.spawn([*command, "--variant", variant], env=subprocess_env(bootstrap))
 
 
-def produce(bootstrap: str, topics: Topics, events: int, datasets: int, output_tokens: int) -> None:
+def produce(
+    bootstrap: str, topics: Topics, args: argparse.Namespace, compression: sizes.Compression
+) -> None:
+    events, datasets, output_tokens = args.events, args.datasets, args.output_tokens
     producer = KafkaProducer(
-        **kafka_python_producer_options(bootstrap), linger_ms=20, batch_size=256 * 1024
+        **kafka_python_producer_options(bootstrap, compression),
+        linger_ms=20,
+        batch_size=256 * 1024,
     )
     names = [f"d{i}" for i in range(datasets)]
     for name in names:
@@ -131,14 +146,23 @@ def peak_rss_kb(pid: int) -> int:
 
 
 def measure(
-    bootstrap: str, workers: int, args: argparse.Namespace, variant: str | None = None
+    bootstrap: str,
+    workers: int,
+    args: argparse.Namespace,
+    variant: str | None = None,
+    compression: sizes.Compression = sizes.DEFAULT_COMPRESSION,
 ) -> float:
     topics = Topics(f"bench-ledger-{workers}w-{uuid.uuid4().hex[:6]}")
     kafka_admin.ensure_topics(bootstrap, topics.specs())
     t0 = time.monotonic()
-    produce(bootstrap, topics, args.events, args.datasets, args.output_tokens)
-    print(f"produced {args.events:,} completion events in {time.monotonic() - t0:.1f} s")
-    ledgers = [start_ledger(bootstrap, topics.namespace, variant) for _ in range(workers)]
+    produce(bootstrap, topics, args, compression)
+    print(
+        f"produced {args.events:,} completion events in {time.monotonic() - t0:.1f} s"
+        f" (compression {compression})"
+    )
+    ledgers = [
+        start_ledger(bootstrap, topics.namespace, variant, compression) for _ in range(workers)
+    ]
     try:
         start, end, processed = asyncio.run(watch(bootstrap, topics, args.events, args.datasets))
         peak_rss_mb = max(peak_rss_kb(ledger.pid) for ledger in ledgers) / 1024
@@ -173,6 +197,11 @@ def main() -> None:
         default="",
         help=f"variants of cuts turned off, e.g. none,fast_delivery,all (cuts: {ALL_CUTS})",
     )
+    parser.add_argument(
+        "--compression",
+        default="",
+        help="codecs to compare, e.g. zstd,none (choices: zstd, lz4, gzip, none)",
+    )
     parser.add_argument("--bootstrap", default="", help="a running broker (default: local)")
     parser.add_argument("--serve-ledger", default="", help=argparse.SUPPRESS)
     parser.add_argument("--variant", default="none", help=argparse.SUPPRESS)
@@ -182,6 +211,9 @@ def main() -> None:
         return
     if args.without:
         compare_variants(args)
+        return
+    if args.compression:
+        compare_compression(args)
         return
     counts = [int(n) for n in args.workers.split(",")]
     with TemporaryDirectory(prefix="bench-cluster-") as home:
@@ -216,6 +248,24 @@ def compare_variants(args: argparse.Namespace) -> None:
         print(
             f"without {variant}: {rate:,.0f} events/s = {rate / baseline:.2f}x"
             f" the {variants[0]} variant"
+        )
+
+
+def compare_compression(args: argparse.Namespace) -> None:
+    """One worker per ``--compression`` codec, in order, on the local (or given) broker."""
+    codecs = args.compression.split(",")
+    for codec in codecs:
+        if codec not in typing.get_args(sizes.Compression):
+            raise SystemExit(f"--compression: unknown codec {codec!r}")
+    bootstrap = args.bootstrap or broker.up(broker.BrokerSettings.from_env(), [])
+    # A codec may be listed again (zstd,none,zstd,none): the runs alternate, so load
+    # from elsewhere on the box falls on both.
+    rates = [(codec, measure(bootstrap, 1, args, compression=codec)) for codec in codecs]  # type: ignore[arg-type]
+    baseline = rates[0][1]
+    for codec, rate in rates:
+        print(
+            f"compression {codec}: {rate:,.0f} events/s = {rate / baseline:.2f}x"
+            f" the first ({codecs[0]}) run"
         )
 
 

@@ -26,8 +26,10 @@ two prompts), plus the turn for ``turns = "all"``. The same file therefore yield
 the same ids on every run, in any order (``order``, ``shuffle_seed``:
 :mod:`producers.order`), which is what lets a resumed run recognise work already done.
 
-Bad rows raise :class:`DatasetError` naming file and line; :func:`read_prompts`
-either skips them (reporting each through ``on_bad_row``) or stops, per config.
+Bad rows raise :class:`DatasetError` naming file and line, with an excerpt of the
+row for its dead letter; :func:`read_prompts` either skips them (reporting each
+through ``on_bad_row``) or stops, per config. A prompt over ``max_prompt_bytes`` of
+UTF-8 (or ``max_prompt_tokens`` once templated) is a bad row too.
 Before a job starts, :func:`check_datasets` reads the first rows of every dataset
 and stops with the config key to fix when a dataset cannot work at all.
 """
@@ -51,6 +53,7 @@ from msgspec.structs import replace as msgspec_replace
 from producers.order import prompt_length, stratified
 from producers.tokenizers import load_tokenizer
 from streams.events import ChatMessage
+from tokenbudget import sizes
 from tokenbudget.columns import (
     CONFLICTING_FORMATS,
     DEFAULT_COLUMNS,
@@ -312,7 +315,13 @@ class JsonlReader(DatasetReader):
                 except (json.JSONDecodeError, UnicodeDecodeError) as exc:
                     yield (
                         number,
-                        DatasetError(str(self.path), f"not valid JSON: {exc}", line=number),
+                        DatasetError(
+                            str(self.path),
+                            f"not valid JSON: {exc}",
+                            line=number,
+                            excerpt=sizes.excerpt(raw.decode("utf-8", "replace").rstrip("\n")),
+                            size=len(raw),
+                        ),
                     )
 
 
@@ -426,6 +435,14 @@ def _content_identity(text: str | None, messages: tuple[ChatMessage, ...] | None
     return "content:" + hashlib.blake2b(content.encode(), digest_size=16).hexdigest()
 
 
+def _with_excerpt(exc: DatasetError, row: Any) -> DatasetError:
+    """``exc`` with an excerpt of ``row`` for its dead letter, unless it has one."""
+    if not exc.excerpt and not isinstance(row, DatasetError):
+        whole = json.dumps(row, ensure_ascii=False, default=str)
+        exc.excerpt, exc.size = sizes.excerpt(whole), len(whole.encode())
+    return exc
+
+
 def _in_file_order(
     dataset: str,
     reader: DatasetReader,
@@ -449,7 +466,7 @@ def _in_file_order(
         except DatasetError as exc:
             if on_bad_row is None:
                 raise
-            on_bad_row(exc)
+            on_bad_row(_with_excerpt(exc, row))
             continue
         identity = f"id:{row_id}" if row_id is not None else _content_identity(text, messages)
         seen = occurrences.get(identity, 0)
@@ -458,7 +475,7 @@ def _in_file_order(
             duplicate = DatasetError(name, f"duplicate id {row_id!r}", line=line)
             if on_bad_row is None:
                 raise duplicate
-            on_bad_row(duplicate)
+            on_bad_row(_with_excerpt(duplicate, row))
             continue
         if seen:
             identity = f"{identity}#{seen}"
@@ -477,10 +494,48 @@ def _in_file_order(
             )
 
 
+def prompt_text(row: PromptRow) -> str:
+    """The prompt's text, or its messages' contents joined: what its size is of."""
+    if row.text is not None:
+        return row.text
+    return "\n".join(m.content for m in row.messages or ())
+
+
+def row_error(row: PromptRow, message: str) -> DatasetError:
+    """A bad row found after parsing (``row.source`` is ``path:line``), with an
+    excerpt of its prompt."""
+    path, _, line = row.source.rpartition(":")
+    text = prompt_text(row)
+    return DatasetError(
+        path, message, line=int(line), excerpt=sizes.excerpt(text), size=len(text.encode())
+    )
+
+
+def _within_bytes(
+    rows: Iterator[PromptRow], limit: int, on_bad_row: Callable[[DatasetError], None] | None
+) -> Iterator[PromptRow]:
+    for row in rows:
+        size = len(prompt_text(row).encode())
+        if size <= limit:
+            yield row
+            continue
+        # Beyond any model's context window, and too large to carry through Kafka
+        # with its answer: the server would refuse it after the wait for a slot.
+        exc = row_error(
+            row,
+            f"the prompt is {size:,} bytes of UTF-8, over [producer] max_prompt_bytes = "
+            f"{limit:,}; shorten the row or drop it",
+        )
+        if on_bad_row is None:
+            raise exc
+        on_bad_row(exc)
+
+
 def _with_template(
     rows: Iterator[PromptRow],
     template: Template,
     on_bad_row: Callable[[DatasetError], None] | None,
+    max_tokens: int | None = None,
 ) -> Iterator[PromptRow]:
     for row in rows:
         messages = row.messages or (ChatMessage(role="user", content=row.text or ""),)
@@ -490,13 +545,15 @@ def _with_template(
             except DatasetError:
                 raise
             except Exception as exc:  # jinja errors, role rules raised by the template
-                path, _, line = row.source.rpartition(":")
-                raise DatasetError(
-                    path, f"the chat template failed: {exc}", line=int(line)
-                ) from exc
+                raise row_error(row, f"the chat template failed: {exc}") from exc
             if not ids:
-                path, _, line = row.source.rpartition(":")
-                raise DatasetError(path, "the chat template gave no tokens", line=int(line))
+                raise row_error(row, "the chat template gave no tokens")
+            if max_tokens and len(ids) > max_tokens:
+                raise row_error(
+                    row,
+                    f"the templated prompt is {len(ids):,} tokens, over [producer] "
+                    f"max_prompt_tokens = {max_tokens:,}; shorten the row or drop it",
+                )
         except DatasetError as exc:
             if on_bad_row is None:
                 raise
@@ -521,6 +578,8 @@ def read_prompts(
     keep_columns: Sequence[str] = (),
     samples: int = 1,
     columns: Columns = DEFAULT_COLUMNS,
+    max_prompt_bytes: int | None = None,
+    max_prompt_tokens: int | None = None,
 ) -> Iterator[PromptRow]:
     """Yield the dataset's prompts in ``order`` (:mod:`producers.order`): the file's,
     shuffled, or stratified by ``stratify_by``, both seeded by ``shuffle_seed`` (0
@@ -533,6 +592,8 @@ def read_prompts(
     ``keep_columns`` are copied from each row; ``samples`` (the dataset's ``n``)
     repeats each prompt as that many prompts of their own (:func:`with_samples`).
     ``columns`` says where the rows hold the prompt and the id.
+    A prompt over ``max_prompt_bytes`` of UTF-8, or over ``max_prompt_tokens``
+    once templated, is a bad row (None: no limit).
     """
     reader = reader_for(path, format, split)
     order = resolve_order(order, shuffle_seed)
@@ -540,6 +601,8 @@ def read_prompts(
     rows: Iterator[PromptRow] = _in_file_order(
         dataset, reader, format, turns, on_bad_row, keep_columns, columns, by_field
     )
+    if max_prompt_bytes is not None:
+        rows = _within_bytes(rows, max_prompt_bytes, on_bad_row)
     # Ids are fixed in file order first, so the order never changes an id.
     if order == "shuffled":
         everything = list(rows)
@@ -549,7 +612,7 @@ def read_prompts(
         key = _field_stratum if by_field else _length_stratum
         rows = iter(stratified(list(rows), key, shuffle_seed or 0))
     if template is not None:
-        rows = _with_template(rows, template, on_bad_row)
+        rows = _with_template(rows, template, on_bad_row, max_prompt_tokens)
     if limit is not None:
         rows = itertools.islice(rows, max(0, limit))
     return with_samples(dataset, rows, samples) if samples > 1 else rows
@@ -603,6 +666,8 @@ def read_options(config: Config, dataset: Dataset) -> dict[str, Any]:
         "keep_columns": dataset.keep_columns,
         "samples": dataset.n,
         "columns": dataset.columns,
+        "max_prompt_bytes": config.producer.max_prompt_bytes,
+        "max_prompt_tokens": config.producer.max_prompt_tokens or None,
     }
 
 

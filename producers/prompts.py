@@ -9,12 +9,19 @@ Every row still gets an outcome: when a halted dataset is finished, each row not
 sent is recorded as ``PromptSkipped`` (small events, no generation), so the ledger
 accounts for every prompt of the file exactly once, and a later run with a raised
 budget produces them again (only completed prompts are never produced twice).
+
+A row that is not a prompt (bad JSON, no prompt, a prompt over ``[producer]
+max_prompt_bytes``, or one whose event would not fit its share of a Kafka message)
+is a bad row: counted (:class:`ProduceReport`, ``tokenbudget_bad_rows_total``),
+dead-lettered with where it is and an excerpt, then skipped, or, with ``on_bad_row
+= "fail"``, it stops the producer with one line naming dataset, file:line and fix.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -23,11 +30,11 @@ from dataclasses import dataclass, field
 from aiokafka import AIOKafkaProducer
 
 from producers import resume
-from producers.datasets import PromptRow, read_options, read_prompts
+from producers.datasets import PromptRow, read_options, read_prompts, row_error
 from streams import events as ev
 from streams.halts import BudgetBoard
 from streams.topics import Topics
-from tokenbudget import metrics
+from tokenbudget import metrics, sizes
 from tokenbudget.config import Config, Dataset
 from tokenbudget.errors import DatasetError
 from tokenbudget.kafka import aiokafka_producer_options
@@ -50,6 +57,17 @@ class ProduceReport:
     errors: list[str] = field(default_factory=list)
 
 
+# What a bad row's dead letter and error say to do about it.
+SKIPPED_FIX = (
+    'skipped ([producer] on_bad_row = "skip"): correct or remove the row and run '
+    "again to produce it"
+)
+FAIL_FIX = (
+    'fix: correct or remove the row, or set [producer] on_bad_row = "skip" to skip '
+    "bad rows (counted and dead-lettered)"
+)
+
+
 @dataclass
 class _Cursor:
     dataset: Dataset
@@ -57,6 +75,7 @@ class _Cursor:
     report: ProduceReport
     baseline_outcomes: int
     done: bool = False
+    letters: list[ev.DeadLetter] = field(default_factory=list)  # bad rows, to publish
 
 
 class PromptProducer:
@@ -92,19 +111,12 @@ class PromptProducer:
 
     def _open_cursor(self, dataset: Dataset) -> _Cursor:
         report = ProduceReport(dataset.name)
-
-        def bad_row(exc: DatasetError) -> None:
-            report.bad_rows += 1
-            if len(report.errors) < 20:
-                report.errors.append(str(exc))
-            log.warning("skipping bad row: %s", exc)
-
-        on_bad = bad_row if self.config.producer.on_bad_row == "skip" else None
+        letters: list[ev.DeadLetter] = []
         rows = resume.skip_done(
             read_prompts(
                 dataset.name,
                 dataset.path,
-                on_bad_row=on_bad,
+                on_bad_row=functools.partial(self._bad_row, dataset.name, report, letters),
                 limit=dataset.limit,
                 **read_options(self.config, dataset),
             ),
@@ -113,7 +125,30 @@ class PromptProducer:
             self._queued,
         )
         self.reports[dataset.name] = report
-        return _Cursor(dataset, rows, report, self._outcomes(dataset.name))
+        return _Cursor(dataset, rows, report, self._outcomes(dataset.name), letters=letters)
+
+    def _bad_row(
+        self, dataset: str, report: ProduceReport, letters: list[ev.DeadLetter], exc: DatasetError
+    ) -> None:
+        """Count a bad row and queue its dead letter (the produce loop sends it),
+        then skip it, or stop with the dataset and the fix named."""
+        fail = self.config.producer.on_bad_row == "fail"
+        report.bad_rows += 1
+        if len(report.errors) < 20:
+            report.errors.append(str(exc))
+        metrics.BAD_ROWS.labels(dataset=dataset).inc()
+        letters.append(ev.bad_row_letter(dataset, exc, FAIL_FIX if fail else SKIPPED_FIX))
+        if fail:
+            raise DatasetError(
+                exc.path, f"{exc.message} (dataset {dataset}); {FAIL_FIX}", line=exc.line
+            ) from exc
+        log.warning(
+            "dataset %s: skipping bad row %s: %s (dead-lettered to %s)",
+            dataset,
+            exc.where,
+            exc.message,
+            self.topics.dead_letter,
+        )
 
     def settled(self) -> bool:
         """Every dataset is either read to its end or halted by its budget. A halted
@@ -132,7 +167,8 @@ class PromptProducer:
         is recorded for the rows not read yet, so a restart carries on from there."""
         own_producer = self._producer is None
         producer = self._producer or AIOKafkaProducer(
-            **aiokafka_producer_options(self.bootstrap), linger_ms=5
+            **aiokafka_producer_options(self.bootstrap, self.config.kafka.compression),
+            linger_ms=5,
         )
         if own_producer:
             await producer.start()
@@ -184,15 +220,17 @@ class PromptProducer:
                 )
                 if outstanding >= window:
                     continue
-                row = next(cursor.rows, None)  # DatasetError propagates with file:line
+                try:  # a bad row with on_bad_row = "fail" raises, with file:line
+                    row = next(cursor.rows, None)
+                    value = None if row is None else self._encoded(cursor, row)
+                finally:
+                    await self._send_letters(producer, cursor)
                 if row is None:
                     await self._finish(producer, cursor, "end_of_data")
                     continue
-                await producer.send(
-                    self.topics.prompts,
-                    key=name.encode(),
-                    value=ev.encode(self._event(cursor.dataset, row)),
-                )
+                if value is None:
+                    continue
+                await producer.send(self.topics.prompts, key=name.encode(), value=value)
                 cursor.report.produced += 1
                 metrics.EVENTS_PRODUCED.labels(topic="prompts").inc()
                 progressed = True
@@ -200,6 +238,22 @@ class PromptProducer:
                 self.board.changed.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.board.changed.wait(), timeout=0.2)
+
+    def _encoded(self, cursor: _Cursor, row: PromptRow) -> bytes | None:
+        """The row's prompt event, or None for an event larger than a prompt's share
+        of a Kafka message (its template ids, or escapes, on top of the text): then
+        it is a bad row (its letter is sent with the next row's)."""
+        value = ev.encode(self._event(cursor.dataset, row))
+        if len(value) <= sizes.PROMPT_EVENT_BYTES:
+            return value
+        exc = row_error(
+            row,
+            f"its prompt event is {len(value):,} bytes (text and template ids), over the "
+            f"{sizes.PROMPT_EVENT_BYTES:,} a prompt may take of a Kafka message; shorten the "
+            "row or drop it",
+        )
+        self._bad_row(cursor.dataset.name, cursor.report, cursor.letters, exc)
+        return None
 
     def _event(self, dataset: Dataset, row: PromptRow) -> ev.PromptEvent:
         return ev.PromptEvent(
@@ -247,8 +301,26 @@ class PromptProducer:
                 cursor.report.already_done,
             )
 
+    async def _send_letters(self, producer: AIOKafkaProducer, cursor: _Cursor) -> None:
+        """Publish the dead letters of the bad rows read since the last call, and wait
+        until Kafka has them (a failing run stops right after)."""
+        if not cursor.letters:
+            return
+        letters, cursor.letters[:] = list(cursor.letters), []
+        key = cursor.dataset.name.encode()
+        for letter in letters:
+            await producer.send(self.topics.dead_letter, key=key, value=ev.encode(letter))
+        await producer.flush()
+        metrics.EVENTS_PRODUCED.labels(topic="deadletter").inc(len(letters))
+
     async def _skip_rest(self, producer: AIOKafkaProducer, cursor: _Cursor) -> None:
         """Record each row not sent as skipped (the budget is reached)."""
+        try:
+            await self._skip_rows(producer, cursor)
+        finally:
+            await self._send_letters(producer, cursor)
+
+    async def _skip_rows(self, producer: AIOKafkaProducer, cursor: _Cursor) -> None:
         name = cursor.dataset.name
         for row in cursor.rows:  # bad rows are reported (or raise) as while producing
             skipped = ev.PromptSkipped(

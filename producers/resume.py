@@ -29,7 +29,7 @@ from kafka import KafkaConsumer
 from producers.datasets import PromptRow
 from streams.ledger import is_prompt_key, load_outcome
 from streams.topics import OUTCOME_TABLE, Topics
-from tokenbudget.kafka import client_options, read_to_ends, read_topic, wait_for_partitions
+from tokenbudget.kafka import consumer_options, read_to_ends, read_topic, wait_for_partitions
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class OutcomeView:
     def refresh(self, timeout: float = 60.0) -> None:
         if self._consumer is None:
             consumer = KafkaConsumer(
-                **client_options(self.bootstrap), group_id=None, enable_auto_commit=False
+                **consumer_options(self.bootstrap), group_id=None, enable_auto_commit=False
             )
             tps = wait_for_partitions(
                 consumer,
@@ -135,7 +135,7 @@ def queued_prompt_ids(bootstrap: str, topics: Topics, group: str) -> set[str]:
     committed yet: they will be dispatched (again), so a rerun does not produce them
     a second time (blocking: run it in a thread)."""
     consumer = KafkaConsumer(
-        **client_options(bootstrap), group_id=group, enable_auto_commit=False
+        **consumer_options(bootstrap), group_id=group, enable_auto_commit=False
     )
     queued: set[str] = set()
 

@@ -54,11 +54,11 @@ from kafka.errors import KafkaError
 from streams import events as ev
 from streams.ledger import Outcome, outcome_change
 from streams.topics import Topics
-from tokenbudget import metrics
+from tokenbudget import metrics, sizes
 from tokenbudget.config import Config
-from tokenbudget.errors import EventDecodeError
+from tokenbudget.errors import EventDecodeError, expected_kafka_error
 from tokenbudget.kafka import (
-    client_options,
+    consumer_options,
     kafka_python_producer_options,
     wait_for_partitions,
 )
@@ -90,7 +90,8 @@ SAMPLING_TYPE = pa.struct(
 # lean records the sink decodes and the table builder both derive from it, and
 # ``_check_columns`` ties it to the event at import, so a field added to the event
 # without a column here fails every test. Columns after ``text`` came with
-# completion v3; older files lack them and :func:`read_rows` fills them with nulls.
+# completion v3, ``stop_reason`` with v4, the last three with v5; older files lack
+# them and :func:`read_rows` fills them with nulls.
 COLUMNS: tuple[tuple[str, pa.DataType], ...] = (
     ("request_id", pa.string()),
     ("prompt_id", pa.string()),
@@ -114,6 +115,10 @@ COLUMNS: tuple[tuple[str, pa.DataType], ...] = (
     ("row_id", pa.string()),
     ("input_columns", pa.string()),  # the row's keep_columns, as a JSON object
     ("sample_index", pa.int32()),
+    ("stop_reason", pa.string()),  # "stop" | "length" | "budget" | "abort"
+    ("reasoning", pa.string()),  # the thinking the server split off ``text``
+    ("reasoning_tokens", pa.int64()),  # of completion_tokens, as the server reported
+    ("unfinished", pa.bool_()),  # cut while still thinking: no answer
 )
 # Event fields that are not row columns: how the ledger accounted for the answer.
 NOT_COLUMNS = frozenset({"type", "v", "lease_id", "cost"})
@@ -137,13 +142,11 @@ def _check_columns() -> None:
 _check_columns()
 
 TEMPORARY_GLOB = "dataset=*/.part-*.tmp"
-# Measured on the local broker with ~20 KB events: larger fetches are slower with
-# kafka-python (it assembles each response in Python), smaller ones cost round trips.
-FETCH_OPTIONS = {
-    "max_partition_fetch_bytes": 8 * 1024 * 1024,
-    "fetch_max_bytes": 32 * 1024 * 1024,
-    "receive_buffer_bytes": 4 * 1024 * 1024,
-}
+# Fetch sizes are every consumer's (tokenbudget.sizes: a whole message per partition,
+# four per response); measured on the local broker with ~20 KB events, larger fetches
+# are slower with kafka-python (it assembles each response in Python), smaller ones
+# cost round trips. A larger socket buffer takes a response in fewer reads.
+RECEIVE_BUFFER = {"receive_buffer_bytes": 4 * 1024 * 1024}
 
 
 # --------------------------------------------------------------------------- decoding
@@ -770,6 +773,7 @@ class SinkSettings:
     row_group_rows: int = 1000
     flush_interval: float = 5.0
     row_group_bytes: int = 32 * 1024 * 1024
+    compression: sizes.Compression = sizes.DEFAULT_COMPRESSION  # of its dead letters
 
     @classmethod
     def from_config(cls, config: Config) -> SinkSettings:
@@ -779,6 +783,7 @@ class SinkSettings:
             rotate_bytes=config.sink.rotate_bytes,
             row_group_rows=config.sink.row_group_rows,
             flush_interval=config.sink.flush_interval_s,
+            compression=config.kafka.compression,
         )
 
     def writer(self) -> WriterSettings:
@@ -833,21 +838,23 @@ class ParquetSink:
 
     def start(self) -> None:
         self._consumer = KafkaConsumer(
-            **client_options(self.bootstrap),
+            **consumer_options(self.bootstrap),
             group_id=self.group_id,
             enable_auto_commit=False,
             auto_offset_reset="earliest",
             # a restarted sink gets the partitions of its crashed self back this fast
             session_timeout_ms=10_000,
             heartbeat_interval_ms=3_000,
-            **FETCH_OPTIONS,
+            **RECEIVE_BUFFER,
         )
         # Join the group only once this client's metadata has the topic: a group
         # joined without it is assigned nothing and kafka-python does not rejoin
         # until its metadata ages out (minutes).
         wait_for_partitions(self._consumer, self.topics.completions, timeout=30)
         self._consumer.subscribe([self.topics.completions])
-        self._dlq = KafkaProducer(**kafka_python_producer_options(self.bootstrap))
+        self._dlq = KafkaProducer(
+            **kafka_python_producer_options(self.bootstrap, self.settings.compression)
+        )
 
     def close(self) -> None:
         if self._consumer is not None:
@@ -905,8 +912,10 @@ class ParquetSink:
                 # A rebalance, or the broker out of reach (restarting): the files are
                 # durable; the rows after the last commit will be read again (here or
                 # by the partition's next owner) and dropped by prompt_id, so skipping
-                # this commit loses and duplicates nothing.
-                log.warning("sink: offsets not committed (%s); they will be re-read", exc)
+                # this commit loses and duplicates nothing. A rebalance is expected
+                # (a rerun's members coming back): not worth a warning.
+                level = logging.DEBUG if expected_kafka_error(exc) else logging.WARNING
+                log.log(level, "sink: offsets not committed (%s); they will be re-read", exc)
         self._last_flush = time.monotonic()
 
     def caught_up(self) -> bool:

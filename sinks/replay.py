@@ -14,7 +14,9 @@ kept completions to any of its targets in one pass:
   with the live ledger's latest snapshot on the budgets topic;
 * ``--to-topic NAME``: the kept completions, byte for byte, keyed by dataset;
 * ``--recount-with PATH``: each kept completion's ``text`` counted again with a
-  ``transformers`` tokenizer loaded from a local folder.
+  ``transformers`` tokenizer loaded from a local folder (with the ``reasoning`` the
+  server split off before it, which ``completion_tokens`` counts too; the markers
+  the server's parser took out are not in either text).
 
 Where "first" matters (duplicates), a replay that starts later than the
 beginning (``--from-offset``, ``--since``) may keep a different completion than
@@ -55,7 +57,7 @@ from rich.progress import BarColumn, TextColumn
 from rich.progress import Progress as RichProgress
 
 from sinks.parquet import (
-    FETCH_OPTIONS,
+    RECEIVE_BUFFER,
     Decoded,
     FirstCompletion,
     PartitionedWriter,
@@ -71,10 +73,11 @@ from streams import events as ev
 from streams.halts import BudgetBoard
 from streams.ledger import Outcome, outcome_change
 from streams.topics import Topics, completion_topic_configs
+from tokenbudget import sizes
 from tokenbudget.errors import BrokerError, EventDecodeError, TokenBudgetError
 from tokenbudget.extras import require
 from tokenbudget.kafka import (
-    client_options,
+    consumer_options,
     kafka_python_producer_options,
     read_topic,
     wait_for_partitions_aio,
@@ -82,10 +85,6 @@ from tokenbudget.kafka import (
 from tokenbudget.kafka_admin import TopicSpec, ensure_topics
 
 REPLAY_WRITER = WriterSettings(rotate_rows=20_000, rotate_bytes=256 * 1024 * 1024)
-REPLAY_FETCH_OPTIONS = {
-    "max_partition_fetch_bytes": 8 * 1024 * 1024,
-    "fetch_max_bytes": 32 * 1024 * 1024,
-}
 LEDGER_FIELDS = ("samples", "completion_tokens", "prompt_tokens", "skipped", "failed")
 
 
@@ -142,6 +141,7 @@ class ReplayOptions:
     # Batches stay below glibc's largest mmap threshold (32 MiB), so their buffers
     # come from the reused heap instead of fresh, page-faulting mappings.
     batch_bytes: int = 12 * 1024 * 1024
+    compression: sizes.Compression = sizes.DEFAULT_COMPRESSION  # of --to-topic
 
     @property
     def source(self) -> str:
@@ -293,7 +293,7 @@ def read_to_end(
         with contextlib.suppress(EventDecodeError):
             apply(ev.decode(record.value))
 
-    read_topic(bootstrap, topic, decode, timeout=timeout, consumer_options=FETCH_OPTIONS)
+    read_topic(bootstrap, topic, decode, timeout=timeout, extra_options=RECEIVE_BUFFER)
 
 
 # ----------------------------------------------------------------------------- ledger
@@ -430,11 +430,10 @@ async def _started_consumer(bootstrap: str) -> AIOKafkaConsumer:
     """An aiokafka consumer of no group, started; :class:`BrokerError` if Kafka at
     ``bootstrap`` does not answer."""
     consumer = AIOKafkaConsumer(
-        **client_options(bootstrap),
+        **consumer_options(bootstrap),
         group_id=None,
         enable_auto_commit=False,
         auto_offset_reset="earliest",
-        **REPLAY_FETCH_OPTIONS,
     )
     try:
         await consumer.start()
@@ -659,10 +658,9 @@ def replay(options: ReplayOptions, *, progress: bool = True) -> ReplaySummary:
             options.bootstrap, [TopicSpec(options.to_topic, configs=completion_topic_configs())]
         )
         producer = KafkaProducer(
-            **kafka_python_producer_options(options.bootstrap),
+            **kafka_python_producer_options(options.bootstrap, options.compression),
             linger_ms=20,
             batch_size=1024 * 1024,
-            max_request_size=16 * 1024 * 1024,
         )
     processor = _Processor(options, summary, first, already, writer, producer, tokenizer)
     try:
@@ -847,8 +845,8 @@ class _Processor:
             )
             if self.tokenizer is not None:
                 for r in rows:
-                    if r.text:
-                        texts.append(r.text)
+                    if r.text or r.reasoning:
+                        texts.append((r.reasoning or "") + r.text)
                         text_datasets.append(dataset)
                     else:
                         totals.rows_without_text += 1

@@ -31,7 +31,7 @@ from streams import events as ev
 from streams import faust_adapt, ledger
 from streams.faust_adapt import HotPath
 from streams.topics import LEDGER_TABLE, OUTCOME_TABLE, Topics
-from tokenbudget import metrics
+from tokenbudget import metrics, sizes
 from tokenbudget.errors import EventDecodeError
 from tokenbudget.security import faust_brokers, faust_credentials
 
@@ -47,6 +47,7 @@ class LedgerSettings:
     # Of the topics Faust may create itself (every other one exists before it starts).
     replication_factor: int = 1
     hot_path: HotPath = field(default_factory=HotPath)  # bench/ledger.py --without turns cuts off
+    compression: sizes.Compression = sizes.DEFAULT_COMPRESSION  # of all it produces
 
 
 BATCH = 1000
@@ -532,6 +533,11 @@ def new_app(settings: LedgerSettings) -> faust.App:
         # One record batch per changelog partition per processed batch: a second
         # batch for the same partition waits until the first has left.
         producer_max_batch_size=512 * 1024,
+        # Faust hands both to aiokafka, whose changelog batches
+        # (faust_adapt.write_changelog) are compressed as its sends are.
+        producer_max_request_size=sizes.MESSAGE_BYTES,
+        producer_compression_type=sizes.compression_type(settings.compression),
+        consumer_max_fetch_size=sizes.MESSAGE_BYTES,
         # A killed worker's partitions move to its replacement after this long;
         # Faust's default (60 s) would stall a restarted ledger for a minute.
         broker_session_timeout=SESSION_TIMEOUT_S,

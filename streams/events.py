@@ -5,13 +5,16 @@ accepts the versions in ``SUPPORTED_VERSIONS`` (``COMPLETION_VERSIONS`` for
 completions); anything else is an :class:`~tokenbudget.errors.EventDecodeError`,
 which workers turn into a dead-letter event instead of crashing.
 
-Completions are at version 3: ``output_ids`` (and ``prompt_ids``) are the
+Completions are at version 5: ``output_ids`` (and ``prompt_ids``) are the
 little-endian int32 bytes of the ids, which JSON carries as base64
 (:class:`TokenIds`), and the event carries what a trainer needs beside the answer:
 the prompt as sent, the model, the sampling settings, the dataset row's id and kept
-columns. Version 2 lacked those; version 1 carried the ids as a JSON array of
-numbers. Both are still read, to the same event (the new fields empty), because the
-completions topic is the permanent record.
+columns, why the kept answer ends (``stop_reason``), and a thinking model's
+reasoning (``reasoning``, ``reasoning_tokens``, ``unfinished``). Version 4 lacked the
+last three; version 3 ``stop_reason``; version 2 the prompt and what follows it;
+version 1 carried the ids as a JSON array of numbers. All are still read, to the
+same event (the new fields empty), because the completions topic is the permanent
+record.
 
 Keys: every keyed event is keyed by its dataset name (``event_key``), so all events
 of one dataset land in one partition, in order, next to its ledger entry.
@@ -27,16 +30,20 @@ import msgspec
 import numpy as np
 
 from tokenbudget.config import Unit as BudgetUnit
-from tokenbudget.errors import EventDecodeError
+from tokenbudget.errors import DatasetError, EventDecodeError
 
 SCHEMA_VERSION = 1
 SUPPORTED_VERSIONS = frozenset({1})
-# Completions only: v3 adds the prompt and its settings; v2 carries output_ids as
-# int32 bytes, v1 as JSON numbers.
-COMPLETION_VERSION = 3
-COMPLETION_VERSIONS = frozenset({1, 2, 3})
+# Completions only: v5 adds the reasoning; v4 stop_reason; v3 the prompt and its
+# settings; v2 carries output_ids as int32 bytes, v1 as JSON numbers.
+COMPLETION_VERSION = 5
+COMPLETION_VERSIONS = frozenset({1, 2, 3, 4, 5})
 
 FinishReason = Literal["stop", "length", "abort"]
+# Why a kept answer ends: the server's finish reason, or "budget" when the budget's
+# line ended it (cut to fit, or a max_new_tokens lowered below the dataset's own), so
+# a trainer can tell an answer the model finished from one the job cut.
+StopReason = Literal["stop", "length", "budget", "abort"]
 # "server": counts and token ids from the server; "usage": the server's counts but no
 # token ids (output_ids is None); "tokenizer": counted here, the server did not.
 CountSource = Literal["server", "usage", "tokenizer"]
@@ -282,10 +289,20 @@ class CompletionEvent(_Event, tag="completion", frozen=True):
     row_id: str | None = None
     input_columns: dict[str, Any] | None = None  # the row's keep_columns, as read
     sample_index: int = 0
+    stop_reason: StopReason | None = None  # None: written before version 4
+    # A thinking model's reasoning as the server split it off the answer (``text``
+    # is then the answer alone); None when the server sent none (raw text and ids
+    # hold the thinking inline).
+    reasoning: str | None = None
+    # Of completion_tokens, those the server says were thinking; None: not reported.
+    reasoning_tokens: int | None = None
+    # The answer was cut (length or budget) before it began: all thinking. Such rows
+    # still count against the budget. None: written before version 5.
+    unfinished: bool | None = None
 
     def __post_init__(self) -> None:
-        # Also runs after decoding: an older event becomes the v3 event it would have
-        # been, so decode(v1 bytes) == decode(v3 bytes) and re-encoding writes v3.
+        # Also runs after decoding: an older event becomes the current event it would have
+        # been, so decode(v1 bytes) == decode(v5 bytes) and re-encoding writes v5.
         # (``v`` is set here rather than redeclared: a redeclared field would lose
         # _Event's kw_only and come before the required fields.)
         for name in ("output_ids", "prompt_ids"):
@@ -297,13 +314,17 @@ class CompletionEvent(_Event, tag="completion", frozen=True):
 
 
 class BudgetSet(_Event, tag="budget_set", frozen=True):
-    """A user (or ``run`` from its config) sets a dataset's budget."""
+    """A user (or ``run`` from its config) sets a dataset's budget. ``config_budget``:
+    the config's own value for the dataset when it was set (its budget, from a config),
+    which decides whether a value set by hand still holds at the next job
+    (:mod:`tokenbudget.app.budgets`); None from older writers."""
 
     dataset: str
     budget: int
     unit: BudgetUnit = "completion_tokens"
     set_at: float = 0.0
     set_by: str = ""
+    config_budget: int | None = None
 
 
 class BudgetExceeded(_LedgerEvent, tag="budget_exceeded", frozen=True):
@@ -430,6 +451,30 @@ class LeaseRevoked(_LedgerEvent, tag="lease_revoked", frozen=True):
     at: float = 0.0
 
 
+class DatasetIdentity(msgspec.Struct, frozen=True, kw_only=True):
+    """What one dataset of a job is: its rows (``content``, a hash of the file's
+    bytes) and the settings its prompts and answers depend on, each one that is not
+    at its default (see :mod:`tokenbudget.app.identity`)."""
+
+    name: str
+    file: str  # where the content was read when recorded (for messages)
+    content: str  # "<algorithm>:<hex digest>"
+    settings: dict[str, Any] = {}
+
+
+class JobIdentity(_Event, tag="job_identity", frozen=True):
+    """What the job of a namespace is, recorded on its budgets topic by its first
+    ``run`` or ``produce``, and again when a dataset is added or a rerun that differs
+    is resumed anyway. The latest one is the job a rerun is compared with. It has no
+    dataset (the ledger and the budget board pass it by)."""
+
+    datasets: tuple[DatasetIdentity, ...]
+    settings: dict[str, Any]  # the job's own: inference.api, inference.model, sink.path
+    first_at: float  # the namespace's first run
+    recorded_at: float = 0.0
+    recorded_by: str = ""
+
+
 DatasetStatus = Literal["open", "halted", "exhausted"]
 
 
@@ -481,7 +526,9 @@ class ProducerDone(_Event, tag="producer_done", frozen=True):
 
 
 class DeadLetter(_Event, tag="dead_letter", frozen=True):
-    """An event that could not be used, with why and where it came from."""
+    """An event that could not be used, with why and where it came from; or a
+    dataset row that never became one (:func:`bad_row_letter`: ``source_topic`` is
+    empty, ``key`` is the dataset, ``source`` says where in its file)."""
 
     reason: str
     source_topic: str
@@ -490,6 +537,8 @@ class DeadLetter(_Event, tag="dead_letter", frozen=True):
     key: str | None = None
     payload: str = ""  # the original bytes, decoded as UTF-8 with replacement
     at: float = 0.0
+    source: str = ""  # a bad row's "path:line"
+    size: int = -1  # bytes of what the payload is an excerpt of, when it is cut
 
 
 Event = (
@@ -511,6 +560,7 @@ Event = (
     | LeaseExpired
     | LeaseRevoked
     | LeaseFenced
+    | JobIdentity
 )
 
 
@@ -610,6 +660,20 @@ def dead_letter_for(reason: str, record: Any) -> DeadLetter:
         partition=record.partition,
         offset=record.offset,
         key=record.key,
+    )
+
+
+def bad_row_letter(dataset: str, row: DatasetError, fix: str) -> DeadLetter:
+    """The dead letter of a dataset row that is not a prompt: where it is, why, and
+    a bounded excerpt of it (never the megabytes of an oversized row)."""
+    return DeadLetter(
+        reason=f"bad row of dataset {dataset} at {row.where}: {row.message}; {fix}",
+        source_topic="",
+        key=dataset,
+        payload=row.excerpt,
+        at=now(),
+        source=row.where,
+        size=-1 if row.size is None else row.size,
     )
 
 

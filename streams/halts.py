@@ -30,7 +30,7 @@ from streams import events as ev
 from streams.topics import Topics
 from tokenbudget import metrics
 from tokenbudget.errors import BrokerError, EventDecodeError
-from tokenbudget.kafka import client_options, wait_for_partitions_aio
+from tokenbudget.kafka import consumer_options, wait_for_partitions_aio
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +161,7 @@ class BudgetWatcher:
         delay = 0.5
         while True:  # a broker restarting as we start is waited out
             consumer = AIOKafkaConsumer(
-                **client_options(self.bootstrap),
+                **consumer_options(self.bootstrap),
                 group_id=None,
                 enable_auto_commit=False,
                 auto_offset_reset="earliest",

@@ -9,12 +9,15 @@ from typing import Any
 from aiokafka import AIOKafkaProducer
 
 from streams import events as ev
+from tokenbudget import sizes
 from tokenbudget.kafka import aiokafka_producer_options
 
 
-async def publish_events(bootstrap: str, topic: str, events: Sequence[Any]) -> None:
+async def publish_events(
+    bootstrap: str, topic: str, events: Sequence[Any], compression: sizes.Compression
+) -> None:
     """Send events keyed by their dataset and wait until Kafka has them all."""
-    producer = AIOKafkaProducer(**aiokafka_producer_options(bootstrap))
+    producer = AIOKafkaProducer(**aiokafka_producer_options(bootstrap, compression))
     await producer.start()
     try:
         for event in events:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tokenbudget import sizes
 from tokenbudget.kafka_admin import DEFAULT_PARTITIONS, TopicSpec
 
 PARTITIONS = DEFAULT_PARTITIONS
@@ -25,7 +26,6 @@ LEDGER_TABLE = "ledger"
 OUTCOME_TABLE = "outcomes"
 
 _KEEP_FOREVER = {"retention.ms": "-1", "retention.bytes": "-1"}
-_LARGE_MESSAGES = {"max.message.bytes": "8388608"}
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,8 @@ class Topics:
         GPUs produced and by default are kept forever so they can be replayed
         (``tokenbudget replay``); -1 means forever. Prompts can be regenerated from
         the datasets, so they expire. ``replication_factor`` and
-        ``min_insync_replicas`` of -1 leave them to the cluster's defaults.
+        ``min_insync_replicas`` of -1 leave them to the cluster's defaults. Every
+        topic accepts the message size every producer may send (:mod:`tokenbudget.sizes`).
         """
         keyed = {
             self.prompts: {"retention.ms": str(prompt_retention_ms)},
@@ -98,17 +99,18 @@ class Topics:
             self.budgets: _retention(budget_retention_ms),
             self.outcomes: _retention(budget_retention_ms),
             self.reservations: {"retention.ms": str(prompt_retention_ms)},
-            self.dead_letter: {**_KEEP_FOREVER, **_LARGE_MESSAGES},
+            self.dead_letter: dict(_KEEP_FOREVER),
             self.changelog(LEDGER_TABLE): {"cleanup.policy": "compact"},
             self.changelog(OUTCOME_TABLE): {"cleanup.policy": "compact"},
         }
         isr = {"min.insync.replicas": str(min_insync_replicas)} if min_insync_replicas > 0 else {}
+        common = {**isr, **sizes.topic_configs()}
         specs = [
-            TopicSpec(name, self.partitions, {**configs, **isr}, replication_factor)
+            TopicSpec(name, self.partitions, {**configs, **common}, replication_factor)
             for name, configs in keyed.items()
         ]
         # Faust would create it on first start with its own replication setting.
-        specs.append(TopicSpec(self.ledger_leader, 1, dict(isr), replication_factor))
+        specs.append(TopicSpec(self.ledger_leader, 1, dict(common), replication_factor))
         return specs
 
 
@@ -120,4 +122,4 @@ def _retention(retention_ms: int) -> dict[str, str]:
 
 def completion_topic_configs(retention_ms: int = -1) -> dict[str, str]:
     """Configs of a completions topic (also used for ``replay --to-topic``)."""
-    return {**_retention(retention_ms), **_LARGE_MESSAGES}
+    return {**_retention(retention_ms), **sizes.topic_configs()}

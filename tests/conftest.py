@@ -48,3 +48,11 @@ def kafka_bootstrap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 @pytest.fixture
 def namespace() -> str:
     return f"t{uuid.uuid4().hex[:10]}"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test that asks for the session broker is an integration test, marked or not,
+    so ``make test-fast`` (``-m "not integration"``) never waits for a JVM."""
+    for item in items:
+        if "kafka_bootstrap" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.integration)

@@ -139,6 +139,9 @@ def field_text(row: Mapping[str, Any], name: str) -> str:
     return _text(row, name, in_template=False)
 
 
+DEFAULT_ID_FIELD = "id"
+
+
 @dataclass(frozen=True)
 class Columns:
     """Where a dataset's rows hold the prompt. The defaults are the rows as they
@@ -147,7 +150,7 @@ class Columns:
     prompt_field: str = ""
     prompt_template: PromptTemplate | None = None
     messages_field: str = ""
-    id_field: str = "id"
+    id_field: str = DEFAULT_ID_FIELD
 
     @property
     def mapping(self) -> tuple[str, str] | None:
@@ -161,6 +164,13 @@ class Columns:
     @property
     def key(self) -> str:
         return self.mapping[0] if self.mapping else ""
+
+    def settings(self) -> dict[str, str]:
+        """The ``[[datasets]]`` keys set away from their defaults, as written."""
+        settings = dict([self.mapping]) if self.mapping else {}
+        if self.id_field != DEFAULT_ID_FIELD:
+            settings["id_field"] = self.id_field
+        return settings
 
 
 DEFAULT_COLUMNS = Columns()

@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from tokenbudget import sizes
 from tokenbudget.columns import (
     CONFLICTING_FORMATS,
     DEFAULT_COLUMNS,
@@ -42,6 +43,13 @@ DatasetFormat = Literal["auto", "prompt", "openai", "sharegpt", "hf"]
 DatasetOrder = Literal["file", "shuffled", "stratified"]
 # stratify_by's default: the prompt's length, not a field of the row.
 PROMPT_LENGTH = "prompt_length"
+# A thinking model's reasoning, per dataset: "save" keeps it (and says so when the
+# server sends none), "disable" asks the chat template for none; unset: as the server does.
+ReasoningMode = Literal["save", "disable"]
+# What "disable" puts in chat_template_kwargs: Qwen3's and GLM's templates read
+# enable_thinking, DeepSeek V3.1's and Kimi K2.5's (and vLLM's parsers for them)
+# thinking; a template ignores the key it does not read.
+NO_THINKING = {"enable_thinking": False, "thinking": False}
 
 ENV_PREFIX = "TOKENBUDGET__"
 
@@ -66,6 +74,8 @@ class KafkaConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=Tru
     # Partitions of every topic it creates: bounds how many ledger workers and
     # dispatchers share the work (one partition has one reader per group).
     partitions: int = 4
+    # What every producer of ours compresses its batches with (tokenbudget.sizes).
+    compression: sizes.Compression = sizes.DEFAULT_COMPRESSION
     # Security (see README "Secured Kafka"). Secrets are never written here: only the
     # name of an environment variable (*_env) or a file (*_file) that holds them.
     security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
@@ -123,6 +133,9 @@ class InferenceConfig(_Sampling, frozen=True, forbid_unknown_fields=True, kw_onl
     tokenizer: str = ""  # local tokenizer folder: chat templates, counts the server omits
     check_server: bool = True  # /health or /v1/models (and the model) before a run
     n: int = 1  # answers per prompt: each its own request, budgeted and counted alone
+    # Ends a thinking block in the model's raw output: rows of raw text or ids (no
+    # reasoning field) of a reasoning = "save" dataset are unfinished without it.
+    reasoning_end: str = "</think>"
 
 
 class BudgetConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -148,6 +161,9 @@ class SinkConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True
 class ProducerConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
     max_queued_per_dataset: int = 0  # 0: twice the dispatcher concurrency
     on_bad_row: Literal["skip", "fail"] = "skip"
+    # A longer prompt is a bad row (beyond any model's context, and Kafka's messages).
+    max_prompt_bytes: int = sizes.DEFAULT_PROMPT_BYTES  # of UTF-8
+    max_prompt_tokens: int = 0  # once templated (template = true); 0: no limit
 
 
 class MetricsConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -155,6 +171,8 @@ class MetricsConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=T
     # run serves /metrics here (the next free block when taken), its ledger on port + 1
     # and extra dispatchers after it; 0: no metrics endpoint
     port: int = 9464
+    # run's output when it is not a terminal: a line per dataset this often; 0: none
+    progress_interval_s: float = 60.0
 
 
 class DatasetConfig(_Sampling, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -179,6 +197,7 @@ class DatasetConfig(_Sampling, frozen=True, forbid_unknown_fields=True, kw_only=
     split: str = ""  # format "hf": the split of a saved DatasetDict
     n: int | None = None  # answers per prompt ([inference] n when unset)
     keep_columns: list[str] = []  # input columns copied into every output row
+    reasoning: ReasoningMode | None = None
 
 
 class _RawConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -210,13 +229,16 @@ class Dataset(msgspec.Struct, frozen=True, kw_only=True):
     n: int = 1  # answers per prompt
     keep_columns: tuple[str, ...] = ()
     columns: Columns = DEFAULT_COLUMNS  # where the rows hold the prompt
+    reasoning: ReasoningMode | None = None  # see ReasoningMode
 
 
 SAMPLING_KEYS = _Sampling.__struct_fields__
 
 
 def _sampling(inference: InferenceConfig, dataset: DatasetConfig) -> dict[str, Any]:
-    """The dataset's own settings over [inference]'s; unset ones left out."""
+    """The dataset's own settings over [inference]'s; unset ones left out. With
+    ``reasoning = "disable"``, :data:`NO_THINKING` over [inference]'s template
+    switches, unless the dataset sets its own (a template that reads another key)."""
     merged = {}
     for key in SAMPLING_KEYS:
         value = getattr(dataset, key)
@@ -224,6 +246,8 @@ def _sampling(inference: InferenceConfig, dataset: DatasetConfig) -> dict[str, A
             value = getattr(inference, key)
         if value is not None:
             merged[key] = value
+    if dataset.reasoning == "disable" and dataset.chat_template_kwargs is None:
+        merged["chat_template_kwargs"] = {**merged.get("chat_template_kwargs", {}), **NO_THINKING}
     return merged
 
 
@@ -432,6 +456,7 @@ def build(
                 n=d.n if d.n is not None else raw.inference.n,
                 keep_columns=tuple(d.keep_columns),
                 columns=_columns(d, key, source),
+                reasoning=d.reasoning,
             )
         )
         _check_dataset(raw, d, key, source)
@@ -618,6 +643,8 @@ def _check_dataset(raw: _RawConfig, d: DatasetConfig, key: str, source: str) -> 
         raise ConfigError(
             f"{key}.split", "only a Hugging Face dataset (format 'hf') has splits", source=source
         )
+    if d.reasoning == "disable":
+        _check_disable(raw, d, key, source)
     # "auto" and "hf" rows say whether they are chat only when read: run and produce
     # check those before anything starts (producers.datasets.check_datasets).
     if raw.inference.api in RAW_TEXT_APIS and not d.template:
@@ -627,6 +654,30 @@ def _check_dataset(raw: _RawConfig, d: DatasetConfig, key: str, source: str) -> 
         if d.messages_field:
             found = f"messages_field {d.messages_field!r}"
             raise untemplated_chat(key, d.name, raw.inference.api, found, source)
+
+
+def _check_disable(raw: _RawConfig, d: DatasetConfig, key: str, source: str) -> None:
+    """``reasoning = "disable"`` works through the chat template: a request with no
+    template to read it, or a dataset whose own template switches turn thinking on,
+    would think anyway."""
+    if raw.inference.api in RAW_TEXT_APIS and not d.template:
+        raise ConfigError(
+            f"{key}.reasoning",
+            f"'disable' is read by the chat template, but api {raw.inference.api!r} sends "
+            "this dataset's prompts as raw text without one: set template = true (with "
+            '[inference] tokenizer), use [inference] api = "openai-chat", or write the '
+            "prompts with thinking off",
+            source=source,
+        )
+    own = d.chat_template_kwargs or {}
+    for switch in ("enable_thinking", "thinking"):
+        if own.get(switch):
+            raise ConfigError(
+                f"{key}.reasoning",
+                f"'disable', but the dataset's chat_template_kwargs set {switch} = true: "
+                "drop one of them",
+                source=source,
+            )
 
 
 def _columns(d: DatasetConfig, key: str, source: str) -> Columns:
@@ -697,6 +748,15 @@ def _check_ranges(raw: _RawConfig, source: str) -> None:
             raise ConfigError(key, f"must be positive, got {value}", source=source)
     if raw.budget.min_new_tokens < 1:
         raise ConfigError("budget.min_new_tokens", "must be >= 1", source=source)
+    if not 1 <= raw.producer.max_prompt_bytes <= sizes.PROMPT_EVENT_BYTES:
+        raise ConfigError(
+            "producer.max_prompt_bytes",
+            f"must be within 1..{sizes.PROMPT_EVENT_BYTES} (half of a Kafka message: the "
+            f"other half holds the answer), got {raw.producer.max_prompt_bytes}",
+            source=source,
+        )
+    if raw.producer.max_prompt_tokens < 0:
+        raise ConfigError("producer.max_prompt_tokens", "must be >= 0 (0: no limit)", source=source)
     if raw.budget.lease_tokens < 0:
         raise ConfigError("budget.lease_tokens", "must be >= 0 (0: automatic)", source=source)
     if raw.budget.lease_ttl_s < 2:
@@ -707,6 +767,8 @@ def _check_ranges(raw: _RawConfig, source: str) -> None:
         raise ConfigError("inference.pause_after_failures", "must be >= 1", source=source)
     if raw.inference.health_interval_s <= 0:
         raise ConfigError("inference.health_interval_s", "must be > 0", source=source)
+    if raw.metrics.progress_interval_s < 0:
+        raise ConfigError("metrics.progress_interval_s", "must be >= 0 (0: none)", source=source)
     if raw.inference.outage_timeout_s < 0:
         raise ConfigError(
             "inference.outage_timeout_s", "must be >= 0 (0: wait for ever)", source=source

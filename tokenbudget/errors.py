@@ -6,6 +6,7 @@
     ├── EventDecodeError       bytes on a topic are not a known event of a known version
     ├── BrokerError            the local Kafka broker cannot be fetched, started or reached
     ├── KafkaAuthError         a Kafka broker refused our credentials, or TLS failed
+    ├── KafkaLimitsError       a Kafka cluster refuses the message sizes tokenbudget needs
     ├── FaustVersionError      faust-streaming, mode or aiokafka is not the pinned version
     ├── InferenceError         the inference server failed a request
     │   ├── InferenceTransportError   connection refused/reset, timeout (server away)
@@ -15,7 +16,8 @@
     │   └── InferenceProtocolError    the body is not the wire format we expect (retried)
     ├── ServerOutageError      the inference server stayed away longer than allowed
     ├── WorkerFailedError      a worker process of ``run`` kept exiting on its own
-    └── ExportError            kept rows cannot be exported as asked (and what to fix)
+    ├── ExportError            kept rows cannot be exported as asked (and what to fix)
+    └── JobChangedError        a rerun is not the job its namespace recorded (and the ways on)
 
 "Server away" errors say nothing about the request: they are retried for as long as
 the server is away (dispatch pauses meanwhile) and never fail a prompt. The other
@@ -49,11 +51,29 @@ class ConfigError(TokenBudgetError):
 class DatasetError(TokenBudgetError):
     """A dataset file or one of its rows cannot be used."""
 
-    def __init__(self, path: str, message: str, *, line: int | None = None) -> None:
+    def __init__(
+        self,
+        path: str,
+        message: str,
+        *,
+        line: int | None = None,
+        excerpt: str = "",
+        size: int | None = None,
+    ) -> None:
         self.path = path
         self.line = line
+        self.message = message
+        # What its dead letter shows of the row (bounded: tokenbudget.sizes.excerpt),
+        # and the size in bytes of what it was cut from.
+        self.excerpt = excerpt
+        self.size = size
         where = f"{path}:{line}" if line is not None else path
         super().__init__(f"{where}: {message}")
+
+    @property
+    def where(self) -> str:
+        """``path:line``, or the path of an error about the whole file."""
+        return f"{self.path}:{self.line}" if self.line is not None else self.path
 
 
 class EventDecodeError(TokenBudgetError):
@@ -73,6 +93,12 @@ class KafkaAuthError(TokenBudgetError):
     def __init__(self, message: str, *, keys: list[str]) -> None:
         self.keys = keys
         super().__init__(f"{message}; check config keys {', '.join(keys)}")
+
+
+class KafkaLimitsError(TokenBudgetError):
+    """A Kafka cluster refuses the message size every topic of ours must accept
+    (:mod:`tokenbudget.sizes`): a topic's ``max.message.bytes`` cannot be raised,
+    or a broker limit is lower. The message names the setting and the fix."""
 
 
 class FaustVersionError(TokenBudgetError):
@@ -145,3 +171,38 @@ class WorkerFailedError(TokenBudgetError):
 class ExportError(TokenBudgetError):
     """``tokenbudget export`` cannot write the rows as asked; the message says what
     to change."""
+
+
+class JobChangedError(TokenBudgetError):
+    """A rerun of a namespace is not the job recorded there (another dataset file,
+    model, sampling, output folder ...): it would resume work that is not its own.
+    The message names what changed and the ways on."""
+
+
+# Kafka errors that say a leader election or a consumer-group rebalance is under way
+# (a fresh topic, a worker joining or leaving, a rerun taking its members back): the
+# clients retry them on their own and nothing is lost, so they are expected, not news.
+# Named, not imported: kafka-python and aiokafka each have their own classes, and the
+# command line should not load either just to filter its log.
+EXPECTED_KAFKA_ERRORS = frozenset(
+    {
+        "NotLeaderForPartitionError",
+        "LeaderNotAvailableError",
+        "FencedLeaderEpochError",
+        "UnknownLeaderEpochError",
+        "RebalanceInProgressError",
+        "IllegalGenerationError",
+        "UnknownMemberIdError",
+        "NotCoordinatorForGroupError",
+        "NotCoordinatorError",
+        "GroupCoordinatorNotAvailableError",
+        "CoordinatorNotAvailableError",
+        "GroupLoadInProgressError",
+        "CoordinatorLoadInProgressError",
+    }
+)
+
+
+def expected_kafka_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is one of :data:`EXPECTED_KAFKA_ERRORS`."""
+    return type(exc).__name__ in EXPECTED_KAFKA_ERRORS

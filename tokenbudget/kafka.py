@@ -20,7 +20,7 @@ from aiokafka import AIOKafkaConsumer
 from aiokafka import TopicPartition as AIOTopicPartition
 from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
 
-from tokenbudget import security
+from tokenbudget import security, sizes
 from tokenbudget.errors import BrokerError
 
 log = logging.getLogger(__name__)
@@ -36,18 +36,25 @@ def client_options(bootstrap: str) -> dict[str, Any]:
     }
 
 
+def consumer_options(bootstrap: str) -> dict[str, Any]:
+    """Every consumer's connection and fetch sizes (:mod:`tokenbudget.sizes`)."""
+    return {**client_options(bootstrap), **sizes.fetch_options()}
+
+
 # Producers fit for a cluster: a write counts once every in-sync replica has it
 # (acks=all), a send retried after a lost connection or a leader election is written
 # once (idempotence), and retries go on for as long as the delivery timeout, well past
-# the seconds a leader election takes, instead of surfacing as an error.
+# the seconds a leader election takes, instead of surfacing as an error. Records up
+# to the topics' message size, batches compressed as ``[kafka] compression`` says.
 DELIVERY_TIMEOUT_MS = 120_000
 
 
-def aiokafka_producer_options(bootstrap: str) -> dict[str, Any]:
+def aiokafka_producer_options(bootstrap: str, compression: sizes.Compression) -> dict[str, Any]:
     """aiokafka retries a batch until ``request_timeout_ms`` has passed since it was
     queued: that is its delivery timeout."""
     return {
         **client_options(bootstrap),
+        **sizes.producer_options(compression),
         "acks": "all",
         "enable_idempotence": True,
         "request_timeout_ms": DELIVERY_TIMEOUT_MS,
@@ -55,9 +62,10 @@ def aiokafka_producer_options(bootstrap: str) -> dict[str, Any]:
     }
 
 
-def kafka_python_producer_options(bootstrap: str) -> dict[str, Any]:
+def kafka_python_producer_options(bootstrap: str, compression: sizes.Compression) -> dict[str, Any]:
     return {
         **client_options(bootstrap),
+        **sizes.producer_options(compression),
         "acks": "all",
         "enable_idempotence": True,
         "delivery_timeout_ms": DELIVERY_TIMEOUT_MS,
@@ -198,21 +206,20 @@ def read_topic(
     metadata_timeout: float = 15.0,
     missing: str = "",
     max_records: int = 5000,
-    consumer_options: Mapping[str, Any] | None = None,
+    extra_options: Mapping[str, Any] | None = None,
 ) -> None:
     """Hand ``handle`` every record of ``topic`` from the beginning to its end
     offsets as of the call (see :func:`read_to_ends`), with a consumer of no group
-    (``consumer_options`` added to its settings, e.g. fetch sizes). Raises
+    (``extra_options`` added to its settings, e.g. a receive buffer). Raises
     :class:`BrokerError` if the topic has no partitions within ``metadata_timeout``
     seconds (``missing``, as in :func:`wait_for_partitions`) or is not read within
     ``timeout`` seconds of the call. Blocking: run it in a thread from async code."""
     started = time.monotonic()
     consumer = KafkaConsumer(
-        **client_options(bootstrap),
+        **{**consumer_options(bootstrap), **(extra_options or {})},
         group_id=None,
         enable_auto_commit=False,
         auto_offset_reset="earliest",
-        **(consumer_options or {}),
     )
     try:
         tps = wait_for_partitions(consumer, topic, timeout=metadata_timeout, missing=missing)

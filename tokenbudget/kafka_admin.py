@@ -4,7 +4,11 @@
 topic that appears after its worker started) and refuses existing ones that would
 break the pipeline: a different partition count (Faust needs source topics and
 table changelogs to match) or fewer replicas than asked (a lost broker would lose
-their data; the error writes the ``kafka-reassign-partitions.sh`` plan). ``probe``
+their data; the error writes the ``kafka-reassign-partitions.sh`` plan). An existing
+topic whose ``max.message.bytes`` is below what the spec asks (a namespace made by an
+older version: the broker's 1 MB) is raised with an incremental alter-config, and a
+cluster that refuses it, or whose requests are capped below a message, is a
+:class:`KafkaLimitsError` naming the setting and the fix. ``probe``
 and ``warm_up_groups`` tell whether a cluster answers and make its group
 coordinator ready.
 
@@ -26,11 +30,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient
+from kafka.admin import AlterConfigOp, ConfigResource, ConfigResourceType, KafkaAdminClient
 from kafka.errors import KafkaError
 
-from tokenbudget import security
-from tokenbudget.errors import BrokerError, KafkaAuthError
+from tokenbudget import security, sizes
+from tokenbudget.errors import BrokerError, KafkaAuthError, KafkaLimitsError
 from tokenbudget.files import write_atomic
 from tokenbudget.kafka import client_options
 
@@ -98,22 +102,38 @@ def probe(bootstrap: str, timeout: float) -> None:
         raise BrokerError(f"metadata from {bootstrap} lists no brokers yet")
 
 
-def _cluster_replication(admin: Any) -> int | None:
-    """The cluster's ``default.replication.factor``, or None when it may not be read
-    (a user without DescribeConfigs): topics are then created with -1, "the broker's
-    default", and existing ones are not checked."""
+# A broker refuses a request larger than this (a static broker setting), whatever
+# the topic allows.
+_REQUEST_LIMIT = "socket.request.max.bytes"
 
+
+def _broker_settings(admin: Any) -> dict[str, int] | None:
+    """The cluster's ``default.replication.factor`` and request limit (from its
+    first broker), or None when they may not be read (a user without
+    DescribeConfigs): topics are then created with replication -1, "the broker's
+    default", and neither is checked."""
+    keys = ("default.replication.factor", _REQUEST_LIMIT)
     try:
         brokers = admin.describe_cluster()["brokers"]
         node = str(brokers[0]["broker_id"])
-        resource = ConfigResource(
-            ConfigResourceType.BROKER, node, configs={"default.replication.factor": None}
-        )
+        resource = ConfigResource(ConfigResourceType.BROKER, node, configs=dict.fromkeys(keys))
         described = admin.describe_configs([resource], config_filter="all")
-        return int(described["broker"][node]["default.replication.factor"]["value"])
+        return {key: int(described["broker"][node][key]["value"]) for key in keys}
     except (KafkaError, LookupError, TypeError, ValueError) as exc:
-        log.warning("cannot read the cluster's default.replication.factor (%r)", exc)
+        log.warning("cannot read the cluster's %s (%r)", " and ".join(keys), exc)
         return None
+
+
+def _check_request_limit(bootstrap: str, settings: dict[str, int] | None) -> None:
+    limit = (settings or {}).get(_REQUEST_LIMIT)
+    # a request holds one message and its headers
+    if limit is not None and limit < sizes.MESSAGE_BYTES + 64 * 1024:
+        raise KafkaLimitsError(
+            f"the brokers at {bootstrap} refuse requests over {_REQUEST_LIMIT} = {limit:,} "
+            f"bytes, but tokenbudget sends messages of up to {sizes.MESSAGE_BYTES:,} bytes; "
+            f"fix: set {_REQUEST_LIMIT} to at least {2 * sizes.MESSAGE_BYTES} in every "
+            "broker's server.properties (Kafka's default is 104857600) and restart them"
+        )
 
 
 def _wanted_replication(spec: TopicSpec, default: int | None) -> int:
@@ -145,6 +165,13 @@ def _create_topics(
             raced.add(topic["name"])
         elif code != 0:
             failed.append(f"{topic['name']}: error {code} {topic.get('error_message')}")
+    if failed and any(sizes.MESSAGE_BYTES_CONFIG in f for f in failed):
+        raise KafkaLimitsError(
+            f"creating topics on {bootstrap} failed: {'; '.join(failed)}; tokenbudget's "
+            f"topics need {sizes.MESSAGE_BYTES_CONFIG} = {sizes.MESSAGE_BYTES} (a message "
+            "holds a prompt and its answer): fix: allow it for these topics on the cluster "
+            "(a managed cluster's plan may cap it), or create them with it yourself"
+        )
     if failed:
         raise BrokerError(f"creating topics on {bootstrap} failed: {'; '.join(failed)}")
     created = [spec.name for spec in specs if spec.name not in raced]
@@ -225,7 +252,9 @@ def ensure_topics(bootstrap: str, specs: Sequence[TopicSpec], *, timeout: float 
     replication of -1 is the cluster's ``default.replication.factor``).
 
     Existing topics are left as they are, except that a partition count different from
-    the spec, or fewer replicas than asked, raises BrokerError naming the fix.
+    the spec, or fewer replicas than asked, raises BrokerError naming the fix, and a
+    ``max.message.bytes`` below the spec's is raised to it (KafkaLimitsError when the
+    cluster refuses).
     """
     wanted: dict[str, TopicSpec] = {}
     for spec in specs:
@@ -241,7 +270,9 @@ def ensure_topics(bootstrap: str, specs: Sequence[TopicSpec], *, timeout: float 
     except (KafkaError, OSError) as exc:
         raise connect_error(bootstrap, exc) from exc
     try:
-        default = _cluster_replication(admin)
+        settings = _broker_settings(admin)
+        _check_request_limit(bootstrap, settings)
+        default = settings["default.replication.factor"] if settings else None
         existing = set(admin.list_topics()) & set(wanted)
         missing = [spec for name, spec in wanted.items() if name not in existing]
         if missing:
@@ -249,6 +280,7 @@ def ensure_topics(bootstrap: str, specs: Sequence[TopicSpec], *, timeout: float 
             existing |= {spec.name for spec in missing} - set(created)
         if existing:
             _check_existing(admin, bootstrap, [wanted[n] for n in sorted(existing)], default)
+            _raise_message_limits(admin, bootstrap, [wanted[n] for n in sorted(existing)])
     except KafkaError as exc:
         refused = security.auth_failure(bootstrap, exc)
         if refused is not None:  # e.g. a user without the right to create topics
@@ -256,6 +288,80 @@ def ensure_topics(bootstrap: str, specs: Sequence[TopicSpec], *, timeout: float 
         raise BrokerError(f"managing topics on {bootstrap} failed: {exc!r}") from exc
     finally:
         admin.close()
+
+
+def message_limits(admin: Any, names: Sequence[str]) -> dict[str, int]:
+    """Each topic's effective ``max.message.bytes`` (its own, or the broker's
+    ``message.max.bytes`` it inherits)."""
+    described = admin.describe_configs(
+        [
+            ConfigResource(
+                ConfigResourceType.TOPIC, name, configs={sizes.MESSAGE_BYTES_CONFIG: None}
+            )
+            for name in names
+        ],
+        config_filter="all",
+    )
+    topics = described.get("topic", {})
+    return {
+        name: int(topics[name][sizes.MESSAGE_BYTES_CONFIG]["value"])
+        for name in names
+        if sizes.MESSAGE_BYTES_CONFIG in topics.get(name, {})
+    }
+
+
+def _raise_message_limits(admin: Any, bootstrap: str, specs: Sequence[TopicSpec]) -> None:
+    """Raise the ``max.message.bytes`` of existing topics that allow less than their
+    spec (incrementally: their other settings stay as they are)."""
+    key = sizes.MESSAGE_BYTES_CONFIG
+    asked = {s.name: int(s.configs[key]) for s in specs if key in s.configs}
+    if not asked:
+        return
+    try:
+        current = message_limits(admin, list(asked))
+    except (KafkaError, LookupError, TypeError, ValueError) as exc:
+        log.warning("cannot read the %s of existing topics (%r)", key, exc)
+        return
+    low = {name: limit for name, limit in current.items() if limit < asked[name]}
+    if not low:
+        return
+    resources = [
+        ConfigResource(
+            ConfigResourceType.TOPIC, name, configs={key: (AlterConfigOp.SET, str(asked[name]))}
+        )
+        for name in low
+    ]
+    try:
+        results = admin.alter_configs(resources, raise_on_unknown=False, incremental=True)
+        refused = {n: r for n, r in results.get("topic", {}).items() if r != "OK"}
+    except KafkaError as exc:
+        refused = {name: repr(exc) for name in low}
+    if refused:
+        names = ", ".join(f"{name} ({low[name]:,} bytes: {why})" for name, why in refused.items())
+        raise KafkaLimitsError(
+            f"existing topics accept messages smaller than tokenbudget sends, and raising "
+            f"their {key} to {sizes.MESSAGE_BYTES} was refused: {names}; fix: grant "
+            f"AlterConfigs on them, or run kafka-configs.sh --bootstrap-server {bootstrap} "
+            f"--alter --entity-type topics --entity-name <topic> --add-config "
+            f"{key}={sizes.MESSAGE_BYTES} for each"
+        )
+    # The brokers apply a config change from the metadata log a moment later: a
+    # producer started before then would still be refused.
+    deadline = time.monotonic() + 30
+    while any(v < asked[n] for n, v in message_limits(admin, list(low)).items()):
+        if time.monotonic() > deadline:
+            raise KafkaLimitsError(
+                f"raising {key} of {', '.join(sorted(low))} to {sizes.MESSAGE_BYTES} was "
+                "accepted but not applied within 30 s; fix: check the brokers' logs, then "
+                "run again"
+            )
+        time.sleep(0.2)
+    log.warning(
+        "raised %s of %s to %d (made before this version, with the broker's default)",
+        key,
+        ", ".join(sorted(low)),
+        sizes.MESSAGE_BYTES,
+    )
 
 
 def warm_up_groups(bootstrap: str, timeout: float = 20) -> None:

@@ -94,6 +94,14 @@ OPEN = Gauge(
 
 # --- per dataset, set by the run process -----------------------------------------
 
+#: counter: dataset rows that are not prompts (bad JSON, no prompt, over
+#: ``[producer] max_prompt_bytes``...), each dead-lettered, then skipped or stopping
+#: the run (``on_bad_row``); counted by the prompt producer
+BAD_ROWS = Counter(
+    "tokenbudget_bad_rows_total",
+    "Dataset rows that are not prompts, dead-lettered (skipped or stopping the run)",
+    ["dataset"],
+)
 #: counter: prompts not sent because their dataset was halted (dispatcher)
 SKIPPED_PROMPTS = Counter(
     "tokenbudget_skipped_prompts_total",
@@ -115,6 +123,22 @@ COMPLETIONS = Counter(
     "tokenbudget_completions_total",
     "Completions published, by dataset and finish reason (budget: cut at the budget)",
     ["dataset", "finish_reason"],
+)
+#: counter: completion tokens of the published answers, by ``part``: ``reasoning``
+#: (a thinking model's thinking, as the server reported it in
+#: ``completion_tokens_details.reasoning_tokens``), ``answer`` (the rest), ``unsplit``
+#: (answers whose server reported no split); the three add up to the tokens kept
+COMPLETION_TOKEN_PARTS = Counter(
+    "tokenbudget_completion_token_parts_total",
+    "Completion tokens published, by dataset and part (reasoning, answer, unsplit)",
+    ["dataset", "part"],
+)
+#: counter: answers published unfinished: cut (length or budget) while the model was
+#: still thinking, so they hold no answer; they count against the budget all the same
+UNFINISHED_ANSWERS = Counter(
+    "tokenbudget_unfinished_answers_total",
+    "Answers cut before they began (still thinking), per dataset",
+    ["dataset"],
 )
 #: counter: tokens the server generated that are not kept: ``aborted`` (requests
 #: aborted when a budget was reached or lowered), ``cut`` (an answer longer than its
@@ -288,8 +312,6 @@ def group_role(group: str) -> str:
 def consumed(topic: str, consumer: str, count: int = 1) -> None:
     if count:
         EVENTS_CONSUMED.labels(topic=topic_role(topic), consumer=consumer).inc(count)
-
-
 
 
 class LagSampler:

@@ -258,9 +258,12 @@ def test_every_dashboard_panel_returns_data(observed: Observed) -> None:
     # Streamed answers report their first token: the TTFT histogram has data too.
     assert stack.query("sum(tokenbudget_time_to_first_token_seconds_count) > 0")
     # May be empty on a healthy run: nothing wasted, failed for good or retried, no
-    # halt observed late, no answer over its limit or on an expired lease. Their
-    # queries still run, so their PromQL is checked.
+    # halt observed late, no answer over its limit or on an expired lease, no bad
+    # row, no answer cut while thinking. Their queries still run, so their PromQL is
+    # checked.
     may_be_empty = {
+        "Bad rows (not prompts)",
+        "Unfinished answers/s (cut while thinking)",
         "Wasted tokens/s by reason",
         "Failed prompts/s",
         "Retries/s by reason",

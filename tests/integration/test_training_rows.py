@@ -208,3 +208,65 @@ def test_a_server_without_token_ids_leaves_output_ids_null(
         assert row["completion_tokens"] == by_rid[row["request_id"]].completion_tokens > 0
         assert row["model"] == MODEL
         assert row["messages"] is None and row["prompt"].startswith("#short story")
+
+
+def expected_stop_reason(
+    row: dict[str, Any], served: simulator.RequestRecord, dataset_max: int
+) -> str:
+    """Why the row ends, from the server's own log: the budget's line when the row
+    kept less than the server generated, or when the server stopped at a
+    max_new_tokens lowered below the dataset's (the budget's last tokens); else the
+    server's finish (its length limit being the dataset's max_new_tokens)."""
+    if row["completion_tokens"] < served.completion_tokens:
+        return "budget"
+    if served.finish == "length" and served.max_new_tokens < dataset_max:
+        return "budget"
+    return served.finish
+
+
+def test_a_row_cut_at_the_budgets_line_says_budget_and_the_others_the_servers_reason(
+    tmp_path: Path, kafka_bootstrap: str, namespace: str
+) -> None:
+    # "#short" answers average 300 tokens: with max_new_tokens 250 about half stop on
+    # their own, half at the limit; 40 prompts are far more than 3,000 tokens hold,
+    # so the budget ends the dataset with its last answers cut at the line.
+    source = [{"id": f"q{i}", "prompt": f"#short story {i}"} for i in range(40)]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in source))
+    datasets = [{"name": "d", "path": "d.jsonl", "budget": 3000, "max_new_tokens": 250}]
+    configs: list[Any] = []
+
+    def config_for(url: str) -> Any:
+        configs.append(make_config(tmp_path, kafka_bootstrap, namespace, url, datasets))
+        return configs[-1]
+
+    [(report, served)] = asyncio.run(
+        run_with_simulator(
+            simulator.SimulatorConfig(port=0, tokens_per_second=50_000, seed=21), [config_for]
+        )
+    )
+    assert report.datasets["d"].status == "halted"
+    rows = read_rows(tmp_path / "out").to_pylist()
+    assert sum(row["completion_tokens"] for row in rows) == 3000
+    by_rid = {record.rid: record for record in served}
+    for row in rows:
+        record = by_rid[row["request_id"]]
+        assert row["stop_reason"] == expected_stop_reason(row, record, 250), row
+        if row["completion_tokens"] == record.completion_tokens:
+            assert row["finish_reason"] == record.finish  # the server's own, kept
+    assert {r["stop_reason"] for r in rows} == {"stop", "length", "budget"}
+    # an export, from the files and replayed from the topic, says the same per row
+    options = ExportOptions(
+        "conversations",
+        tmp_path / "c.jsonl",
+        tmp_path / "out",
+        decode=lambda ids: "".join(f" w{i}" for i in ids),  # the simulator's text
+    )
+    export(options)
+    export_from_topic(configs[0], dataclasses.replace(options, to=tmp_path / "t.jsonl"))
+    stop_reasons = {r["request_id"]: r["stop_reason"] for r in rows}
+    prompts = {r["prompt_id"]: r["request_id"] for r in rows}
+    for name in ("c.jsonl", "t.jsonl"):
+        exported = [json.loads(line) for line in (tmp_path / name).read_text().splitlines()]
+        assert len(exported) == len(rows)
+        for record in exported:
+            assert record["stop_reason"] == stop_reasons[prompts[record["prompt_id"]]]

@@ -14,6 +14,7 @@ import pytest
 
 from producers.datasets import PromptRow, read_prompts, reader_for, stable_prompt_id
 from streams.events import ChatMessage
+from tokenbudget import sizes
 from tokenbudget.errors import DatasetError
 
 ROWS: list[dict[str, Any]] = [
@@ -298,3 +299,69 @@ def test_not_parquet(tmp_path: Path) -> None:
     path.write_text("this is not parquet")
     with pytest.raises(DatasetError, match="Parquet"):
         read("ds", path)
+
+
+# ---- sizes: a prompt over the limit is a bad row -------------------------------------
+
+
+def test_a_prompt_over_max_prompt_bytes_is_a_bad_row_with_a_bounded_excerpt(
+    tmp_path: Path,
+) -> None:
+    big = "é" * 600  # 1,200 bytes of UTF-8, 600 characters
+    path = write_jsonl(
+        tmp_path / "d.jsonl",
+        [
+            {"prompt": "short"},
+            {"prompt": big},
+            {"messages": [{"role": "system", "content": big}, {"role": "user", "content": "x"}]},
+            {"prompt": "a" * 1000},  # exactly at the limit: kept
+        ],
+    )
+    reported: list[DatasetError] = []
+    rows = read("ds", path, on_bad_row=reported.append, max_prompt_bytes=1000)
+    assert [r.text for r in rows] == ["short", "a" * 1000]
+    assert [(e.line, e.size) for e in reported] == [(2, 1200), (3, 1202)]
+    assert all("over [producer] max_prompt_bytes = 1,000" in e.message for e in reported)
+    assert all(e.where == f"{path}:{e.line}" for e in reported)
+    assert all(len(e.excerpt) <= sizes.EXCERPT_CHARS + 40 for e in reported)
+    # Without the callback the first one stops the read, naming the line.
+    with pytest.raises(DatasetError, match="1,200 bytes of UTF-8") as info:
+        read("ds", path, max_prompt_bytes=1000)
+    assert info.value.line == 2
+    # No limit given: every row is a prompt.
+    assert len(read("ds", path)) == 4
+
+
+def test_the_excerpt_of_a_huge_bad_row_is_bounded(tmp_path: Path) -> None:
+    huge = "{" + "x" * 3_000_000  # broken JSON, 3 MB on one line
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt": "fine"}\n' + huge + "\n")
+    reported: list[DatasetError] = []
+    assert len(read("ds", path, on_bad_row=reported.append)) == 1
+    (bad,) = reported
+    assert bad.line == 2 and bad.size == 3_000_002  # the line, its newline included
+    assert bad.excerpt.startswith("{xxx") and "2,998,001 more characters" in bad.excerpt
+    assert len(bad.excerpt) < sizes.EXCERPT_CHARS + 100
+
+
+def test_a_row_that_is_not_a_prompt_carries_its_excerpt(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "ok"}, {"text": "no prompt key"}])
+    reported: list[DatasetError] = []
+    read("ds", path, on_bad_row=reported.append)
+    (bad,) = reported
+    assert json.loads(bad.excerpt) == {"text": "no prompt key"}
+    assert bad.size == len(bad.excerpt.encode())
+
+
+def test_a_templated_prompt_over_max_prompt_tokens_is_a_bad_row(tmp_path: Path) -> None:
+    def template(messages: Any) -> list[int]:
+        return list(range(len(messages[-1].content.split())))
+
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "one two"}, {"prompt": "a b c d e"}])
+    reported: list[DatasetError] = []
+    rows = read("ds", path, template=template, on_bad_row=reported.append, max_prompt_tokens=4)
+    assert [r.text for r in rows] == ["one two"]
+    (bad,) = reported
+    assert bad.line == 2
+    assert "5 tokens, over [producer] max_prompt_tokens = 4" in bad.message
+    assert bad.excerpt == "a b c d e"

@@ -15,6 +15,8 @@ from streams import events as ev
 from streams.halts import BudgetBoard
 from streams.topics import Topics
 from tokenbudget import config as config_module
+from tokenbudget import metrics, sizes
+from tokenbudget.errors import DatasetError
 
 
 class RecordingProducer:
@@ -130,3 +132,96 @@ def test_prompts_still_queued_from_a_killed_run_are_not_produced_again(
     assert (report.produced, report.already_queued) == (2, 2)
     done = [e for _, e in recorder.sent if isinstance(e, ev.ProducerDone)]
     assert [d.produced for d in done] == [4]  # every row gets an outcome, once
+
+
+# ---- bad rows: counted, dead-lettered, skipped or stopping ---------------------------
+
+
+def bad_rows_config(tmp_path: Path, on_bad_row: str = "skip") -> config_module.Config:
+    rows = [
+        json.dumps({"prompt": "p0"}),
+        "{not json",
+        json.dumps({"prompt": "x" * 5000}),  # over max_prompt_bytes below
+        json.dumps({"prompt": "p1"}),
+    ]
+    (tmp_path / "d.jsonl").write_text("".join(line + "\n" for line in rows))
+    return config_module.build(
+        {
+            "kafka": {"bootstrap": "127.0.0.1:1", "namespace": "t"},
+            "producer": {"on_bad_row": on_bad_row, "max_prompt_bytes": 4096},
+            "datasets": [{"name": "d", "path": "d.jsonl", "budget": 1000}],
+        },
+        base_dir=tmp_path,
+        environ={},
+    )
+
+
+def bad_rows_counted() -> float:
+    return metrics.BAD_ROWS.labels(dataset="d")._value.get()
+
+
+def test_bad_rows_are_counted_and_dead_lettered_and_the_rest_produced(tmp_path: Path) -> None:
+    config = bad_rows_config(tmp_path)
+    recorder = RecordingProducer()
+    producer = PromptProducer(config, "127.0.0.1:1", BudgetBoard(), producer=recorder)  # type: ignore[arg-type]
+    counted = bad_rows_counted()
+
+    report = asyncio.run(producer.run())["d"]
+
+    assert (report.produced, report.bad_rows) == (2, 2)
+    assert bad_rows_counted() == counted + 2
+    prompts = [e for topic, e in recorder.sent if topic == Topics("t").prompts]
+    assert [e.text for e in prompts] == ["p0", "p1"]  # type: ignore[union-attr]
+    letters = [e for topic, e in recorder.sent if topic == Topics("t").dead_letter]
+    assert all(isinstance(e, ev.DeadLetter) for e in letters)
+    path = tmp_path / "d.jsonl"
+    assert [e.source for e in letters] == [f"{path}:2", f"{path}:3"]  # type: ignore[union-attr]
+    broken, oversized = letters
+    assert isinstance(broken, ev.DeadLetter) and isinstance(oversized, ev.DeadLetter)
+    assert broken.key == "d" and broken.payload == "{not json"
+    assert "bad row of dataset d" in broken.reason and "not valid JSON" in broken.reason
+    assert oversized.size == 5000
+    assert "over [producer] max_prompt_bytes = 4,096" in oversized.reason
+    assert "correct or remove the row" in oversized.reason  # the fix
+    assert len(oversized.payload) < 5000  # an excerpt, not the row
+    # The letters go out before the producer says it is done (a stopped run keeps them).
+    kinds = [type(e).__name__ for _, e in recorder.sent]
+    assert kinds.index("ProducerDone") > max(i for i, k in enumerate(kinds) if k == "DeadLetter")
+
+
+def test_on_bad_row_fail_stops_naming_dataset_line_and_fix_after_its_letter(
+    tmp_path: Path,
+) -> None:
+    config = bad_rows_config(tmp_path, on_bad_row="fail")
+    recorder = RecordingProducer()
+    producer = PromptProducer(config, "127.0.0.1:1", BudgetBoard(), producer=recorder)  # type: ignore[arg-type]
+
+    with pytest.raises(DatasetError) as info:
+        asyncio.run(producer.run())
+
+    message = str(info.value)
+    assert message.startswith(f"{tmp_path / 'd.jsonl'}:2: not valid JSON")
+    assert "(dataset d)" in message and 'on_bad_row = "skip"' in message
+    assert "\n" not in message
+    letters = [e for topic, e in recorder.sent if topic == Topics("t").dead_letter]
+    assert len(letters) == 1
+    assert producer.reports["d"].bad_rows == 1
+
+
+def test_a_prompt_event_over_its_share_of_a_message_is_a_bad_row(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The row's text is under max_prompt_bytes but its event is not (escapes, or
+    template ids, take more bytes than the text): it is refused before Kafka is."""
+    rows = [json.dumps({"prompt": "p0"}), json.dumps({"prompt": '"' * 300})]
+    config = make_config(tmp_path, rows)
+    monkeypatch.setattr(sizes, "PROMPT_EVENT_BYTES", 500)  # the 300 quotes encode as 600 bytes
+    recorder = RecordingProducer()
+    producer = PromptProducer(config, "127.0.0.1:1", BudgetBoard(), producer=recorder)  # type: ignore[arg-type]
+
+    report = asyncio.run(producer.run())["d"]
+
+    assert (report.produced, report.bad_rows) == (1, 1)
+    (letter,) = [e for topic, e in recorder.sent if topic == Topics("t").dead_letter]
+    assert isinstance(letter, ev.DeadLetter)
+    assert letter.source.endswith("d.jsonl:2") and "over the 500 a prompt may take" in letter.reason

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from tokenbudget import sizes
 from tokenbudget.columns import Columns, PromptTemplate
 from tokenbudget.config import _RawConfig, build, load, one_server_per_url, parse_budget
 from tokenbudget.errors import ConfigError
@@ -610,3 +611,105 @@ def test_column_mappings_that_cannot_work_are_named(
     error = config_error({"datasets": [dataset("x"), dataset("a", **extra)]})
     assert error.key == f"datasets[1].{key}"
     assert message in str(error)
+
+
+# ---- sizes and compression ----------------------------------------------------------
+
+
+def test_size_and_compression_defaults() -> None:
+    config = build({}, environ=NO_ENV)
+    assert config.kafka.compression == "zstd"
+    assert config.producer.max_prompt_bytes == sizes.DEFAULT_PROMPT_BYTES == 1024 * 1024
+    assert config.producer.max_prompt_tokens == 0
+
+
+@pytest.mark.parametrize("codec", ["zstd", "lz4", "gzip", "none"])
+def test_compression_choices_also_from_the_environment(codec: str) -> None:
+    assert build({"kafka": {"compression": codec}}, environ=NO_ENV).kafka.compression == codec
+    env = {"TOKENBUDGET__KAFKA__COMPRESSION": codec}
+    assert build({}, environ=env).kafka.compression == codec
+
+
+@pytest.mark.parametrize(
+    ("data", "key", "says"),
+    [
+        (
+            {"kafka": {"compression": "snappy"}},
+            "kafka.compression",
+            "'snappy' is not a valid value; use one of 'zstd', 'lz4', 'gzip', 'none'",
+        ),
+        ({"producer": {"max_prompt_bytes": 0}}, "producer.max_prompt_bytes", "within 1.."),
+        # over half a Kafka message: the answer would have no room beside it
+        (
+            {"producer": {"max_prompt_bytes": sizes.PROMPT_EVENT_BYTES + 1}},
+            "producer.max_prompt_bytes",
+            "the other half holds the answer",
+        ),
+        ({"producer": {"max_prompt_tokens": -1}}, "producer.max_prompt_tokens", "0: no limit"),
+    ],
+)
+def test_size_settings_that_cannot_work_are_named(
+    data: dict[str, Any], key: str, says: str
+) -> None:
+    error = config_error(data)
+    assert error.key == key
+    assert says in str(error)
+
+
+def test_the_size_limit_reaches_every_topic_spec() -> None:
+    from tokenbudget.app.bootstrap import topic_specs
+
+    specs = topic_specs(build({}, environ=NO_ENV))
+    assert {s.configs["max.message.bytes"] for s in specs} == {str(sizes.MESSAGE_BYTES)}
+
+
+# ---- a thinking model's reasoning -----------------------------------------------------
+
+
+def test_reasoning_disable_turns_the_templates_thinking_off_unless_the_dataset_says_how() -> None:
+    config = build(
+        {
+            "inference": {"api": "openai-chat", "chat_template_kwargs": {"max_think": 2}},
+            "datasets": [
+                dataset("off", reasoning="disable"),
+                dataset("own", reasoning="disable", chat_template_kwargs={"mode": "fast"}),
+                dataset("saved", reasoning="save"),
+                dataset("unset"),
+            ],
+        },
+        environ=NO_ENV,
+    )
+    kwargs = {d.name: d.sampling.get("chat_template_kwargs") for d in config.datasets}
+    assert kwargs == {
+        # both switches: Qwen3's and GLM's templates read one, DeepSeek's and Kimi's the other
+        "off": {"max_think": 2, "enable_thinking": False, "thinking": False},
+        "own": {"mode": "fast"},  # a template that reads another key: its own, as written
+        "saved": {"max_think": 2},
+        "unset": {"max_think": 2},
+    }
+    assert [d.reasoning for d in config.datasets] == ["disable", "disable", "save", None]
+    assert config.inference.reasoning_end == "</think>"
+
+
+@pytest.mark.parametrize(
+    ("inference", "extra", "fix"),
+    [
+        ({"api": "sglang"}, {}, "set template = true"),
+        ({"api": "openai-completions"}, {}, 'api = "openai-chat"'),
+        ({"api": "openai-chat"}, {"chat_template_kwargs": {"enable_thinking": True}},
+         "set enable_thinking = true: drop one"),
+        ({"api": "openai-chat"}, {"chat_template_kwargs": {"thinking": True}}, "drop one"),
+    ],
+)  # fmt: skip
+def test_reasoning_disable_that_would_think_anyway_is_named(
+    inference: dict[str, Any], extra: dict[str, Any], fix: str
+) -> None:
+    data = {"inference": inference, "datasets": [dataset(reasoning="disable", **extra)]}
+    error = config_error(data, source="job.toml")
+    assert error.key == "datasets[0].reasoning" and fix in str(error)
+
+
+def test_a_bad_reasoning_value_lists_the_values() -> None:
+    error = config_error({"datasets": [dataset(reasoning="keep")]})
+    assert error.key == "datasets[0].reasoning"
+    assert str(error).endswith("'keep' is not a valid value; use one of 'save', 'disable'")

@@ -6,6 +6,8 @@ import asyncio
 import socket
 import uuid
 
+import aiokafka.codec
+import kafka.codec
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from faust.transport.drivers.aiokafka import server_list
@@ -13,11 +15,12 @@ from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
 from streams.app import LedgerSettings, build_app
 from streams.topics import Topics, TopicSpec
-from tokenbudget import kafka_admin
+from tokenbudget import kafka_admin, sizes
 from tokenbudget.kafka import (
     GroupLag,
     aiokafka_producer_options,
     client_options,
+    consumer_options,
     kafka_python_producer_options,
 )
 
@@ -31,14 +34,47 @@ def _dead_address() -> str:
 
 def test_every_producer_is_idempotent_and_waits_for_every_in_sync_replica() -> None:
     for options in (
-        aiokafka_producer_options("h1:9092"),
-        kafka_python_producer_options("h1:9092"),
+        aiokafka_producer_options("h1:9092", "zstd"),
+        kafka_python_producer_options("h1:9092", "zstd"),
     ):
         assert options["acks"] == "all"
         assert options["enable_idempotence"] is True
     # a leader election takes seconds: retries must go on far longer than that
-    assert aiokafka_producer_options("h1:9092")["request_timeout_ms"] >= 60_000
-    assert kafka_python_producer_options("h1:9092")["delivery_timeout_ms"] >= 60_000
+    assert aiokafka_producer_options("h1:9092", "zstd")["request_timeout_ms"] >= 60_000
+    assert kafka_python_producer_options("h1:9092", "zstd")["delivery_timeout_ms"] >= 60_000
+
+
+@pytest.mark.parametrize("build", [aiokafka_producer_options, kafka_python_producer_options])
+def test_every_producer_sends_what_the_topics_accept_compressed_as_configured(build) -> None:
+    for compression, codec in (("zstd", "zstd"), ("lz4", "lz4"), ("gzip", "gzip"), ("none", None)):
+        options = build("h1:9092", compression)
+        assert options["compression_type"] == codec
+        # the client library's own default (1 MiB) refused a 1.5 MB prompt
+        assert options["max_request_size"] == sizes.MESSAGE_BYTES
+
+
+def test_both_client_libraries_have_every_codec() -> None:
+    """Consumers decompress whatever any producer wrote, and aiokafka refuses to build
+    a producer whose codec library is missing."""
+    assert kafka.codec.has_zstd() and kafka.codec.has_lz4() and kafka.codec.has_gzip()
+    assert aiokafka.codec.has_zstd() and aiokafka.codec.has_lz4() and aiokafka.codec.has_gzip()
+
+
+def test_every_consumer_fetches_a_whole_message_per_partition() -> None:
+    options = consumer_options("h1:9092")
+    assert options["max_partition_fetch_bytes"] >= sizes.MESSAGE_BYTES
+    assert options["fetch_max_bytes"] >= options["max_partition_fetch_bytes"]
+    assert options["bootstrap_servers"] == "h1:9092"
+
+
+def test_the_ledger_producer_compresses_and_sends_what_the_topics_accept() -> None:
+    for compression, codec in (("lz4", "lz4"), ("none", None)):
+        app = build_app(LedgerSettings("h1:9092", Topics("unit"), compression=compression))
+        producer = app.transport.create_producer()
+        settings = {**producer._settings_default(), **producer._settings_extra()}
+        assert settings["compression_type"] == codec
+        assert settings["max_request_size"] == sizes.MESSAGE_BYTES
+        assert app.conf.consumer_max_fetch_size >= sizes.MESSAGE_BYTES
 
 
 def test_the_ledger_app_is_given_every_address_in_faust_url_form() -> None:
@@ -68,12 +104,12 @@ def test_kafka_python_and_aiokafka_clients_reach_the_cluster_through_any_address
     topic = f"t{uuid.uuid4().hex[:10]}.listed"
     kafka_admin.ensure_topics(listed, [TopicSpec(topic, partitions=1)])
 
-    producer = KafkaProducer(**kafka_python_producer_options(listed))
+    producer = KafkaProducer(**kafka_python_producer_options(listed, "lz4"))
     producer.send(topic, b"from kafka-python").get(timeout=30)
     producer.close()
 
     async def aiokafka_round_trip() -> list[bytes]:
-        sender = AIOKafkaProducer(**aiokafka_producer_options(listed))
+        sender = AIOKafkaProducer(**aiokafka_producer_options(listed, "zstd"))
         await sender.start()
         try:
             await sender.send_and_wait(topic, b"from aiokafka")

@@ -63,7 +63,7 @@ def _create(bootstrap: str, topic: str, partitions: int) -> None:
 def test_read_topic_hands_over_every_record_in_partition_order(kafka_bootstrap: str) -> None:
     topic = f"t{uuid.uuid4().hex[:10]}.read"
     _create(kafka_bootstrap, topic, 2)
-    producer = KafkaProducer(**kafka_python_producer_options(kafka_bootstrap))
+    producer = KafkaProducer(**kafka_python_producer_options(kafka_bootstrap, "zstd"))
     for i in range(30):
         producer.send(topic, value=str(i).encode(), partition=i % 2)
     producer.flush()

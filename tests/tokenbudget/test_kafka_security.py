@@ -175,8 +175,9 @@ def test_every_client_builder_uses_the_registered_security(
     security.register(bootstrap, KafkaSecurity.from_config(config(tmp_path)))
     for options in (
         kafka.client_options(bootstrap),
-        kafka.aiokafka_producer_options(bootstrap),
-        kafka.kafka_python_producer_options(bootstrap),
+        kafka.consumer_options(bootstrap),
+        kafka.aiokafka_producer_options(bootstrap, "zstd"),
+        kafka.kafka_python_producer_options(bootstrap, "zstd"),
     ):
         assert options["bootstrap_servers"] == bootstrap
         assert options["security_protocol"] == "SASL_SSL"

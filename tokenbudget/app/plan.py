@@ -278,7 +278,7 @@ async def make_plan(config: Config, *, pilot: int = 0, count_tokens: bool = True
         f" {config.sink_path}",
         file=sys.stderr,
     )
-    await run_async(pilot_config(config, lacking, pilot), progress=False)
+    await run_async(pilot_config(config, lacking, pilot), progress="off")
     return await asyncio.to_thread(known_plan, config, prompts, piloted=names, pilot_requests=pilot)
 
 

@@ -18,6 +18,7 @@ def print_table(report: RunReport) -> None:
                 r.samples,
                 r.skipped,
                 r.failed,
+                report.bad_rows(name),
                 r.status,
             ]
         )
@@ -29,6 +30,7 @@ def print_table(report: RunReport) -> None:
         "samples",
         "skipped",
         "failed",
+        "bad rows",
         "status",
     ]
     print(format_table(headers, rows))

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+import typing
 
 from streams.app import LedgerSettings, run_worker
 from streams.faust_adapt import HotPath
 from streams.ledger_gauges import LedgerGauges
 from streams.topics import Topics
 from tokenbudget import config as config_module
-from tokenbudget import metrics
+from tokenbudget import metrics, sizes
 from tokenbudget.app.bootstrap import resolve_bootstrap
 from tokenbudget.errors import TokenBudgetError
 from tokenbudget.kafka_admin import ensure_topics, topic_layout, wait_reachable
@@ -21,6 +22,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bootstrap")
     parser.add_argument("--namespace", default="tokenbudget")
     parser.add_argument("--snapshot-interval", type=float, default=0.5)
+    parser.add_argument(
+        "--compression",
+        choices=typing.get_args(sizes.Compression),
+        default=sizes.DEFAULT_COMPRESSION,
+        help="of what it produces (with --bootstrap; a config's [kafka] compression)",
+    )
     parser.add_argument("--metrics-host", default="127.0.0.1")
     parser.add_argument("--metrics-port", type=int, default=0, help="0: no /metrics")
 
@@ -31,24 +38,31 @@ def main(args: argparse.Namespace) -> int:
         bootstrap = resolve_bootstrap(config)
         namespace = config.kafka.namespace
         interval = config.budget.snapshot_interval_s
+        compression = config.kafka.compression
     elif args.bootstrap:
         bootstrap, namespace, interval = args.bootstrap, args.namespace, args.snapshot_interval
+        compression = args.compression
         wait_reachable(bootstrap)  # Faust gives up at once on a broker restarting
     else:
         raise TokenBudgetError("ledger needs --config FILE, or --bootstrap HOST:PORT")
     if args.metrics_port:
         metrics.serve(args.metrics_host, args.metrics_port, namespace, "ledger")
-    serve(bootstrap, namespace, interval)
+    serve(bootstrap, namespace, interval, compression=compression)
     return 0
 
 
 def serve(
-    bootstrap: str, namespace: str, snapshot_interval: float, hot_path: HotPath | None = None
+    bootstrap: str,
+    namespace: str,
+    snapshot_interval: float,
+    hot_path: HotPath | None = None,
+    *,
+    compression: sizes.Compression = sizes.DEFAULT_COMPRESSION,
 ) -> None:
     """Run one ledger worker of ``namespace`` until SIGTERM/SIGINT, on its topics as
     they are (made by run, or by an operator; made here if there are none).
     ``hot_path``: Faust's per-message cuts (all on by default; bench/ledger.py
-    turns some off)."""
+    turns some off); ``compression``: of the events and changelogs it writes."""
     layout = topic_layout(bootstrap, Topics(namespace).completions)
     if layout is None:
         ensure_topics(bootstrap, Topics(namespace).specs())
@@ -63,5 +77,6 @@ def serve(
             on_state=LedgerGauges().observe,
             replication_factor=layout.replication_factor,
             hot_path=hot_path or HotPath(),
+            compression=compression,
         )
     )

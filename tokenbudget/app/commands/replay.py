@@ -14,6 +14,7 @@ from sinks.parquet import WriterSettings
 from sinks.replay import ReplayOptions, ReplaySummary, parse_offsets, parse_time, replay
 from streams.topics import Topics
 from tokenbudget import config as config_module
+from tokenbudget import sizes
 from tokenbudget.app.bootstrap import resolve_bootstrap
 from tokenbudget.errors import TokenBudgetError
 
@@ -51,8 +52,10 @@ def options_from_args(args: argparse.Namespace) -> ReplayOptions:
         bootstrap = resolve_bootstrap(config)
         namespace = config.kafka.namespace
         row_group_rows = config.sink.row_group_rows
+        compression = config.kafka.compression
     elif args.bootstrap:
         bootstrap, namespace, row_group_rows = args.bootstrap, args.namespace, 1000
+        compression = sizes.DEFAULT_COMPRESSION
     else:
         raise TokenBudgetError("replay needs --config FILE, or --bootstrap HOST:PORT")
     for name in ("rotate_rows", "rotate_bytes", "row_group_bytes"):
@@ -76,6 +79,7 @@ def options_from_args(args: argparse.Namespace) -> ReplayOptions:
         ledger=args.ledger,
         to_topic=args.to_topic,
         recount_with=Path(args.recount_with) if args.recount_with else None,
+        compression=compression,
     )
 
 

@@ -7,8 +7,10 @@ import functools
 import json
 import sys
 
+from streams.topics import Topics
 from tokenbudget import config as config_module
 from tokenbudget.app import plan, runner
+from tokenbudget.app.interrupts import Interrupted
 from tokenbudget.app.report import print_table
 
 EXIT_PROMPTS_FAILED = 3  # the job ended, but some prompts failed for good
@@ -23,23 +25,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--ledgers", type=int, default=1, help="ledger worker processes sharing the datasets"
     )
+    add_resume_changed(parser)
+
+
+def add_resume_changed(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--resume-changed",
+        action="store_true",
+        help="resume the namespace's job although its datasets, model, sampling or "
+        "sink.path changed since it was recorded, and record it as it is now",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
     config = config_module.load(args.config)
-    report = runner.run(
-        config,
-        progress=False if args.json else None,
-        dispatchers=args.dispatchers,
-        ledgers=args.ledgers,
-        on_start=functools.partial(plan.announce, config),
-    )
+    try:
+        report = runner.run(
+            config,
+            progress="lines" if args.json else None,  # stdout is the JSON's
+            dispatchers=args.dispatchers,
+            ledgers=args.ledgers,
+            resume_changed=args.resume_changed,
+            on_start=functools.partial(plan.announce, config),
+        )
+    except Interrupted as stopped:  # it said so when the signal came
+        return stopped.exit_code
     kept = plan.kept_report(config)
     if args.json:
         print(json.dumps({**report.to_json(), "kept": [k.to_json() for k in kept]}, indent=2))
     else:
         print_table(report)
         print("\n" + plan.kept_table(kept))
+    bad = {name: report.bad_rows(name) for name in report.datasets}
+    if any(bad.values()):
+        per = ", ".join(f"{name} {n}" for name, n in bad.items() if n)
+        print(
+            f"tokenbudget: skipped {sum(bad.values())} bad row(s) ({per}), each dead-lettered to "
+            f"{Topics(config.kafka.namespace).dead_letter} with its file:line and why",
+            file=sys.stderr,
+        )
     if report.failed:
         print(
             f"tokenbudget: {report.failed} prompt(s) failed for good (see the log); exit code 3",

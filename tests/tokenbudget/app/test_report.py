@@ -1,0 +1,45 @@
+"""The run's report: bad rows (rows that are not prompts) in the table and --json."""
+
+from __future__ import annotations
+
+import pytest
+
+from producers.prompts import ProduceReport
+from tokenbudget.app.report import print_table
+from tokenbudget.app.runner import DatasetResult, RunReport
+
+
+def report() -> RunReport:
+    result = DatasetResult(
+        budget=1000,
+        completion_tokens=900,
+        prompt_tokens=50,
+        samples=9,
+        skipped=0,
+        failed=0,
+        status="exhausted",
+        unit="completion_tokens",
+    )
+    return RunReport(
+        datasets={"a": result, "b": result},
+        produced={"a": ProduceReport("a", produced=9, bad_rows=2), "b": ProduceReport("b")},
+    )
+
+
+def test_bad_rows_are_in_the_json_per_dataset_and_in_all() -> None:
+    data = report().to_json()
+    datasets = data["datasets"]
+    assert isinstance(datasets, dict)
+    assert datasets["a"]["bad_rows"] == 2
+    assert datasets["b"]["bad_rows"] == 0
+    assert data["bad_rows"] == 2
+
+
+def test_bad_rows_are_a_column_of_the_table(capsys: pytest.CaptureFixture[str]) -> None:
+    print_table(report())
+    header, _, row_a, row_b = capsys.readouterr().out.splitlines()[:4]
+    columns = header.split("  ")
+    assert "bad rows" in [c.strip() for c in columns if c.strip()]
+    at = header.index("bad rows") + len("bad rows")
+    assert row_a[:at].rstrip().endswith("2")
+    assert row_b[:at].rstrip().endswith("0")

@@ -1,0 +1,105 @@
+"""Topic sizes on any cluster: existing topics raised to the message size every
+producer of ours sends, and a cluster that refuses it named with the fix."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any
+
+import pytest
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+
+from streams.topics import Topics
+from tokenbudget import kafka_admin, sizes
+from tokenbudget.errors import KafkaLimitsError
+from tokenbudget.kafka import aiokafka_producer_options, consumer_options
+from tokenbudget.kafka_admin import TopicSpec
+
+KAFKA_DEFAULT = 1048588  # a topic's max.message.bytes on a cluster of Kafka's defaults
+
+
+class RefusingAdmin:
+    """An admin client of a cluster whose topics allow Kafka's default and whose
+    AlterConfigs is refused (a user without the right, or a managed plan's cap)."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
+        self.altered: list[Any] = []
+
+    def describe_configs(self, resources: list[Any], config_filter: str) -> dict[str, Any]:
+        return {
+            "topic": {
+                r.name: {"max.message.bytes": {"value": str(KAFKA_DEFAULT)}} for r in resources
+            }
+        }
+
+    def alter_configs(self, resources: list[Any], **_: Any) -> dict[str, Any]:
+        self.altered += resources
+        return {"topic": {r.name: "TopicAuthorizationFailedError: denied" for r in resources}}
+
+
+def test_a_refused_raise_names_the_topics_the_setting_and_the_fix() -> None:
+    specs = Topics("old").specs()
+    admin = RefusingAdmin([s.name for s in specs])
+    with pytest.raises(KafkaLimitsError) as info:
+        kafka_admin._raise_message_limits(admin, "k1:9092", specs)
+    message = str(info.value)
+    assert "old.prompts (1,048,588 bytes" in message
+    assert f"max.message.bytes to {sizes.MESSAGE_BYTES}" in message
+    assert "kafka-configs.sh --bootstrap-server k1:9092 --alter --entity-type topics" in message
+    assert f"--add-config max.message.bytes={sizes.MESSAGE_BYTES}" in message
+    assert "\n" not in message
+    # it asked for exactly the one setting, incrementally (their other settings stay)
+    assert {r.name for r in admin.altered} == {s.name for s in specs}
+    assert all(list(r.configs) == ["max.message.bytes"] for r in admin.altered)
+
+
+def test_brokers_that_refuse_requests_of_a_message_are_named_with_the_fix() -> None:
+    with pytest.raises(KafkaLimitsError, match=r"socket\.request\.max\.bytes = 1,048,576"):
+        kafka_admin._check_request_limit("k1:9092", {"socket.request.max.bytes": 1048576})
+    kafka_admin._check_request_limit("k1:9092", {"socket.request.max.bytes": 104857600})
+    kafka_admin._check_request_limit("k1:9092", None)  # not readable: not checked
+
+
+@pytest.mark.integration
+def test_an_older_namespace_is_raised_to_the_message_size_and_then_takes_a_large_prompt(
+    kafka_bootstrap: str,
+) -> None:
+    """A namespace made before its topics set max.message.bytes, on a cluster of
+    Kafka's defaults: its prompts topic refused a 1.5 MB prompt."""
+    topics = Topics(f"t{uuid.uuid4().hex[:10]}")
+    older = [
+        TopicSpec(s.name, s.partitions, {**s.configs, "max.message.bytes": str(KAFKA_DEFAULT)})
+        for s in topics.specs()
+    ]
+    kafka_admin.ensure_topics(kafka_bootstrap, older)
+    names = [s.name for s in older]
+    admin = kafka_admin.admin_client(kafka_bootstrap)
+    try:
+        assert set(kafka_admin.message_limits(admin, names).values()) == {KAFKA_DEFAULT}
+        kafka_admin.ensure_topics(kafka_bootstrap, topics.specs())
+        assert set(kafka_admin.message_limits(admin, names).values()) == {sizes.MESSAGE_BYTES}
+    finally:
+        admin.close()
+
+    big = b"p" * 1_500_000
+
+    async def round_trip() -> bytes:
+        producer = AIOKafkaProducer(**aiokafka_producer_options(kafka_bootstrap, "zstd"))
+        await producer.start()
+        try:
+            await producer.send_and_wait(topics.prompts, big, partition=0)
+        finally:
+            await producer.stop()
+        consumer = AIOKafkaConsumer(
+            topics.prompts, **consumer_options(kafka_bootstrap), auto_offset_reset="earliest"
+        )
+        await consumer.start()
+        try:
+            record = await asyncio.wait_for(consumer.getone(), 60)
+        finally:
+            await consumer.stop()
+        return bytes(record.value)
+
+    assert asyncio.run(round_trip()) == big
