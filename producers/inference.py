@@ -981,3 +981,67 @@ def _json_or_none(response: httpx.Response) -> Any:
         return response.json()
     except ValueError:
         return None
+
+
+# ---- a server nobody has configured yet (tokenbudget init) ----------------------------
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    """What a server says of itself."""
+
+    url: str
+    kind: str  # "sglang" (/get_model_info answers) or "openai" (/v1/models only)
+    model: str  # as the server names it ("" if it does not)
+    tokenizer: str  # the tokenizer folder the server names ("" if none)
+
+
+def probe_server(
+    url: str, *, api_key: str | None = None, key_env: str = "", timeout: float = 10.0
+) -> ServerInfo:
+    """Which API ``url`` speaks, asked as a client would: SGLang answers
+    ``GET /get_model_info`` (the model's and the tokenizer's paths), an
+    OpenAI-compatible server (vLLM, llama.cpp, SGLang too) ``GET /v1/models`` (the
+    model's id; vLLM's ``root`` is the folder it loaded). Raises
+    :class:`ServerUnreachableError` when neither answers, and
+    :class:`InferenceRequestError` when it wants a key (``key_env`` names its
+    variable)."""
+    url = url.rstrip("/")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    with httpx.Client(timeout=timeout, headers=headers) as client:
+
+        def get(path: str) -> httpx.Response:
+            try:
+                return client.get(url + path)
+            except httpx.HTTPError as exc:
+                raise ServerUnreachableError(
+                    f"cannot reach the inference server at {url}: GET {path} failed"
+                    f" ({type(exc).__name__}: {exc}). Is the server running?"
+                ) from exc
+
+        info = get("/get_model_info")
+        body = _json_or_none(info) if info.status_code < 400 else None
+        if isinstance(body, dict) and isinstance(body.get("model_path"), str):
+            tokenizer = body.get("tokenizer_path")
+            return ServerInfo(
+                url, "sglang", body["model_path"], tokenizer if isinstance(tokenizer, str) else ""
+            )
+        models = get("/v1/models")
+        if models.status_code in (401, 403):
+            raise InferenceRequestError(
+                f"the inference server at {url} refused GET /v1/models with HTTP"
+                f" {models.status_code}: set its API key in ${key_env}"
+            )
+        listing = _json_or_none(models) if models.status_code < 400 else None
+        data = listing.get("data") if isinstance(listing, dict) else None
+        if isinstance(data, list):
+            first = next((m for m in data if isinstance(m, dict)), {})
+            root = first.get("root")
+            return ServerInfo(
+                url, "openai", str(first.get("id") or ""), root if isinstance(root, str) else ""
+            )
+        raise ServerUnreachableError(
+            f"the server at {url} answers neither GET /get_model_info (SGLang: HTTP"
+            f" {info.status_code}) nor GET /v1/models (OpenAI-compatible: HTTP"
+            f" {models.status_code}); is it an inference server, and its URL the root?"
+        )

@@ -30,6 +30,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "simulate": ("tokenbudget.dev.commands.simulate", "a simulated SGLang/OpenAI inference server"),
     "ledger": ("tokenbudget.app.commands.ledger", "the Faust budget ledger worker"),
+    "init": (
+        "tokenbudget.app.commands.init",
+        "write a job's config from its datasets and server",
+    ),
+    "plan": ("tokenbudget.app.commands.plan", "what each budget will buy, before it is spent"),
     "run": ("tokenbudget.app.commands.run", "run a job to its budgets"),
     "status": ("tokenbudget.app.commands.status", "per-dataset budget, kept, rate, ETA, state"),
     "demo": ("tokenbudget.dev.commands.demo", "eight datasets against the simulator"),

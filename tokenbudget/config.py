@@ -39,6 +39,10 @@ Unit = Literal["completion_tokens", "total_tokens", "samples"]
 BoundaryPolicy = Literal["truncate", "finish"]
 AdmissionMode = Literal["reserve", "halt"]
 DatasetFormat = Literal["auto", "prompt", "openai", "sharegpt", "hf"]
+# The order a dataset's prompts are sent in: producers/order.py says what each keeps.
+DatasetOrder = Literal["file", "shuffled", "stratified"]
+# stratify_by's default: the prompt's length, not a field of the row.
+PROMPT_LENGTH = "prompt_length"
 # A thinking model's reasoning, per dataset: "save" keeps it (and says so when the
 # server sends none), "disable" asks the chat template for none; unset: as the server does.
 ReasoningMode = Literal["save", "disable"]
@@ -187,6 +191,9 @@ class DatasetConfig(_Sampling, frozen=True, forbid_unknown_fields=True, kw_only=
     template: bool = False  # apply the tokenizer's chat template here, send input_ids
     turns: Literal["first", "all"] = "first"
     shuffle_seed: int | None = None
+    # unset: "shuffled" with a shuffle_seed, else "file"; the seed also seeds "stratified"
+    order: DatasetOrder | None = None
+    stratify_by: str = ""  # order "stratified": prompt_length (default) or a field
     split: str = ""  # format "hf": the split of a saved DatasetDict
     n: int | None = None  # answers per prompt ([inference] n when unset)
     keep_columns: list[str] = []  # input columns copied into every output row
@@ -215,6 +222,8 @@ class Dataset(msgspec.Struct, frozen=True, kw_only=True):
     template: bool = False
     turns: Literal["first", "all"] = "first"
     shuffle_seed: int | None = None
+    order: DatasetOrder = "file"
+    stratify_by: str = PROMPT_LENGTH
     split: str = ""
     sampling: dict[str, Any] = {}  # the sampling settings its requests carry
     n: int = 1  # answers per prompt
@@ -440,6 +449,8 @@ def build(
                 template=d.template,
                 turns=d.turns,
                 shuffle_seed=d.shuffle_seed,
+                order=resolve_order(d.order, d.shuffle_seed),
+                stratify_by=d.stratify_by or PROMPT_LENGTH,
                 split=d.split,
                 sampling=_sampling(raw.inference, d),
                 n=d.n if d.n is not None else raw.inference.n,
@@ -580,8 +591,24 @@ def _check_kafka_security(kafka: KafkaConfig, source: str) -> None:
             )
 
 
+def resolve_order(order: DatasetOrder | None, shuffle_seed: int | None) -> DatasetOrder:
+    """The order of a dataset whose ``order`` is unset: shuffled when it has a
+    ``shuffle_seed`` (as before ``order`` existed), else the file's."""
+    if order is not None:
+        return order
+    return "shuffled" if shuffle_seed is not None else "file"
+
+
 def _check_dataset(raw: _RawConfig, d: DatasetConfig, key: str, source: str) -> None:
     """Combinations of dataset options that cannot work, named by their key."""
+    if d.stratify_by and resolve_order(d.order, d.shuffle_seed) != "stratified":
+        raise ConfigError(
+            f"{key}.stratify_by", 'only used with order = "stratified"', source=source
+        )
+    if d.stratify_by != d.stratify_by.strip():
+        raise ConfigError(
+            f"{key}.stratify_by", f"{d.stratify_by!r} is not a field name", source=source
+        )
     if d.limit is not None and d.limit <= 0:
         raise ConfigError(f"{key}.limit", f"must be positive, got {d.limit}", source=source)
     if d.n is not None and d.n < 1:

@@ -455,9 +455,12 @@ async def run_async(
     ledgers: int = 1,
     resume_changed: bool = False,
     stop: StopSignals | None = None,
+    on_start: Callable[[], object] | None = None,
 ) -> RunReport:
     """Run a job; ``stop``: the signals that stop it in order (see
-    :mod:`tokenbudget.app.interrupts`), installed by the caller."""
+    :mod:`tokenbudget.app.interrupts`), installed by the caller. ``on_start`` is
+    called (in a thread) once the job can start, Kafka and the server having
+    answered: ``run`` prints its plan."""
     started = time.monotonic()
     # What the config and the datasets' first rows can tell is told before anything
     # starts: no broker, no server touched for a job that cannot run.
@@ -469,6 +472,8 @@ async def run_async(
     await identity.settle(config, bootstrap, resume_changed=resume_changed, command="run")
     # Once Kafka answered: a job that cannot start says only why (one line).
     config = serve_metrics(config, dispatchers, ledgers if ledger_process else 0)
+    if on_start is not None:
+        await asyncio.to_thread(on_start)
     topics = Topics(config.kafka.namespace)
     for dataset in config.datasets:
         metrics.OVERSHOOT_ALLOWANCE.labels(dataset=dataset.name).set(
@@ -827,11 +832,12 @@ def run(
     dispatchers: int = 1,
     ledgers: int = 1,
     resume_changed: bool = False,
+    on_start: Callable[[], object] | None = None,
 ) -> RunReport:
     """Run ``config``, showing its progress (:mod:`tokenbudget.app.progress`): by
     default bars on a terminal and lines otherwise; True: bars, False: nothing.
     ``resume_changed`` resumes its namespace even when the job differs from the one
-    recorded there (:mod:`.identity`)."""
+    recorded there (:mod:`.identity`); ``on_start``: see :func:`run_async`."""
     logging.basicConfig(level=logging.WARNING)  # no-op once the CLI configured logging
     mode: ProgressMode
     if progress is None:
@@ -847,6 +853,7 @@ def run(
             dispatchers=dispatchers,
             ledgers=ledgers,
             resume_changed=resume_changed,
+            on_start=on_start,
         )
     )
 

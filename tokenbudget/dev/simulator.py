@@ -198,6 +198,9 @@ PROFILES: dict[str, tuple[LengthRule, ...]] = {
     ),
     "uniform": (LengthRule("", 1000.0, 0.5),),
     "short": (LengthRule("", 64.0, 0.5),),
+    # Answers of nearly one length (coefficient of variation 0.1): what a plan of a
+    # budget should predict closely from a few of them.
+    "steady": (LengthRule("", 1000.0, 0.1),),
     # Answers of a long-context model's full length (~100k tokens), for what sizes
     # the pipeline must carry: run it at a high --tokens-per-second.
     "long": (LengthRule("", 100_000.0, 0.05),),
@@ -925,7 +928,10 @@ class _SimServer:
         return _json({"until": self.outage_until})
 
     async def handle_model_info(self, request: web.Request) -> web.Response:
-        return _json({"model_path": self.config.model, "is_generation": True})
+        info: dict[str, Any] = {"model_path": self.config.model, "is_generation": True}
+        if self.config.tokenizer:  # as SGLang names the tokenizer it loaded
+            info["tokenizer_path"] = self.config.tokenizer
+        return _json(info)
 
     def _authorized(self, request: web.Request) -> bool:
         key = self.config.api_key

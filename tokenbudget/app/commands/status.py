@@ -12,6 +12,7 @@ import time
 from streams.topics import Topics
 from tokenbudget import config as config_module
 from tokenbudget.app.bootstrap import local_broker_settings, resolve_bootstrap
+from tokenbudget.app.saved_plan import planned
 from tokenbudget.app.status import Tracker, follow, to_json
 from tokenbudget.errors import TokenBudgetError
 from tokenbudget.kafka_admin import topic_layout
@@ -57,6 +58,7 @@ def main(args: argparse.Namespace) -> int:
             watch=args.watch,
             as_json=args.json,
             interval=args.interval,
+            planned=planned(config),
         )
     )
 
