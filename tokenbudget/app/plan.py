@@ -70,7 +70,8 @@ class Prompts:
 
 def read_dataset(config: Config, dataset: Dataset, *, count_tokens: bool) -> Prompts:
     """Read the prompts as the producer would (turns, n, limit, order; bad rows
-    skipped and counted, or raised with ``on_bad_row = "fail"``). ``count_tokens``:
+    skipped and counted, whatever ``on_bad_row`` says: a plan reports them, and with
+    ``"fail"`` the producer stops the run at the first, naming its dataset). ``count_tokens``:
     count each prompt with ``[inference] tokenizer`` (the chat template applied for
     ``template = true``), when one is configured; else no tokenizer is loaded."""
     bad = 0
@@ -90,7 +91,7 @@ def read_dataset(config: Config, dataset: Dataset, *, count_tokens: bool) -> Pro
     rows = read_prompts(
         dataset.name,
         dataset.path,
-        on_bad_row=bad_row if config.producer.on_bad_row == "skip" else None,
+        on_bad_row=bad_row,
         limit=dataset.limit,
         **read_options(config, dataset),
     )
