@@ -180,7 +180,10 @@ class Supervised:
     """A child process of ``run`` (the ledger, an extra dispatcher), started again
     whenever it exits without being asked to: killed from outside (the OOM killer, an
     operator), or ending itself to restart from what is durable (the ledger's 75). A
-    child that keeps dying (``max_restarts`` within ``window_s``) ends the run."""
+    child that keeps dying ends the run: ``max_restarts`` exits in a row, each within
+    ``window_s`` of its start (a child that lived longer starts the count again). A
+    child that crashes at start-up therefore ends the run however slowly it starts,
+    while one killed now and then, after doing work, never does."""
 
     def __init__(
         self,
@@ -195,20 +198,23 @@ class Supervised:
         self.max_restarts = max_restarts
         self.window_s = window_s
         self.process = start()
+        self.started_at = time.monotonic()
+        self.short_lives = 0  # exits in a row within window_s of their start
         self.restarts: list[Restart] = []
 
     def check(self) -> Restart | None:
         code = self.process.poll()
         if code is None:
             return None
-        now = time.time()
-        recent = [r for r in self.restarts if now - r.at < self.window_s]
-        if len(recent) >= self.max_restarts:
+        lived = time.monotonic() - self.started_at
+        self.short_lives = self.short_lives + 1 if lived < self.window_s else 0
+        if self.short_lives > self.max_restarts:
             raise WorkerFailedError(
-                f"the {self.name} exited {len(recent) + 1} times within "
-                f"{self.window_s:.0f} s (last exit code {code}); see its messages above"
+                f"the {self.name} exited {self.short_lives} times in a row, each within "
+                f"{self.window_s:.0f} s of its start (last exit code {code}); see its "
+                "messages above"
             )
-        restart = Restart(self.name, self.process.pid, code, now)
+        restart = Restart(self.name, self.process.pid, code, time.time())
         self.restarts.append(restart)
         log.warning(
             "the %s (pid %d) exited with code %s: starting it again",
@@ -217,6 +223,7 @@ class Supervised:
             code,
         )
         self.process = self._start()
+        self.started_at = time.monotonic()
         return restart
 
     def stop(self, timeout: float = 30, signum: int = signal.SIGTERM) -> int | None:
