@@ -37,7 +37,8 @@ from tokenbudget.app.runner import RunReport, run_async, start_ledger_process, s
 from tokenbudget.app.status import follow
 from tokenbudget.dev import simulator
 
-pytestmark = pytest.mark.integration
+# One worker runs them all (make test's --dist loadgroup): their module fixture is costly.
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("observability")]
 
 CONCURRENCY = 8
 MAX_NEW_TOKENS = 2048
