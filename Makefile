@@ -7,16 +7,20 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
+# Most of an integration test is waiting (for a broker, a simulated server, a
+# drain), so more workers than cores pay: bench/test_suite_time.py measures it.
+TEST_WORKERS ?= 3
 
 .DEFAULT_GOAL := help
-.PHONY: help venv jars broker-up broker-down lint rules test demo bench clean jars-lock
+.PHONY: help venv jars broker-up broker-down lint rules test test-fast demo bench clean jars-lock
 
 help: ## list the targets
 	@echo "usage: make TARGET"
 	@echo
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  %-12s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 	@echo
-	@echo "PYTHON=$(PYTHON) (interpreter for the venv); PYTEST_ARGS are passed to pytest"
+	@echo "PYTHON=$(PYTHON) (interpreter for the venv); PYTEST_ARGS are passed to pytest;"
+	@echo "TEST_WORKERS=$(TEST_WORKERS) (pytest-xdist processes for make test)"
 
 venv: $(STAMP) ## create .venv and install tokenbudget[dev] (again when pyproject.toml changes)
 
@@ -47,19 +51,23 @@ rules: ## promtool check and unit-test the alert rules (needs the prometheus pac
 	promtool check rules infra/prometheus/rules/tokenbudget.yml
 	promtool test rules infra/prometheus/rules_test.yml
 
-test: venv jars ## run the tests (integration tests start their own brokers)
-	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+test: venv jars ## run every test, on TEST_WORKERS processes (each starts its own broker)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+
+test-fast: venv ## the unit tests only (no broker, no JVM): the edit loop
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not integration" $(PYTEST_ARGS)
 
 demo: venv jars ## eight datasets against the simulator, on the local broker
 	$(BIN)/tokenbudget demo
 
-bench: venv jars ## run every bench/*.py against the local broker (bench/llama_cpp.py apart: it builds llama.cpp)
+bench: venv jars ## run every bench/*.py against the local broker (llama_cpp.py and test_suite_time.py apart: they take long)
 	@bootstrap=$$($(BIN)/tokenbudget broker up) || exit 1; \
 	echo "broker: $$bootstrap"; \
 	failed=""; \
 	for script in bench/*.py; do \
 		[ -e "$$script" ] || continue; \
 		[ "$$script" = bench/llama_cpp.py ] && continue; \
+		[ "$$script" = bench/test_suite_time.py ] && continue; \
 		if grep -q -- '--bootstrap' "$$script"; then set -- --bootstrap "$$bootstrap"; \
 		else set --; fi; \
 		echo "== $(BIN)/python $$script $$*"; \

@@ -23,8 +23,8 @@ has no answer yet).
 ``prompt_id`` is a hash of the dataset name and the row's identity: its ``id`` when
 it has one, else its content (with an occurrence number, so two identical rows stay
 two prompts), plus the turn for ``turns = "all"``. The same file therefore yields
-the same ids on every run, in any order (``shuffle_seed``), which is what lets a
-resumed run recognise work already done.
+the same ids on every run, in any order (``order``, ``shuffle_seed``:
+:mod:`producers.order`), which is what lets a resumed run recognise work already done.
 
 Bad rows raise :class:`DatasetError` naming file and line, with an excerpt of the
 row for its dead letter; :func:`read_prompts` either skips them (reporting each
@@ -48,7 +48,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import pyarrow.parquet as pq
+from msgspec.structs import replace as msgspec_replace
 
+from producers.order import prompt_length, stratified
 from producers.tokenizers import load_tokenizer
 from streams.events import ChatMessage
 from tokenbudget import sizes
@@ -57,14 +59,22 @@ from tokenbudget.columns import (
     DEFAULT_COLUMNS,
     Columns,
     FieldError,
+    PromptTemplate,
     field_text,
 )
-from tokenbudget.config import RAW_TEXT_APIS, untemplated_chat
+from tokenbudget.config import (
+    PROMPT_LENGTH,
+    RAW_TEXT_APIS,
+    Dataset,
+    DatasetOrder,
+    resolve_order,
+    untemplated_chat,
+)
 from tokenbudget.errors import ConfigError, DatasetError
 from tokenbudget.extras import require
 
 if TYPE_CHECKING:
-    from tokenbudget.config import Config, Dataset
+    from tokenbudget.config import Config
 
 Format = Literal["auto", "prompt", "openai", "sharegpt", "hf"]
 Turns = Literal["first", "all"]
@@ -97,6 +107,7 @@ class PromptRow:
     row_id: str | None = None  # the row's own "id"
     input_columns: dict[str, Any] | None = None  # the row's keep_columns (missing: null)
     sample_index: int = 0  # which of the dataset's n answers to this prompt
+    stratum: Any = None  # the row's stratify_by field, read for order = "stratified"
 
 
 def stable_prompt_id(dataset: str, identity: str) -> str:
@@ -440,6 +451,7 @@ def _in_file_order(
     on_bad_row: Callable[[DatasetError], None] | None,
     keep_columns: Sequence[str] = (),
     columns: Columns = DEFAULT_COLUMNS,
+    stratum_field: str = "",
 ) -> Iterator[PromptRow]:
     occurrences: dict[str, int] = {}
     name = reader.name
@@ -478,6 +490,7 @@ def _in_file_order(
                 messages=chosen,
                 row_id=row_id,
                 input_columns={c: row.get(c) for c in keep_columns} if keep_columns else None,
+                stratum=row.get(stratum_field) if stratum_field else None,
             )
 
 
@@ -558,6 +571,8 @@ def read_prompts(
     format: Format = "auto",
     turns: Turns = "first",
     shuffle_seed: int | None = None,
+    order: DatasetOrder | None = None,
+    stratify_by: str = PROMPT_LENGTH,
     split: str = "",
     template: Template | None = None,
     keep_columns: Sequence[str] = (),
@@ -566,10 +581,12 @@ def read_prompts(
     max_prompt_bytes: int | None = None,
     max_prompt_tokens: int | None = None,
 ) -> Iterator[PromptRow]:
-    """Yield the dataset's prompts, in file order or shuffled with ``shuffle_seed``.
+    """Yield the dataset's prompts in ``order`` (:mod:`producers.order`): the file's,
+    shuffled, or stratified by ``stratify_by``, both seeded by ``shuffle_seed`` (0
+    when unset); ``order`` unset: shuffled when there is a seed, else the file's.
 
     With ``on_bad_row`` set, bad rows are passed to it and skipped; without, the
-    first bad row raises. ``limit`` counts prompts (after turns and shuffling), so
+    first bad row raises. ``limit`` counts prompts (after turns and ordering), so
     with a seed it takes a fixed random sample. ``template`` (messages -> ids)
     fills ``input_ids``; a plain prompt is templated as one user turn.
     ``keep_columns`` are copied from each row; ``samples`` (the dataset's ``n``)
@@ -579,21 +596,34 @@ def read_prompts(
     once templated, is a bad row (None: no limit).
     """
     reader = reader_for(path, format, split)
+    order = resolve_order(order, shuffle_seed)
+    by_field = stratify_by if order == "stratified" and stratify_by != PROMPT_LENGTH else ""
     rows: Iterator[PromptRow] = _in_file_order(
-        dataset, reader, format, turns, on_bad_row, keep_columns, columns
+        dataset, reader, format, turns, on_bad_row, keep_columns, columns, by_field
     )
     if max_prompt_bytes is not None:
         rows = _within_bytes(rows, max_prompt_bytes, on_bad_row)
-    if shuffle_seed is not None:
-        # Ids are fixed in file order first, so the order never changes an id.
+    # Ids are fixed in file order first, so the order never changes an id.
+    if order == "shuffled":
         everything = list(rows)
-        random.Random(shuffle_seed).shuffle(everything)
+        random.Random(shuffle_seed or 0).shuffle(everything)
         rows = iter(everything)
+    elif order == "stratified":
+        key = _field_stratum if by_field else _length_stratum
+        rows = iter(stratified(list(rows), key, shuffle_seed or 0))
     if template is not None:
         rows = _with_template(rows, template, on_bad_row, max_prompt_tokens)
     if limit is not None:
         rows = itertools.islice(rows, max(0, limit))
     return with_samples(dataset, rows, samples) if samples > 1 else rows
+
+
+def _field_stratum(row: PromptRow) -> Any:
+    return row.stratum
+
+
+def _length_stratum(row: PromptRow) -> int:
+    return prompt_length(row.text, row.messages)
 
 
 def with_samples(dataset: str, rows: Iterator[PromptRow], samples: int) -> Iterator[PromptRow]:
@@ -629,6 +659,8 @@ def read_options(config: Config, dataset: Dataset) -> dict[str, Any]:
         "format": dataset.format,
         "turns": dataset.turns,
         "shuffle_seed": dataset.shuffle_seed,
+        "order": dataset.order,
+        "stratify_by": dataset.stratify_by,
         "split": dataset.split,
         "template": template,
         "keep_columns": dataset.keep_columns,
@@ -713,14 +745,17 @@ def _peek(dataset: Dataset, key: str, source: str, peek: int) -> tuple[str, list
         raise ConfigError(f"{key}.path", str(exc), source=source) from exc
 
 
-def _check_rows(
-    config: Config,
-    dataset: Dataset,
-    key: str,
-    name: str,
-    rows: list[tuple[int, Any]],
-    peek: int,
-) -> None:
+@dataclass(frozen=True)
+class _Survey:
+    """What a dataset's first rows give through its format and column mapping."""
+
+    prompts: int  # rows that give a prompt
+    first_error: DatasetError | None
+    chat_at: str | None  # path:line of the first chat row
+    objects: list[dict[str, Any]]  # the rows that are objects
+
+
+def _survey(dataset: Dataset, name: str, rows: list[tuple[int, Any]]) -> _Survey:
     first_error: DatasetError | None = None
     prompts = 0
     chat_at = None
@@ -736,7 +771,20 @@ def _check_rows(
         if messages is not None and chat_at is None:
             chat_at = f"{name}:{line}"
     objects = [row for _, row in rows if isinstance(row, dict)]
-    if first_error is not None and not prompts:
+    return _Survey(prompts, first_error, chat_at, objects)
+
+
+def _check_rows(
+    config: Config,
+    dataset: Dataset,
+    key: str,
+    name: str,
+    rows: list[tuple[int, Any]],
+    peek: int,
+) -> None:
+    survey = _survey(dataset, name, rows)
+    first_error, chat_at, objects = survey.first_error, survey.chat_at, survey.objects
+    if first_error is not None and not survey.prompts:
         read = _rows_read(len(rows), peek)
         raise _no_prompts(dataset, key, read, first_error, objects, config.source)
     api = config.inference.api
@@ -753,6 +801,16 @@ def _check_rows(
             f"{key}.id_field",
             f"no field {id_field!r} in {_rows_read(len(rows), peek)} of {name} "
             f"(their fields: {_fields(objects)})",
+            source=config.source,
+        )
+    # A misspelt stratify_by would put every row in one stratum: file order in effect.
+    by = dataset.stratify_by
+    by_field = dataset.order == "stratified" and by != PROMPT_LENGTH
+    if by_field and objects and not any(by in row for row in objects):
+        raise ConfigError(
+            f"{key}.stratify_by",
+            f"no field {by!r} in {_rows_read(len(rows), peek)} of {name} (their fields: "
+            f'{_fields(objects)}); or stratify_by = "{PROMPT_LENGTH}"',
             source=config.source,
         )
 
@@ -822,3 +880,64 @@ def _no_prompts(
             fix += ' and format = "auto"'
     message = f"{message}: {fix} (README: Column mapping)"
     return ConfigError(f"{key}.{option}", message, source=source)
+
+
+# ---- a dataset nobody has configured yet (tokenbudget init) ---------------------------
+
+
+@dataclass(frozen=True)
+class DatasetShape:
+    """What the first rows of a dataset file say about it, for ``tokenbudget init``."""
+
+    read_as: str  # JSON lines, Parquet, a saved Hugging Face dataset
+    rows: int  # rows read (at most PEEK_ROWS)
+    prompts: int  # of them, the rows that give a prompt
+    mapping: tuple[str, str] | None  # the column mapping they need: (key, value)
+    chat: bool  # they give chat turns
+    fields: str  # the rows' fields
+
+
+_READ_AS = {
+    JsonlReader: "JSON lines",
+    ParquetReader: "Parquet",
+    HFDiskReader: "a saved Hugging Face dataset",
+}
+
+
+def describe_dataset(path: Path, key: str, source: str, *, peek: int = PEEK_ROWS) -> DatasetShape:
+    """Read the first ``peek`` rows of ``path`` as :func:`check_datasets` does and say
+    what they hold: with ``format = "auto"``, the rows as they are, else through the
+    column mapping their fields suggest (:func:`suggest_mapping`). Raises the same
+    ConfigError as :func:`check_datasets` (under ``key``) when they give no prompt."""
+    # Only the reading matters here: the budget and max_new_tokens are never used.
+    dataset = Dataset(name="new", path=path, budget=1, format="auto", max_new_tokens=1, limit=None)
+    name, rows = _peek(dataset, key, source, peek)
+    if not rows:
+        raise ConfigError(f"{key}.path", f"{name} has no rows", source=source)
+    survey = _survey(dataset, name, rows)
+    mapping = None
+    if not survey.prompts and survey.objects:
+        mapping = _suggestion(dataset, survey.objects[0])
+        if mapping is not None:
+            columns = _mapped_columns(*mapping)
+            survey = _survey(msgspec_replace(dataset, columns=columns), name, rows)
+    if not survey.prompts:
+        error = survey.first_error or DatasetError(name, "no prompt")
+        read = _rows_read(len(rows), peek)
+        raise _no_prompts(dataset, key, read, error, survey.objects, source)
+    return DatasetShape(
+        read_as=_READ_AS.get(type(reader_for(path)), "rows"),
+        rows=len(rows),
+        prompts=survey.prompts,
+        mapping=mapping,
+        chat=survey.chat_at is not None,
+        fields=_fields(survey.objects),
+    )
+
+
+def _mapped_columns(key: str, value: str) -> Columns:
+    if key == "prompt_template":
+        return Columns(prompt_template=PromptTemplate.parse(value))
+    if key == "messages_field":
+        return Columns(messages_field=value)
+    return Columns(prompt_field=value)

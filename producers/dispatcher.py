@@ -45,6 +45,7 @@ from producers.inference import (
     http_client,
 )
 from producers.offsets import OffsetTracker
+from producers.reasoning import ReasoningRows
 from producers.resume import OutcomeView
 from producers.server_gate import GateSettings, ServerGate
 from streams import budget
@@ -67,6 +68,16 @@ PRODUCER_BATCH_BYTES = 512 * 1024
 # Errors outside the inference request (not Kafka's: those are waited out) after which
 # a prompt is recorded as failed rather than tried again.
 UNEXPECTED_ERRORS = 5
+# Handing back: how long answers already in get to be published before they too are
+# given up (one waiting for budget on an expired lease could wait for long).
+HAND_BACK_GRACE_S = 10.0
+
+
+def about(prompt: ev.PromptEvent) -> str:
+    """A prompt as log lines name it: its dataset and row, then its id (the hash
+    alone says nothing to whoever reads the log)."""
+    row = f", {prompt.source}" if prompt.source else ""
+    return f"{prompt.dataset}{row} (prompt {prompt.prompt_id})"
 
 
 def wasted(dataset: str, reason: str, tokens: int) -> None:
@@ -288,6 +299,7 @@ class Dispatcher:
         self.tracker = OffsetTracker()
         self.report = DispatchReport()
         self.keep_log = keep_log
+        self.reasoning = ReasoningRows.for_config(config)
         inference = config.inference
         self.retry = RetryPolicy(inference.retries, inference.backoff_s, inference.backoff_max_s)
         self.timeouts = Timeouts(inference.connect_timeout_s, inference.read_timeout_s)
@@ -315,6 +327,8 @@ class Dispatcher:
         self.outcomes = OutcomeView(bootstrap, self.topics)
         self._reported_problems: set[str] = set()
         self.refused_at: dict[str, float] = {}  # first refusal per dataset, this process
+        self._handing_back = asyncio.Event()
+        self._answered: set[asyncio.Task[Any]] = set()  # prompts the server has answered
 
     @property
     def group_id(self) -> str:
@@ -424,21 +438,25 @@ class Dispatcher:
                 backend = self._backend_factory(client)
                 self._backend = backend
                 self.gate = self._gate(backend)
-                while not stop.is_set() and self.gate.outage is None:
+                while not self._stopping(stop):
                     batches = await consumer.getmany(
                         timeout_ms=200, max_records=self.config.inference.concurrency
                     )
                     for tp, records in batches.items():
                         metrics.consumed(tp.topic, "dispatcher", len(records))
                         for record in records:
+                            # Started but not sent, a prompt handed back stays pending:
+                            # the commit stops before it.
                             self.tracker.started(tp.topic, tp.partition, record.offset)
-                            await self._slots.acquire()
+                            if not await self._take_slot():
+                                break
                             task = asyncio.create_task(self._handle(backend, record))
                             tasks.add(task)
                             task.add_done_callback(tasks.discard)
-                # Graceful stop: finish what was started, then commit it.
+                # Graceful stop: finish what was started (handing back, only what the
+                # server has answered), then commit it.
                 if tasks:
-                    await asyncio.gather(*tasks, return_exceptions=True)
+                    await self._wind_down(tasks)
                 if self.gate.outage is not None:
                     raise self.gate.outage
         finally:
@@ -462,6 +480,56 @@ class Dispatcher:
             await asyncio.to_thread(self.outcomes.close)
             self._consumer = self._producer = None
         return self.report
+
+    def hand_back(self) -> None:
+        """Stop, handing back rather than finishing: no prompt is started any more,
+        requests the server has not answered are given up (their prompts stay
+        uncommitted, for the group's next dispatcher or a rerun), answers already in
+        are published; then :meth:`run` commits and returns."""
+        self._handing_back.set()
+
+    def _stopping(self, stop: asyncio.Event) -> bool:
+        return stop.is_set() or self._handing_back.is_set() or self._outage()
+
+    def _outage(self) -> bool:
+        return self.gate is not None and self.gate.outage is not None
+
+    async def _take_slot(self) -> bool:
+        """A place at the server; False (and no place) once handing back."""
+        if self._handing_back.is_set():
+            return False
+        if not self._slots.locked():
+            await self._slots.acquire()
+            return True
+        slot = asyncio.ensure_future(self._slots.acquire())
+        handing_back = asyncio.ensure_future(self._handing_back.wait())
+        await asyncio.wait({slot, handing_back}, return_when=asyncio.FIRST_COMPLETED)
+        handing_back.cancel()
+        if not slot.done():
+            slot.cancel()  # a waiter cancelled before it got the place takes nothing
+            return False
+        if self._handing_back.is_set():
+            self._slots.release()
+            return False
+        return True
+
+    async def _wind_down(self, tasks: set[asyncio.Task[None]]) -> None:
+        """Wait for the prompts started; once handing back, cancel those the server has
+        not answered and give the others :data:`HAND_BACK_GRACE_S` to be published."""
+        started = list(tasks)
+        finished = asyncio.gather(*started, return_exceptions=True)
+        handing_back = asyncio.ensure_future(self._handing_back.wait())
+        either: set[asyncio.Future[Any]] = {finished, handing_back}
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+        handing_back.cancel()
+        if not finished.done():
+            for task in started:
+                if task not in self._answered:
+                    task.cancel()
+            _, late = await asyncio.wait(started, timeout=HAND_BACK_GRACE_S)
+            for task in late:
+                task.cancel()
+        await finished
 
     def _gate(self, backend: InferenceBackend) -> ServerGate:
         inference = self.config.inference
@@ -597,6 +665,7 @@ class Dispatcher:
                 await self._settle_prompt(backend, prompt, slot)
         finally:
             slot.release()
+            self._answered.discard(asyncio.current_task())  # type: ignore[arg-type]
         self.tracker.finished(record.topic, record.partition, record.offset)
 
     async def _settle_prompt(
@@ -612,9 +681,8 @@ class Dispatcher:
             except Exception as exc:
                 errors += 1
                 log.warning(
-                    "prompt %s of %s: %r (attempt %d); trying again",
-                    prompt.prompt_id,
-                    prompt.dataset,
+                    "%s: %r (attempt %d); trying again",
+                    about(prompt),
                     exc,
                     errors,
                     exc_info=errors == 1,
@@ -690,7 +758,7 @@ class Dispatcher:
         tried again, False when it is to be given up."""
         tries.last_error = exc
         metrics.INFERENCE_ERRORS.labels(kind=type(exc).__name__).inc()
-        log.warning("%s attempt %d failed: %s", prompt.prompt_id, tries.attempts, exc)
+        log.warning("%s: attempt %d failed: %s", about(prompt), tries.attempts, exc)
         if self.gate is not None:
             self.gate.failed(exc)
         if not exc.retryable:
@@ -794,8 +862,9 @@ class Dispatcher:
         if result.first_token_at is not None:
             metrics.TIME_TO_FIRST_TOKEN.observe(max(0.0, result.first_token_at - sent_at))
         stop_reason = finish_label(result, fitted.answer, request.max_new_tokens, max_new)
+        unfinished = self.reasoning.unfinished(prompt.dataset, result, fitted.answer, stop_reason)
         completion = self._completion(
-            prompt, request, result, ticket, attempts, sent_at, finished_at, stop_reason
+            prompt, request, result, ticket, attempts, sent_at, finished_at, stop_reason, unfinished
         )
         if ticket is not None:
             # Spent from here on, before any await: a revocation arriving while
@@ -808,6 +877,7 @@ class Dispatcher:
                 tickets.published(ticket)
         metrics.EVENTS_PRODUCED.labels(topic="completions").inc()
         metrics.COMPLETIONS.labels(dataset=prompt.dataset, finish_reason=stop_reason).inc()
+        self.reasoning.count(completion)
         self.report.completed += 1
 
     async def _generate(
@@ -834,6 +904,8 @@ class Dispatcher:
                 result = await generation
             finally:
                 metrics.IN_FLIGHT.dec()
+            if (current := asyncio.current_task()) is not None:
+                self._answered.add(current)  # handing back, it is published, not dropped
             # Stamped before any cap is looked up: a budget lowered after this
             # moment is known (synced below) before the answer is kept.
             finished_at = time.time()
@@ -940,6 +1012,7 @@ class Dispatcher:
         sent_at: float,
         finished_at: float,
         stop_reason: ev.StopReason,
+        unfinished: bool,
     ) -> ev.CompletionEvent:
         return ev.CompletionEvent(
             request_id=request.rid,
@@ -972,6 +1045,9 @@ class Dispatcher:
             input_columns=prompt.input_columns,
             sample_index=prompt.sample_index,
             stop_reason=stop_reason,
+            reasoning=result.reasoning,
+            reasoning_tokens=result.reasoning_tokens,
+            unfinished=unfinished,
         )
 
     async def _publish(self, topic: str, dataset: str, event: ev.Event) -> None:
@@ -1000,6 +1076,7 @@ class Dispatcher:
                 delay = min(5.0, delay * 2)
 
     async def _fail(self, prompt: ev.PromptEvent, attempts: int, reason: str) -> None:
+        log.warning("%s: failed for good (%s); see the dead-letter topic", about(prompt), reason)
         failed = ev.PromptFailed(
             prompt_id=prompt.prompt_id,
             dataset=prompt.dataset,
@@ -1059,12 +1136,18 @@ def within_request(
 
 
 def cut_answer(result: GenerationResult, keep: int) -> GenerationResult:
-    """The first ``keep`` tokens of an answer, as a server stopping there would give."""
+    """The first ``keep`` tokens of an answer, as a server stopping there would give.
+    With ids, the ids are the answer: they hold the thinking and the answer as
+    generated, so neither text is kept (the thinking comes first: at most ``keep``
+    of it is)."""
+    thinking = result.reasoning_tokens
     return dataclasses.replace(
         result,
         completion_tokens=keep,
         output_ids=None if result.output_ids is None else result.output_ids[:keep],
         text="" if result.output_ids else result.text,
+        reasoning=None if result.output_ids else result.reasoning,
+        reasoning_tokens=None if thinking is None else min(thinking, keep),
         finish_reason="length",
     )
 

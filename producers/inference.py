@@ -13,6 +13,12 @@ Each backend speaks plain JSON or, with ``stream=True``, server-sent events:
 * OpenAI-compatible servers stream deltas; ``stream_options.include_usage`` makes
   them send the usage in a final chunk.
 
+A thinking model's reasoning, when the server splits it off the answer (SGLang with
+``--reasoning-parser``: ``message.reasoning_content``; vLLM: ``message.reasoning``,
+older releases ``reasoning_content``; streamed in the same fields of ``delta``), is
+kept beside the answer in ``reasoning``, and ``usage.completion_tokens_details.
+reasoning_tokens`` in ``reasoning_tokens``. ``completion_tokens`` counts both.
+
 Counts come from the server (``usage`` / ``meta_info``, else the token ids it returned:
 vLLM's ``return_token_ids``). A server that returns neither is counted with the
 model's tokenizer (``[inference] tokenizer``), and the result says so in
@@ -228,6 +234,36 @@ class GenerationResult:
     count_source: CountSource = "server"  # see streams.events.CountSource
     model: str = ""  # as the server reported it
     prompt_ids: list[int] | None = None  # as the server returned them
+    # The thinking the server split off the answer (None: it sent none), and how many
+    # of completion_tokens it says were thinking (None: not reported).
+    reasoning: str | None = None
+    reasoning_tokens: int | None = None
+
+
+# Where servers put a thinking model's reasoning, in a message or a streamed delta:
+# SGLang's name (vLLM's before it renamed it), then vLLM's.
+REASONING_FIELDS = ("reasoning_content", "reasoning")
+
+
+def reasoning_of(message: Any) -> str:
+    """The reasoning a chat message or delta carries, "" when none. A server that
+    sends both names (vLLM while renaming) sends the same text in each."""
+    if isinstance(message, dict):
+        for name in REASONING_FIELDS:
+            value = message.get(name)
+            if isinstance(value, str) and value:
+                return value
+    return ""
+
+
+def reasoning_tokens_of(usage: Any, completion_tokens: int) -> int | None:
+    """``usage.completion_tokens_details.reasoning_tokens`` (vLLM, newer SGLang), at
+    most ``completion_tokens``, which counts thinking and answer; None when absent."""
+    details = usage.get("completion_tokens_details") if isinstance(usage, dict) else None
+    value = details.get("reasoning_tokens") if isinstance(details, dict) else None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        return None
+    return min(value, completion_tokens)
 
 
 def _as_finish(value: Any) -> FinishReason:
@@ -613,6 +649,14 @@ class _OpenAIBackend(InferenceBackend):
     @abstractmethod
     def _delta(self, choice: Any) -> str: ...
 
+    def _reasoning(self, choice: Any) -> str:
+        """The reasoning of a whole answer's choice ("" when none): chat only."""
+        return ""
+
+    def _delta_reasoning(self, choice: Any) -> str:
+        """The reasoning of a streamed choice's delta ("" when none): chat only."""
+        return ""
+
     def _full_body(self, request: GenerationRequest) -> dict[str, Any]:
         body = self._body(request)
         body.update(model=self.model, stream=self.stream, return_token_ids=True)
@@ -645,12 +689,14 @@ class _OpenAIBackend(InferenceBackend):
             finish=choice.get("finish_reason"),
             first_token_at=None,
             model=_model(data),
+            reasoning=self._reasoning(choice),
         )
 
     async def _generate_streaming(
         self, request: GenerationRequest, body: dict[str, Any]
     ) -> GenerationResult:
         parts: list[str] = []
+        thoughts: list[str] = []
         ids: list[int] = []
         has_ids = False
         prompt_ids: list[int] | None = None
@@ -672,13 +718,15 @@ class _OpenAIBackend(InferenceBackend):
                     continue
                 prompt_ids = _int_list(choice.get("prompt_token_ids")) or prompt_ids
                 delta = self._delta(choice)
+                thought = self._delta_reasoning(choice)
                 new_ids = _int_list(choice.get("token_ids"))
                 if new_ids is not None:
                     has_ids = True
                     ids.extend(new_ids)
-                if delta or new_ids:
+                if delta or thought or new_ids:
                     content_chunks += 1
                     parts.append(delta)
+                    thoughts.append(thought)
                     if first_token_at is None:
                         first_token_at = time.time()
                 if choice.get("finish_reason") is not None:
@@ -703,6 +751,7 @@ class _OpenAIBackend(InferenceBackend):
             finish=finish,
             first_token_at=first_token_at,
             model=model,
+            reasoning="".join(thoughts),
         )
 
     def _result(
@@ -716,7 +765,9 @@ class _OpenAIBackend(InferenceBackend):
         finish: Any,
         first_token_at: float | None,
         model: str,
+        reasoning: str,
     ) -> GenerationResult:
+        """The answer, counted. ``reasoning`` "" means the server sent none."""
         prompt_tokens = completion_tokens = None
         if usage:  # present: it must be whole
             prompt_tokens = int(_field(usage, "prompt_tokens"))
@@ -740,6 +791,8 @@ class _OpenAIBackend(InferenceBackend):
             count_source="usage" if source == "server" and output_ids is None else source,
             model=model,
             prompt_ids=prompt_ids,
+            reasoning=reasoning or None,
+            reasoning_tokens=reasoning_tokens_of(usage, completion) if usage else None,
         )
 
 
@@ -784,6 +837,12 @@ class OpenAIChatBackend(_OpenAIBackend):
     def _delta(self, choice: Any) -> str:
         delta = choice.get("delta") or {}
         return str(delta.get("content") or "") if isinstance(delta, dict) else ""
+
+    def _reasoning(self, choice: Any) -> str:
+        return reasoning_of(choice.get("message"))
+
+    def _delta_reasoning(self, choice: Any) -> str:
+        return reasoning_of(choice.get("delta"))
 
 
 BACKENDS: dict[str, type[InferenceBackend]] = {
@@ -922,3 +981,67 @@ def _json_or_none(response: httpx.Response) -> Any:
         return response.json()
     except ValueError:
         return None
+
+
+# ---- a server nobody has configured yet (tokenbudget init) ----------------------------
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    """What a server says of itself."""
+
+    url: str
+    kind: str  # "sglang" (/get_model_info answers) or "openai" (/v1/models only)
+    model: str  # as the server names it ("" if it does not)
+    tokenizer: str  # the tokenizer folder the server names ("" if none)
+
+
+def probe_server(
+    url: str, *, api_key: str | None = None, key_env: str = "", timeout: float = 10.0
+) -> ServerInfo:
+    """Which API ``url`` speaks, asked as a client would: SGLang answers
+    ``GET /get_model_info`` (the model's and the tokenizer's paths), an
+    OpenAI-compatible server (vLLM, llama.cpp, SGLang too) ``GET /v1/models`` (the
+    model's id; vLLM's ``root`` is the folder it loaded). Raises
+    :class:`ServerUnreachableError` when neither answers, and
+    :class:`InferenceRequestError` when it wants a key (``key_env`` names its
+    variable)."""
+    url = url.rstrip("/")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    with httpx.Client(timeout=timeout, headers=headers) as client:
+
+        def get(path: str) -> httpx.Response:
+            try:
+                return client.get(url + path)
+            except httpx.HTTPError as exc:
+                raise ServerUnreachableError(
+                    f"cannot reach the inference server at {url}: GET {path} failed"
+                    f" ({type(exc).__name__}: {exc}). Is the server running?"
+                ) from exc
+
+        info = get("/get_model_info")
+        body = _json_or_none(info) if info.status_code < 400 else None
+        if isinstance(body, dict) and isinstance(body.get("model_path"), str):
+            tokenizer = body.get("tokenizer_path")
+            return ServerInfo(
+                url, "sglang", body["model_path"], tokenizer if isinstance(tokenizer, str) else ""
+            )
+        models = get("/v1/models")
+        if models.status_code in (401, 403):
+            raise InferenceRequestError(
+                f"the inference server at {url} refused GET /v1/models with HTTP"
+                f" {models.status_code}: set its API key in ${key_env}"
+            )
+        listing = _json_or_none(models) if models.status_code < 400 else None
+        data = listing.get("data") if isinstance(listing, dict) else None
+        if isinstance(data, list):
+            first = next((m for m in data if isinstance(m, dict)), {})
+            root = first.get("root")
+            return ServerInfo(
+                url, "openai", str(first.get("id") or ""), root if isinstance(root, str) else ""
+            )
+        raise ServerUnreachableError(
+            f"the server at {url} answers neither GET /get_model_info (SGLang: HTTP"
+            f" {info.status_code}) nor GET /v1/models (OpenAI-compatible: HTTP"
+            f" {models.status_code}); is it an inference server, and its URL the root?"
+        )

@@ -132,10 +132,16 @@ class ServerGate:
                     f"{self.settings.outage_timeout_s:g} s ([inference] outage_timeout_s); "
                     "check it, then run the same command again to resume"
                 )
-                break
+                self._open.set()  # the waiters raise it
+                return
             await asyncio.sleep(self.settings.health_interval_s)
         self._failures = 0
-        log.warning("the inference server %s answers again: dispatch resumes", self.url)
+        away = time.monotonic() - self._away_since if self._away_since is not None else 0.0
+        log.warning(
+            "the inference server %s answers again after %.0f s away: dispatch resumes",
+            self.url,
+            away,
+        )
         self._open.set()
 
     def _outage_exceeded(self) -> bool:

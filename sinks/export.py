@@ -4,18 +4,26 @@ Three formats, every one loadable with Hugging Face ``datasets.load_dataset``:
 
 * ``conversations``: JSONL, one object per kept answer, ``{"id", "conversations":
   [{"role", "content"}, ...]}``: the prompt's turns (or the prompt as one user
-  turn), then the answer as the assistant turn. The shape SpecForge's and vLLM
-  speculators' regeneration scripts write.
+  turn), then the answer as the assistant turn, with the thinking the server split
+  off in its ``reasoning_content`` (the shape thinking models' Hugging Face chat
+  templates read). The shape SpecForge's and vLLM speculators' regeneration scripts
+  write.
 * ``messages``: the same turns under ``"messages"`` (OpenAI chat format).
 * ``parquet``: a folder of Parquet files (``data/train-*.parquet``) with every
   column of the sink's rows.
 
 Every record also carries ``dataset``, ``prompt_id``, ``sample_index``, ``model``,
 ``finish_reason`` (the server's), ``stop_reason`` (``budget`` where the budget's
-line ended the answer, else the server's reason) and the row's kept input columns
-(``[[datasets]] keep_columns``, at the top level in JSONL, as their JSON text in
-Parquet). ``with_ids`` adds ``input_ids`` (the prompt's ids then the answer's) and
-``loss_mask`` (0 over the prompt, 1 over the answer), for drafter training.
+line ended the answer, else the server's reason), ``reasoning_tokens``,
+``unfinished`` and the row's kept input columns (``[[datasets]] keep_columns``, at
+the top level in JSONL, as their JSON text in Parquet). ``with_ids`` adds
+``input_ids`` (the prompt's ids then the answer's) and ``loss_mask`` (0 over the
+prompt, 1 over the answer), for drafter training. The answer's ids are every token
+the model generated, its thinking included (the server's ids are the raw output,
+whether or not it split the reasoning off the text), so the mask covers the
+thinking as the chat template renders it in the last assistant turn.
+``drop_unfinished`` leaves out the rows cut while still thinking (they hold no
+answer).
 
 The rows come from the sink's Parquet output, any version's files
 (:func:`sinks.parquet.read_rows`); ``tokenbudget export --from-topic`` first
@@ -42,6 +50,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from sinks.parquet import conform, output_files
@@ -61,6 +70,7 @@ class ExportOptions:
     datasets: frozenset[str] = frozenset()  # empty: all
     with_ids: bool = False
     decode: Decode | None = None
+    drop_unfinished: bool = False
 
 
 @dataclass
@@ -68,12 +78,14 @@ class ExportSummary:
     rows: Counter[str] = field(default_factory=Counter)  # per dataset
     files: list[Path] = field(default_factory=list)
     decoded: int = 0  # cut answers whose text came from their ids
+    unfinished: Counter[str] = field(default_factory=Counter)  # left out, per dataset
 
     def to_json(self) -> dict[str, Any]:
         return {
             "rows": dict(self.rows),
             "files": [str(f) for f in self.files],
             "decoded": self.decoded,
+            "unfinished_dropped": dict(self.unfinished),
         }
 
 
@@ -97,22 +109,30 @@ def export(options: ExportOptions) -> ExportSummary:
     return summary
 
 
-def _tables(files: list[Path], options: ExportOptions) -> Iterator[pa.Table]:
-    """Each file's rows in the sink's schema (file by file: memory stays bounded)."""
+def _tables(
+    files: list[Path], options: ExportOptions, summary: ExportSummary
+) -> Iterator[pa.Table]:
+    """Each file's rows in the sink's schema (file by file: memory stays bounded),
+    without the unfinished ones when asked."""
     for file in files:
         table = conform(pq.read_table(file))
-        yield table.set_column(
+        table = table.set_column(
             table.schema.get_field_index("dataset"),
             "dataset",
             table.column("dataset").cast(pa.string()),  # datasets can't load dictionaries
         )
+        if options.drop_unfinished:
+            cut = pc.fill_null(table.column("unfinished"), False)
+            summary.unfinished.update(table.filter(cut).column("dataset").to_pylist())
+            table = table.filter(pc.invert(cut))
+        yield table
 
 
 def _export_jsonl(
     files: list[Path], options: ExportOptions, summary: ExportSummary, out: Any
 ) -> None:
     turns_key = "conversations" if options.format == "conversations" else "messages"
-    for table in _tables(files, options):
+    for table in _tables(files, options, summary):
         for row in table.to_pylist():
             record = training_record(row, turns_key, options, summary)
             out.write(json.dumps(record, ensure_ascii=False) + "\n")
@@ -133,11 +153,13 @@ def training_record(
         model=row["model"],
         finish_reason=row["finish_reason"],
         stop_reason=row["stop_reason"],
+        reasoning_tokens=row["reasoning_tokens"],
+        unfinished=row["unfinished"],
     )
-    record[turns_key] = [
-        *prompt_turns(row),
-        {"role": "assistant", "content": answer(row, options, summary)},
-    ]
+    reply = {"role": "assistant", "content": answer(row, options, summary)}
+    if row["reasoning"] is not None:
+        reply["reasoning_content"] = row["reasoning"]
+    record[turns_key] = [*prompt_turns(row), reply]
     if options.with_ids:
         record["input_ids"], record["loss_mask"] = ids_and_mask(row)
     return record
@@ -150,10 +172,11 @@ def prompt_turns(row: dict[str, Any]) -> list[dict[str, str]]:
 
 
 def answer(row: dict[str, Any], options: ExportOptions, summary: ExportSummary) -> str:
-    """The answer's text; a cut answer's from its ids (see the module's contract)."""
+    """The answer's text; a cut answer's from its ids (see the module's contract). A
+    row with reasoning has its texts (its answer may be empty: cut while thinking)."""
     text: str = row["text"] or ""
     ids = row["output_ids"]
-    if text or not ids:
+    if text or not ids or row["reasoning"] is not None:
         return text
     if options.decode is not None:
         summary.decoded += 1
@@ -189,7 +212,7 @@ def _export_parquet(files: list[Path], options: ExportOptions, summary: ExportSu
     folder.mkdir(parents=True, exist_ok=True)
     for stale in folder.glob("train-*.parquet"):
         stale.unlink()  # a re-export replaces the last one
-    for i, table in enumerate(_tables(files, options)):
+    for i, table in enumerate(_tables(files, options, summary)):
         table = _with_answers(table, options, summary)
         if options.with_ids:
             table = _with_ids(table)
@@ -202,8 +225,8 @@ def _export_parquet(files: list[Path], options: ExportOptions, summary: ExportSu
 
 def _with_answers(table: pa.Table, options: ExportOptions, summary: ExportSummary) -> pa.Table:
     """The ``text`` column with every cut answer's text (see :func:`answer`)."""
-    needed = table.select(["text", "output_ids", "request_id", "dataset"]).to_pylist()
-    texts = [answer(row, options, summary) for row in needed]
+    needed = table.select(["text", "reasoning", "output_ids", "request_id", "dataset"])
+    texts = [answer(row, options, summary) for row in needed.to_pylist()]
     return table.set_column(table.schema.get_field_index("text"), "text", pa.array(texts))
 
 

@@ -56,7 +56,7 @@ from streams.ledger import Outcome, outcome_change
 from streams.topics import Topics
 from tokenbudget import metrics, sizes
 from tokenbudget.config import Config
-from tokenbudget.errors import EventDecodeError
+from tokenbudget.errors import EventDecodeError, expected_kafka_error
 from tokenbudget.kafka import (
     consumer_options,
     kafka_python_producer_options,
@@ -90,8 +90,8 @@ SAMPLING_TYPE = pa.struct(
 # lean records the sink decodes and the table builder both derive from it, and
 # ``_check_columns`` ties it to the event at import, so a field added to the event
 # without a column here fails every test. Columns after ``text`` came with
-# completion v3, ``stop_reason`` with v4; older files lack them and
-# :func:`read_rows` fills them with nulls.
+# completion v3, ``stop_reason`` with v4, the last three with v5; older files lack
+# them and :func:`read_rows` fills them with nulls.
 COLUMNS: tuple[tuple[str, pa.DataType], ...] = (
     ("request_id", pa.string()),
     ("prompt_id", pa.string()),
@@ -116,6 +116,9 @@ COLUMNS: tuple[tuple[str, pa.DataType], ...] = (
     ("input_columns", pa.string()),  # the row's keep_columns, as a JSON object
     ("sample_index", pa.int32()),
     ("stop_reason", pa.string()),  # "stop" | "length" | "budget" | "abort"
+    ("reasoning", pa.string()),  # the thinking the server split off ``text``
+    ("reasoning_tokens", pa.int64()),  # of completion_tokens, as the server reported
+    ("unfinished", pa.bool_()),  # cut while still thinking: no answer
 )
 # Event fields that are not row columns: how the ledger accounted for the answer.
 NOT_COLUMNS = frozenset({"type", "v", "lease_id", "cost"})
@@ -909,8 +912,10 @@ class ParquetSink:
                 # A rebalance, or the broker out of reach (restarting): the files are
                 # durable; the rows after the last commit will be read again (here or
                 # by the partition's next owner) and dropped by prompt_id, so skipping
-                # this commit loses and duplicates nothing.
-                log.warning("sink: offsets not committed (%s); they will be re-read", exc)
+                # this commit loses and duplicates nothing. A rebalance is expected
+                # (a rerun's members coming back): not worth a warning.
+                level = logging.DEBUG if expected_kafka_error(exc) else logging.WARNING
+                log.log(level, "sink: offsets not committed (%s); they will be re-read", exc)
         self._last_flush = time.monotonic()
 
     def caught_up(self) -> bool:

@@ -14,7 +14,9 @@ kept completions to any of its targets in one pass:
   with the live ledger's latest snapshot on the budgets topic;
 * ``--to-topic NAME``: the kept completions, byte for byte, keyed by dataset;
 * ``--recount-with PATH``: each kept completion's ``text`` counted again with a
-  ``transformers`` tokenizer loaded from a local folder.
+  ``transformers`` tokenizer loaded from a local folder (with the ``reasoning`` the
+  server split off before it, which ``completion_tokens`` counts too; the markers
+  the server's parser took out are not in either text).
 
 Where "first" matters (duplicates), a replay that starts later than the
 beginning (``--from-offset``, ``--since``) may keep a different completion than
@@ -843,8 +845,8 @@ class _Processor:
             )
             if self.tokenizer is not None:
                 for r in rows:
-                    if r.text:
-                        texts.append(r.text)
+                    if r.text or r.reasoning:
+                        texts.append((r.reasoning or "") + r.text)
                         text_datasets.append(dataset)
                     else:
                         totals.rows_without_text += 1

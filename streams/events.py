@@ -5,14 +5,16 @@ accepts the versions in ``SUPPORTED_VERSIONS`` (``COMPLETION_VERSIONS`` for
 completions); anything else is an :class:`~tokenbudget.errors.EventDecodeError`,
 which workers turn into a dead-letter event instead of crashing.
 
-Completions are at version 4: ``output_ids`` (and ``prompt_ids``) are the
+Completions are at version 5: ``output_ids`` (and ``prompt_ids``) are the
 little-endian int32 bytes of the ids, which JSON carries as base64
 (:class:`TokenIds`), and the event carries what a trainer needs beside the answer:
 the prompt as sent, the model, the sampling settings, the dataset row's id and kept
-columns, and why the kept answer ends (``stop_reason``). Version 3 lacked the
-last; version 2 the prompt and what follows it; version 1 carried the ids as a JSON
-array of numbers. All are still read, to the same event (the new fields empty),
-because the completions topic is the permanent record.
+columns, why the kept answer ends (``stop_reason``), and a thinking model's
+reasoning (``reasoning``, ``reasoning_tokens``, ``unfinished``). Version 4 lacked the
+last three; version 3 ``stop_reason``; version 2 the prompt and what follows it;
+version 1 carried the ids as a JSON array of numbers. All are still read, to the
+same event (the new fields empty), because the completions topic is the permanent
+record.
 
 Keys: every keyed event is keyed by its dataset name (``event_key``), so all events
 of one dataset land in one partition, in order, next to its ledger entry.
@@ -32,10 +34,10 @@ from tokenbudget.errors import DatasetError, EventDecodeError
 
 SCHEMA_VERSION = 1
 SUPPORTED_VERSIONS = frozenset({1})
-# Completions only: v4 adds stop_reason; v3 the prompt and its settings; v2 carries
-# output_ids as int32 bytes, v1 as JSON numbers.
-COMPLETION_VERSION = 4
-COMPLETION_VERSIONS = frozenset({1, 2, 3, 4})
+# Completions only: v5 adds the reasoning; v4 stop_reason; v3 the prompt and its
+# settings; v2 carries output_ids as int32 bytes, v1 as JSON numbers.
+COMPLETION_VERSION = 5
+COMPLETION_VERSIONS = frozenset({1, 2, 3, 4, 5})
 
 FinishReason = Literal["stop", "length", "abort"]
 # Why a kept answer ends: the server's finish reason, or "budget" when the budget's
@@ -288,10 +290,19 @@ class CompletionEvent(_Event, tag="completion", frozen=True):
     input_columns: dict[str, Any] | None = None  # the row's keep_columns, as read
     sample_index: int = 0
     stop_reason: StopReason | None = None  # None: written before version 4
+    # A thinking model's reasoning as the server split it off the answer (``text``
+    # is then the answer alone); None when the server sent none (raw text and ids
+    # hold the thinking inline).
+    reasoning: str | None = None
+    # Of completion_tokens, those the server says were thinking; None: not reported.
+    reasoning_tokens: int | None = None
+    # The answer was cut (length or budget) before it began: all thinking. Such rows
+    # still count against the budget. None: written before version 5.
+    unfinished: bool | None = None
 
     def __post_init__(self) -> None:
         # Also runs after decoding: an older event becomes the current event it would have
-        # been, so decode(v1 bytes) == decode(v4 bytes) and re-encoding writes v4.
+        # been, so decode(v1 bytes) == decode(v5 bytes) and re-encoding writes v5.
         # (``v`` is set here rather than redeclared: a redeclared field would lose
         # _Event's kw_only and come before the required fields.)
         for name in ("output_ids", "prompt_ids"):
@@ -303,13 +314,17 @@ class CompletionEvent(_Event, tag="completion", frozen=True):
 
 
 class BudgetSet(_Event, tag="budget_set", frozen=True):
-    """A user (or ``run`` from its config) sets a dataset's budget."""
+    """A user (or ``run`` from its config) sets a dataset's budget. ``config_budget``:
+    the config's own value for the dataset when it was set (its budget, from a config),
+    which decides whether a value set by hand still holds at the next job
+    (:mod:`tokenbudget.app.budgets`); None from older writers."""
 
     dataset: str
     budget: int
     unit: BudgetUnit = "completion_tokens"
     set_at: float = 0.0
     set_by: str = ""
+    config_budget: int | None = None
 
 
 class BudgetExceeded(_LedgerEvent, tag="budget_exceeded", frozen=True):

@@ -48,3 +48,38 @@ def kafka_bootstrap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 @pytest.fixture
 def namespace() -> str:
     return f"t{uuid.uuid4().hex[:10]}"
+
+
+# The modules whose tests take longest, longest first: ``make test`` runs the tests
+# on several workers (pytest-xdist), which take them in collection order, so these
+# start first and the short ones fill in around them instead of one of these
+# starting last and running alone.
+LONGEST_FIRST = (
+    "test_faults",
+    "test_wheel",
+    "test_chaos",
+    "test_cluster",
+    "test_unattended",
+    "test_job_identity",
+    "test_backends",
+    "test_reservations",
+    "test_sizes",
+    "test_replay",
+)
+
+
+def _order(item: pytest.Item) -> tuple[int, int]:
+    module = item.path.stem
+    rank = LONGEST_FIRST.index(module) if module in LONGEST_FIRST else len(LONGEST_FIRST)
+    return (0 if item.get_closest_marker("integration") else 1, rank)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test that asks for the session broker is an integration test, marked or not,
+    so ``make test-fast`` (``-m "not integration"``) never waits for a JVM. Integration
+    tests run first, the longest modules first (see LONGEST_FIRST); the sort is
+    stable, so a module's tests keep their order."""
+    for item in items:
+        if "kafka_bootstrap" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.integration)
+    items.sort(key=_order)

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from types import ModuleType
 
 from tokenbudget import lifetime, version
-from tokenbudget.errors import TokenBudgetError
+from tokenbudget.errors import EXPECTED_KAFKA_ERRORS, TokenBudgetError, expected_kafka_error
 
 DESCRIPTION = "Exact per-dataset token budgets for synthetic data generation, over Kafka."
 
@@ -30,6 +30,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "simulate": ("tokenbudget.dev.commands.simulate", "a simulated SGLang/OpenAI inference server"),
     "ledger": ("tokenbudget.app.commands.ledger", "the Faust budget ledger worker"),
+    "init": (
+        "tokenbudget.app.commands.init",
+        "write a job's config from its datasets and server",
+    ),
+    "plan": ("tokenbudget.app.commands.plan", "what each budget will buy, before it is spent"),
     "run": ("tokenbudget.app.commands.run", "run a job to its budgets"),
     "status": ("tokenbudget.app.commands.status", "per-dataset budget, kept, rate, ETA, state"),
     "demo": ("tokenbudget.dev.commands.demo", "eight datasets against the simulator"),
@@ -84,10 +89,26 @@ _THIRD_PARTY = frozenset({"kafka", "aiokafka", "faust", "mode", "httpx", "httpco
 
 
 class QuietLibraries(logging.Filter):
-    """Lets through every record of ours, and the libraries' errors only."""
+    """Lets through every record of ours, and the libraries' errors only, less those
+    about a leader election or a rebalance (:data:`EXPECTED_KAFKA_ERRORS`: aiokafka
+    logs a fresh topic's ``NotLeaderForPartitionError`` as an error, and retries it)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno >= logging.ERROR or record.name.split(".")[0] not in _THIRD_PARTY
+        if record.name.split(".")[0] not in _THIRD_PARTY:
+            return True
+        return record.levelno >= logging.ERROR and not _about_expected_kafka_error(record)
+
+
+def _about_expected_kafka_error(record: logging.LogRecord) -> bool:
+    raised = record.exc_info[1] if record.exc_info else None
+    if raised is not None and expected_kafka_error(raised):
+        return True
+    try:
+        message = record.getMessage()
+    except Exception:  # a library's bad format string: let logging report it
+        return False
+    # The clients' errors print their class name, whether formatted with %s or %r.
+    return any(name in message for name in EXPECTED_KAFKA_ERRORS)
 
 
 def log_handler(raw_level: str) -> logging.Handler:

@@ -40,6 +40,17 @@ BoundaryPolicy = Literal["truncate", "finish"]
 AdmissionMode = Literal["reserve", "halt"]
 CutPolicy = Literal["last", "any"]
 DatasetFormat = Literal["auto", "prompt", "openai", "sharegpt", "hf"]
+# The order a dataset's prompts are sent in: producers/order.py says what each keeps.
+DatasetOrder = Literal["file", "shuffled", "stratified"]
+# stratify_by's default: the prompt's length, not a field of the row.
+PROMPT_LENGTH = "prompt_length"
+# A thinking model's reasoning, per dataset: "save" keeps it (and says so when the
+# server sends none), "disable" asks the chat template for none; unset: as the server does.
+ReasoningMode = Literal["save", "disable"]
+# What "disable" puts in chat_template_kwargs: Qwen3's and GLM's templates read
+# enable_thinking, DeepSeek V3.1's and Kimi K2.5's (and vLLM's parsers for them)
+# thinking; a template ignores the key it does not read.
+NO_THINKING = {"enable_thinking": False, "thinking": False}
 
 ENV_PREFIX = "TOKENBUDGET__"
 
@@ -123,6 +134,9 @@ class InferenceConfig(_Sampling, frozen=True, forbid_unknown_fields=True, kw_onl
     tokenizer: str = ""  # local tokenizer folder: chat templates, counts the server omits
     check_server: bool = True  # /health or /v1/models (and the model) before a run
     n: int = 1  # answers per prompt: each its own request, budgeted and counted alone
+    # Ends a thinking block in the model's raw output: rows of raw text or ids (no
+    # reasoning field) of a reasoning = "save" dataset are unfinished without it.
+    reasoning_end: str = "</think>"
 
 
 class BudgetConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -160,6 +174,8 @@ class MetricsConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=T
     # run serves /metrics here (the next free block when taken), its ledger on port + 1
     # and extra dispatchers after it; 0: no metrics endpoint
     port: int = 9464
+    # run's output when it is not a terminal: a line per dataset this often; 0: none
+    progress_interval_s: float = 60.0
 
 
 class DatasetConfig(_Sampling, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -178,9 +194,13 @@ class DatasetConfig(_Sampling, frozen=True, forbid_unknown_fields=True, kw_only=
     template: bool = False  # apply the tokenizer's chat template here, send input_ids
     turns: Literal["first", "all"] = "first"
     shuffle_seed: int | None = None
+    # unset: "shuffled" with a shuffle_seed, else "file"; the seed also seeds "stratified"
+    order: DatasetOrder | None = None
+    stratify_by: str = ""  # order "stratified": prompt_length (default) or a field
     split: str = ""  # format "hf": the split of a saved DatasetDict
     n: int | None = None  # answers per prompt ([inference] n when unset)
     keep_columns: list[str] = []  # input columns copied into every output row
+    reasoning: ReasoningMode | None = None
 
 
 class _RawConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -205,18 +225,23 @@ class Dataset(msgspec.Struct, frozen=True, kw_only=True):
     template: bool = False
     turns: Literal["first", "all"] = "first"
     shuffle_seed: int | None = None
+    order: DatasetOrder = "file"
+    stratify_by: str = PROMPT_LENGTH
     split: str = ""
     sampling: dict[str, Any] = {}  # the sampling settings its requests carry
     n: int = 1  # answers per prompt
     keep_columns: tuple[str, ...] = ()
     columns: Columns = DEFAULT_COLUMNS  # where the rows hold the prompt
+    reasoning: ReasoningMode | None = None  # see ReasoningMode
 
 
 SAMPLING_KEYS = _Sampling.__struct_fields__
 
 
 def _sampling(inference: InferenceConfig, dataset: DatasetConfig) -> dict[str, Any]:
-    """The dataset's own settings over [inference]'s; unset ones left out."""
+    """The dataset's own settings over [inference]'s; unset ones left out. With
+    ``reasoning = "disable"``, :data:`NO_THINKING` over [inference]'s template
+    switches, unless the dataset sets its own (a template that reads another key)."""
     merged = {}
     for key in SAMPLING_KEYS:
         value = getattr(dataset, key)
@@ -224,6 +249,8 @@ def _sampling(inference: InferenceConfig, dataset: DatasetConfig) -> dict[str, A
             value = getattr(inference, key)
         if value is not None:
             merged[key] = value
+    if dataset.reasoning == "disable" and dataset.chat_template_kwargs is None:
+        merged["chat_template_kwargs"] = {**merged.get("chat_template_kwargs", {}), **NO_THINKING}
     return merged
 
 
@@ -425,11 +452,14 @@ def build(
                 template=d.template,
                 turns=d.turns,
                 shuffle_seed=d.shuffle_seed,
+                order=resolve_order(d.order, d.shuffle_seed),
+                stratify_by=d.stratify_by or PROMPT_LENGTH,
                 split=d.split,
                 sampling=_sampling(raw.inference, d),
                 n=d.n if d.n is not None else raw.inference.n,
                 keep_columns=tuple(d.keep_columns),
                 columns=_columns(d, key, source),
+                reasoning=d.reasoning,
             )
         )
         _check_dataset(raw, d, key, source)
@@ -564,8 +594,24 @@ def _check_kafka_security(kafka: KafkaConfig, source: str) -> None:
             )
 
 
+def resolve_order(order: DatasetOrder | None, shuffle_seed: int | None) -> DatasetOrder:
+    """The order of a dataset whose ``order`` is unset: shuffled when it has a
+    ``shuffle_seed`` (as before ``order`` existed), else the file's."""
+    if order is not None:
+        return order
+    return "shuffled" if shuffle_seed is not None else "file"
+
+
 def _check_dataset(raw: _RawConfig, d: DatasetConfig, key: str, source: str) -> None:
     """Combinations of dataset options that cannot work, named by their key."""
+    if d.stratify_by and resolve_order(d.order, d.shuffle_seed) != "stratified":
+        raise ConfigError(
+            f"{key}.stratify_by", 'only used with order = "stratified"', source=source
+        )
+    if d.stratify_by != d.stratify_by.strip():
+        raise ConfigError(
+            f"{key}.stratify_by", f"{d.stratify_by!r} is not a field name", source=source
+        )
     if d.limit is not None and d.limit <= 0:
         raise ConfigError(f"{key}.limit", f"must be positive, got {d.limit}", source=source)
     if d.n is not None and d.n < 1:
@@ -600,6 +646,8 @@ def _check_dataset(raw: _RawConfig, d: DatasetConfig, key: str, source: str) -> 
         raise ConfigError(
             f"{key}.split", "only a Hugging Face dataset (format 'hf') has splits", source=source
         )
+    if d.reasoning == "disable":
+        _check_disable(raw, d, key, source)
     # "auto" and "hf" rows say whether they are chat only when read: run and produce
     # check those before anything starts (producers.datasets.check_datasets).
     if raw.inference.api in RAW_TEXT_APIS and not d.template:
@@ -609,6 +657,30 @@ def _check_dataset(raw: _RawConfig, d: DatasetConfig, key: str, source: str) -> 
         if d.messages_field:
             found = f"messages_field {d.messages_field!r}"
             raise untemplated_chat(key, d.name, raw.inference.api, found, source)
+
+
+def _check_disable(raw: _RawConfig, d: DatasetConfig, key: str, source: str) -> None:
+    """``reasoning = "disable"`` works through the chat template: a request with no
+    template to read it, or a dataset whose own template switches turn thinking on,
+    would think anyway."""
+    if raw.inference.api in RAW_TEXT_APIS and not d.template:
+        raise ConfigError(
+            f"{key}.reasoning",
+            f"'disable' is read by the chat template, but api {raw.inference.api!r} sends "
+            "this dataset's prompts as raw text without one: set template = true (with "
+            '[inference] tokenizer), use [inference] api = "openai-chat", or write the '
+            "prompts with thinking off",
+            source=source,
+        )
+    own = d.chat_template_kwargs or {}
+    for switch in ("enable_thinking", "thinking"):
+        if own.get(switch):
+            raise ConfigError(
+                f"{key}.reasoning",
+                f"'disable', but the dataset's chat_template_kwargs set {switch} = true: "
+                "drop one of them",
+                source=source,
+            )
 
 
 def _columns(d: DatasetConfig, key: str, source: str) -> Columns:
@@ -698,6 +770,8 @@ def _check_ranges(raw: _RawConfig, source: str) -> None:
         raise ConfigError("inference.pause_after_failures", "must be >= 1", source=source)
     if raw.inference.health_interval_s <= 0:
         raise ConfigError("inference.health_interval_s", "must be > 0", source=source)
+    if raw.metrics.progress_interval_s < 0:
+        raise ConfigError("metrics.progress_interval_s", "must be >= 0 (0: none)", source=source)
     if raw.inference.outage_timeout_s < 0:
         raise ConfigError(
             "inference.outage_timeout_s", "must be >= 0 (0: wait for ever)", source=source

@@ -177,3 +177,32 @@ class JobChangedError(TokenBudgetError):
     """A rerun of a namespace is not the job recorded there (another dataset file,
     model, sampling, output folder ...): it would resume work that is not its own.
     The message names what changed and the ways on."""
+
+
+# Kafka errors that say a leader election or a consumer-group rebalance is under way
+# (a fresh topic, a worker joining or leaving, a rerun taking its members back): the
+# clients retry them on their own and nothing is lost, so they are expected, not news.
+# Named, not imported: kafka-python and aiokafka each have their own classes, and the
+# command line should not load either just to filter its log.
+EXPECTED_KAFKA_ERRORS = frozenset(
+    {
+        "NotLeaderForPartitionError",
+        "LeaderNotAvailableError",
+        "FencedLeaderEpochError",
+        "UnknownLeaderEpochError",
+        "RebalanceInProgressError",
+        "IllegalGenerationError",
+        "UnknownMemberIdError",
+        "NotCoordinatorForGroupError",
+        "NotCoordinatorError",
+        "GroupCoordinatorNotAvailableError",
+        "CoordinatorNotAvailableError",
+        "GroupLoadInProgressError",
+        "CoordinatorLoadInProgressError",
+    }
+)
+
+
+def expected_kafka_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is one of :data:`EXPECTED_KAFKA_ERRORS`."""
+    return type(exc).__name__ in EXPECTED_KAFKA_ERRORS

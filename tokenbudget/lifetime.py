@@ -111,10 +111,12 @@ def _parent_gone(parent: int, grace_s: float) -> None:
     timer.start()
 
 
-def stop(process: subprocess.Popen[bytes], timeout: float = 30) -> int | None:
-    """SIGTERM, then SIGKILL after ``timeout``; the exit code."""
+def stop(
+    process: subprocess.Popen[bytes], timeout: float = 30, signum: int = signal.SIGTERM
+) -> int | None:
+    """``signum`` (SIGTERM), then SIGKILL after ``timeout``; the exit code."""
     if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
+        process.send_signal(signum)
         try:
             process.wait(timeout)
         except subprocess.TimeoutExpired:

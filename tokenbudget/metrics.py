@@ -26,6 +26,7 @@ Topic labels are the topic's role (``prompts``, ``completions``, ``budgets``,
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import platform
 import threading
@@ -131,6 +132,22 @@ COMPLETIONS = Counter(
     "tokenbudget_completions_total",
     "Completions published, by dataset and finish reason (budget: cut at the budget)",
     ["dataset", "finish_reason"],
+)
+#: counter: completion tokens of the published answers, by ``part``: ``reasoning``
+#: (a thinking model's thinking, as the server reported it in
+#: ``completion_tokens_details.reasoning_tokens``), ``answer`` (the rest), ``unsplit``
+#: (answers whose server reported no split); the three add up to the tokens kept
+COMPLETION_TOKEN_PARTS = Counter(
+    "tokenbudget_completion_token_parts_total",
+    "Completion tokens published, by dataset and part (reasoning, answer, unsplit)",
+    ["dataset", "part"],
+)
+#: counter: answers published unfinished: cut (length or budget) while the model was
+#: still thinking, so they hold no answer; they count against the budget all the same
+UNFINISHED_ANSWERS = Counter(
+    "tokenbudget_unfinished_answers_total",
+    "Answers cut before they began (still thinking), per dataset",
+    ["dataset"],
 )
 #: counter: tokens the server generated that are not kept: ``aborted`` (requests
 #: aborted when a budget was reached or lowered), ``cut`` (an answer longer than its
@@ -275,20 +292,38 @@ def serving(host: str, port: int) -> bool:
         return (host, port) in _served
 
 
-def serve(host: str, port: int, namespace: str, role: str) -> None:
+def serve(host: str, port: int, namespace: str, role: str) -> bool:
     """Expose /metrics on ``host:port`` (once per process), every series labelled
     with ``namespace``; ``role`` names the process in ``tokenbudget_build_info``.
-    Port 0 means disabled."""
+    Port 0 means disabled.
+
+    A port already taken is a warning and no endpoint (False), not an error: the
+    worker's job is the budget, and a crash there would restart it for ever. ``run``
+    picks a free block for itself and its children before starting them, but another
+    job can take one of them in the meantime."""
     if not port:
-        return
+        return False
     with _serve_lock:
         if (host, port) in _served:
-            return
+            return True
         registry = CollectorRegistry(auto_describe=False)
         registry.register(_Labelled(REGISTRY, {"namespace": namespace}))
-        start_http_server(port, addr=host, registry=registry)
+        try:
+            start_http_server(port, addr=host, registry=registry)
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise
+            log.warning(
+                "the %s's metrics port %s:%d is taken (another job?): it serves no /metrics; "
+                "set [metrics] port to a free block of ports",
+                role,
+                host,
+                port,
+            )
+            return False
         _served.add((host, port))
         BUILD_INFO.labels(version=version(), python=platform.python_version(), role=role).set(1)
+        return True
 
 
 def topic_role(topic: str) -> str:

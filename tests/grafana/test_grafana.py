@@ -295,6 +295,7 @@ def test_panels_for_the_new_signals() -> None:
         ("tokenbudget_reserved_tokens", "dataset"),
         ("tokenbudget_failed_prompts_total", "dataset"),
         ("tokenbudget_inference_retries_total", "reason"),
+        ("tokenbudget_completion_token_parts_total", "part"),  # thinking against answer
     ):
         assert label in aggregated_by(metric), metric
 

@@ -19,7 +19,8 @@ from tokenbudget import config as config_module
 from tokenbudget.app.runner import RunReport, run_async
 from tokenbudget.dev import simulator
 
-pytestmark = pytest.mark.integration
+# One worker runs them all (make test's --dist loadgroup): their module fixture is costly.
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("backends")]
 
 MODEL = "tokenbudget-sim"
 

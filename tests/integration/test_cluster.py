@@ -36,7 +36,8 @@ from tokenbudget.dev.jobs import (
 )
 from tokenbudget.kafka import GroupLag
 
-pytestmark = pytest.mark.integration
+# One worker runs them all (make test's --dist loadgroup): their module fixture is costly.
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("cluster")]
 
 
 @pytest.fixture(scope="module")

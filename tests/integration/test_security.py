@@ -28,7 +28,8 @@ from tokenbudget.errors import KafkaAuthError
 from tokenbudget.localkafka import broker
 from tokenbudget.localkafka.java import find_java
 
-pytestmark = pytest.mark.integration
+# One worker runs them all (make test's --dist loadgroup): their module fixture is costly.
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("security")]
 
 USER = "alice"
 PASSWORD_ENV = "TB_TEST_KAFKA_PASSWORD"

@@ -5,9 +5,11 @@ than it was allowed, an answer whose lease expired while it was generated."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import msgspec
+import pytest
 from aiokafka.errors import KafkaConnectionError
 
 from producers.admission import Ticket
@@ -116,6 +118,26 @@ def test_a_wrong_request_fails_at_once_and_other_server_errors_after_the_retries
         assert len(wrong.requests) == 1 and len(broken.requests) == 3
 
     run(main())
+
+
+def test_warnings_about_a_prompt_name_its_dataset_and_row(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def main() -> None:
+        dispatcher, _, _, _, _ = make_dispatcher(stream=False)
+        with_retry(dispatcher, retries=1)
+        row = msgspec.structs.replace(prompt(0), source="data/a.jsonl:7")
+        await dispatcher._dispatch(FailingBackend([InferenceServerError("HTTP 500")] * 2), row)
+
+    with caplog.at_level(logging.WARNING, logger="producers.dispatcher"):
+        run(main())
+    about = f"{DS}, data/a.jsonl:7 (prompt p0)"
+    assert [r.getMessage() for r in caplog.records if r.name == "producers.dispatcher"] == [
+        f"{about}: attempt 1 failed: HTTP 500",
+        f"{about}: attempt 2 failed: HTTP 500",
+        f"{about}: failed for good (gave up after 2 attempt(s): HTTP 500); "
+        "see the dead-letter topic",
+    ]
 
 
 def test_the_gate_pauses_dispatch_hands_back_idle_leases_and_resumes_on_health() -> None:

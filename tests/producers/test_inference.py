@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import socket
+import zlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -395,3 +397,124 @@ def test_every_answer_names_the_model_the_server_reports(api: str) -> None:
 
     results = with_simulator(body, served)
     assert [r.model for r in results] == ["org/served-model"] * 8
+
+
+# --- a thinking model's reasoning ---------------------------------------------------------
+
+
+def _crc(text: str | None) -> int:
+    return zlib.crc32(text.encode()) if text else 0
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+@pytest.mark.parametrize("style", ["reasoning_content", "reasoning"])
+def test_chat_keeps_the_reasoning_the_server_sent_in_either_field(style: str, stream: bool) -> None:
+    """SGLang's field and vLLM's, whole and streamed: the reasoning and the answer are
+    what the server's log says it sent, and so are the thinking tokens."""
+    thinking = dataclasses.replace(FAST, tokens_per_second=50_000, reasoning_style=style)
+
+    async def body(sim: RunningSimulator, client: httpx.AsyncClient) -> Any:
+        backend = make_backend("openai-chat", client, sim.url, stream=stream)
+        prompts = ["a #short", "b #code", "c #short"]
+        requests = [request(f"r{i}", text=p) for i, p in enumerate(prompts)]
+        requests.append(request("cut", text="d #code", max_new_tokens=20))
+        return [await backend.generate(r) for r in requests], list(sim.log)
+
+    results, log = with_simulator(body, thinking)
+    logged = {record.rid: record for record in log}
+    for result in results:
+        record = logged[result.rid]
+        assert result.completion_tokens == record.completion_tokens
+        assert result.reasoning_tokens == record.reasoning_tokens
+        assert _crc(result.reasoning) == record.reasoning_crc != 0
+        assert _crc(result.text) == record.content_crc
+    *whole, cut = results
+    assert all(0 < r.reasoning_tokens < r.completion_tokens and r.text for r in whole)
+    # cut by the limit while still thinking: all of it is thinking, no answer
+    assert cut.finish_reason == "length" and cut.text == ""
+    assert cut.reasoning_tokens == cut.completion_tokens == 20
+
+
+def _answering_stream(chunks: list[Any]) -> InferenceBackend:
+    body = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+
+    def handler(req: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, text=body, headers={"Content-Type": "text/event-stream"})
+
+    client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    return make_backend("openai-chat", client, "http://server", stream=True)
+
+
+USAGE = {"prompt_tokens": 4, "completion_tokens": 9}
+
+
+@pytest.mark.parametrize(
+    ("message", "usage", "reasoning", "tokens"),
+    [
+        ({"content": "42", "reasoning_content": "six times seven"},
+         {**USAGE, "completion_tokens_details": {"reasoning_tokens": 6}}, "six times seven", 6),
+        ({"content": "42", "reasoning": "six times seven", "reasoning_content": None},
+         {**USAGE, "completion_tokens_details": {"reasoning_tokens": 6}}, "six times seven", 6),
+        # vLLM while renaming the field sends both
+        ({"content": "42", "reasoning": "hmm", "reasoning_content": "hmm"}, USAGE, "hmm", None),
+        # details missing, empty, null, or not a count: no split known
+        ({"content": "42", "reasoning_content": "hmm"},
+         {**USAGE, "completion_tokens_details": None}, "hmm", None),
+        ({"content": "42"}, {**USAGE, "completion_tokens_details": {}}, None, None),
+        ({"content": "42"},
+         {**USAGE, "completion_tokens_details": {"reasoning_tokens": "6"}}, None, None),
+        # a count above the answer's is the answer's (all of it thinking)
+        ({"content": None, "reasoning_content": "hmm"},
+         {**USAGE, "completion_tokens_details": {"reasoning_tokens": 12}}, "hmm", 9),
+        ({"content": "42", "reasoning_content": ""}, USAGE, None, None),
+    ],
+)  # fmt: skip
+def test_parsing_the_reasoning_and_its_tokens(
+    message: dict[str, Any], usage: dict[str, Any], reasoning: str | None, tokens: int | None
+) -> None:
+    payload = {"choices": [{"message": message, "finish_reason": "stop"}], "usage": usage}
+    result = asyncio.run(_generate(_answering(payload)("openai-chat")))
+    assert (result.reasoning, result.reasoning_tokens) == (reasoning, tokens)
+    assert result.text == (message["content"] or "")
+    assert result.completion_tokens == 9  # thinking and answer together
+
+
+def test_streamed_reasoning_deltas_in_either_field_are_joined() -> None:
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+        return {"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+    chunks = [
+        chunk({"role": "assistant", "content": ""}),
+        chunk({"reasoning_content": "six "}),
+        chunk({"reasoning": "times"}),  # a server may name it either way
+        chunk({"reasoning_content": " seven", "content": "4"}),  # crossing into the answer
+        chunk({"content": "2"}, "stop"),
+        {"choices": [], "usage": {**USAGE, "completion_tokens_details": {"reasoning_tokens": 7}}},
+    ]
+    progress: list[int] = []
+    backend = _answering_stream(chunks)
+    backend.on_progress = lambda rid, tokens: progress.append(tokens)
+    result = asyncio.run(_generate(backend))
+    assert (result.reasoning, result.text) == ("six times seven", "42")
+    assert result.reasoning_tokens == 7 and result.completion_tokens == 9
+    assert result.first_token_at is not None  # the first thinking chunk is the first token
+    assert progress[:3] == [0, 1, 2]  # thinking chunks count as progress
+    # no reasoning deltas and no details: none
+    bare = [chunks[0], chunk({"content": "42"}, "stop"), {"choices": [], "usage": USAGE}]
+    plain = asyncio.run(_generate(_answering_stream(bare)))
+    assert (plain.reasoning, plain.reasoning_tokens, plain.text) == (None, None, "42")
+
+
+@pytest.mark.parametrize("api", ["sglang", "openai-completions"])
+def test_raw_apis_keep_the_thinking_inline(api: str) -> None:
+    """No reasoning field on raw text: the thinking is in the text, with its marker."""
+    thinking = dataclasses.replace(FAST, reasoning_style="reasoning_content")
+
+    async def body(sim: RunningSimulator, client: httpx.AsyncClient) -> Any:
+        backend = make_backend(api, client, sim.url)
+        return await backend.generate(request("raw", text="a #short")), sim.log[-1]
+
+    result, record = with_simulator(body, thinking)
+    assert result.reasoning is None and result.reasoning_tokens is None
+    assert "</think>" in result.text and _crc(result.text) == record.content_crc
+    assert 0 < record.reasoning_tokens < result.completion_tokens

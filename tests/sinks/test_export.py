@@ -146,6 +146,67 @@ def test_why_an_answer_stopped_is_in_every_format(tmp_path: Path) -> None:
     }
 
 
+def thinking_rows(out: Path) -> None:
+    """A thinking model's answers: one whole, one cut while still thinking, one of a
+    server that split nothing off; and a row from before the reasoning existed."""
+    write_rows(
+        out,
+        [
+            completion(0, reasoning="six times seven", reasoning_tokens=1, unfinished=False),
+            completion(1, text="", reasoning="let me", reasoning_tokens=2, finish_reason="length",
+                       stop_reason="length", unfinished=True),
+            completion(2, unfinished=False),
+        ],
+    )  # fmt: skip
+    write_rows(out, [completion(5, prompt_id="p5")], old=True)
+
+
+def test_the_assistant_turn_carries_the_reasoning_and_unfinished_rows_can_be_left_out(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "out"
+    thinking_rows(out)
+    export(ExportOptions("messages", tmp_path / "m.jsonl", out))
+    rows = {r["id"]: r for r in load_jsonl(tmp_path / "m.jsonl")}
+    assert rows["id0"]["messages"][-1] == {
+        "role": "assistant", "content": "answer 0", "reasoning_content": "six times seven",
+    }  # fmt: skip
+    assert rows["id1"]["messages"][-1] == {
+        "role": "assistant", "content": "", "reasoning_content": "let me",
+    }  # fmt: skip
+    for plain in ("id2", "p5"):  # no reasoning: none claimed (the key loads as null)
+        assert rows[plain]["messages"][-1].get("reasoning_content") is None
+    assert {k: (r["reasoning_tokens"], r["unfinished"]) for k, r in rows.items()} == {
+        "id0": (1, False), "id1": (2, True), "id2": (None, False), "p5": (None, None),
+    }  # fmt: skip
+    # left out: only the row known to be unfinished (an old row is not known to be)
+    summary = export(
+        ExportOptions("conversations", tmp_path / "c.jsonl", out, drop_unfinished=True)
+    )
+    assert {r["id"] for r in load_jsonl(tmp_path / "c.jsonl")} == {"id0", "id2", "p5"}
+    assert summary.rows == {"chat": 3} and summary.unfinished == {"chat": 1}
+    summary = export(ExportOptions("parquet", tmp_path / "f", out, drop_unfinished=True))
+    loaded = hf.load_dataset(str(tmp_path / "f"), split="train")
+    assert sorted(r["request_id"] for r in loaded) == ["r0", "r2", "r5"]
+    assert {r["request_id"]: r["reasoning"] for r in loaded} == {
+        "r0": "six times seven", "r2": None, "r5": None,
+    }  # fmt: skip
+    assert summary.unfinished == {"chat": 1}
+
+
+def test_with_ids_masks_every_generated_token_thinking_included(tmp_path: Path) -> None:
+    """The ids a thinking model's server returns are its raw output, the thinking in
+    them: all of it is what the drafter must learn to predict."""
+    out = tmp_path / "out"
+    write_rows(out, [completion(0, output_ids=[7, 8, 9, 10], completion_tokens=4,
+                                reasoning="hmm", reasoning_tokens=3, text=" 42")])  # fmt: skip
+    export(ExportOptions("conversations", tmp_path / "c.jsonl", out, with_ids=True))
+    [row] = load_jsonl(tmp_path / "c.jsonl")
+    assert row["input_ids"] == [1, 2, 3, 7, 8, 9, 10]
+    assert row["loss_mask"] == [0, 0, 0, 1, 1, 1, 1]
+    assert row["conversations"][-1]["reasoning_content"] == "hmm"
+
+
 def test_with_ids_refuses_rows_without_ids_naming_the_fix(tmp_path: Path) -> None:
     out = tmp_path / "out"
     write_rows(out, [completion(0, prompt_ids=None)])

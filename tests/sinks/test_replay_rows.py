@@ -399,3 +399,31 @@ def test_replayed_outcome_counts_keep_each_prompts_first_outcome(
         rejected={"p2": "ds", "p4": "ds"},  # p2 failed first; p4 has no other outcome
     )
     assert counts == {"ds": (2, 1)}  # skipped p1, p4; failed p2
+
+
+def test_a_thinking_models_rows_replay_as_written_and_recount_with_their_reasoning() -> None:
+    """The reasoning, its tokens and the unfinished mark take the sink's fast path to
+    the same row as the full decoder; --recount-with counts the thinking the answer's
+    completion_tokens count (it stands beside the text, not in it)."""
+    thinking = [
+        msgspec.structs.replace(
+            completion(i, n=4), reasoning=f"hm {i}" if i % 2 else None,
+            reasoning_tokens=i % 5 if i % 2 else None, unfinished=i % 3 == 0,
+        )
+        for i in range(12)
+    ]  # fmt: skip
+    _, tables = kept_table([ev.encode(e) for e in thinking])
+    assert tables["ds"].equals(completions_to_table(thinking))
+    assert tables["ds"].column("reasoning").to_pylist()[:2] == [None, "hm 1"]
+
+    def words(texts: list[str], add_special_tokens: bool) -> dict[str, list[list[str]]]:
+        return {"input_ids": [t.split() for t in texts]}
+
+    summary = replay.ReplaySummary(topic="ns.completions")
+    options = replay.ReplayOptions(bootstrap="-", topics=Topics("ns"))
+    processor = replay._Processor(options, summary, FirstCompletion(), set(), None, None, words)
+    processor.take([], decode_records([ev.encode(e) for e in thinking]))
+    processor.close()
+    expected = sum(len(((e.reasoning or "") + e.text).split()) for e in thinking)
+    assert summary.datasets["ds"].recounted_tokens == expected
+    assert expected > sum(len(e.text.split()) for e in thinking)

@@ -290,7 +290,7 @@ def v1_wire(event: ev.CompletionEvent) -> bytes:
 def test_completion_ids_are_little_endian_int32_bytes_on_the_wire() -> None:
     event = msgspec.structs.replace(COMPLETION, output_ids=[0, 1, 151_643, 2**31 - 1, -1])
     wire = json.loads(ev.encode(event))
-    assert wire["v"] == ev.COMPLETION_VERSION == 4
+    assert wire["v"] == ev.COMPLETION_VERSION == 5
     raw = base64.b64decode(wire["output_ids"], validate=True)
     assert raw == np.array([0, 1, 151_643, 2**31 - 1, -1], dtype="<i4").tobytes()
 
@@ -343,15 +343,15 @@ def test_malformed_output_ids_are_a_decode_error(output_ids: object, message: st
 
 
 def test_completion_versions() -> None:
-    assert ev.supported_versions("completion") == {1, 2, 3, 4}
+    assert ev.supported_versions("completion") == {1, 2, 3, 4, 5}
     assert ev.supported_versions("budget_set") == {1}
-    with pytest.raises(EventDecodeError, match="'completion' event has schema version 5"):
-        ev.decode(_with(COMPLETION, v=5))
+    with pytest.raises(EventDecodeError, match="'completion' event has schema version 6"):
+        ev.decode(_with(COMPLETION, v=6))
     with pytest.raises(EventDecodeError, match="upgrade tokenbudget"):
         ev.decode(_with(BUDGET_SET, v=2))  # only completions moved to version 2
 
 
-def test_a_v3_completion_decodes_with_no_stop_reason_and_is_written_again_as_v4() -> None:
+def test_a_v3_completion_decodes_with_no_stop_reason_and_is_written_again_as_current() -> None:
     """Completions written before stop_reason existed stay readable: the topic is the
     permanent record, and nobody knows now whether the budget ended those answers."""
     wire = json.loads(ev.encode(COMPLETION))
@@ -360,11 +360,35 @@ def test_a_v3_completion_decodes_with_no_stop_reason_and_is_written_again_as_v4(
     wire["v"] = 3
     old = ev.decode(msgspec.json.encode(wire))
     assert isinstance(old, ev.CompletionEvent) and old.stop_reason is None
-    assert json.loads(ev.encode(old))["v"] == 4
+    assert json.loads(ev.encode(old))["v"] == ev.COMPLETION_VERSION
     cut = msgspec.structs.replace(COMPLETION, stop_reason="budget")
     decoded = ev.decode(ev.encode(cut))
     assert isinstance(decoded, ev.CompletionEvent) and decoded.stop_reason == "budget"
     assert decoded.finish_reason == "length"  # the server's own stays beside it
+
+
+def test_a_v4_completion_decodes_with_no_reasoning_and_unfinished_unknown() -> None:
+    """Completions written before the reasoning fields existed stay readable, with
+    nothing claimed about them: whether such an answer was cut while thinking is not
+    known now."""
+    wire = json.loads(ev.encode(msgspec.structs.replace(COMPLETION, stop_reason="length")))
+    for name in ("reasoning", "reasoning_tokens", "unfinished"):
+        wire.pop(name, None)
+    wire["v"] = 4
+    old = ev.decode(msgspec.json.encode(wire))
+    assert isinstance(old, ev.CompletionEvent) and old.stop_reason == "length"
+    assert (old.reasoning, old.reasoning_tokens, old.unfinished) == (None, None, None)
+    assert json.loads(ev.encode(old))["v"] == 5
+    thinking = msgspec.structs.replace(
+        COMPLETION, reasoning="let me see", reasoning_tokens=1, unfinished=False
+    )
+    decoded = ev.decode(ev.encode(thinking))
+    assert isinstance(decoded, ev.CompletionEvent)
+    assert (decoded.reasoning, decoded.reasoning_tokens, decoded.unfinished) == (
+        "let me see",
+        1,
+        False,
+    )
 
 
 def test_token_ids_behave_like_a_sequence_of_ints() -> None:

@@ -9,6 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from aiokafka.errors import NotLeaderForPartitionError
+from kafka.errors import RebalanceInProgressError
 
 from tokenbudget import cli
 from tokenbudget.app.runner import DatasetResult, RunReport
@@ -77,6 +79,36 @@ def test_libraries_warnings_stay_off_the_terminal_unless_asked() -> None:
     assert quiet.filter(record("producers.dispatcher", logging.INFO))
     # TOKENBUDGET_LOG set: everything at that level, the libraries' too
     assert cli.log_handler("info").filter(record("kafka.coordinator", logging.WARNING))
+
+
+def library_error(name: str, message: str, *args: object) -> logging.LogRecord:
+    return logging.LogRecord(name, logging.ERROR, __file__, 1, message, args, None)
+
+
+def test_leader_elections_and_rebalances_stay_off_the_terminal_unless_asked() -> None:
+    """aiokafka logs a fresh topic's leader election and a group's rebalance as
+    errors, and retries them: expected, not news."""
+    expected = [
+        library_error(
+            "aiokafka.consumer.fetcher",
+            "Failed fetch offsets from %s: %s",
+            1,
+            NotLeaderForPartitionError(),
+        ),
+        library_error(
+            "aiokafka.consumer.group_coordinator",
+            "OffsetCommit failed for group %s due to group error (%s), will rejoin",
+            "ns-sink",
+            RebalanceInProgressError("ns-sink"),
+        ),
+        library_error("kafka.coordinator", "Heartbeat failed: %r", RebalanceInProgressError()),
+    ]
+    quiet = cli.log_handler("")
+    for noise in expected:
+        assert not quiet.filter(noise), noise.getMessage()
+        assert cli.log_handler("debug").filter(noise)
+    other = library_error("aiokafka.consumer.fetcher", "Failed fetch messages from %s: %s", 1, "x")
+    assert quiet.filter(other)
 
 
 def test_any_failure_of_a_command_is_one_line_and_exit_2(

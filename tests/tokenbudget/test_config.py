@@ -661,3 +661,55 @@ def test_the_size_limit_reaches_every_topic_spec() -> None:
 
     specs = topic_specs(build({}, environ=NO_ENV))
     assert {s.configs["max.message.bytes"] for s in specs} == {str(sizes.MESSAGE_BYTES)}
+
+
+# ---- a thinking model's reasoning -----------------------------------------------------
+
+
+def test_reasoning_disable_turns_the_templates_thinking_off_unless_the_dataset_says_how() -> None:
+    config = build(
+        {
+            "inference": {"api": "openai-chat", "chat_template_kwargs": {"max_think": 2}},
+            "datasets": [
+                dataset("off", reasoning="disable"),
+                dataset("own", reasoning="disable", chat_template_kwargs={"mode": "fast"}),
+                dataset("saved", reasoning="save"),
+                dataset("unset"),
+            ],
+        },
+        environ=NO_ENV,
+    )
+    kwargs = {d.name: d.sampling.get("chat_template_kwargs") for d in config.datasets}
+    assert kwargs == {
+        # both switches: Qwen3's and GLM's templates read one, DeepSeek's and Kimi's the other
+        "off": {"max_think": 2, "enable_thinking": False, "thinking": False},
+        "own": {"mode": "fast"},  # a template that reads another key: its own, as written
+        "saved": {"max_think": 2},
+        "unset": {"max_think": 2},
+    }
+    assert [d.reasoning for d in config.datasets] == ["disable", "disable", "save", None]
+    assert config.inference.reasoning_end == "</think>"
+
+
+@pytest.mark.parametrize(
+    ("inference", "extra", "fix"),
+    [
+        ({"api": "sglang"}, {}, "set template = true"),
+        ({"api": "openai-completions"}, {}, 'api = "openai-chat"'),
+        ({"api": "openai-chat"}, {"chat_template_kwargs": {"enable_thinking": True}},
+         "set enable_thinking = true: drop one"),
+        ({"api": "openai-chat"}, {"chat_template_kwargs": {"thinking": True}}, "drop one"),
+    ],
+)  # fmt: skip
+def test_reasoning_disable_that_would_think_anyway_is_named(
+    inference: dict[str, Any], extra: dict[str, Any], fix: str
+) -> None:
+    data = {"inference": inference, "datasets": [dataset(reasoning="disable", **extra)]}
+    error = config_error(data, source="job.toml")
+    assert error.key == "datasets[0].reasoning" and fix in str(error)
+
+
+def test_a_bad_reasoning_value_lists_the_values() -> None:
+    error = config_error({"datasets": [dataset(reasoning="keep")]})
+    assert error.key == "datasets[0].reasoning"
+    assert str(error).endswith("'keep' is not a valid value; use one of 'save', 'disable'")

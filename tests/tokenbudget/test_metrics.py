@@ -1,6 +1,12 @@
 from __future__ import annotations
 
+import logging
+import socket
+
+import pytest
 from prometheus_client import REGISTRY
+
+from tokenbudget import metrics
 
 
 def test_every_metric_is_declared_in_the_metrics_module_with_the_prefix() -> None:
@@ -82,3 +88,17 @@ def test_serve_exposes_metrics_once_per_port() -> None:
     )
     samples = [line for line in body.splitlines() if line and not line.startswith("#")]
     assert samples and all('namespace="job-a"' in line for line in samples)
+
+
+def test_a_taken_port_is_a_warning_and_no_endpoint_not_a_crash(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A worker of run whose port another job took meanwhile runs on without
+    /metrics, instead of exiting (and being started again) for ever."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with caplog.at_level(logging.WARNING, logger="tokenbudget.metrics"):
+            assert metrics.serve("127.0.0.1", port, "ns", "ledger") is False
+    assert f"the ledger's metrics port 127.0.0.1:{port} is taken" in caplog.text

@@ -14,14 +14,14 @@ from producers.datasets import check_datasets
 from producers.dispatcher import Dispatcher
 from producers.prompts import PromptProducer
 from sinks.parquet import stored_prompt_ids
-from sinks.replay import live_snapshots
+from sinks.replay import read_to_end
 from streams import events as ev
-from streams.halts import BudgetWatcher
+from streams.halts import BudgetBoard, BudgetWatcher
 from streams.publisher import publish_events
 from streams.topics import Topics
 from tokenbudget import config as config_module
 from tokenbudget import metrics
-from tokenbudget.app import identity
+from tokenbudget.app import identity, precedence
 from tokenbudget.app.bootstrap import resolve_bootstrap
 from tokenbudget.app.runner import publish_budgets
 from tokenbudget.app.tables import format_table
@@ -35,17 +35,24 @@ async def dispatch_until_stopped(
     report_path: Path | None = None,
     instance: str | None = None,
 ) -> None:
-    """One dispatcher process: runs until SIGTERM/SIGINT, then finishes what it
-    started, hands back its leases, commits and exits."""
+    """One dispatcher process: runs until SIGTERM or SIGINT, then hands back its
+    leases, commits and exits. On SIGTERM it first finishes the requests it started;
+    on SIGINT (``run`` stopped by Ctrl-C) it publishes the answers it has and hands
+    back the requests still at the server, for the group's next dispatcher."""
     topics = Topics(config.kafka.namespace)
     watcher = BudgetWatcher(bootstrap, topics)
     await watcher.start()
     watch_task = asyncio.create_task(watcher.run())
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
     dispatcher = Dispatcher(config, bootstrap, watcher.board, instance=instance)
+
+    def hand_back() -> None:
+        dispatcher.hand_back()
+        stop.set()
+
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    loop.add_signal_handler(signal.SIGINT, hand_back)
     try:
         await dispatcher.run(stop)
     finally:
@@ -137,65 +144,72 @@ def run_budget_cli(args: argparse.Namespace) -> int:
     bootstrap = resolve_bootstrap(config)
     topics = Topics(config.kafka.namespace)
     if args.budget_command == "set":
-        names = {d.name for d in config.datasets}
-        if args.dataset not in names and not args.force:
-            raise ConfigError(
-                "datasets",
-                f"{args.dataset!r} is not a dataset of this config ({', '.join(sorted(names))});"
-                " pass --force to set it anyway",
-                source=config.source,
-            )
-        budget = parse_budget(args.budget, "budget")
-        event = ev.BudgetSet(
-            dataset=args.dataset,
-            budget=budget,
-            unit=config.budget.unit,
-            set_at=time.time(),
-            set_by="tokenbudget budget set",
+        return _set_budget(config, bootstrap, topics, args.dataset, args.budget, args.force)
+    return _show_budgets(config, bootstrap, topics, args.json)
+
+
+def _set_budget(
+    config: config_module.Config,
+    bootstrap: str,
+    topics: Topics,
+    dataset: str,
+    raw_budget: str,
+    force: bool,
+) -> int:
+    configured = {d.name: d.budget for d in config.datasets}
+    if dataset not in configured and not force:
+        raise ConfigError(
+            "datasets",
+            f"{dataset!r} is not a dataset of this config ({', '.join(sorted(configured))});"
+            " pass --force to set it anyway",
+            source=config.source,
         )
-        asyncio.run(publish_events(bootstrap, topics.budgets, [event], config.kafka.compression))
-        print(f"{args.dataset}: budget set to {budget:,} {config.budget.unit}")
+    budget = parse_budget(raw_budget, "budget")
+    event = ev.BudgetSet(
+        dataset=dataset,
+        budget=budget,
+        unit=config.budget.unit,
+        set_at=time.time(),
+        set_by=precedence.SET_BY_COMMAND,
+        config_budget=configured.get(dataset),
+    )
+    asyncio.run(publish_events(bootstrap, topics.budgets, [event], config.kafka.compression))
+    unit = config.budget.unit
+    if dataset in configured:
+        later = f"later jobs keep it while the config's {configured[dataset]:,} is unchanged"
+    else:
+        later = "later jobs of this config do not run it"
+    print(f"{dataset}: budget set to {budget:,} {unit}; a running job applies it now, {later}")
+    return 0
+
+
+def _show_budgets(
+    config: config_module.Config, bootstrap: str, topics: Topics, as_json: bool
+) -> int:
+    """The ledger's view of each dataset, beside the config's budget, the one set with
+    ``budget set`` and which of them the next job runs with."""
+    board = BudgetBoard()
+    latest: dict[str, ev.BudgetSet] = {}
+
+    def apply(event: ev.Event) -> None:
+        board.apply(event)
+        if isinstance(event, ev.BudgetSet):
+            latest[event.dataset] = event
+
+    read_to_end(bootstrap, topics.budgets, apply)
+    snapshots = {n: v.snapshot for n, v in board.views.items() if v.snapshot is not None}
+    choices = {c.dataset: c for c in precedence.choices(config, latest)}
+    names = [*choices, *sorted(set(snapshots) - set(choices))]
+    if as_json:
+        print(json.dumps({n: _shown(snapshots.get(n), choices.get(n)) for n in names}, indent=2))
         return 0
-    snapshots = dict(sorted(live_snapshots(bootstrap, topics).items()))
-    if args.json:
-        print(
-            json.dumps(
-                {
-                    name: {
-                        "budget": s.budget,
-                        "unit": s.unit,
-                        "completion_tokens": s.completion_tokens,
-                        "prompt_tokens": s.prompt_tokens,
-                        "samples": s.samples,
-                        "reserved": s.reserved,
-                        "skipped": s.skipped,
-                        "failed": s.failed,
-                        "halted": s.halted,
-                        "status": s.status,
-                        "at": s.at,
-                    }
-                    for name, s in snapshots.items()
-                },
-                indent=2,
-            )
-        )
-        return 0
-    rows = [
-        [
-            name,
-            f"{s.budget:,}" if s.budget is not None else "-",
-            s.unit,
-            f"{s.completion_tokens:,}",
-            f"{s.reserved:,}",
-            s.samples,
-            s.skipped,
-            s.status,
-        ]
-        for name, s in snapshots.items()
-    ]
+    rows = [_row(n, snapshots.get(n), choices.get(n)) for n in names]
     headers = [
         "dataset",
         "budget",
+        "config",
+        "set",
+        "next run",
         "unit",
         "completion_tokens",
         "reserved",
@@ -203,5 +217,48 @@ def run_budget_cli(args: argparse.Namespace) -> int:
         "skipped",
         "status",
     ]
-    print(format_table(headers, rows) if rows else "no ledger snapshots yet")
+    print(format_table(headers, rows) if rows else "no datasets and no ledger snapshots yet")
     return 0
+
+
+def _shown(
+    s: ev.LedgerSnapshot | None, choice: precedence.BudgetChoice | None
+) -> dict[str, object]:
+    shown: dict[str, object] = {
+        "config_budget": choice.config if choice else None,
+        "set_budget": choice.set_value if choice else None,
+        "next_run": choice.source if choice else None,
+    }
+    if s is not None:
+        shown |= {
+            "budget": s.budget,
+            "unit": s.unit,
+            "completion_tokens": s.completion_tokens,
+            "prompt_tokens": s.prompt_tokens,
+            "samples": s.samples,
+            "reserved": s.reserved,
+            "skipped": s.skipped,
+            "failed": s.failed,
+            "halted": s.halted,
+            "status": s.status,
+            "at": s.at,
+        }
+    return shown
+
+
+def _row(
+    name: str, s: ev.LedgerSnapshot | None, choice: precedence.BudgetChoice | None
+) -> list[object]:
+    def n(value: int | None) -> str:
+        return "-" if value is None else f"{value:,}"
+
+    budgets = [
+        n(s.budget if s else None),
+        n(choice.config if choice else None),
+        n(choice.set_value if choice else None),
+        choice.source if choice else "-",
+    ]
+    if s is None:  # not run yet
+        return [name, *budgets, choice.unit if choice else "-", *["-"] * 5]
+    ledger = [f"{s.completion_tokens:,}", f"{s.reserved:,}", s.samples, s.skipped, s.status]
+    return [name, *budgets, s.unit, *ledger]

@@ -1,21 +1,40 @@
-"""Progress bars for ``run`` and ``demo``: one per dataset, toward its budget.
+"""What ``run`` and ``demo`` show while a job runs: one bar per dataset on a
+terminal, progress lines elsewhere.
 
-Driven by the ledger snapshots a run's :class:`~streams.halts.BudgetBoard`
-already receives; the runner turns them on only when stdout is a terminal, so
-piped output and tests print nothing extra. One line per dataset, within 80
-columns: name, bar, % used, kept/budget, tokens/s, ETA, state.
+Both are driven by the ledger snapshots a run's :class:`~streams.halts.BudgetBoard`
+already receives, through the same :class:`~tokenbudget.app.status.Tracker` that
+``tokenbudget status`` uses, and show the same fields (:func:`fields`): kept/budget,
+% used, tokens/s, ETA, state.
+
+* ``live``: a rich bar per dataset, within 80 columns, when stdout and stderr are a
+  terminal (:class:`BudgetProgress`).
+* ``lines``: when the output goes to a file (``nohup``, a batch scheduler, ``>
+  run.log``), nothing redraws; instead one line per dataset every ``[metrics]
+  progress_interval_s`` seconds, and one line whenever a dataset changes state
+  (halted, open again, exhausted), logged on ``tokenbudget.progress`` at INFO
+  (:class:`ProgressLines`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import sys
+import time
+from typing import Literal, Protocol
 
 from rich.progress import BarColumn, Progress, TaskID, TaskProgressColumn, TextColumn
 
 from streams.halts import BudgetBoard
-from tokenbudget.app.status import Tracker, format_eta
+from tokenbudget.app.status import StatusRow, Tracker, format_eta
 from tokenbudget.config import Config
+
+# Shown whatever TOKENBUDGET_LOG says (its level is set when lines are asked for):
+# a run's progress is its output, not a diagnostic.
+progress_log = logging.getLogger("tokenbudget.progress")
+
+ProgressMode = Literal["live", "lines", "off"]
 
 
 def short(number: float) -> str:
@@ -26,6 +45,68 @@ def short(number: float) -> str:
             text = f"{value:.1f}" if value < 10 else f"{value:.0f}"
             return text.removesuffix(".0") + suffix
     return f"{number:.0f}"
+
+
+def fields(row: StatusRow) -> dict[str, str]:
+    """A dataset's progress as the bars and the lines both show it."""
+    budget = row.budget or row.kept
+    return {
+        "kept": short(row.kept),
+        "budget": short(budget),
+        "used": "-" if row.percent_used is None else f"{row.percent_used:.0f}%",
+        "rate": short(row.tokens_per_s),
+        "eta": format_eta(row.eta_s),
+        "state": row.state,
+    }
+
+
+def progress_line(row: StatusRow) -> str:
+    """``B2: 1.2M/4M completion_tokens (30%), 3.4k/s, ETA 14m02s, open``."""
+    f = fields(row)
+    return (
+        f"{row.dataset}: {f['kept']}/{f['budget']} {row.unit} ({f['used']}), "
+        f"{f['rate']}/s, ETA {f['eta']}, {f['state']}"
+    )
+
+
+def state_line(row: StatusRow, before: str) -> str | None:
+    """The line saying a dataset entered its state, ``before`` being the last one
+    reported (``unknown`` before its first snapshot); None when there is no news: a
+    dataset seen open for the first time, or a state it was already in."""
+    if row.state == before or (row.state == "open" and before == "unknown"):
+        return None
+    f = fields(row)
+    kept = f"{f['kept']}/{f['budget']} {row.unit}"
+    outcomes = f"samples {row.samples:,}, skipped {row.skipped:,}, failed {row.failed:,}"
+    if row.state == "halted":
+        return f"{row.dataset}: halted, its budget is reached: {kept} ({outcomes})"
+    if row.state == "exhausted":
+        return f"{row.dataset}: exhausted, every prompt has an outcome: {kept} ({outcomes})"
+    if row.state == "open":
+        return f"{row.dataset}: open again, budget {f['budget']} {row.unit} ({kept})"
+    return f"{row.dataset}: {row.state}"
+
+
+class Display(Protocol):
+    def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+def choose_mode(*, terminal: bool | None = None) -> ProgressMode:
+    """``live`` when stdout and stderr are both a terminal (``terminal`` overrides
+    the check), ``lines`` otherwise."""
+    if terminal is None:
+        terminal = sys.stdout.isatty() and sys.stderr.isatty()
+    return "live" if terminal else "lines"
+
+
+def display(mode: ProgressMode, config: Config, board: BudgetBoard) -> Display | None:
+    if mode == "live":
+        return BudgetProgress(config, board)
+    if mode == "lines" and config.metrics.progress_interval_s > 0:
+        return ProgressLines(config, board, config.metrics.progress_interval_s)
+    return None
 
 
 class BudgetProgress:
@@ -66,15 +147,16 @@ class BudgetProgress:
             self.tracker.observe(snap)
             row = self.tracker.row(name)
             budget = row.budget or row.kept
+            shown = fields(row)
             self.progress.update(
                 task,
                 completed=min(row.kept, budget),  # the bar stops at the budget
                 total=budget,
-                kept=short(row.kept),
-                budget=short(budget),
-                rate=short(row.tokens_per_s),
-                eta=format_eta(row.eta_s),
-                state=row.state,
+                kept=shown["kept"],
+                budget=shown["budget"],
+                rate=shown["rate"],
+                eta=shown["eta"],
+                state=shown["state"],
             )
 
     async def _loop(self) -> None:
@@ -93,3 +175,73 @@ class BudgetProgress:
                 await self._task
         self.update()
         self.progress.stop()
+
+
+class ProgressLines:
+    """The bars' stand-in for output that is not a terminal: every ``interval``
+    seconds a line per dataset (:func:`progress_line`), at once a line for each
+    change of state (:func:`state_line`), and a last line per dataset when stopped.
+    Snapshots are sampled every ``poll`` seconds, for the rate and the changes."""
+
+    def __init__(
+        self, config: Config, board: BudgetBoard, interval: float, poll: float = 0.5
+    ) -> None:
+        self.board = board
+        self.interval = interval
+        self.poll = min(poll, interval)
+        self.names = [d.name for d in config.datasets]
+        self.budgets = {d.name: d.budget for d in config.datasets}
+        self.tracker = Tracker()
+        self.reported: dict[str, str] = dict.fromkeys(self.names, "unknown")
+        self._task: asyncio.Task[None] | None = None
+
+    def _rows(self, now: float) -> list[StatusRow]:
+        for name in self.names:
+            snap = self.board.snapshot(name)
+            if snap is not None:
+                self.tracker.observe(snap)
+        return [self.tracker.row(name, self.budgets[name], now) for name in self.names]
+
+    def changes(self, now: float | None = None) -> list[str]:
+        """The state lines due since the last call."""
+        lines = []
+        for row in self._rows(time.time() if now is None else now):
+            if row.state == "unknown":
+                continue
+            line = state_line(row, self.reported[row.dataset])
+            self.reported[row.dataset] = row.state
+            if line is not None:
+                lines.append(line)
+        return lines
+
+    def lines(self, now: float | None = None) -> list[str]:
+        """A progress line per dataset, as of ``now``."""
+        return [progress_line(row) for row in self._rows(time.time() if now is None else now)]
+
+    async def _loop(self) -> None:
+        due = time.monotonic() + self.interval
+        while True:
+            await asyncio.sleep(self.poll)
+            _emit(self.changes())
+            if time.monotonic() >= due:
+                _emit(self.lines())
+                due = time.monotonic() + self.interval
+
+    def start(self) -> None:
+        if progress_log.getEffectiveLevel() > logging.INFO:
+            progress_log.setLevel(logging.INFO)
+        names = ", ".join(self.names)
+        _emit([f"{len(self.names)} dataset(s) ({names}): a line each every {self.interval:g} s"])
+        self._task = asyncio.create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        _emit([*self.changes(), *self.lines()])
+
+
+def _emit(lines: list[str]) -> None:
+    for line in lines:
+        progress_log.info("%s", line)

@@ -36,14 +36,14 @@ from producers.inference import prepare
 from producers.prompts import ProduceReport, PromptProducer
 from sinks.parquet import ParquetSink, SinkSettings, stored_prompt_ids
 from streams import budget
-from streams import events as ev
 from streams.halts import BudgetBoard, BudgetWatcher
 from streams.publisher import publish_events
 from streams.topics import Topics
 from tokenbudget import lifetime, metrics, sizes
-from tokenbudget.app import identity
+from tokenbudget.app import identity, precedence
 from tokenbudget.app.bootstrap import resolve_bootstrap
-from tokenbudget.app.progress import BudgetProgress
+from tokenbudget.app.interrupts import Interrupted, StopSignals
+from tokenbudget.app.progress import Display, ProgressMode, choose_mode, display
 from tokenbudget.config import Config, Unit
 from tokenbudget.errors import ConfigError, WorkerFailedError
 from tokenbudget.kafka import GroupLag
@@ -182,7 +182,10 @@ class Supervised:
     """A child process of ``run`` (the ledger, an extra dispatcher), started again
     whenever it exits without being asked to: killed from outside (the OOM killer, an
     operator), or ending itself to restart from what is durable (the ledger's 75). A
-    child that keeps dying (``max_restarts`` within ``window_s``) ends the run."""
+    child that keeps dying ends the run: ``max_restarts`` exits in a row, each within
+    ``window_s`` of its start (a child that lived longer starts the count again). A
+    child that crashes at start-up therefore ends the run however slowly it starts,
+    while one killed now and then, after doing work, never does."""
 
     def __init__(
         self,
@@ -197,20 +200,23 @@ class Supervised:
         self.max_restarts = max_restarts
         self.window_s = window_s
         self.process = start()
+        self.started_at = time.monotonic()
+        self.short_lives = 0  # exits in a row within window_s of their start
         self.restarts: list[Restart] = []
 
     def check(self) -> Restart | None:
         code = self.process.poll()
         if code is None:
             return None
-        now = time.time()
-        recent = [r for r in self.restarts if now - r.at < self.window_s]
-        if len(recent) >= self.max_restarts:
+        lived = time.monotonic() - self.started_at
+        self.short_lives = self.short_lives + 1 if lived < self.window_s else 0
+        if self.short_lives > self.max_restarts:
             raise WorkerFailedError(
-                f"the {self.name} exited {len(recent) + 1} times within "
-                f"{self.window_s:.0f} s (last exit code {code}); see its messages above"
+                f"the {self.name} exited {self.short_lives} times in a row, each within "
+                f"{self.window_s:.0f} s of its start (last exit code {code}); see its "
+                "messages above"
             )
-        restart = Restart(self.name, self.process.pid, code, now)
+        restart = Restart(self.name, self.process.pid, code, time.time())
         self.restarts.append(restart)
         log.warning(
             "the %s (pid %d) exited with code %s: starting it again",
@@ -219,10 +225,11 @@ class Supervised:
             code,
         )
         self.process = self._start()
+        self.started_at = time.monotonic()
         return restart
 
-    def stop(self, timeout: float = 30) -> int | None:
-        return lifetime.stop(self.process, timeout)
+    def stop(self, timeout: float = 30, signum: int = signal.SIGTERM) -> int | None:
+        return lifetime.stop(self.process, timeout, signum)
 
 
 class SupervisedGroup:
@@ -238,13 +245,13 @@ class SupervisedGroup:
     def restarts(self) -> list[Restart]:
         return [r for child in self.children for r in child.restarts]
 
-    def stop(self, timeout: float = 30) -> None:
-        """SIGTERM to all at once (they wind down side by side), then wait for each."""
+    def stop(self, timeout: float = 30, signum: int = signal.SIGTERM) -> None:
+        """``signum`` to all at once (they wind down side by side), then wait for each."""
         for child in self.children:
             if child.process.poll() is None:
-                child.process.send_signal(signal.SIGTERM)
+                child.process.send_signal(signum)
         for child in self.children:
-            child.stop(timeout)
+            child.stop(timeout, signum)
 
 
 class LedgerWorkers(SupervisedGroup):
@@ -324,9 +331,11 @@ class ExtraDispatchers(SupervisedGroup):
             self.children.append(child)
             self.reports.append(report)
 
-    def finish(self) -> dict[str, list[float]]:
-        """Stop them, and say per dataset when each first refused it (their reports)."""
-        self.stop(60)
+    def finish(self, hand_back: bool = False) -> dict[str, list[float]]:
+        """Stop them (with ``hand_back``, SIGINT: requests the server has not answered
+        are handed back, not waited for), and say per dataset when each first refused
+        it (their reports)."""
+        self.stop(60, signal.SIGINT if hand_back else signal.SIGTERM)
         refused: dict[str, list[float]] = {}
         for report in self.reports:
             if report.exists():
@@ -337,21 +346,21 @@ class ExtraDispatchers(SupervisedGroup):
         return refused
 
 
-async def publish_budgets(config: Config, bootstrap: str) -> None:
-    events = [
-        ev.BudgetSet(
-            dataset=dataset.name,
-            budget=dataset.budget,
-            unit=config.budget.unit,
-            set_at=time.time(),
-            set_by=f"config {config.source}",
-        )
-        for dataset in config.datasets
-    ]
-    await publish_events(
-        bootstrap, Topics(config.kafka.namespace).budgets, events, config.kafka.compression
-    )
-    metrics.EVENTS_PRODUCED.labels(topic="budgets").inc(len(events))
+async def publish_budgets(config: Config, bootstrap: str) -> list[precedence.BudgetChoice]:
+    """Put each dataset's budget in force for a job: the config's, unless a value set
+    with ``budget set`` holds (:mod:`tokenbudget.app.precedence`); say on stderr which
+    one a dataset runs with, and why, when a set value was involved."""
+    topics = Topics(config.kafka.namespace)
+    latest = await asyncio.to_thread(precedence.latest_budget_sets, bootstrap, topics)
+    chosen = precedence.choices(config, latest)
+    events = [precedence.config_budget_set(config, c) for c in chosen if c.source == "config"]
+    if events:
+        await publish_events(bootstrap, topics.budgets, events, config.kafka.compression)
+        metrics.EVENTS_PRODUCED.labels(topic="budgets").inc(len(events))
+    for choice in chosen:
+        if (line := choice.explain()) is not None:
+            print(f"tokenbudget: {line}", file=sys.stderr)
+    return chosen
 
 
 async def _group_lag(bootstrap: str) -> GroupLag:
@@ -450,11 +459,17 @@ async def run_async(
     bootstrap: str | None = None,
     ledger_process: bool = True,
     keep_dispatch_log: bool = False,
-    progress: bool = False,
+    progress: ProgressMode = "off",
     dispatchers: int = 1,
     ledgers: int = 1,
     resume_changed: bool = False,
+    stop: StopSignals | None = None,
+    on_start: Callable[[], object] | None = None,
 ) -> RunReport:
+    """Run a job; ``stop``: the signals that stop it in order (see
+    :mod:`tokenbudget.app.interrupts`), installed by the caller. ``on_start`` is
+    called (in a thread) once the job can start, Kafka and the server having
+    answered: ``run`` prints its plan."""
     started = time.monotonic()
     # What the config and the datasets' first rows can tell is told before anything
     # starts: no broker, no server touched for a job that cannot run.
@@ -466,6 +481,8 @@ async def run_async(
     await identity.settle(config, bootstrap, resume_changed=resume_changed, command="run")
     # Once Kafka answered: a job that cannot start says only why (one line).
     config = serve_metrics(config, dispatchers, ledgers if ledger_process else 0)
+    if on_start is not None:
+        await asyncio.to_thread(on_start)
     topics = Topics(config.kafka.namespace)
     for dataset in config.datasets:
         metrics.OVERSHOOT_ALLOWANCE.labels(dataset=dataset.name).set(
@@ -491,9 +508,19 @@ async def run_async(
     ledger = LedgerWorkers(config, bootstrap, ledgers, dispatchers) if ledger_process else None
     try:
         return await _run_components(
-            config, bootstrap, topics, ledger, started, keep_dispatch_log, progress, dispatchers
+            config,
+            bootstrap,
+            topics,
+            ledger,
+            started,
+            keep_dispatch_log,
+            progress,
+            dispatchers,
+            stop,
         )
     finally:
+        if stop is not None:
+            stop.stopping()
         await asyncio.to_thread(lag_sampler.stop)
         if ledger is not None:
             await asyncio.to_thread(ledger.stop)
@@ -614,7 +641,7 @@ class _InProcess:
 
     watcher: BudgetWatcher
     watch_task: asyncio.Task[None]
-    bars: BudgetProgress | None
+    bars: Display | None
     sink: ParquetSink
     sink_stop: threading.Event
     sink_thread: threading.Thread
@@ -624,7 +651,11 @@ class _InProcess:
 
 
 async def _start_in_process(
-    config: Config, bootstrap: str, topics: Topics, keep_dispatch_log: bool, progress: bool
+    config: Config,
+    bootstrap: str,
+    topics: Topics,
+    keep_dispatch_log: bool,
+    progress: ProgressMode,
 ) -> _InProcess:
     """Start the watcher and wait until it has read the budgets topic (so the board
     is current before anything is admitted), then the bars, the sink and the
@@ -633,7 +664,7 @@ async def _start_in_process(
     await watcher.start()
     watch_task = asyncio.create_task(watcher.run())
     await watcher.caught_up.wait()
-    bars = BudgetProgress(config, watcher.board) if progress else None
+    bars = display(progress, config, watcher.board)
     if bars is not None:
         bars.start()
 
@@ -670,19 +701,28 @@ async def _start_in_process(
 
 @dataclass
 class _Producing:
-    """The prompt producer, running as a task until ``stop`` is set."""
+    """The prompt producer, running as a task until ``stop`` (or ``interrupt``) is set."""
 
     producer: PromptProducer
     stop: asyncio.Event
     task: asyncio.Task[dict[str, ProduceReport]]
+    interrupt: asyncio.Event = field(default_factory=asyncio.Event)
 
     @classmethod
     def start(cls, config: Config, bootstrap: str, board: BudgetBoard) -> _Producing:
         producer = PromptProducer(
             config, bootstrap, board, stored_prompt_ids=stored_prompt_ids(config)
         )
-        stop = asyncio.Event()
-        return cls(producer, stop, asyncio.create_task(producer.run(stop)))
+        stop, interrupt = asyncio.Event(), asyncio.Event()
+        task = asyncio.create_task(producer.run(stop, interrupt))
+        return cls(producer, stop, task, interrupt)
+
+    async def end(self) -> None:
+        """If it still runs (the job is stopped early), stop it: what it sent is
+        flushed, the rows it has not read are left for the rerun."""
+        self.interrupt.set()
+        with contextlib.suppress(Exception, asyncio.CancelledError):
+            await self.task
 
 
 async def _produce_until_drained(
@@ -724,14 +764,19 @@ def _refusals(
     return refused
 
 
-async def _stop_in_process(running: _InProcess, extra: ExtraDispatchers) -> dict[str, list[float]]:
-    """Stop the dispatchers (this one, then the extra processes), the sink (it
-    reads to the end of the completions topic first), the bars and the watcher, in
-    that order; return when they refused each dataset (:func:`_refusals`)."""
+async def _stop_in_process(
+    running: _InProcess, extra: ExtraDispatchers, hand_back: bool = False
+) -> dict[str, list[float]]:
+    """Stop the dispatchers (this one, then the extra processes; with ``hand_back``,
+    giving up the requests the server has not answered), the sink (it reads to the
+    end of the completions topic first), the bars and the watcher, in that order;
+    return when they refused each dataset (:func:`_refusals`)."""
+    if hand_back:
+        running.dispatcher.hand_back()
     running.dispatch_stop.set()
     with contextlib.suppress(Exception):
         await running.dispatch_task
-    extra_refused = await asyncio.to_thread(extra.finish)
+    extra_refused = await asyncio.to_thread(extra.finish, hand_back)
     refused = _refusals(extra_refused, running.dispatcher.refused_at, running.watcher.board)
     running.sink_stop.set()
     await asyncio.to_thread(running.sink_thread.join, 120)
@@ -751,24 +796,31 @@ async def _run_components(
     ledger: LedgerWorkers | None,
     started: float,
     keep_dispatch_log: bool = False,
-    progress: bool = False,
+    progress: ProgressMode = "off",
     dispatchers: int = 1,
+    stop: StopSignals | None = None,
 ) -> RunReport:
     extra = ExtraDispatchers(config, dispatchers - 1)
     children: list[_Child] = [extra] if ledger is None else [ledger, extra]
     running = await _start_in_process(config, bootstrap, topics, keep_dispatch_log, progress)
-    extra.start()
-    if extra.count:
-        # Prompts handed out before every dispatcher joined would move at the
-        # rebalance and be generated twice: wait for the group to settle first.
-        group = running.dispatcher.group_id
-        joined = _wait_for_members(bootstrap, group, extra.count + 1)
-        await supervise(asyncio.create_task(joined), [running.dispatch_task], children)
-    producing = _Producing.start(config, bootstrap, running.watcher.board)
+    producing: _Producing | None = None
     try:
+        extra.start()
+        if extra.count:
+            # Prompts handed out before every dispatcher joined would move at the
+            # rebalance and be generated twice: wait for the group to settle first.
+            group = running.dispatcher.group_id
+            joined = _wait_for_members(bootstrap, group, extra.count + 1)
+            await supervise(asyncio.create_task(joined), [running.dispatch_task], children)
+        producing = _Producing.start(config, bootstrap, running.watcher.board)
         produced = await _produce_until_drained(config, bootstrap, producing, running, children)
     finally:
-        refused = await _stop_in_process(running, extra)
+        interrupted = stop is not None and stop.requested
+        if stop is not None:
+            stop.stopping()
+        if producing is not None:
+            await producing.end()
+        refused = await _stop_in_process(running, extra, hand_back=interrupted)
 
     board = running.watcher.board
     return RunReport(
@@ -786,23 +838,46 @@ async def _run_components(
 def run(
     config: Config,
     *,
-    progress: bool | None = None,
+    progress: ProgressMode | bool | None = None,
     dispatchers: int = 1,
     ledgers: int = 1,
     resume_changed: bool = False,
+    on_start: Callable[[], object] | None = None,
 ) -> RunReport:
-    """Run ``config``; ``progress`` (default: stdout is a terminal) shows a bar per
-    dataset toward its budget while it runs; ``resume_changed`` resumes its namespace
-    even when the job differs from the one recorded there (:mod:`.identity`)."""
+    """Run ``config``, showing its progress (:mod:`tokenbudget.app.progress`): by
+    default bars on a terminal and lines otherwise; True: bars, False: nothing.
+    ``resume_changed`` resumes its namespace even when the job differs from the one
+    recorded there (:mod:`.identity`); ``on_start``: see :func:`run_async`."""
     logging.basicConfig(level=logging.WARNING)  # no-op once the CLI configured logging
+    mode: ProgressMode
     if progress is None:
-        progress = sys.stdout.isatty()
+        mode = choose_mode()
+    elif isinstance(progress, bool):
+        mode = "live" if progress else "off"
+    else:
+        mode = progress
     return asyncio.run(
-        run_async(
+        _run_until_stopped(
             config,
-            progress=progress,
+            progress=mode,
             dispatchers=dispatchers,
             ledgers=ledgers,
             resume_changed=resume_changed,
+            on_start=on_start,
         )
     )
+
+
+async def _run_until_stopped(config: Config, **options: Any) -> RunReport:
+    """:func:`run_async`, stopped in order by SIGINT or SIGTERM: then it raises
+    :class:`~tokenbudget.app.interrupts.Interrupted`."""
+    stop = StopSignals()
+    stop.install()
+    try:
+        return await run_async(config, stop=stop, **options)
+    except asyncio.CancelledError:
+        if stop.signum is None:
+            raise
+        raise Interrupted(stop.signum) from None
+    finally:
+        stop.uninstall()

@@ -208,8 +208,17 @@ def footer(rows: Sequence[StatusRow], now: float) -> str:
     return f"latest ledger snapshot {age:,.0f} s ago; tokens/s over the last {RATE_WINDOW_S:.0f} s"
 
 
-def plain_table(rows: Sequence[StatusRow], now: float) -> str:
-    return format_table(HEADERS, [cells(r) for r in rows]) + "\n" + footer(rows, now)
+def plain_table(
+    rows: Sequence[StatusRow], now: float, planned: dict[str, str] | None = None
+) -> str:
+    """The table; with ``planned`` (the prompts the saved plan said each budget
+    needs, :func:`tokenbudget.app.plan.planned`), the samples kept beside them."""
+    headers = [*HEADERS, "samples", "planned"] if planned else HEADERS
+    body = [
+        [*cells(r), f"{r.samples:,}", planned.get(r.dataset, "-")] if planned else cells(r)
+        for r in rows
+    ]
+    return format_table(headers, body) + "\n" + footer(rows, now)
 
 
 def table(rows: Sequence[StatusRow], width: int = 200) -> object:
@@ -246,6 +255,7 @@ async def follow(
     watch: bool,
     as_json: bool,
     interval: float = 1.0,
+    planned: dict[str, str] | None = None,
 ) -> int:
     """Read the budgets topic up to now and print; with ``watch``, keep going."""
     board = TrackingBoard()
@@ -262,9 +272,12 @@ async def follow(
         if not watch:
             rows = render()
             if as_json:
-                print(json.dumps(to_json(rows, time.time()), indent=2))
+                out = to_json(rows, time.time())
+                if planned:
+                    out["planned"] = planned
+                print(json.dumps(out, indent=2))
             else:
-                print(plain_table(rows, time.time()))
+                print(plain_table(rows, time.time(), planned))
             return 0
         if as_json:
             while True:

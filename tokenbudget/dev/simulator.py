@@ -16,6 +16,16 @@ Behaviour worth knowing when reading client code against it:
   ``/abort_request`` stops a request early.
 * A rid that is still decoding cannot be reused (SGLang rejects duplicate request ids
   with 400), which matters for clients that retry with the same rid after a timeout.
+* With ``reasoning_style`` other than ``none`` it is a thinking model: each answer
+  thinks first (a share of its length drawn from the prompt), closed by one token
+  that renders as ``</think>``, then answers. Chat answers send the thinking in
+  ``message.reasoning_content`` (SGLang's ``--reasoning-parser``) or
+  ``message.reasoning`` (vLLM), streamed in the same fields of ``delta``, and count
+  it in ``usage.completion_tokens_details.reasoning_tokens``; raw APIs send it inline.
+  ``chat_template_kwargs`` turning thinking off, or a prompt ending in ``</think>``
+  (a template that closed the block), make it answer straight away.
+* With ``tool_calls``, a chat request that offers ``tools`` is answered by a call to
+  the first one (``finish_reason`` ``tool_calls``), its arguments the answer's text.
 """
 
 from __future__ import annotations
@@ -59,6 +69,12 @@ __all__ = [
     "serve",
     "start",
 ]
+
+# What the simulator's thinking model names its thinking in a chat answer; "none": it
+# does not think.
+REASONING_STYLES = ("none", "reasoning_content", "reasoning")
+# How the token that ends the thinking renders in raw text.
+THINK_END = "</think>"
 
 _log = logging.getLogger(__name__)
 
@@ -125,8 +141,13 @@ class SimulatorConfig:
     # server's own account of what it generated, kept across restarts of the simulator.
     log_file: str | None = None
     # A local tokenizer folder, as SGLang loads the model's: prompts sent as input_ids
-    # are decoded with it, so the length rules find their markers in templated chats.
+    # are decoded with it, so the length rules find their markers in templated chats
+    # (and its "</think>" token, when it has one, is the id that ends the thinking).
     tokenizer: str | None = None
+    # A thinking model (one of REASONING_STYLES; see the module's docstring).
+    reasoning_style: str = "none"
+    # Chat requests offering tools are answered with a call to the first one.
+    tool_calls: bool = False
 
 
 @dataclass(frozen=True)
@@ -156,6 +177,14 @@ class RequestRecord:
     # any other top-level field the request carried (extra_body).
     sampling: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
+    # What the answer held, as sent: its thinking tokens (None: not a thinking
+    # simulator; 0: told not to think), crc32s of the UTF-8 reasoning text sent in a
+    # chat reasoning field and of the text sent as the answer (chat content, the whole
+    # text of the raw APIs; 0 when none), and the tool calls sent instead of content.
+    reasoning_tokens: int | None = None
+    reasoning_crc: int = 0
+    content_crc: int = 0
+    tool_calls: int = 0
 
 
 PROFILES: dict[str, tuple[LengthRule, ...]] = {
@@ -172,6 +201,9 @@ PROFILES: dict[str, tuple[LengthRule, ...]] = {
     ),
     "uniform": (LengthRule("", 1000.0, 0.5),),
     "short": (LengthRule("", 64.0, 0.5),),
+    # Answers of nearly one length (coefficient of variation 0.1): what a plan of a
+    # budget should predict closely from a few of them.
+    "steady": (LengthRule("", 1000.0, 0.1),),
     # Answers of a long-context model's full length (~100k tokens), for what sizes
     # the pipeline must carry: run it at a high --tokens-per-second.
     "long": (LengthRule("", 100_000.0, 0.05),),
@@ -251,15 +283,31 @@ def chat_prompt_text(messages: Sequence[dict[str, Any]]) -> str:
 
 
 def _generate(
-    rules: Sequence[LengthRule], seed: int, text: str, max_new_tokens: int, vocab_size: int
-) -> tuple[list[int], str, int]:
+    rules: Sequence[LengthRule],
+    seed: int,
+    text: str,
+    max_new_tokens: int,
+    vocab_size: int,
+    think_end: int | None = None,
+) -> tuple[list[int], str, int, int]:
+    """(ids, finish, thinking tokens, natural length): with ``think_end`` (the id
+    ending the thinking) the answer thinks first, that id closing its thinking, and no
+    other id is it; the natural length is the answer's had max_new_tokens not cut it."""
     rng = _rng_for(seed, text)
     natural = _draw_length(rules, rng, text)
     n = min(natural, max_new_tokens)
     # Ids come from the same stream after the length draw, so a capped answer is a prefix
     # of the uncapped one.
     ids = [int(rng.random() * vocab_size) for _ in range(n)]
-    return ids, ("length" if natural > max_new_tokens else "stop"), natural
+    think = 0
+    if think_end is not None and natural > 1:
+        # Its own stream, so the ids stay those of the same prompt without thinking.
+        share = _rng_for(seed, f"think\x1f{text}").uniform(0.3, 0.8)
+        think = min(natural - 1, max(1, round(natural * share)))
+        ids = [(i + 1) % vocab_size if i == think_end else i for i in ids]
+        if think <= n:
+            ids[think - 1] = think_end
+    return ids, ("length" if natural > max_new_tokens else "stop"), think, natural
 
 
 def _text_crc(parsed: _Parsed) -> int:
@@ -276,12 +324,14 @@ def _prompt_ids_from_text(text: str, vocab_size: int) -> list[int]:
 
 
 class _Output:
-    """Generated ids and their synthetic text, with cheap prefix/delta slicing."""
+    """Generated ids and their synthetic text, with cheap prefix/delta slicing. The
+    first ``think`` tokens are thinking, the last of them the one ending it."""
 
-    __slots__ = ("_offsets", "_text", "ids")
+    __slots__ = ("_offsets", "_text", "ids", "think")
 
-    def __init__(self, ids: list[int]) -> None:
+    def __init__(self, ids: list[int], think: int = 0) -> None:
         self.ids = ids
+        self.think = think
         self._text: str | None = None
         self._offsets: list[int] | None = None
 
@@ -290,6 +340,8 @@ class _Output:
             # Each token renders with a leading space (like BPE word tokens), so streamed
             # deltas concatenate to exactly the full text.
             pieces = [f" w{i}" for i in self.ids]
+            if 0 < self.think <= len(pieces):
+                pieces[self.think - 1] = f" {THINK_END}"
             self._text = "".join(pieces)
             self._offsets = list(itertools.accumulate(map(len, pieces), initial=0))
         return self._text, self._offsets
@@ -297,6 +349,20 @@ class _Output:
     def text(self, start: int, end: int) -> str:
         text, offsets = self._render()
         return text[offsets[start] : offsets[end]]
+
+    def reasoning(self, start: int, end: int) -> str:
+        """The thinking among tokens ``start:end``, as a reasoning parser sends it
+        (without the token ending it)."""
+        end = min(end, self.think - 1)
+        return self.text(start, end) if end > start else ""
+
+    def answer(self, start: int, end: int) -> str:
+        """The answer among tokens ``start:end`` (after the thinking)."""
+        start = max(start, self.think)
+        return self.text(start, end) if end > start else ""
+
+    def thinking_tokens(self, produced: int) -> int:
+        return min(produced, self.think)
 
 
 # --------------------------------------------------------------------------------------
@@ -331,6 +397,7 @@ class _Job:
     cut_at: int | None = None  # reset_mid_stream: the stream breaks after this many tokens
     sampling: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
+    tool: str | None = None  # the tool it answers with a call to
 
     def notify(self) -> None:
         # Swap in a fresh event before setting the old one so waiters never miss a tick
@@ -351,6 +418,16 @@ class _Parsed:
     return_token_ids: bool = False
     sampling: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Answer:
+    """What a response carries of an answer (or of a streamed part of it)."""
+
+    reasoning: str | None  # the chat reasoning field's text (None: not sent)
+    content: str | None  # chat content, or the raw APIs' text (None: a tool call instead)
+    reasoning_tokens: int | None  # thinking tokens of the whole answer so far
+    tool_calls: tuple[dict[str, Any], ...]
 
 
 @dataclass
@@ -388,11 +465,34 @@ def requested_settings(api: str, payload: dict[str, Any]) -> tuple[dict[str, Any
     return sampling, {k: v for k, v in payload.items() if k not in known}
 
 
+def thinking_turned_off(sampling: dict[str, Any], prompt: str) -> bool:
+    """Whether a request asks for an answer without thinking: its template switches say
+    so (Qwen3's enable_thinking, DeepSeek's and Kimi's thinking), or the prompt already
+    closes the thinking block (a template applied with thinking off)."""
+    switches = sampling.get("chat_template_kwargs") or {}
+    if isinstance(switches, dict) and any(
+        switches.get(name) is False for name in ("enable_thinking", "thinking")
+    ):
+        return True
+    return prompt.rstrip().endswith(THINK_END)
+
+
+def first_tool(extra: dict[str, Any]) -> str | None:
+    """The name of the first function a chat request offers in ``tools``."""
+    tools = extra.get("tools")
+    if isinstance(tools, list) and tools and isinstance(tools[0], dict):
+        function = tools[0].get("function")
+        if isinstance(function, dict) and isinstance(function.get("name"), str):
+            return str(function["name"])
+    return None
+
+
 class _SimServer:
     def __init__(self, config: SimulatorConfig) -> None:
         self.config = config
         self.rules = PROFILES[config.profile]
         self.tokenizer = _load_tokenizer(config.tokenizer) if config.tokenizer else None
+        self.think_end = _think_end_id(config, self.tokenizer)
         self.log: list[RequestRecord] = []
         self.counters = _Counters()
         self.jobs: dict[str, _Job] = {}
@@ -425,12 +525,16 @@ class _SimServer:
     def _admit(self, api: str, parsed: _Parsed, received_at: float) -> _Job:
         if parsed.rid in self.jobs:
             raise _BadRequest(f"Duplicate request ID: {parsed.rid}")
-        ids, natural_finish, natural = _generate(
+        thinks = self.think_end is not None and not thinking_turned_off(
+            parsed.sampling, parsed.text
+        )
+        ids, natural_finish, think, natural = _generate(
             self.rules,
             self.config.seed,
             parsed.text,
             parsed.max_new_tokens,
             self.config.vocab_size,
+            self.think_end if thinks else None,
         )
         job = _Job(
             rid=parsed.rid,
@@ -438,7 +542,7 @@ class _SimServer:
             received_at=received_at,
             prompt_tokens=parsed.prompt_tokens,
             max_new_tokens=parsed.max_new_tokens,
-            output=_Output(ids),
+            output=_Output(ids, think),
             natural_finish=natural_finish,
             natural_tokens=natural,
             text_head=parsed.text[:80],
@@ -446,6 +550,7 @@ class _SimServer:
             text_crc=_text_crc(parsed),
             sampling=parsed.sampling,
             extra=parsed.extra,
+            tool=first_tool(parsed.extra) if self._offers_tools(api) else None,
         )
         self.jobs[job.rid] = job
         # A task of its own, not the handler's coroutine: decoding must outlive a client
@@ -454,6 +559,9 @@ class _SimServer:
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
         return job
+
+    def _offers_tools(self, api: str) -> bool:
+        return api == "openai-chat" and self.config.tool_calls
 
     async def _decode(self, job: _Job, stream: bool) -> None:
         loop = asyncio.get_running_loop()
@@ -498,6 +606,7 @@ class _SimServer:
         c.generation_tokens += job.produced
         if job.finish == "abort":
             c.aborted += 1
+        sent = self._sent(job)
         self._record(
             RequestRecord(
                 rid=job.rid,
@@ -516,10 +625,41 @@ class _SimServer:
                 natural_tokens=job.natural_tokens,
                 sampling=job.sampling,
                 extra=job.extra,
+                reasoning_tokens=sent.reasoning_tokens,
+                reasoning_crc=_crc(sent.reasoning),
+                content_crc=_crc(sent.content),
+                tool_calls=len(sent.tool_calls),
             )
         )
         job.done.set()
         job.notify()
+
+    def _sent(
+        self, job: _Job, start: int = 0, end: int | None = None, *, final: bool = True
+    ) -> _Answer:
+        """What the answer holds of tokens ``start:end`` (all produced by default) as
+        this server sends it: the one rendering both the responses and the log use.
+        ``final``: the part that ends the answer (a tool call is sent there)."""
+        end = job.produced if end is None else end
+        output = job.output
+        thinking = output.thinking_tokens(end) if self.think_end is not None else None
+        if job.api != "openai-chat" or self.config.reasoning_style == "none":
+            return _Answer(None, output.text(start, end), thinking, ())
+        reasoning = output.reasoning(start, end) or None
+        content = output.answer(start, end)
+        if job.tool is not None and final:
+            call = {
+                "id": f"call_{job.rid[:16]}",
+                "type": "function",
+                "function": {
+                    "name": job.tool,
+                    "arguments": _encode({"answer": output.answer(0, end).strip()}).decode(),
+                },
+            }
+            return _Answer(reasoning, None, thinking, (call,))
+        if job.tool is not None:
+            content = ""  # the answer becomes the call's arguments, sent at the end
+        return _Answer(reasoning, content, thinking, ())
 
     def _record(self, record: RequestRecord) -> None:
         self.log.append(record)
@@ -798,14 +938,26 @@ class _SimServer:
         return _json({"until": self.outage_until})
 
     async def handle_model_info(self, request: web.Request) -> web.Response:
-        return _json({"model_path": self.config.model, "is_generation": True})
+        info: dict[str, Any] = {"model_path": self.config.model, "is_generation": True}
+        if self.config.tokenizer:  # as SGLang names the tokenizer it loaded
+            info["tokenizer_path"] = self.config.tokenizer
+        return _json(info)
 
     def _authorized(self, request: web.Request) -> bool:
         key = self.config.api_key
         return key is None or request.headers.get("Authorization") == f"Bearer {key}"
 
-    def _usage(self, job: _Job) -> dict[str, int] | None:
-        return None if self.config.omit_usage else _usage(job)
+    def _usage(self, job: _Job, *, always: bool = False) -> dict[str, Any] | None:
+        """The usage of an answer (None with ``omit_usage``, unless ``always``: the
+        stream asked for it, which ``omit_usage`` already refused); a thinking chat
+        answer's says how many of its tokens were thinking."""
+        if self.config.omit_usage and not always:
+            return None
+        usage: dict[str, Any] = _usage(job)
+        if job.api == "openai-chat" and self.think_end is not None:
+            thinking = job.output.thinking_tokens(job.produced)
+            usage["completion_tokens_details"] = {"reasoning_tokens": thinking}
+        return usage
 
     async def handle_models(self, request: web.Request) -> web.Response:
         if not self._authorized(request):
@@ -952,9 +1104,9 @@ class _SimServer:
             await job.done.wait()
             choice: dict[str, Any] = {
                 "index": 0,
-                "message": {"role": "assistant", "content": job.output.text(0, job.produced)},
+                "message": {"role": "assistant", **self._chat_fields(self._sent(job))},
                 "logprobs": None,
-                "finish_reason": job.finish,
+                "finish_reason": _chat_finish(job, job.finish),
             }
             out: dict[str, Any] = {
                 "id": rid,
@@ -991,20 +1143,45 @@ class _SimServer:
                 if parsed.return_token_ids:
                     first["prompt_token_ids"] = self._prompt_ids(parsed)
                 out.append(_sse(first))
+            part = self._sent(job, sent, produced, final=finish is not None)
             choice: dict[str, Any] = {
                 "index": 0,
-                "delta": {"content": job.output.text(sent, produced)},
+                "delta": self._chat_fields(part, delta=True),
                 "logprobs": None,
-                "finish_reason": finish,
+                "finish_reason": _chat_finish(job, finish),
             }
             if parsed.return_token_ids:
                 choice["token_ids"] = job.output.ids[sent:produced]
             out.append(_sse(chunk(choice)))
             if finish is not None and parsed.include_usage:
-                out.append(_sse({**head, "choices": [], "usage": _usage(job)}))
+                out.append(_sse({**head, "choices": [], "usage": self._usage(job, always=True)}))
             return out
 
         return await self._stream(request, job, render, [b"data: [DONE]\n\n"])
+
+    def _chat_fields(self, answer: _Answer, *, delta: bool = False) -> dict[str, Any]:
+        """A chat message's (or delta's) fields for ``answer``. A message has content
+        (null when a thinking model said nothing after its thinking, or called a tool)
+        and, on a thinking server, its reasoning field (null when it did not think); a
+        delta carries only what it has, as servers stream."""
+        fields: dict[str, Any] = {}
+        if answer.tool_calls:
+            if not delta:
+                fields["content"] = None
+            calls = list(answer.tool_calls)
+            if delta:  # streamed calls say which one each part belongs to
+                calls = [{"index": i, **call} for i, call in enumerate(calls)]
+            fields["tool_calls"] = calls
+        elif delta:
+            if answer.content or not answer.reasoning:
+                fields["content"] = answer.content or ""
+        else:
+            silent = not answer.content and answer.reasoning_tokens is not None
+            fields["content"] = None if silent else answer.content
+        style = self.config.reasoning_style
+        if style != "none" and (answer.reasoning or not delta):
+            fields[style] = answer.reasoning
+        return fields
 
     # ---- observability -------------------------------------------------------------------
 
@@ -1100,6 +1277,28 @@ def _usage(job: _Job) -> dict[str, int]:
     }
 
 
+def _chat_finish(job: _Job, finish: str | None) -> str | None:
+    """A chat answer's finish_reason: a tool call that ran to its end says so."""
+    return "tool_calls" if job.tool is not None and finish == "stop" else finish
+
+
+def _crc(text: str | None) -> int:
+    return zlib.crc32(text.encode("utf-8", "surrogatepass")) if text else 0
+
+
+def _think_end_id(config: SimulatorConfig, tokenizer: LocalTokenizer | None) -> int | None:
+    """The id that ends a thinking simulator's thinking: the tokenizer's ``</think>``
+    when it is one token of its vocabulary, else the last id of the vocabulary (no
+    other answer id is ever it); None when the simulator does not think."""
+    if config.reasoning_style == "none":
+        return None
+    if tokenizer is not None:
+        ids = tokenizer.encode(THINK_END, special=False)
+        if len(ids) == 1:
+            return ids[0]
+    return config.vocab_size - 1
+
+
 def _json(obj: Any, status: int = 200) -> web.Response:
     return web.Response(body=_encode(obj), status=status, content_type="application/json")
 
@@ -1162,6 +1361,11 @@ def _validate(config: SimulatorConfig) -> None:
         raise ConfigError("simulator.port", f"must be 0..65535, got {config.port}")
     if config.vocab_size < 1:
         raise ConfigError("simulator.vocab_size", f"must be >= 1, got {config.vocab_size}")
+    if config.reasoning_style not in REASONING_STYLES:
+        raise ConfigError(
+            "simulator.reasoning_style",
+            f"{config.reasoning_style!r}: use one of {', '.join(REASONING_STYLES)}",
+        )
     if config.tokenizer and not Path(config.tokenizer).is_dir():
         raise ConfigError("simulator.tokenizer", f"{config.tokenizer} is not a tokenizer folder")
     shares = config.faults.shares()

@@ -27,6 +27,20 @@ CHAT_TEMPLATE = (
 
 SPECIAL = ["<unk>", "<pad>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>"]
 
+# A thinking model's template: the answer opens in a thinking block (as DeepSeek R1's
+# and Kimi's templates open it), closed at once when the template's switch turns
+# thinking off (Qwen3's enable_thinking, DeepSeek's and Kimi's thinking), so the
+# model answers straight away.
+THINKING_TEMPLATE = CHAT_TEMPLATE.replace(
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}",
+    "{% if add_generation_prompt %}<|assistant|> <think>"
+    "{% if enable_thinking is false or thinking is false %} </think>{% endif %}"
+    "{% endif %}",
+)
+# Plain (not special) tokens, as in Qwen3's vocabulary: decoding keeps them, so the
+# thinking markers survive in decoded text.
+THINKING_MARKERS = ["<think>", "</think>"]
+
 CORPUS = [
     "you are a helpful assistant",
     "write a detailed answer about item",
@@ -39,12 +53,18 @@ CORPUS = [
 
 
 def build_tokenizer(
-    folder: Path, corpus: Iterable[str] = CORPUS, *, whole_words: Sequence[str] = ()
+    folder: Path,
+    corpus: Iterable[str] = CORPUS,
+    *,
+    whole_words: Sequence[str] = (),
+    thinking: bool = False,
 ) -> Path:
     """Train on ``corpus``, wrap and save the tokenizer in ``folder``; returns the folder.
 
     ``whole_words`` stay one token each even where the word splitter would cut them
-    (``#chat`` would be ``#`` and ``chat``), so decoding gives them back intact."""
+    (``#chat`` would be ``#`` and ``chat``), so decoding gives them back intact.
+    ``thinking``: a thinking model's tokenizer, with ``<think>`` and ``</think>`` as
+    tokens and :data:`THINKING_TEMPLATE`."""
     os.environ["HF_HUB_OFFLINE"] = "1"
     # transformers' import-time advice (no PyTorch, ...) is noise in the demo's output.
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
@@ -56,8 +76,9 @@ def build_tokenizer(
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     trainer = trainers.WordLevelTrainer(special_tokens=SPECIAL, min_frequency=1)
     tokenizer.train_from_iterator(corpus, trainer)
-    if whole_words:
-        tokenizer.add_tokens([AddedToken(word, normalized=False) for word in whole_words])
+    added = [*whole_words, *(THINKING_MARKERS if thinking else ())]
+    if added:
+        tokenizer.add_tokens([AddedToken(word, normalized=False) for word in added])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         bos_token="<s>",
@@ -65,7 +86,7 @@ def build_tokenizer(
         unk_token="<unk>",
         pad_token="<pad>",
     )
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = THINKING_TEMPLATE if thinking else CHAT_TEMPLATE
     folder.mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(str(folder))
     return folder

@@ -108,6 +108,7 @@ def test_changed_content_is_named_with_the_file(tmp_path: Path, base: ev.JobIden
         ({}, {"inference": {"top_p": 0.9}}, "top_p unset → 0.9"),
         ({"stop": ["</s>"]}, {}, 'stop unset → ["</s>"]'),
         ({"seed": 4}, {}, "seed unset → 4"),
+        ({"reasoning": "save"}, {}, "reasoning unset → save"),  # what the rows hold
         (
             {"chat_template_kwargs": {"enable_thinking": False}},
             {},

@@ -79,3 +79,55 @@ def test_a_child_that_dies_while_run_waits_on_it_is_started_again() -> None:
         for process in started:
             process.kill()
             process.wait()
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_child_that_crashes_at_every_start_fails_the_run_however_slowly_it_starts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A ledger whose metrics port another job took crashed a few seconds into every
+    start: more than ``max_restarts`` exits ever fell within one window, so it was
+    started again for ever."""
+    clock = Clock()
+    monkeypatch.setattr("tokenbudget.app.runner.time.monotonic", clock)
+    started, start = starter(1, 1, 1, 1)
+    child = Supervised("ledger worker", start, max_restarts=3, window_s=60)  # type: ignore[arg-type]
+    try:
+        for _ in range(3):
+            clock.now += 40  # each life shorter than the window, together far longer
+            wait_exited(started[-1])
+            assert child.check() is not None
+        clock.now += 40
+        wait_exited(started[-1])
+        with pytest.raises(WorkerFailedError, match="exited 4 times in a row, each within 60 s"):
+            child.check()
+    finally:
+        for process in started:
+            process.kill()
+            process.wait()
+
+
+def test_a_child_that_lived_past_the_window_starts_the_count_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clock = Clock()
+    monkeypatch.setattr("tokenbudget.app.runner.time.monotonic", clock)
+    started, start = starter(1, 1, 1, 1, 1)
+    child = Supervised("ledger worker", start, max_restarts=2, window_s=60)  # type: ignore[arg-type]
+    try:
+        for lived in (5, 5, 600, 5, 5):  # killed after ten minutes of work: not a crash
+            clock.now += lived
+            wait_exited(started[-1])
+            assert child.check() is not None
+        assert child.short_lives == 2
+    finally:
+        for process in started:
+            process.kill()
+            process.wait()

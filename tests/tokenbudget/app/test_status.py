@@ -1,10 +1,15 @@
-"""``tokenbudget status``: the tokens/s and ETA arithmetic, and the rows it shows."""
+"""``tokenbudget status``: the tokens/s and ETA arithmetic, the rows it shows, and
+what it says with no broker or for a namespace that never ran."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import pytest
 
 from streams import events as ev
+from tokenbudget import cli
 from tokenbudget.app.status import (
     Tracker,
     TrackingBoard,
@@ -170,3 +175,52 @@ def test_watch_table_fits_the_terminal_by_shortening_names_only() -> None:
     assert all(len(line) <= 80 for line in lines)
     assert any(line.rstrip().endswith("exhausted") for line in lines)
     assert any(line.startswith("a_rather_long") and "…" in line for line in lines)
+
+
+def status_config(tmp_path: Path, bootstrap: str, namespace: str = "tokenbudget") -> Path:
+    config = tmp_path / "job.toml"
+    config.write_text(
+        f'[kafka]\nbootstrap = "{bootstrap}"\nnamespace = "{namespace}"\n'
+        '[[datasets]]\nname = "a"\npath = "a.jsonl"\nbudget = 1000\n'
+    )
+    return config
+
+
+def test_with_the_local_broker_down_status_says_so_and_how_to_start_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("TOKENBUDGET_HOME", str(tmp_path / "broker"))  # none runs there
+    monkeypatch.delenv("TOKENBUDGET_KAFKA_PORT", raising=False)
+    monkeypatch.delenv("TOKENBUDGET_LOG", raising=False)
+    config = status_config(tmp_path, "local")
+    assert cli.main(["status", "--config", str(config)]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err == (
+        "tokenbudget: error: the local broker (127.0.0.1:9092) is not running, so no job "
+        "of this config runs; start it with `tokenbudget broker up`, or start the job with "
+        f"`tokenbudget run --config {config}`\n"
+    )
+
+
+@pytest.mark.integration
+def test_status_of_a_namespace_that_never_ran_says_so_in_one_line(
+    tmp_path: Path,
+    kafka_bootstrap: str,
+    namespace: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.delenv("TOKENBUDGET_LOG", raising=False)
+    config = status_config(tmp_path, kafka_bootstrap, namespace)
+    said = (
+        f"namespace '{namespace}' has never run on {kafka_bootstrap} (no topic "
+        f"{namespace}.budgets): nothing to show; `tokenbudget run --config {config}` "
+        "starts it\n"
+    )
+    assert cli.main(["status", "--config", str(config)]) == 0
+    assert capsys.readouterr() == (said, "")
+    assert cli.main(["status", "--config", str(config), "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert err == said
+    assert json.loads(out)["datasets"]["a"]["state"] == "unknown"

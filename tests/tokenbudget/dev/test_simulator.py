@@ -14,6 +14,8 @@ from typing import Any
 import httpx
 import pytest
 
+from producers.tokenizers import load_tokenizer
+from tests.producers.tokenizer_fixture import build_tokenizer
 from tokenbudget.dev.simulator import (
     PROFILES,
     Faults,
@@ -617,3 +619,151 @@ def test_the_thinking_profile_spreads_answers_around_a_mean_of_20k() -> None:
     lengths = [completion_length(PROFILES["thinking"], 0, f"q{i}") for i in range(2000)]
     assert abs(sum(lengths) / len(lengths) - 20_000) < 1_000
     assert sorted(lengths)[len(lengths) // 2] < 16_000 < 80_000 < max(lengths)
+
+
+# --- a thinking model --------------------------------------------------------------------
+
+THINKING = replace(FAST, tokens_per_second=20_000, reasoning_style="reasoning_content")
+PROMPT = [{"role": "user", "content": "#short think about it"}]
+
+
+async def chat(
+    c: httpx.AsyncClient, *, stream: bool, max_tokens: int = 10**6, **extra: Any
+) -> dict[str, Any]:
+    """One chat answer as a client sees it: message fields (deltas joined when
+    streamed), finish_reason, token ids and usage."""
+    req = {"messages": PROMPT, "max_tokens": max_tokens, "return_token_ids": True, **extra}
+    if not stream:
+        out = (await c.post("/v1/chat/completions", json=req)).json()
+        (choice,) = out["choices"]
+        return {**choice["message"], "finish": choice["finish_reason"],
+                "ids": choice["token_ids"], "usage": out["usage"]}  # fmt: skip
+    req.update(stream=True, stream_options={"include_usage": True})
+    async with c.stream("POST", "/v1/chat/completions", json=req) as r:
+        events = await sse_events(r)
+    chunks = [json.loads(e) for e in events[:-1]]
+    joined: dict[str, Any] = {"ids": [], "deltas": []}
+    for ch in chunks:
+        if ch["usage"]:
+            joined["usage"] = ch["usage"]
+        for choice in ch["choices"]:
+            delta = choice["delta"]
+            joined["deltas"].append(delta)
+            joined["ids"] += choice.get("token_ids", [])
+            joined["finish"] = choice["finish_reason"] or joined.get("finish")
+            for name, value in delta.items():
+                if isinstance(value, str):
+                    joined[name] = joined.get(name, "") + value
+                elif name == "tool_calls":
+                    joined[name] = value
+    return joined
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+@pytest.mark.parametrize("style", ["reasoning_content", "reasoning"])
+def test_a_thinking_chat_answer_sends_its_thinking_in_the_styles_field(
+    style: str, stream: bool, tmp_path: Path
+) -> None:
+    log_file = tmp_path / "log.jsonl"
+    config = replace(THINKING, reasoning_style=style, log_file=str(log_file))
+    other = "reasoning" if style == "reasoning_content" else "reasoning_content"
+
+    async def body(sim: RunningSimulator, c: httpx.AsyncClient) -> dict[str, Any]:
+        return await chat(c, stream=stream)
+
+    answer = run(config, body)
+    [logged] = [json.loads(line) for line in log_file.read_text().splitlines()]
+    ids, thinking = answer["ids"], answer["usage"]["completion_tokens_details"]["reasoning_tokens"]
+    assert answer["finish"] == "stop" and len(ids) == answer["usage"]["completion_tokens"]
+    assert 0 < thinking < len(ids) == logged["completion_tokens"]
+    assert logged["reasoning_tokens"] == thinking
+    # the thinking, then one token ending it (in neither text), then the answer
+    words = [f"w{i}" for i in ids]
+    assert answer[style].split() == words[: thinking - 1]
+    assert answer["content"].split() == words[thinking:]
+    assert other not in answer
+    assert logged["reasoning_crc"] == zlib.crc32(answer[style].encode())
+    assert logged["content_crc"] == zlib.crc32(answer["content"].encode())
+    if stream:  # the thinking streams in its own field, all of it before the answer
+        fields = [(bool(d.get(style)), bool(d.get("content"))) for d in answer["deltas"]]
+        first_answer = next(i for i, (_, content) in enumerate(fields) if content)
+        assert not any(thought for thought, _ in fields[first_answer + 1 :])
+
+
+def test_an_answer_cut_while_thinking_has_no_content() -> None:
+    async def body(sim: RunningSimulator, c: httpx.AsyncClient) -> list[dict[str, Any]]:
+        return [await chat(c, stream=False, max_tokens=5), await chat(c, stream=True, max_tokens=5)]
+
+    plain, streamed = run(THINKING, body)
+    assert plain["content"] is None and len(plain["reasoning_content"].split()) == 5
+    assert streamed.get("content", "") == "" and streamed["reasoning_content"]
+    for answer in (plain, streamed):
+        assert answer["finish"] == "length"
+        assert answer["usage"]["completion_tokens_details"]["reasoning_tokens"] == 5
+
+
+@pytest.mark.parametrize("switch", ["enable_thinking", "thinking"])
+def test_thinking_turned_off_by_the_template_switch_answers_straight_away(switch: str) -> None:
+    async def body(sim: RunningSimulator, c: httpx.AsyncClient) -> dict[str, Any]:
+        return await chat(c, stream=False, chat_template_kwargs={switch: False})
+
+    answer = run(THINKING, body)
+    assert answer["reasoning_content"] is None
+    assert answer["usage"]["completion_tokens_details"]["reasoning_tokens"] == 0
+    assert len(answer["content"].split()) == len(answer["ids"]) == natural(PROMPT[0]["content"])
+
+
+def test_raw_apis_send_the_thinking_inline_closed_by_its_token(tmp_path: Path) -> None:
+    tokenizer = build_tokenizer(tmp_path / "tok", thinking=True)
+    config = replace(THINKING, tokenizer=str(tokenizer))
+
+    async def body(sim: RunningSimulator, c: httpx.AsyncClient) -> list[Any]:
+        whole = {"max_new_tokens": 10**6}
+        out = await c.post("/generate", json={"text": "#short go", "sampling_params": whole})
+        closed = await c.post(
+            "/generate", json={"text": "#short go </think>", "sampling_params": whole}
+        )
+        return [out.json(), closed.json(), list(sim.log)]
+
+    out, closed, log = run(config, body)
+    words = out["text"].split()
+    think = words.index("</think>") + 1
+    assert words.count("</think>") == 1 and 1 < think < len(words)
+    assert log[0].reasoning_tokens == think and log[0].content_crc == zlib.crc32(
+        out["text"].encode()
+    )
+    # the id ending the thinking is the tokenizer's own "</think>", and only there
+    end_id = out["output_ids"][think - 1]
+    assert load_tokenizer(tokenizer).encode("</think>", special=False) == [end_id]
+    assert out["output_ids"].count(end_id) == 1
+    assert "</think>" not in closed["text"] and log[1].reasoning_tokens == 0
+
+
+def test_tool_calls_answer_requests_that_offer_tools() -> None:
+    tools = [{"type": "function", "function": {"name": "search", "parameters": {}}}]
+    config = replace(THINKING, tool_calls=True)
+
+    async def body(sim: RunningSimulator, c: httpx.AsyncClient) -> list[Any]:
+        answers = [await chat(c, stream=s, tools=tools) for s in (False, True)]
+        return [*answers, await chat(c, stream=False), list(sim.log)]
+
+    plain, streamed, without, log = run(config, body)
+    for answer in (plain, streamed):
+        [call] = answer["tool_calls"]
+        assert answer["finish"] == "tool_calls" and not answer.get("content")
+        assert call["type"] == "function" and call["function"]["name"] == "search"
+        arguments = json.loads(call["function"]["arguments"])
+        thinking = answer["usage"]["completion_tokens_details"]["reasoning_tokens"]
+        assert arguments["answer"].split() == [f"w{i}" for i in answer["ids"][thinking:]]
+        assert answer["reasoning_content"]  # it thought before calling
+    # the same call, streamed or not (its id is the request's)
+    assert plain["tool_calls"][0]["function"] == streamed["tool_calls"][0]["function"]
+    assert streamed["tool_calls"][0]["index"] == 0 and "index" not in plain["tool_calls"][0]
+    assert without["finish"] == "stop" and without["content"] and "tool_calls" not in without
+    assert [r.tool_calls for r in log] == [1, 1, 0]
+    assert log[0].content_crc == 0  # no content was sent
+
+
+def test_an_unknown_reasoning_style_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match=r"simulator\.reasoning_style.*reasoning_content"):
+        run(replace(FAST, reasoning_style="thoughts"), _append_one)

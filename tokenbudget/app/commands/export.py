@@ -32,6 +32,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--with-ids", action="store_true", help="add input_ids and loss_mask columns"
     )
+    parser.add_argument(
+        "--drop-unfinished",
+        action="store_true",
+        help="leave out answers cut while the model was still thinking (no answer in them)",
+    )
     parser.add_argument("--tokenizer", metavar="DIR", help="decodes answers cut to token ids")
     parser.add_argument("--json", action="store_true", help="print a JSON summary")
 
@@ -56,6 +61,7 @@ def main(args: argparse.Namespace) -> int:
         datasets=frozenset(args.dataset),
         with_ids=args.with_ids,
         decode=decode,
+        drop_unfinished=args.drop_unfinished,
     )
     if args.from_topic:
         assert config is not None
@@ -95,3 +101,7 @@ def _print_summary(summary: ExportSummary, as_json: bool) -> None:
     print(f"exported {total} rows ({per_dataset}) to {where}")
     if summary.decoded:
         print(f"{summary.decoded} answers cut at the budget's line were decoded from their ids")
+    if summary.unfinished:
+        dropped = ", ".join(f"{name} {n}" for name, n in sorted(summary.unfinished.items()))
+        total = sum(summary.unfinished.values())
+        print(f"left out {total} unfinished answers, cut while still thinking ({dropped})")

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 
 from streams.topics import Topics
 from tokenbudget import config as config_module
-from tokenbudget.app import runner
+from tokenbudget.app import plan, runner
+from tokenbudget.app.interrupts import Interrupted
 from tokenbudget.app.report import print_table
 
 EXIT_PROMPTS_FAILED = 3  # the job ended, but some prompts failed for good
@@ -37,17 +39,23 @@ def add_resume_changed(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     config = config_module.load(args.config)
-    report = runner.run(
-        config,
-        progress=False if args.json else None,
-        dispatchers=args.dispatchers,
-        ledgers=args.ledgers,
-        resume_changed=args.resume_changed,
-    )
+    try:
+        report = runner.run(
+            config,
+            progress="lines" if args.json else None,  # stdout is the JSON's
+            dispatchers=args.dispatchers,
+            ledgers=args.ledgers,
+            resume_changed=args.resume_changed,
+            on_start=functools.partial(plan.announce, config),
+        )
+    except Interrupted as stopped:  # it said so when the signal came
+        return stopped.exit_code
+    kept = plan.kept_report(config)
     if args.json:
-        print(json.dumps(report.to_json(), indent=2))
+        print(json.dumps({**report.to_json(), "kept": [k.to_json() for k in kept]}, indent=2))
     else:
         print_table(report)
+        print("\n" + plan.kept_table(kept))
     bad = {name: report.bad_rows(name) for name in report.datasets}
     if any(bad.values()):
         per = ", ".join(f"{name} {n}" for name, n in bad.items() if n)

@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import sys
+import time
 
 from streams.topics import Topics
 from tokenbudget import config as config_module
 from tokenbudget.app.bootstrap import local_broker_settings, resolve_bootstrap
-from tokenbudget.app.status import follow
+from tokenbudget.app.saved_plan import planned
+from tokenbudget.app.status import Tracker, follow, to_json
 from tokenbudget.errors import TokenBudgetError
+from tokenbudget.kafka_admin import topic_layout
 from tokenbudget.localkafka import broker
 
 
@@ -25,22 +30,64 @@ def main(args: argparse.Namespace) -> int:
     config = config_module.load(args.config)
     if config.kafka.bootstrap == "local":
         # Read-only: never start a broker just to say there is nothing to show.
-        state = broker.status(local_broker_settings(config))
+        settings = local_broker_settings(config)
+        state = broker.status(settings)
         if not state.ready:
-            raise TokenBudgetError(f"the local broker ({state.bootstrap}) is not running")
+            how = "is starting" if state.running else "is not running"
+            raise TokenBudgetError(
+                f"the local broker ({state.bootstrap}) {how}, so no job of this config runs; "
+                f"start it with `{_broker_up(settings)}`, or start the job with "
+                f"`tokenbudget run --config {args.config}`"
+            )
         bootstrap = state.bootstrap
     else:
         bootstrap = resolve_bootstrap(config, create_topics=False)  # registers TLS/SASL
+    topics = Topics(config.kafka.namespace)
     names = [d.name for d in config.datasets]
     budgets = {d.name: d.budget for d in config.datasets}
+    if not _wait_until_ran(bootstrap, topics, args):
+        if args.json:  # the same shape: every dataset without a snapshot yet
+            print(json.dumps(to_json(Tracker().rows(names, budgets), time.time()), indent=2))
+        return 0
     return asyncio.run(
         follow(
             bootstrap,
-            Topics(config.kafka.namespace),
+            topics,
             names,
             budgets,
             watch=args.watch,
             as_json=args.json,
             interval=args.interval,
+            planned=planned(config),
         )
+    )
+
+
+def _wait_until_ran(bootstrap: str, topics: Topics, args: argparse.Namespace) -> bool:
+    """Whether the namespace has its topics (a job, or `broker up`, made them); if it
+    has not, say so in one line and, with ``--watch``, wait until it has."""
+    if topic_layout(bootstrap, topics.budgets) is not None:
+        return True
+    print(
+        f"namespace {topics.namespace!r} has never run on {bootstrap} (no topic "
+        f"{topics.budgets}): nothing to show; `tokenbudget run --config {args.config}` "
+        "starts it" + ("; waiting for it" if args.watch else ""),
+        file=sys.stderr if args.json else sys.stdout,
+        flush=True,
+    )
+    if not args.watch:
+        return False
+    while topic_layout(bootstrap, topics.budgets) is None:
+        time.sleep(args.interval)
+    return True
+
+
+def _broker_up(settings: broker.BrokerSettings) -> str:
+    """The command that starts this broker: ``broker up`` reads its ports from the
+    environment only, not from ``[kafka] local_port``."""
+    if settings.port == broker.BrokerSettings.from_env().port:
+        return "tokenbudget broker up"
+    return (
+        f"TOKENBUDGET_KAFKA_PORT={settings.port} "
+        f"TOKENBUDGET_KAFKA_CONTROLLER_PORT={settings.controller_port} tokenbudget broker up"
     )

@@ -46,6 +46,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="a local tokenizer folder: input_ids prompts are decoded with it",
     )
+    parser.add_argument(
+        "--reasoning-style",
+        choices=simulator.REASONING_STYLES,
+        default="none",
+        help="a thinking model: the chat field its thinking is sent in (SGLang's "
+        "reasoning_content, vLLM's reasoning); raw APIs send it inline, ended by </think>",
+    )
+    parser.add_argument(
+        "--tool-calls",
+        action="store_true",
+        help="answer chat requests that offer tools with a call to the first one",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -74,6 +86,8 @@ def main(args: argparse.Namespace) -> int:
             api_key=os.environ.get(args.api_key_env) if args.api_key_env else None,
             log_file=args.log_file or None,
             tokenizer=args.tokenizer or None,
+            reasoning_style=args.reasoning_style,
+            tool_calls=args.tool_calls,
         )
     )
     return 0

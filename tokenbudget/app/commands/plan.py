@@ -1,0 +1,37 @@
+"""``tokenbudget plan``: what each dataset's budget will buy, before it is spent."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+
+from tokenbudget import config as config_module
+from tokenbudget.app import plan, saved_plan
+from tokenbudget.errors import ConfigError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True)
+    parser.add_argument(
+        "--pilot",
+        type=int,
+        default=0,
+        metavar="N",
+        help="send N requests of each dataset without earlier rows first (kept, and "
+        "counted against its budget) to measure its answers",
+    )
+    parser.add_argument("--json", action="store_true")
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.pilot < 0:
+        raise ConfigError("--pilot", f"must be 0 or more, got {args.pilot}", source="command line")
+    config = config_module.load(args.config)
+    result = asyncio.run(plan.make_plan(config, pilot=args.pilot))
+    saved_plan.save(config, result.to_json())
+    if args.json:
+        print(json.dumps(result.to_json(), indent=2))
+    else:
+        print(plan.table(result))
+    return 0
