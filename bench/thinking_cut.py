@@ -59,14 +59,14 @@ def write_config(
 
 
 def one_run(variant: str, workdir: Path, data: Path, args: argparse.Namespace) -> dict[str, object]:
-    workdir.mkdir(parents=True, exist_ok=True)
+    # The simulator appends to its log: an earlier run's requests must not be graded.
+    shutil.rmtree(workdir, ignore_errors=True)
+    workdir.mkdir(parents=True)
     server = jobs.start_simulator(
         workdir, "--profile", "thinking", "--tokens-per-second", str(args.tokens_per_second)
     )
     try:
         config = config_module.load(write_config(workdir, variant, data, server.url, args))
-        # A fresh output folder: earlier Parquet output counts as work already done.
-        shutil.rmtree(config.sink_path, ignore_errors=True)
         started = time.monotonic()
         report: RunReport = run(config, progress=False, dispatchers=args.dispatchers)
         wall = time.monotonic() - started
@@ -104,8 +104,7 @@ def main() -> None:
     parser.add_argument("--workdir", default="bench-out/thinking_cut")
     args = parser.parse_args()
     workdir = Path(args.workdir).resolve()
-    shutil.rmtree(workdir, ignore_errors=True)
-    workdir.mkdir(parents=True)
+    workdir.mkdir(parents=True, exist_ok=True)
     data = jobs.rows(workdir / "thinking.jsonl", "#think", args.prompts)
     broker.up(broker.BrokerSettings.from_env(), [])
     print(
