@@ -92,7 +92,10 @@ def test_parquet_folder_loads_with_datasets_and_reads_old_files(tmp_path: Path) 
     by_id = {r["request_id"]: r for r in loaded}
     assert set(by_id) == {"r0", "r1", "r5"}
     assert by_id["r0"]["prompt_ids"] == [1, 2, 3] and by_id["r0"]["model"] == "m"
-    assert by_id["r0"]["messages"][1] == {"role": "user", "content": "q0"}
+    # a message's tool fields are there, null when it has none
+    assert by_id["r0"]["messages"][1] == {
+        "role": "user", "content": "q0", "tool_calls": None, "tool_call_id": None, "name": None
+    }  # fmt: skip
     # the old file's row: its columns as written, the newer ones empty
     assert by_id["r5"]["output_ids"] == [15, 25] and by_id["r5"]["prompt_ids"] is None
     assert by_id["r5"]["messages"] is None and by_id["r5"]["dataset"] == "chat"
