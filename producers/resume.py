@@ -29,6 +29,7 @@ from kafka import KafkaConsumer
 from producers.datasets import PromptRow
 from streams.ledger import is_prompt_key, load_outcome
 from streams.topics import OUTCOME_TABLE, Topics
+from tokenbudget.errors import BrokerError
 from tokenbudget.kafka import consumer_options, read_to_ends, read_topic, wait_for_partitions
 
 log = logging.getLogger(__name__)
@@ -75,17 +76,25 @@ def outcome_records(bootstrap: str, topics: Topics, *, timeout: float = 60.0) ->
 class OutcomeView:
     """The prompts the ledger has recorded as completed, read from the outcome
     table's changelog and brought up to date on :meth:`refresh` (blocking: run it in
-    a thread). A dispatcher consults it so that a prompt handed to it again (its
-    previous dispatcher crashed after publishing, before committing) is not
-    generated a second time."""
+    a thread), and those with a completion on the topic the ledger has not applied
+    yet (it stopped, with a killed run, before it did). A dispatcher consults it so
+    that a prompt handed to it again (its previous dispatcher crashed after
+    publishing, before committing) is not generated a second time."""
 
     def __init__(self, bootstrap: str, topics: Topics) -> None:
         self.bootstrap = bootstrap
+        self.topics = topics
         self.topic = topics.changelog(OUTCOME_TABLE)
         self.completed: set[str] = set()
         self._consumer: Any = None
 
     def refresh(self, timeout: float = 60.0) -> None:
+        # The topic's tail first: what the ledger commits meanwhile is then in the
+        # changelog read after it (it writes the changelog before it commits).
+        try:
+            self.completed |= unapplied_completions(self.bootstrap, self.topics, timeout)
+        except BrokerError as exc:  # a ledger far behind: as before, by its table alone
+            log.warning("completions the ledger has not applied yet are not known: %s", exc)
         if self._consumer is None:
             consumer = KafkaConsumer(
                 **consumer_options(self.bootstrap), group_id=None, enable_auto_commit=False
@@ -115,6 +124,42 @@ class OutcomeView:
             self._consumer = None
 
 
+def unapplied_completions(bootstrap: str, topics: Topics, timeout: float = 60.0) -> set[str]:
+    """The prompt ids of completions after the ledger's committed offsets on the
+    completions topic: published, perhaps not recorded in the outcome table yet
+    (blocking: run it in a thread). Usually few: the ledger keeps up."""
+    consumer = KafkaConsumer(
+        **consumer_options(bootstrap), group_id=topics.ledger_app_id, enable_auto_commit=False
+    )
+    found: set[str] = set()
+
+    def apply(record: Any) -> None:
+        try:
+            head = _completion_head(record.value)
+        except msgspec.DecodeError:
+            return
+        if head.type == "completion" and head.prompt_id:
+            found.add(head.prompt_id)
+
+    try:
+        tps = wait_for_partitions(
+            consumer,
+            topics.completions,
+            timeout=timeout,
+            interval=0.5,
+            missing=_no_metadata(topics.completions),
+        )
+        consumer.assign(tps)
+        starts = consumer.beginning_offsets(tps)
+        for tp in tps:
+            committed = consumer.committed(tp)
+            consumer.seek(tp, max(starts[tp], committed if committed is not None else 0))
+        read_to_ends(consumer, apply, timeout=timeout, max_records=10_000)
+    finally:
+        consumer.close(autocommit=False)
+    return found
+
+
 def _no_metadata(topic: str) -> str:
     """The error when ``topic`` never shows partitions: it is created with the
     namespace's others before any run, so that is a broker not answering, not a
@@ -128,6 +173,14 @@ class _PromptHead(msgspec.Struct):
 
 
 _prompt_head = msgspec.json.Decoder(_PromptHead).decode
+
+
+class _CompletionHead(msgspec.Struct):
+    type: str = ""
+    prompt_id: str = ""
+
+
+_completion_head = msgspec.json.Decoder(_CompletionHead).decode
 
 
 def queued_prompt_ids(bootstrap: str, topics: Topics, group: str) -> set[str]:
