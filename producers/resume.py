@@ -27,7 +27,7 @@ import msgspec
 from kafka import KafkaConsumer
 
 from producers.datasets import PromptRow
-from streams.ledger import is_prompt_key, load_outcome
+from streams.ledger import FENCE_KEY, is_prompt_key, load_outcome
 from streams.topics import OUTCOME_TABLE, Topics
 from tokenbudget.errors import BrokerError
 from tokenbudget.kafka import consumer_options, read_to_ends, read_topic, wait_for_partitions
@@ -86,15 +86,24 @@ class OutcomeView:
         self.topics = topics
         self.topic = topics.changelog(OUTCOME_TABLE)
         self.completed: set[str] = set()
+        self._fenced: set[str] = set()  # leases the ledger fenced (FENCE_KEY entries)
         self._consumer: Any = None
 
     def refresh(self, timeout: float = 60.0) -> None:
         # The topic's tail first: what the ledger commits meanwhile is then in the
         # changelog read after it (it writes the changelog before it commits).
         try:
-            self.completed |= unapplied_completions(self.bootstrap, self.topics, timeout)
+            tail = unapplied_completions(self.bootstrap, self.topics, timeout)
         except BrokerError as exc:  # a ledger far behind: as before, by its table alone
             log.warning("completions the ledger has not applied yet are not known: %s", exc)
+            tail = {}
+        self._read_changelog(timeout)
+        # An answer of a lease fenced before it is kept by no one (a fence recorded
+        # here is before every answer of its lease in the tail, or, if in the tail
+        # itself, the ledger has applied those before it: they are in the changelog).
+        self.completed.update(p for p, lease in tail.items() if lease not in self._fenced)
+
+    def _read_changelog(self, timeout: float) -> None:
         if self._consumer is None:
             consumer = KafkaConsumer(
                 **consumer_options(self.bootstrap), group_id=None, enable_auto_commit=False
@@ -113,6 +122,8 @@ class OutcomeView:
 
     def _apply(self, record: Any) -> None:
         key = _text(record.key)
+        if key is not None and record.value is not None and key.startswith(FENCE_KEY):
+            self._fenced.add(key.removeprefix(FENCE_KEY))
         if key is None or record.value is None or not is_prompt_key(key):
             return
         if load_outcome(record.value).outcome == "completed":
@@ -124,22 +135,26 @@ class OutcomeView:
             self._consumer = None
 
 
-def unapplied_completions(bootstrap: str, topics: Topics, timeout: float = 60.0) -> set[str]:
-    """The prompt ids of completions after the ledger's committed offsets on the
-    completions topic: published, perhaps not recorded in the outcome table yet
-    (blocking: run it in a thread). Usually few: the ledger keeps up."""
+def unapplied_completions(bootstrap: str, topics: Topics, timeout: float = 60.0) -> dict[str, str]:
+    """The completions after the ledger's committed offsets on the completions topic
+    (published, perhaps not recorded in the outcome table yet), as prompt id -> lease
+    id, less those of a lease fenced before them there (blocking: run it in a
+    thread). Usually few: the ledger keeps up."""
     consumer = KafkaConsumer(
         **consumer_options(bootstrap), group_id=topics.ledger_app_id, enable_auto_commit=False
     )
-    found: set[str] = set()
+    found: dict[str, str] = {}
+    fenced: set[str] = set()
 
     def apply(record: Any) -> None:
         try:
             head = _completion_head(record.value)
         except msgspec.DecodeError:
             return
-        if head.type == "completion" and head.prompt_id:
-            found.add(head.prompt_id)
+        if head.type == "lease_fenced":
+            fenced.add(head.lease_id)
+        elif head.type == "completion" and head.prompt_id and head.lease_id not in fenced:
+            found.setdefault(head.prompt_id, head.lease_id)
 
     try:
         tps = wait_for_partitions(
@@ -178,6 +193,7 @@ _prompt_head = msgspec.json.Decoder(_PromptHead).decode
 class _CompletionHead(msgspec.Struct):
     type: str = ""
     prompt_id: str = ""
+    lease_id: str = ""
 
 
 _completion_head = msgspec.json.Decoder(_CompletionHead).decode

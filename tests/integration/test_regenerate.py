@@ -265,13 +265,21 @@ def test_a_dispatcher_takes_for_done_what_its_ledger_had_not_applied_when_killed
     rerun's producer already goes on from that answer)."""
     topics = Topics(namespace)
     kafka_admin.ensure_topics(kafka_bootstrap, topics.specs())
+
+    def answer(prompt_id: str, lease: str = "") -> ev.CompletionEvent:
+        return ev.CompletionEvent(
+            request_id=f"r{prompt_id}", prompt_id=prompt_id, dataset="d", prompt_tokens=1,
+            completion_tokens=1, output_ids=[7], finish_reason="stop", max_new_tokens=4,
+            lease_id=lease,
+        )  # fmt: skip
+
     answers = [
-        ev.CompletionEvent(
-            request_id=f"r{p}", prompt_id=p, dataset="d", prompt_tokens=1, completion_tokens=1,
-            output_ids=[7], finish_reason="stop", max_new_tokens=4,
-        )
-        for p in ("applied", "late", "later")
-    ]  # fmt: skip
+        answer("applied"),
+        answer("late", "L1"),
+        ev.LeaseFenced(dataset="d", lease_id="L1"),  # a frozen ledger's lease expired
+        answer("after its fence", "L1"),  # kept by no one: to be generated again
+        answer("later", "L2"),
+    ]
     asyncio.run(publish_events(kafka_bootstrap, topics.completions, answers, "none"))
     # the ledger applied the first, committed, and was killed (its table written
     # before the commit; here it holds nothing)
