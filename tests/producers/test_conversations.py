@@ -14,7 +14,7 @@ import pytest
 
 from producers import conversations, resume
 from producers.conversations import calls_match, follow_up, next_messages, spliced
-from producers.datasets import PromptRow, read_prompts, turn_prompt_id
+from producers.datasets import PromptRow, check_datasets, read_prompts, turn_prompt_id
 from producers.prompts import PromptProducer
 from streams import events as ev
 from streams.halts import BudgetBoard
@@ -421,3 +421,11 @@ def test_regenerate_needs_the_chat_api_and_one_answer_per_turn(
             environ={},
         )
     assert info.value.key == key
+
+
+def test_a_dataset_of_plain_prompts_cannot_be_regenerated_turn_by_turn(tmp_path: Path) -> None:
+    config = make_config(tmp_path, [{"prompt": "tell me"}, {"prompt": "and more"}])
+    with pytest.raises(ConfigError, match="hold plain prompts") as info:
+        check_datasets(config)
+    assert info.value.key == "datasets[0].turns"
+    check_datasets(make_config(tmp_path, [{"messages": as_rows(FOUR)}]))  # conversations: fine
