@@ -18,7 +18,13 @@ column mapping (:mod:`tokenbudget.columns`: ``prompt_field``, ``prompt_template`
 Conversations give one prompt (``turns = "first"``: the turns up to and including
 the first user turn) or one per assistant turn (``turns = "all"``: the history
 before each assistant turn, which is regenerated; plus a trailing user turn that
-has no answer yet).
+has no answer yet). With ``turns = "regenerate"`` a conversation gives the prompt
+of its first turn only, carrying the whole conversation as recorded: each later
+turn's prompt is made from the answers the model gave (:mod:`producers.conversations`).
+
+Chat rows may hold tool use as OpenAI's chat format writes it: assistant turns with
+``tool_calls`` (their ``content`` may then be null), ``tool`` turns with
+``tool_call_id``, and the row's ``tools`` (the definitions, a list or its JSON text).
 
 ``prompt_id`` is a hash of the dataset name and the row's identity: its ``id`` when
 it has one, else its content (with an occurrence number, so two identical rows stay
@@ -52,7 +58,7 @@ from msgspec.structs import replace as msgspec_replace
 
 from producers.order import prompt_length, stratified
 from producers.tokenizers import load_tokenizer
-from streams.events import ChatMessage
+from streams.events import ChatMessage, ToolCall
 from tokenbudget import sizes
 from tokenbudget.columns import (
     CONFLICTING_FORMATS,
@@ -77,7 +83,7 @@ if TYPE_CHECKING:
     from tokenbudget.config import Config
 
 Format = Literal["auto", "prompt", "openai", "sharegpt", "hf"]
-Turns = Literal["first", "all"]
+Turns = Literal["first", "all", "regenerate"]
 Template = Callable[[Sequence[ChatMessage]], list[int]]
 
 # ShareGPT speakers -> chat roles. Exports differ in naming; these cover the common ones.
@@ -108,10 +114,23 @@ class PromptRow:
     input_columns: dict[str, Any] | None = None  # the row's keep_columns (missing: null)
     sample_index: int = 0  # which of the dataset's n answers to this prompt
     stratum: Any = None  # the row's stratify_by field, read for order = "stratified"
+    tools: list[dict[str, Any]] | None = None  # the row's tool definitions
+    # turns = "regenerate": the conversation, which of its turns this prompt is, how
+    # many it has, and the conversation as the dataset recorded it
+    conversation_id: str | None = None
+    turn: int = 0
+    turns: int = 1
+    reference: tuple[ChatMessage, ...] | None = None
 
 
 def stable_prompt_id(dataset: str, identity: str) -> str:
     return hashlib.blake2b(f"{dataset}\x00{identity}".encode(), digest_size=16).hexdigest()
+
+
+def turn_prompt_id(dataset: str, conversation_id: str, turn: int) -> str:
+    """The prompt id of a regenerated conversation's turn ``turn`` (from 0): stable,
+    so whoever builds that turn's prompt, on any run, gives it the same id."""
+    return stable_prompt_id(dataset, f"{conversation_id}@turn{turn}")
 
 
 def _parse_messages(
@@ -121,18 +140,76 @@ def _parse_messages(
         raise DatasetError(path, f"{field!r} must be a non-empty list", line=line)
     parsed: list[ChatMessage] = []
     for i, message in enumerate(value):
+        calls = message.get("tool_calls") if isinstance(message, dict) else None
+        content = message.get("content") if isinstance(message, dict) else None
+        if content is None and calls:
+            content = ""  # a turn that only calls functions
         if (
             not isinstance(message, dict)
             or not isinstance(message.get("role"), str)
-            or not isinstance(message.get("content"), str)
+            or not isinstance(content, str)
         ):
             raise DatasetError(
                 path,
                 f"{field}[{i}] must be an object with string 'role' and 'content'",
                 line=line,
             )
-        parsed.append(ChatMessage(role=message["role"], content=message["content"]))
+        parsed.append(
+            ChatMessage(
+                role=message["role"],
+                content=content,
+                tool_calls=_tool_calls(calls, path, line, f"{field}[{i}]") if calls else None,
+                tool_call_id=_optional_text(message, "tool_call_id", path, line, f"{field}[{i}]"),
+                name=_optional_text(message, "name", path, line, f"{field}[{i}]"),
+            )
+        )
     return tuple(parsed)
+
+
+def _optional_text(
+    message: dict[str, Any], key: str, path: str, line: int, where: str
+) -> str | None:
+    value = message.get(key)
+    if value is not None and not isinstance(value, str):
+        raise DatasetError(path, f"{where}.{key} must be a string", line=line)
+    return value
+
+
+def _tool_calls(value: Any, path: str, line: int, where: str) -> tuple[ToolCall, ...]:
+    """OpenAI's ``tool_calls`` (``{id, type, function: {name, arguments}}``);
+    arguments given as an object are kept as their JSON text, as a model writes them."""
+    if not isinstance(value, list):
+        raise DatasetError(path, f"{where}.tool_calls must be a list", line=line)
+    calls = []
+    for j, call in enumerate(value):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise DatasetError(
+                path, f"{where}.tool_calls[{j}] needs function.name (a string)", line=line
+            )
+        arguments = function.get("arguments", "{}")
+        if not isinstance(arguments, str):
+            arguments = json.dumps(arguments, ensure_ascii=False)
+        call_id = call.get("id")
+        call_id = call_id if isinstance(call_id, str) else f"call_{j}"
+        calls.append(ToolCall(id=call_id, name=function["name"], arguments=arguments))
+    return tuple(calls)
+
+
+def parse_tools(row: Any, path: str, line: int) -> list[dict[str, Any]] | None:
+    """A row's ``tools`` (tool definitions, sent to the chat API as they are): a list
+    of objects, or its JSON text; None when the row has none."""
+    value = row.get("tools") if isinstance(row, dict) else None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value) if value.strip() else None
+        except json.JSONDecodeError as exc:
+            raise DatasetError(path, f"'tools' is not valid JSON: {exc}", line=line) from None
+    if value is None or value == []:
+        return None
+    if not isinstance(value, list) or not all(isinstance(tool, dict) for tool in value):
+        raise DatasetError(path, "'tools' must be a list of tool definitions", line=line)
+    return value
 
 
 def _parse_conversations(
@@ -258,6 +335,20 @@ def _chat_shaped(value: Any) -> bool:
     return {"role", "content"} <= value[0].keys() or {"from", "value"} <= value[0].keys()
 
 
+def turn_positions(messages: Sequence[ChatMessage]) -> list[int]:
+    """Where a regenerated conversation's turns are: the index of every assistant
+    turn after the first user turn, and ``len(messages)`` when the conversation ends
+    with a turn that awaits an answer (a user's, or a tool's result). Turn ``k``'s
+    prompt is everything before ``positions[k]``."""
+    users = [i for i, m in enumerate(messages) if m.role == "user"]
+    if not users:
+        return []
+    positions = [i for i, m in enumerate(messages) if m.role == "assistant" and i > users[0]]
+    if messages[-1].role in ("user", "tool"):
+        positions.append(len(messages))
+    return positions
+
+
 def select_turns(
     messages: tuple[ChatMessage, ...], turns: Turns, path: str, line: int
 ) -> list[tuple[int, tuple[ChatMessage, ...]]]:
@@ -266,12 +357,19 @@ def select_turns(
     ``first``: everything up to and including the first user turn.
     ``all``: the history before every assistant turn (that has a user turn before
     it), and the whole conversation when it ends with an unanswered user turn.
+    ``regenerate``: the history before the first turn to regenerate (see
+    :func:`turn_positions`); the others are made from the model's answers.
     """
     users = [i for i, m in enumerate(messages) if m.role == "user"]
     if not users:
         raise DatasetError(path, "the conversation has no user turn", line=line)
     if turns == "first":
         return [(users[0], messages[: users[0] + 1])]
+    if turns == "regenerate":
+        positions = turn_positions(messages)
+        if not positions:
+            raise DatasetError(path, "the conversation has no turn to generate", line=line)
+        return [(0, messages[: positions[0]])]
     prompts = [
         (i, messages[:i]) for i, m in enumerate(messages) if m.role == "assistant" and i > users[0]
     ]
@@ -463,6 +561,7 @@ def _in_file_order(
             selected = (
                 [(-1, messages)] if messages is None else select_turns(messages, turns, name, line)
             )
+            tools = parse_tools(row, name, line)
         except DatasetError as exc:
             if on_bad_row is None:
                 raise
@@ -479,6 +578,22 @@ def _in_file_order(
             continue
         if seen:
             identity = f"{identity}#{seen}"
+        kept = {c: row.get(c) for c in keep_columns} if keep_columns else None
+        if turns == "regenerate" and messages is not None:
+            conversation = stable_prompt_id(dataset, identity)
+            yield PromptRow(
+                prompt_id=turn_prompt_id(dataset, conversation, 0),
+                source=f"{name}:{line}",
+                messages=selected[0][1],
+                row_id=row_id,
+                input_columns=kept,
+                tools=tools,
+                conversation_id=conversation,
+                turns=len(turn_positions(messages)),
+                reference=messages,
+                stratum=row.get(stratum_field) if stratum_field else None,
+            )
+            continue
         for turn, chosen in selected:
             # turns = "first" keeps the row's own identity (the ids of earlier
             # versions); every regenerated turn of "all" is a prompt of its own.
@@ -489,7 +604,8 @@ def _in_file_order(
                 text=text,
                 messages=chosen,
                 row_id=row_id,
-                input_columns={c: row.get(c) for c in keep_columns} if keep_columns else None,
+                input_columns=kept,
+                tools=tools,
                 stratum=row.get(stratum_field) if stratum_field else None,
             )
 
@@ -787,6 +903,14 @@ def _check_rows(
     if first_error is not None and not survey.prompts:
         read = _rows_read(len(rows), peek)
         raise _no_prompts(dataset, key, read, first_error, objects, config.source)
+    if dataset.turns == "regenerate" and survey.prompts and chat_at is None:
+        raise ConfigError(
+            f"{key}.turns",
+            f"'regenerate' regenerates conversations turn by turn, but "
+            f"{_rows_read(len(rows), peek)} of {name} hold plain prompts: point "
+            'messages_field at the conversations, or set turns = "first"',
+            source=config.source,
+        )
     api = config.inference.api
     # Explicit chat formats never get here untemplated: config validation refused them.
     if chat_at and api in RAW_TEXT_APIS and not dataset.template:

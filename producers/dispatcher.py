@@ -34,6 +34,7 @@ import msgspec
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import KafkaError, MessageSizeTooLargeError
 
+from producers import conversations
 from producers.admission import Admission, AdmissionSettings, RevokedCap, Ticket
 from producers.inference import (
     GenerationRequest,
@@ -329,6 +330,7 @@ class Dispatcher:
         self.refused_at: dict[str, float] = {}  # first refusal per dataset, this process
         self._handing_back = asyncio.Event()
         self._answered: set[asyncio.Task[Any]] = set()  # prompts the server has answered
+        self._turns = conversations.Outcomes()  # what conversation turns led to
 
     @property
     def group_id(self) -> str:
@@ -662,11 +664,41 @@ class Dispatcher:
             except EventDecodeError as exc:
                 await self._dead_letter(str(exc), record)
             else:
-                await self._settle_prompt(backend, prompt, slot)
+                async with self._conversation_turn(prompt):
+                    await self._settle_prompt(backend, prompt, slot)
         finally:
             slot.release()
             self._answered.discard(asyncio.current_task())  # type: ignore[arg-type]
         self.tracker.finished(record.topic, record.partition, record.offset)
+
+    @contextlib.asynccontextmanager
+    async def _conversation_turn(self, prompt: ev.PromptEvent) -> AsyncIterator[None]:
+        """For a turn of a conversation regenerated turn by turn: once its outcome is
+        published, publish what follows it (the next turn's prompt, or skips of the
+        turns that will not be sent: :func:`conversations.follow_up`), before its
+        offset may be committed. A stop before then leaves that to the prompt's
+        redelivery, or to a rerun's producer (:func:`conversations.resume`)."""
+        if not self._turns.expect(prompt):
+            yield
+            return
+        try:
+            yield
+        except BaseException:
+            self._turns.take(prompt.prompt_id)
+            raise
+        after = conversations.follow_up(
+            prompt,
+            self._turns.take(prompt.prompt_id),
+            max_prompt_bytes=self.config.producer.max_prompt_bytes,
+            at=time.time(),
+        )
+        if after.prompt is not None:
+            await self._publish(self.topics.prompts, prompt.dataset, after.prompt)
+            metrics.EVENTS_PRODUCED.labels(topic="prompts").inc()
+        for skipped in after.skipped:
+            await self._publish(self.topics.outcomes, prompt.dataset, skipped)
+            metrics.SKIPPED_PROMPTS.labels(dataset=prompt.dataset).inc()
+            metrics.EVENTS_PRODUCED.labels(topic="outcomes").inc()
 
     async def _settle_prompt(
         self, backend: InferenceBackend, prompt: ev.PromptEvent, slot: _Slot
@@ -818,6 +850,7 @@ class Dispatcher:
             input_ids=tuple(prompt.input_ids) if prompt.input_ids is not None else None,
             temperature=prompt.sampling.temperature,
             sampling=prompt.sampling.request_fields(),
+            tools=prompt.tools,
         )
 
     async def _fit(
@@ -1048,6 +1081,8 @@ class Dispatcher:
             reasoning=result.reasoning,
             reasoning_tokens=result.reasoning_tokens,
             unfinished=unfinished,
+            tool_calls=result.tool_calls,
+            **conversations.completion_fields(prompt, result.tool_calls),
         )
 
     async def _publish(self, topic: str, dataset: str, event: ev.Event) -> None:
@@ -1056,6 +1091,7 @@ class Dispatcher:
         outcome of a prompt, and a repeated request id is recognised."""
         assert self._producer is not None
         value = ev.encode(event)
+        self._turns.saw(event)
         delay = 0.2
         while True:
             try:
@@ -1139,7 +1175,7 @@ def cut_answer(result: GenerationResult, keep: int) -> GenerationResult:
     """The first ``keep`` tokens of an answer, as a server stopping there would give.
     With ids, the ids are the answer: they hold the thinking and the answer as
     generated, so neither text is kept (the thinking comes first: at most ``keep``
-    of it is)."""
+    of it is), nor a call, whose arguments may be cut."""
     thinking = result.reasoning_tokens
     return dataclasses.replace(
         result,
@@ -1147,6 +1183,7 @@ def cut_answer(result: GenerationResult, keep: int) -> GenerationResult:
         output_ids=None if result.output_ids is None else result.output_ids[:keep],
         text="" if result.output_ids else result.text,
         reasoning=None if result.output_ids else result.reasoning,
+        tool_calls=None if result.output_ids else result.tool_calls,
         reasoning_tokens=None if thinking is None else min(thinking, keep),
         finish_reason="length",
     )

@@ -13,6 +13,12 @@ Each backend speaks plain JSON or, with ``stream=True``, server-sent events:
 * OpenAI-compatible servers stream deltas; ``stream_options.include_usage`` makes
   them send the usage in a final chunk.
 
+Tool use (chat only): the messages' ``tool_calls`` and ``tool_call_id`` and the
+request's ``tools`` are sent as OpenAI's chat API takes them; an answer that calls
+functions (``message.tool_calls``, streamed as indexed parts of ``delta.tool_calls``,
+``finish_reason`` ``tool_calls``) is the model ending its turn: it finishes as
+``stop`` with the calls in ``tool_calls``.
+
 A thinking model's reasoning, when the server splits it off the answer (SGLang with
 ``--reasoning-parser``: ``message.reasoning_content``; vLLM: ``message.reasoning``,
 older releases ``reasoning_content``; streamed in the same fields of ``delta``), is
@@ -46,7 +52,7 @@ import httpx
 import msgspec
 
 from producers.tokenizers import load_tokenizer
-from streams.events import ChatMessage, CountSource, FinishReason
+from streams.events import ChatMessage, CountSource, FinishReason, ToolCall
 from tokenbudget.errors import (
     InferenceError,
     InferenceProtocolError,
@@ -217,6 +223,7 @@ class GenerationRequest:
     # Every sampling setting configured (temperature included), by its config name:
     # each backend maps them to its wire format.
     sampling: Mapping[str, Any] = field(default_factory=dict)
+    tools: list[dict[str, Any]] | None = None  # chat: the function definitions offered
     # Streaming only: called with (rid, completion tokens so far) on every chunk.
     # Wins over the backend's own ``on_progress``.
     on_progress: ProgressCallback | None = field(default=None, compare=False, repr=False)
@@ -238,6 +245,7 @@ class GenerationResult:
     # of completion_tokens it says were thinking (None: not reported).
     reasoning: str | None = None
     reasoning_tokens: int | None = None
+    tool_calls: tuple[ToolCall, ...] | None = None  # chat: the functions the model called
 
 
 # Where servers put a thinking model's reasoning, in a message or a streamed delta:
@@ -264,6 +272,14 @@ def reasoning_tokens_of(usage: Any, completion_tokens: int) -> int | None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         return None
     return min(value, completion_tokens)
+
+
+# Chat answers that end by calling functions: the model ended its turn.
+_CALLS_FINISH = frozenset({"tool_calls", "function_call"})
+
+
+def _calls_end(finish: Any) -> Any:
+    return "stop" if isinstance(finish, str) and finish in _CALLS_FINISH else finish
 
 
 def _as_finish(value: Any) -> FinishReason:
@@ -657,6 +673,14 @@ class _OpenAIBackend(InferenceBackend):
         """The reasoning of a streamed choice's delta ("" when none): chat only."""
         return ""
 
+    def _calls(self, choice: Any) -> tuple[ToolCall, ...] | None:
+        """The functions a whole answer's choice calls (None: none): chat only."""
+        return None
+
+    def _delta_calls(self, choice: Any) -> list[Any]:
+        """The parts of calls a streamed choice's delta carries: chat only."""
+        return []
+
     def _full_body(self, request: GenerationRequest) -> dict[str, Any]:
         body = self._body(request)
         body.update(model=self.model, stream=self.stream, return_token_ids=True)
@@ -690,6 +714,7 @@ class _OpenAIBackend(InferenceBackend):
             first_token_at=None,
             model=_model(data),
             reasoning=self._reasoning(choice),
+            tool_calls=self._calls(choice),
         )
 
     async def _generate_streaming(
@@ -706,6 +731,7 @@ class _OpenAIBackend(InferenceBackend):
         finished = False
         content_chunks = 0
         first_token_at: float | None = None
+        calls = _StreamedCalls()
         async for chunk in self._events(self.path, body):
             if not isinstance(chunk, dict):
                 raise InferenceProtocolError(f"stream chunk is not an object: {str(chunk)[:200]}")
@@ -720,10 +746,12 @@ class _OpenAIBackend(InferenceBackend):
                 delta = self._delta(choice)
                 thought = self._delta_reasoning(choice)
                 new_ids = _int_list(choice.get("token_ids"))
+                call_parts = self._delta_calls(choice)
+                calls.add(call_parts)
                 if new_ids is not None:
                     has_ids = True
                     ids.extend(new_ids)
-                if delta or thought or new_ids:
+                if delta or thought or new_ids or call_parts:
                     content_chunks += 1
                     parts.append(delta)
                     thoughts.append(thought)
@@ -752,6 +780,7 @@ class _OpenAIBackend(InferenceBackend):
             first_token_at=first_token_at,
             model=model,
             reasoning="".join(thoughts),
+            tool_calls=calls.calls(),
         )
 
     def _result(
@@ -766,6 +795,7 @@ class _OpenAIBackend(InferenceBackend):
         first_token_at: float | None,
         model: str,
         reasoning: str,
+        tool_calls: tuple[ToolCall, ...] | None = None,
     ) -> GenerationResult:
         """The answer, counted. ``reasoning`` "" means the server sent none."""
         prompt_tokens = completion_tokens = None
@@ -786,13 +816,14 @@ class _OpenAIBackend(InferenceBackend):
             completion_tokens=completion,
             output_ids=output_ids,
             text=text,
-            finish_reason=_as_finish(finish),
+            finish_reason=_as_finish(_calls_end(finish)),
             first_token_at=first_token_at,
             count_source="usage" if source == "server" and output_ids is None else source,
             model=model,
             prompt_ids=prompt_ids,
             reasoning=reasoning or None,
             reasoning_tokens=reasoning_tokens_of(usage, completion) if usage else None,
+            tool_calls=tool_calls,
         )
 
 
@@ -819,11 +850,14 @@ class OpenAIChatBackend(_OpenAIBackend):
 
     def _body(self, request: GenerationRequest) -> dict[str, Any]:
         messages = request.messages or (ChatMessage(role="user", content=request.text or ""),)
-        return {
-            "messages": [{"role": m.role, "content": m.content} for m in messages],
+        body: dict[str, Any] = {
+            "messages": [chat_message(m) for m in messages],
             "max_tokens": request.max_new_tokens,
             "request_id": request.rid,
         }
+        if request.tools is not None:
+            body["tools"] = request.tools
+        return body
 
     def _sent_prompt(
         self, request: GenerationRequest
@@ -843,6 +877,75 @@ class OpenAIChatBackend(_OpenAIBackend):
 
     def _delta_reasoning(self, choice: Any) -> str:
         return reasoning_of(choice.get("delta"))
+
+    def _calls(self, choice: Any) -> tuple[ToolCall, ...] | None:
+        message = choice.get("message")
+        value = message.get("tool_calls") if isinstance(message, dict) else None
+        if not value:
+            return None
+        calls = _StreamedCalls()
+        calls.add([{"index": i, **call} for i, call in enumerate(value) if isinstance(call, dict)])
+        return calls.calls()
+
+    def _delta_calls(self, choice: Any) -> list[Any]:
+        delta = choice.get("delta")
+        value = delta.get("tool_calls") if isinstance(delta, dict) else None
+        return value if isinstance(value, list) else []
+
+
+def chat_message(message: ChatMessage) -> dict[str, Any]:
+    """A chat turn as OpenAI's chat API takes it: a turn that only calls functions
+    has null content, and tool fields appear only on the turns that have them."""
+    out: dict[str, Any] = {"role": message.role, "content": message.content}
+    if message.tool_calls:
+        out["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in message.tool_calls
+        ]
+        out["content"] = message.content or None
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    if message.name is not None:
+        out["name"] = message.name
+    return out
+
+
+class _StreamedCalls:
+    """Function calls assembled from their parts: a streamed ``delta.tool_calls``
+    entry names its call by ``index``; its id and name come once, its arguments in
+    pieces to join (a whole answer's calls are one part each)."""
+
+    def __init__(self) -> None:
+        self._parts: dict[int, dict[str, str]] = {}
+
+    def add(self, parts: list[Any]) -> None:
+        for part in parts:
+            if not isinstance(part, dict):
+                raise InferenceProtocolError(f"a tool call is not an object: {str(part)[:200]}")
+            index = part.get("index", len(self._parts))
+            call = self._parts.setdefault(index, {"id": "", "name": "", "arguments": ""})
+            function = part.get("function") or {}
+            if isinstance(part.get("id"), str) and part["id"]:
+                call["id"] = part["id"]
+            if isinstance(function.get("name"), str) and function["name"]:
+                call["name"] = function["name"]
+            arguments = function.get("arguments")
+            if isinstance(arguments, str):
+                call["arguments"] += arguments
+            elif arguments is not None:  # some servers send the object itself
+                call["arguments"] += json.dumps(arguments)
+
+    def calls(self) -> tuple[ToolCall, ...] | None:
+        if not self._parts:
+            return None
+        out = []
+        for index in sorted(self._parts):
+            part = self._parts[index]
+            if not part["name"]:
+                raise InferenceProtocolError(f"tool call {index} came without a function name")
+            out.append(ToolCall(id=part["id"] or f"call_{index}", name=part["name"],
+                                arguments=part["arguments"]))  # fmt: skip
+        return tuple(out)
 
 
 BACKENDS: dict[str, type[InferenceBackend]] = {

@@ -24,13 +24,13 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from aiokafka import AIOKafkaProducer
 
-from producers import resume
-from producers.datasets import PromptRow, read_options, read_prompts, row_error
+from producers import conversations, resume
+from producers.datasets import PromptRow, read_options, read_prompts, row_error, turn_prompt_id
 from streams import events as ev
 from streams.halts import BudgetBoard
 from streams.topics import Topics
@@ -53,6 +53,9 @@ class ProduceReport:
     already_queued: int = 0
     # rows left unread when the budget halted the dataset: recorded as skipped
     not_sent: int = 0
+    # turns = "regenerate": every turn of every conversation read (each gets an
+    # outcome, whichever process sends it)
+    turns: int = 0
     reason: str = "end_of_data"  # or "halted", "limit", "interrupted"
     errors: list[str] = field(default_factory=list)
 
@@ -76,6 +79,10 @@ class _Cursor:
     baseline_outcomes: int
     done: bool = False
     letters: list[ev.DeadLetter] = field(default_factory=list)  # bad rows, to publish
+    # conversations' turns that will never be sent (producers.conversations), to publish
+    skips: list[ev.PromptSkipped] = field(default_factory=list)
+    # prompts produced and the turns they lead to: what the outcomes are paced against
+    ahead: int = 0
 
 
 class PromptProducer:
@@ -87,11 +94,17 @@ class PromptProducer:
         *,
         producer: AIOKafkaProducer | None = None,
         stored_prompt_ids: Callable[[], set[str]] = set,
+        kept_completions: Callable[[frozenset[str]], Mapping[str, ev.CompletionEvent]] = (
+            lambda datasets: {}
+        ),
     ) -> None:
         self.config = config
-        # prompt_ids already in the output (the sink's files): the application's to
-        # pass, producers do not read the sink's format
+        # prompt_ids already in the output (the sink's files), and the completions the
+        # sink keeps of some datasets (the topic replayed): the application's to pass,
+        # producers do not read the sink's format
         self._stored_prompt_ids = stored_prompt_ids
+        self._kept_completions = kept_completions
+        self._finished: Mapping[str, ev.CompletionEvent] = {}
         self.bootstrap = bootstrap
         self.topics = Topics(config.kafka.namespace)
         self.board = board
@@ -112,20 +125,32 @@ class PromptProducer:
     def _open_cursor(self, dataset: Dataset) -> _Cursor:
         report = ProduceReport(dataset.name)
         letters: list[ev.DeadLetter] = []
-        rows = resume.skip_done(
-            read_prompts(
-                dataset.name,
-                dataset.path,
-                on_bad_row=functools.partial(self._bad_row, dataset.name, report, letters),
-                limit=dataset.limit,
-                **read_options(self.config, dataset),
-            ),
-            self._done,
-            report,
-            self._queued,
+        skips: list[ev.PromptSkipped] = []
+        rows = read_prompts(
+            dataset.name,
+            dataset.path,
+            on_bad_row=functools.partial(self._bad_row, dataset.name, report, letters),
+            limit=dataset.limit,
+            **read_options(self.config, dataset),
         )
+        if dataset.turns == "regenerate":
+            rows = conversations.resumed_rows(
+                dataset.name,
+                rows,
+                self._finished,
+                self._done,
+                self._queued,
+                report,
+                skips,
+                max_prompt_bytes=self.config.producer.max_prompt_bytes,
+                at=time.time(),
+            )
+        else:
+            rows = resume.skip_done(rows, self._done, report, self._queued)
         self.reports[dataset.name] = report
-        return _Cursor(dataset, rows, report, self._outcomes(dataset.name), letters=letters)
+        return _Cursor(
+            dataset, rows, report, self._outcomes(dataset.name), letters=letters, skips=skips
+        )
 
     def _bad_row(
         self, dataset: str, report: ProduceReport, letters: list[ev.DeadLetter], exc: DatasetError
@@ -179,6 +204,9 @@ class PromptProducer:
             self._queued = await asyncio.to_thread(
                 resume.queued_prompt_ids, self.bootstrap, self.topics, self.dispatch_group
             )
+            regenerated = frozenset(d.name for d in self.config.datasets if d.turns == "regenerate")
+            if regenerated:
+                self._finished = await asyncio.to_thread(self._kept_completions, regenerated)
             cursors = [self._open_cursor(d) for d in self.config.datasets]
             self._cursors = cursors
             await self._produce(producer, cursors, stop, interrupt)
@@ -215,10 +243,8 @@ class PromptProducer:
                     if stop is None:
                         await self._finish(producer, cursor, "halted")
                     continue
-                outstanding = cursor.report.produced - (
-                    self._outcomes(name) - cursor.baseline_outcomes
-                )
-                if outstanding >= window:
+                outstanding = cursor.ahead - (self._outcomes(name) - cursor.baseline_outcomes)
+                if outstanding >= window * _turns_per_prompt(cursor):
                     continue
                 try:  # a bad row with on_bad_row = "fail" raises, with file:line
                     row = next(cursor.rows, None)
@@ -232,6 +258,7 @@ class PromptProducer:
                     continue
                 await producer.send(self.topics.prompts, key=name.encode(), value=value)
                 cursor.report.produced += 1
+                cursor.ahead += row.turns - row.turn
                 metrics.EVENTS_PRODUCED.labels(topic="prompts").inc()
                 progressed = True
             if not progressed:
@@ -268,6 +295,11 @@ class PromptProducer:
             row_id=row.row_id,
             input_columns=row.input_columns,
             sample_index=row.sample_index,
+            tools=row.tools,
+            conversation_id=row.conversation_id,
+            turn=row.turn if row.conversation_id else None,
+            turns=row.turns if row.conversation_id else None,
+            reference=row.reference,
         )
 
     async def _finish(self, producer: AIOKafkaProducer, cursor: _Cursor, reason: str) -> None:
@@ -279,11 +311,11 @@ class PromptProducer:
         done = ev.ProducerDone(
             dataset=cursor.dataset.name,
             # prompts completed by earlier runs count (the ledger has their outcomes),
-            # and so do those still queued from them (they get theirs when dispatched)
-            produced=report.produced
-            + report.already_done
-            + report.already_queued
-            + report.not_sent,
+            # and so do those still queued from them (they get theirs when dispatched);
+            # a conversation counts every turn (producers.conversations)
+            produced=report.turns
+            if cursor.dataset.turns == "regenerate"
+            else report.produced + report.already_done + report.already_queued + report.not_sent,
             reason=reason,  # type: ignore[arg-type]
             at=time.time(),
         )
@@ -302,16 +334,23 @@ class PromptProducer:
             )
 
     async def _send_letters(self, producer: AIOKafkaProducer, cursor: _Cursor) -> None:
-        """Publish the dead letters of the bad rows read since the last call, and wait
-        until Kafka has them (a failing run stops right after)."""
-        if not cursor.letters:
+        """Publish the dead letters of the bad rows read since the last call (and the
+        skips of conversations found ended), and wait until Kafka has them (a failing
+        run stops right after)."""
+        if not cursor.letters and not cursor.skips:
             return
         letters, cursor.letters[:] = list(cursor.letters), []
+        skips, cursor.skips[:] = list(cursor.skips), []
         key = cursor.dataset.name.encode()
         for letter in letters:
             await producer.send(self.topics.dead_letter, key=key, value=ev.encode(letter))
+        for skipped in skips:
+            await producer.send(self.topics.outcomes, key=key, value=ev.encode(skipped))
         await producer.flush()
-        metrics.EVENTS_PRODUCED.labels(topic="deadletter").inc(len(letters))
+        if letters:
+            metrics.EVENTS_PRODUCED.labels(topic="deadletter").inc(len(letters))
+        if skips:
+            metrics.EVENTS_PRODUCED.labels(topic="outcomes").inc(len(skips))
 
     async def _skip_rest(self, producer: AIOKafkaProducer, cursor: _Cursor) -> None:
         """Record each row not sent as skipped (the budget is reached)."""
@@ -323,18 +362,35 @@ class PromptProducer:
     async def _skip_rows(self, producer: AIOKafkaProducer, cursor: _Cursor) -> None:
         name = cursor.dataset.name
         for row in cursor.rows:  # bad rows are reported (or raise) as while producing
-            skipped = ev.PromptSkipped(
-                prompt_id=row.prompt_id,
-                dataset=name,
-                reason="budget reached: not sent",
-                at=time.time(),
+            # a conversation's turns from the one it would go on from
+            ids = (
+                [turn_prompt_id(name, row.conversation_id, k) for k in range(row.turn, row.turns)]
+                if row.conversation_id
+                else [row.prompt_id]
             )
-            await producer.send(self.topics.outcomes, key=name.encode(), value=ev.encode(skipped))
-            cursor.report.not_sent += 1
-            metrics.SKIPPED_PROMPTS.labels(dataset=name).inc()
+            for prompt_id in ids:
+                skipped = ev.PromptSkipped(
+                    prompt_id=prompt_id,
+                    dataset=name,
+                    reason="budget reached: not sent",
+                    at=time.time(),
+                )
+                await producer.send(
+                    self.topics.outcomes, key=name.encode(), value=ev.encode(skipped)
+                )
+                cursor.report.not_sent += 1
+                metrics.SKIPPED_PROMPTS.labels(dataset=name).inc()
         if cursor.report.not_sent:
             await producer.flush()
             metrics.EVENTS_PRODUCED.labels(topic="outcomes").inc(cursor.report.not_sent)
+
+
+def _turns_per_prompt(cursor: _Cursor) -> float:
+    """The outcomes each prompt produced leads to, on average: 1, or a conversation's
+    turns. It has one turn queued at a time, so the window (of prompts queued) is
+    of conversations going on."""
+    produced = cursor.report.produced
+    return cursor.ahead / produced if produced else 1.0
 
 
 def sampling_for(dataset: Dataset, sample_index: int) -> ev.SamplingParams:

@@ -27,8 +27,9 @@ import msgspec
 from kafka import KafkaConsumer
 
 from producers.datasets import PromptRow
-from streams.ledger import is_prompt_key, load_outcome
+from streams.ledger import FENCE_KEY, is_prompt_key, load_outcome
 from streams.topics import OUTCOME_TABLE, Topics
+from tokenbudget.errors import BrokerError
 from tokenbudget.kafka import consumer_options, read_to_ends, read_topic, wait_for_partitions
 
 log = logging.getLogger(__name__)
@@ -75,17 +76,34 @@ def outcome_records(bootstrap: str, topics: Topics, *, timeout: float = 60.0) ->
 class OutcomeView:
     """The prompts the ledger has recorded as completed, read from the outcome
     table's changelog and brought up to date on :meth:`refresh` (blocking: run it in
-    a thread). A dispatcher consults it so that a prompt handed to it again (its
-    previous dispatcher crashed after publishing, before committing) is not
-    generated a second time."""
+    a thread), and those with a completion on the topic the ledger has not applied
+    yet (it stopped, with a killed run, before it did). A dispatcher consults it so
+    that a prompt handed to it again (its previous dispatcher crashed after
+    publishing, before committing) is not generated a second time."""
 
     def __init__(self, bootstrap: str, topics: Topics) -> None:
         self.bootstrap = bootstrap
+        self.topics = topics
         self.topic = topics.changelog(OUTCOME_TABLE)
         self.completed: set[str] = set()
+        self._fenced: set[str] = set()  # leases the ledger fenced (FENCE_KEY entries)
         self._consumer: Any = None
 
     def refresh(self, timeout: float = 60.0) -> None:
+        # The topic's tail first: what the ledger commits meanwhile is then in the
+        # changelog read after it (it writes the changelog before it commits).
+        try:
+            tail = unapplied_completions(self.bootstrap, self.topics, timeout)
+        except BrokerError as exc:  # a ledger far behind: as before, by its table alone
+            log.warning("completions the ledger has not applied yet are not known: %s", exc)
+            tail = {}
+        self._read_changelog(timeout)
+        # An answer of a lease fenced before it is kept by no one (a fence recorded
+        # here is before every answer of its lease in the tail, or, if in the tail
+        # itself, the ledger has applied those before it: they are in the changelog).
+        self.completed.update(p for p, lease in tail.items() if lease not in self._fenced)
+
+    def _read_changelog(self, timeout: float) -> None:
         if self._consumer is None:
             consumer = KafkaConsumer(
                 **consumer_options(self.bootstrap), group_id=None, enable_auto_commit=False
@@ -104,6 +122,8 @@ class OutcomeView:
 
     def _apply(self, record: Any) -> None:
         key = _text(record.key)
+        if key is not None and record.value is not None and key.startswith(FENCE_KEY):
+            self._fenced.add(key.removeprefix(FENCE_KEY))
         if key is None or record.value is None or not is_prompt_key(key):
             return
         if load_outcome(record.value).outcome == "completed":
@@ -113,6 +133,46 @@ class OutcomeView:
         if self._consumer is not None:
             self._consumer.close()
             self._consumer = None
+
+
+def unapplied_completions(bootstrap: str, topics: Topics, timeout: float = 60.0) -> dict[str, str]:
+    """The completions after the ledger's committed offsets on the completions topic
+    (published, perhaps not recorded in the outcome table yet), as prompt id -> lease
+    id, less those of a lease fenced before them there (blocking: run it in a
+    thread). Usually few: the ledger keeps up."""
+    consumer = KafkaConsumer(
+        **consumer_options(bootstrap), group_id=topics.ledger_app_id, enable_auto_commit=False
+    )
+    found: dict[str, str] = {}
+    fenced: set[str] = set()
+
+    def apply(record: Any) -> None:
+        try:
+            head = _completion_head(record.value)
+        except msgspec.DecodeError:
+            return
+        if head.type == "lease_fenced":
+            fenced.add(head.lease_id)
+        elif head.type == "completion" and head.prompt_id and head.lease_id not in fenced:
+            found.setdefault(head.prompt_id, head.lease_id)
+
+    try:
+        tps = wait_for_partitions(
+            consumer,
+            topics.completions,
+            timeout=timeout,
+            interval=0.5,
+            missing=_no_metadata(topics.completions),
+        )
+        consumer.assign(tps)
+        starts = consumer.beginning_offsets(tps)
+        for tp in tps:
+            committed = consumer.committed(tp)
+            consumer.seek(tp, max(starts[tp], committed if committed is not None else 0))
+        read_to_ends(consumer, apply, timeout=timeout, max_records=10_000)
+    finally:
+        consumer.close(autocommit=False)
+    return found
 
 
 def _no_metadata(topic: str) -> str:
@@ -128,6 +188,15 @@ class _PromptHead(msgspec.Struct):
 
 
 _prompt_head = msgspec.json.Decoder(_PromptHead).decode
+
+
+class _CompletionHead(msgspec.Struct):
+    type: str = ""
+    prompt_id: str = ""
+    lease_id: str = ""
+
+
+_completion_head = msgspec.json.Decoder(_CompletionHead).decode
 
 
 def queued_prompt_ids(bootstrap: str, topics: Topics, group: str) -> set[str]:

@@ -23,7 +23,20 @@ the model generated, its thinking included (the server's ids are the raw output,
 whether or not it split the reasoning off the text), so the mask covers the
 thinking as the chat template renders it in the last assistant turn.
 ``drop_unfinished`` leaves out the rows cut while still thinking (they hold no
-answer).
+answer). Rows with tools carry them (``tools``), turns with tool calls carry them as
+OpenAI's chat format writes them (``tool_calls``, ``tool_call_id``).
+
+Conversations regenerated turn by turn (``turns = "regenerate"``: rows with a
+``conversation_id``) are one record each in the JSONL formats: every turn in order,
+each assistant turn with its own ``reasoning_content``, marked ``complete`` only when
+every turn the dataset has was regenerated and ended by the model with the calls
+the dataset recorded (``tool_mismatch`` says when a call differed). Such a record
+has ``conversation_id``, ``prompt_ids`` (every turn's; ``prompt_id`` is the first's),
+``turns`` (regenerated), ``turns_in_dataset``, ``complete``, ``tool_mismatch``, the
+last turn's ``finish_reason`` and ``stop_reason``, and ``reasoning_tokens`` summed;
+``drop_incomplete`` leaves the incomplete ones out (in ``parquet`` too, every row of
+them). Their ids are per turn: ``with_ids`` takes the ``parquet`` format, one row
+per turn.
 
 The rows come from the sink's Parquet output, any version's files
 (:func:`sinks.parquet.read_rows`); ``tokenbudget export --from-topic`` first
@@ -71,6 +84,7 @@ class ExportOptions:
     with_ids: bool = False
     decode: Decode | None = None
     drop_unfinished: bool = False
+    drop_incomplete: bool = False  # conversations regenerated turn by turn, not whole
 
 
 @dataclass
@@ -79,6 +93,8 @@ class ExportSummary:
     files: list[Path] = field(default_factory=list)
     decoded: int = 0  # cut answers whose text came from their ids
     unfinished: Counter[str] = field(default_factory=Counter)  # left out, per dataset
+    conversations: Counter[str] = field(default_factory=Counter)  # records that are
+    incomplete: Counter[str] = field(default_factory=Counter)  # conversations left out
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -86,6 +102,8 @@ class ExportSummary:
             "files": [str(f) for f in self.files],
             "decoded": self.decoded,
             "unfinished_dropped": dict(self.unfinished),
+            "conversations": dict(self.conversations),
+            "incomplete_dropped": dict(self.incomplete),
         }
 
 
@@ -132,11 +150,81 @@ def _export_jsonl(
     files: list[Path], options: ExportOptions, summary: ExportSummary, out: Any
 ) -> None:
     turns_key = "conversations" if options.format == "conversations" else "messages"
+    # A conversation's turns may be in several files: written once all are read.
+    turns: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for table in _tables(files, options, summary):
         for row in table.to_pylist():
+            if row["conversation_id"] is not None:
+                turns.setdefault((row["dataset"], row["conversation_id"]), []).append(row)
+                continue
             record = training_record(row, turns_key, options, summary)
             out.write(json.dumps(record, ensure_ascii=False) + "\n")
             summary.rows[row["dataset"]] += 1
+    for (dataset, _), rows in turns.items():
+        rows.sort(key=lambda row: row["turn"])
+        if options.drop_incomplete and not complete(rows):
+            summary.incomplete[dataset] += 1
+            continue
+        record = conversation_record(rows, turns_key, options, summary)
+        out.write(json.dumps(record, ensure_ascii=False) + "\n")
+        summary.rows[dataset] += 1
+        summary.conversations[dataset] += 1
+
+
+def complete(rows: list[dict[str, Any]]) -> bool:
+    """A conversation's turns (in order) are every turn it has, each ended by the
+    model (no cut, no unfinished answer) with the calls the dataset recorded."""
+    return [row["turn"] for row in rows] == list(range(rows[-1]["turns"] or 0)) and all(
+        row["stop_reason"] in (None, "stop") and not row["unfinished"] and not row["tool_mismatch"]
+        for row in rows
+    )
+
+
+def conversation_record(
+    rows: list[dict[str, Any]], turns_key: str, options: ExportOptions, summary: ExportSummary
+) -> dict[str, Any]:
+    """One conversation's rows (in turn order) as one JSONL record: the last turn's
+    history (the dataset's turns and the model's earlier answers, as sent), its
+    answer, and each assistant turn's own reasoning."""
+    if options.with_ids:
+        raise ExportError(
+            f"--with-ids: dataset {rows[0]['dataset']!r} holds conversations regenerated "
+            "turn by turn, whose token ids are per turn: export them with --format parquet "
+            "--with-ids (one row per turn, each with its input_ids and loss_mask)"
+        )
+    last = rows[-1]
+    turns = [*prompt_turns(last), reply(last, options, summary)]
+    for row in rows[:-1]:
+        # the history a later turn was sent holds this turn's answer right after its
+        # own prompt
+        at = len(row["messages"] or ())
+        if at < len(turns) and turns[at]["role"] == "assistant" and row["reasoning"] is not None:
+            turns[at]["reasoning_content"] = row["reasoning"]
+    record: dict[str, Any] = json.loads(last["input_columns"] or "{}")
+    thinking = [row["reasoning_tokens"] for row in rows if row["reasoning_tokens"] is not None]
+    # The keys a single answer's record has keep their types, so one file may hold
+    # both kinds and still load as one table.
+    record.update(
+        id=last["row_id"] if last["row_id"] is not None else last["conversation_id"],
+        dataset=last["dataset"],
+        prompt_id=rows[0]["prompt_id"],
+        sample_index=0,
+        model=last["model"],
+        finish_reason=last["finish_reason"],
+        stop_reason=last["stop_reason"],
+        reasoning_tokens=sum(thinking) if thinking else None,
+        unfinished=any(bool(row["unfinished"]) for row in rows),
+        conversation_id=last["conversation_id"],
+        prompt_ids=[row["prompt_id"] for row in rows],
+        turns=len(rows),
+        turns_in_dataset=last["turns"],
+        complete=complete(rows),
+        tool_mismatch=any(bool(row["tool_mismatch"]) for row in rows),
+    )
+    if last["tools"] is not None:
+        record["tools"] = json.loads(last["tools"])
+    record[turns_key] = turns
+    return record
 
 
 def training_record(
@@ -156,27 +244,56 @@ def training_record(
         reasoning_tokens=row["reasoning_tokens"],
         unfinished=row["unfinished"],
     )
-    reply = {"role": "assistant", "content": answer(row, options, summary)}
-    if row["reasoning"] is not None:
-        reply["reasoning_content"] = row["reasoning"]
-    record[turns_key] = [*prompt_turns(row), reply]
+    if row["tools"] is not None:
+        record["tools"] = json.loads(row["tools"])
+    record[turns_key] = [*prompt_turns(row), reply(row, options, summary)]
     if options.with_ids:
         record["input_ids"], record["loss_mask"] = ids_and_mask(row)
     return record
 
 
-def prompt_turns(row: dict[str, Any]) -> list[dict[str, str]]:
+def reply(row: dict[str, Any], options: ExportOptions, summary: ExportSummary) -> dict[str, Any]:
+    """The row's answer as the assistant turn: its text, its reasoning and its calls."""
+    turn: dict[str, Any] = {"role": "assistant", "content": answer(row, options, summary)}
+    if row["reasoning"] is not None:
+        turn["reasoning_content"] = row["reasoning"]
+    if row["tool_calls"]:
+        turn["tool_calls"] = _openai_calls(row["tool_calls"])
+    return turn
+
+
+def prompt_turns(row: dict[str, Any]) -> list[dict[str, Any]]:
     if row["messages"] is not None:
-        return [{"role": m["role"], "content": m["content"]} for m in row["messages"]]
+        return [message_turn(m) for m in row["messages"]]
     return [{"role": "user", "content": row["prompt"] or ""}]
+
+
+def message_turn(message: dict[str, Any]) -> dict[str, Any]:
+    """A stored chat turn as OpenAI's format writes it (tool fields only when set)."""
+    turn: dict[str, Any] = {"role": message["role"], "content": message["content"]}
+    if message.get("tool_calls"):
+        turn["tool_calls"] = _openai_calls(message["tool_calls"])
+    for key in ("tool_call_id", "name"):
+        if message.get(key) is not None:
+            turn[key] = message[key]
+    return turn
+
+
+def _openai_calls(calls: list[dict[str, str]]) -> list[dict[str, Any]]:
+    return [
+        {"id": c["id"], "type": "function",
+         "function": {"name": c["name"], "arguments": c["arguments"]}}
+        for c in calls
+    ]  # fmt: skip
 
 
 def answer(row: dict[str, Any], options: ExportOptions, summary: ExportSummary) -> str:
     """The answer's text; a cut answer's from its ids (see the module's contract). A
-    row with reasoning has its texts (its answer may be empty: cut while thinking)."""
+    row with reasoning has its texts (its answer may be empty: cut while thinking),
+    and so has one that calls functions (its answer is the calls)."""
     text: str = row["text"] or ""
     ids = row["output_ids"]
-    if text or not ids or row["reasoning"] is not None:
+    if text or not ids or row["reasoning"] is not None or row["tool_calls"]:
         return text
     if options.decode is not None:
         summary.decoded += 1
@@ -212,7 +329,11 @@ def _export_parquet(files: list[Path], options: ExportOptions, summary: ExportSu
     folder.mkdir(parents=True, exist_ok=True)
     for stale in folder.glob("train-*.parquet"):
         stale.unlink()  # a re-export replaces the last one
+    incomplete = _incomplete_conversations(files, summary) if options.drop_incomplete else set()
     for i, table in enumerate(_tables(files, options, summary)):
+        if incomplete:
+            left_out = pc.is_in(table.column("conversation_id"), pa.array(sorted(incomplete)))
+            table = table.filter(pc.invert(pc.fill_null(left_out, False)))
         table = _with_answers(table, options, summary)
         if options.with_ids:
             table = _with_ids(table)
@@ -223,9 +344,31 @@ def _export_parquet(files: list[Path], options: ExportOptions, summary: ExportSu
         summary.rows.update(table.column("dataset").to_pylist())
 
 
+def _incomplete_conversations(files: list[Path], summary: ExportSummary) -> set[str]:
+    """The conversations (regenerated turn by turn) that are not whole, counted per
+    dataset in ``summary.incomplete``; read from their few columns only."""
+    columns = ["dataset", "conversation_id", "turn", "turns", "stop_reason", "unfinished",
+               "tool_mismatch"]  # fmt: skip
+    turns: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for file in files:
+        table = conform(pq.read_table(file)).select(columns)
+        table = table.filter(pc.is_valid(table.column("conversation_id")))
+        for row in table.to_pylist():
+            turns.setdefault((row["dataset"], row["conversation_id"]), []).append(row)
+    incomplete = set()
+    for (dataset, conversation), rows in turns.items():
+        rows.sort(key=lambda row: row["turn"])
+        if not complete(rows):
+            incomplete.add(conversation)
+            summary.incomplete[dataset] += 1
+    return incomplete
+
+
 def _with_answers(table: pa.Table, options: ExportOptions, summary: ExportSummary) -> pa.Table:
     """The ``text`` column with every cut answer's text (see :func:`answer`)."""
-    needed = table.select(["text", "reasoning", "output_ids", "request_id", "dataset"])
+    needed = table.select(
+        ["text", "reasoning", "tool_calls", "output_ids", "request_id", "dataset"]
+    )
     texts = [answer(row, options, summary) for row in needed.to_pylist()]
     return table.set_column(table.schema.get_field_index("text"), "text", pa.array(texts))
 

@@ -67,7 +67,22 @@ log = logging.getLogger(__name__)
 
 DATASET_TYPE = pa.dictionary(pa.int32(), pa.string())
 IDS_TYPE = pa.list_(pa.int32())
-MESSAGES_TYPE = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+TOOL_CALLS_TYPE = pa.list_(
+    pa.struct([("id", pa.string()), ("name", pa.string()), ("arguments", pa.string())])
+)
+# A message's tool fields are null unless it has them (files written before them
+# lack them: reading casts them in as nulls).
+MESSAGES_TYPE = pa.list_(
+    pa.struct(
+        [
+            ("role", pa.string()),
+            ("content", pa.string()),
+            ("tool_calls", TOOL_CALLS_TYPE),
+            ("tool_call_id", pa.string()),
+            ("name", pa.string()),
+        ]
+    )
+)
 _JSON_SAMPLING = ("chat_template_kwargs", "extra_body")  # free-form: kept as JSON text
 SAMPLING_TYPE = pa.struct(
     [
@@ -90,8 +105,9 @@ SAMPLING_TYPE = pa.struct(
 # lean records the sink decodes and the table builder both derive from it, and
 # ``_check_columns`` ties it to the event at import, so a field added to the event
 # without a column here fails every test. Columns after ``text`` came with
-# completion v3, ``stop_reason`` with v4, the last three with v5; older files lack
-# them and :func:`read_rows` fills them with nulls.
+# completion v3, ``stop_reason`` with v4, the reasoning with v5, the tools and the
+# conversation's turn with v6; older files lack them and :func:`read_rows` fills
+# them with nulls.
 COLUMNS: tuple[tuple[str, pa.DataType], ...] = (
     ("request_id", pa.string()),
     ("prompt_id", pa.string()),
@@ -119,6 +135,12 @@ COLUMNS: tuple[tuple[str, pa.DataType], ...] = (
     ("reasoning", pa.string()),  # the thinking the server split off ``text``
     ("reasoning_tokens", pa.int64()),  # of completion_tokens, as the server reported
     ("unfinished", pa.bool_()),  # cut while still thinking: no answer
+    ("tools", pa.string()),  # the tool definitions offered, as JSON
+    ("tool_calls", TOOL_CALLS_TYPE),  # the calls the model answered with
+    ("conversation_id", pa.string()),  # turns = "regenerate": the conversation
+    ("turn", pa.int32()),  # which of its turns (from 0)
+    ("turns", pa.int32()),  # how many turns it has to regenerate
+    ("tool_mismatch", pa.bool_()),  # called other functions than the dataset recorded
 )
 # Event fields that are not row columns: how the ledger accounted for the answer.
 NOT_COLUMNS = frozenset({"type", "v", "lease_id", "cost"})
@@ -279,6 +301,8 @@ def _column_arrays(
         "messages": _messages_array,
         "sampling": _sampling_array,
         "input_columns": _input_columns_array,
+        "tools": _tools_array,
+        "tool_calls": lambda rows: pa.array([_calls(r.tool_calls) for r in rows], TOOL_CALLS_TYPE),
     }
     return [
         special[name](rows) if name in special else pa.array([getattr(r, name) for r in rows], kind)
@@ -301,15 +325,37 @@ def _id_bytes(ids: bytes | ev.TokenIds | None) -> bytes | None:
     return ids.tobytes() if isinstance(ids, ev.TokenIds) else ids
 
 
+def _calls(calls: Sequence[ev.ToolCall] | None) -> list[dict[str, str]] | None:
+    if calls is None:
+        return None
+    return [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in calls]
+
+
 def _messages_array(rows: Sequence[Any]) -> pa.Array:
     return pa.array(
         [
             None
             if r.messages is None
-            else [{"role": m.role, "content": m.content} for m in r.messages]
+            else [
+                {
+                    "role": m.role,
+                    "content": m.content,
+                    "tool_calls": _calls(m.tool_calls),
+                    "tool_call_id": m.tool_call_id,
+                    "name": m.name,
+                }
+                for m in r.messages
+            ]
             for r in rows
         ],
         MESSAGES_TYPE,
+    )
+
+
+def _tools_array(rows: Sequence[Any]) -> pa.Array:
+    return pa.array(
+        [None if r.tools is None else msgspec.json.encode(r.tools).decode() for r in rows],
+        pa.string(),
     )
 
 

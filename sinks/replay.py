@@ -46,6 +46,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pyarrow as pa
 import pyarrow.compute as pc
 from aiokafka import AIOKafkaConsumer
@@ -294,6 +295,62 @@ def read_to_end(
             apply(ev.decode(record.value))
 
     read_topic(bootstrap, topic, decode, timeout=timeout, extra_options=RECEIVE_BUFFER)
+
+
+class _Head(msgspec.Struct):
+    type: str = ""
+    dataset: str = ""
+    prompt_id: str = ""
+    lease_id: str = ""
+
+
+_read_head = msgspec.json.Decoder(_Head).decode
+
+# Reading a whole completions topic may take long on a long job; a broker away for
+# longer than this is not waited for.
+KEPT_READ_TIMEOUT_S = 3600.0
+
+
+def kept_completions(
+    bootstrap: str, topics: Topics, datasets: frozenset[str]
+) -> dict[str, ev.CompletionEvent]:
+    """The completions of ``datasets`` the sink keeps (:class:`FirstCompletion`: the
+    first of each prompt, none of a lease fenced before it), by prompt id, read from
+    the completions topic as it is now: what a rerun of conversations regenerated
+    turn by turn resumes from (the topic is the record; the sink's files may lag).
+    Other datasets' events are passed over unread. Blocking."""
+    rule = FirstCompletion()
+    kept: dict[str, ev.CompletionEvent] = {}
+
+    def apply(record: Any) -> None:
+        try:
+            head = _read_head(record.value)
+        except msgspec.DecodeError:
+            return
+        if head.dataset not in datasets:
+            return
+        if head.type == "lease_fenced":
+            rule.fence(head.lease_id)
+            return
+        if head.type != "completion":
+            return
+        try:
+            event = ev.decode(record.value)
+        except EventDecodeError:
+            return  # dead-lettered by the sink, kept by no one
+        if isinstance(event, ev.CompletionEvent) and rule.keep(
+            event.prompt_id, event.lease_id, event.dataset
+        ):
+            kept[event.prompt_id] = event
+
+    read_topic(
+        bootstrap,
+        topics.completions,
+        apply,
+        timeout=KEPT_READ_TIMEOUT_S,
+        extra_options=RECEIVE_BUFFER,
+    )
+    return kept
 
 
 # ----------------------------------------------------------------------------- ledger

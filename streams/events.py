@@ -5,16 +5,21 @@ accepts the versions in ``SUPPORTED_VERSIONS`` (``COMPLETION_VERSIONS`` for
 completions); anything else is an :class:`~tokenbudget.errors.EventDecodeError`,
 which workers turn into a dead-letter event instead of crashing.
 
-Completions are at version 5: ``output_ids`` (and ``prompt_ids``) are the
+Completions are at version 6: ``output_ids`` (and ``prompt_ids``) are the
 little-endian int32 bytes of the ids, which JSON carries as base64
 (:class:`TokenIds`), and the event carries what a trainer needs beside the answer:
 the prompt as sent, the model, the sampling settings, the dataset row's id and kept
-columns, why the kept answer ends (``stop_reason``), and a thinking model's
-reasoning (``reasoning``, ``reasoning_tokens``, ``unfinished``). Version 4 lacked the
-last three; version 3 ``stop_reason``; version 2 the prompt and what follows it;
+columns, why the kept answer ends (``stop_reason``), a thinking model's reasoning
+(``reasoning``, ``reasoning_tokens``, ``unfinished``), and since version 6 the tools
+offered, the tool calls the model answered with and, for a conversation regenerated
+turn by turn, its id and the turn. Version 5 lacked the last group; version 4 the
+reasoning; version 3 ``stop_reason``; version 2 the prompt and what follows it;
 version 1 carried the ids as a JSON array of numbers. All are still read, to the
 same event (the new fields empty), because the completions topic is the permanent
 record.
+
+Prompts are at version 2 when they carry tools or a conversation's turn (a build
+that reads only version 1 would send the turn without its follow-up), else 1.
 
 Keys: every keyed event is keyed by its dataset name (``event_key``), so all events
 of one dataset land in one partition, in order, next to its ledger entry.
@@ -34,10 +39,14 @@ from tokenbudget.errors import DatasetError, EventDecodeError
 
 SCHEMA_VERSION = 1
 SUPPORTED_VERSIONS = frozenset({1})
-# Completions only: v5 adds the reasoning; v4 stop_reason; v3 the prompt and its
-# settings; v2 carries output_ids as int32 bytes, v1 as JSON numbers.
-COMPLETION_VERSION = 5
-COMPLETION_VERSIONS = frozenset({1, 2, 3, 4, 5})
+# Completions only: v6 adds tools, tool calls and the conversation's turn; v5 the
+# reasoning; v4 stop_reason; v3 the prompt and its settings; v2 carries output_ids
+# as int32 bytes, v1 as JSON numbers.
+COMPLETION_VERSION = 6
+COMPLETION_VERSIONS = frozenset({1, 2, 3, 4, 5, 6})
+# Prompts only: v2 carries tools or a conversation's turn (see the module docstring).
+PROMPT_VERSION = 2
+PROMPT_VERSIONS = frozenset({1, 2})
 
 FinishReason = Literal["stop", "length", "abort"]
 # Why a kept answer ends: the server's finish reason, or "budget" when the budget's
@@ -53,9 +62,24 @@ def now() -> float:
     return time.time()
 
 
-class ChatMessage(msgspec.Struct, frozen=True):
+class ToolCall(msgspec.Struct, frozen=True):
+    """A function call as a chat model makes it (OpenAI's ``tool_calls[]``, flat):
+    ``arguments`` is the JSON text the model wrote."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+class ChatMessage(msgspec.Struct, frozen=True, omit_defaults=True):
+    """A chat turn. ``tool_calls`` (assistant), ``tool_call_id`` (a ``tool`` result)
+    and ``name`` are set only on the turns that have them, and take no room else."""
+
     role: str
     content: str
+    tool_calls: tuple[ToolCall, ...] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
 
 class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -118,6 +142,19 @@ class PromptEvent(_Event, tag="prompt", frozen=True):
     row_id: str | None = None  # the dataset row's own "id"
     input_columns: dict[str, Any] | None = None  # the row's [[datasets]] keep_columns
     sample_index: int = 0  # which of the dataset's n samples of this prompt
+    tools: list[dict[str, Any]] | None = None  # the row's tool definitions, sent as is
+    # A turn of a conversation regenerated turn by turn (turns = "regenerate"): the
+    # conversation's key (one server may keep its turns' prefix cached: a router can
+    # send them all there), which of its ``turns`` this is (from 0), and the dataset's
+    # conversation as recorded (``reference``), which the next turns are built from.
+    conversation_id: str | None = None
+    turn: int | None = None
+    turns: int | None = None
+    reference: tuple[ChatMessage, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.v < PROMPT_VERSION and (self.tools is not None or self.conversation_id):
+            msgspec.structs.force_setattr(self, "v", PROMPT_VERSION)
 
 
 TOKEN_ID = np.dtype("<i4")  # the wire's byte order, whatever the host's
@@ -299,10 +336,21 @@ class CompletionEvent(_Event, tag="completion", frozen=True):
     # The answer was cut (length or budget) before it began: all thinking. Such rows
     # still count against the budget. None: written before version 5.
     unfinished: bool | None = None
+    # The tools the request offered, and the calls the model answered with (None:
+    # it called none; an answer cut at the budget's line keeps its ids, not a call).
+    tools: list[dict[str, Any]] | None = None
+    tool_calls: tuple[ToolCall, ...] | None = None
+    # A conversation regenerated turn by turn (see PromptEvent); ``tool_mismatch``:
+    # the model called other functions, or with other arguments, than the dataset
+    # recorded for this turn, whose results therefore do not answer them.
+    conversation_id: str | None = None
+    turn: int | None = None
+    turns: int | None = None
+    tool_mismatch: bool | None = None
 
     def __post_init__(self) -> None:
         # Also runs after decoding: an older event becomes the current event it would have
-        # been, so decode(v1 bytes) == decode(v5 bytes) and re-encoding writes v5.
+        # been, so decode(v1 bytes) == decode(v6 bytes) and re-encoding writes v6.
         # (``v`` is set here rather than redeclared: a redeclared field would lose
         # _Event's kw_only and come before the required fields.)
         for name in ("output_ids", "prompt_ids"):
@@ -610,7 +658,9 @@ _header_decoder = msgspec.json.Decoder(_Header)
 
 def supported_versions(tag: str) -> frozenset[int]:
     """The schema versions this build reads for events of type ``tag``."""
-    return COMPLETION_VERSIONS if tag == "completion" else SUPPORTED_VERSIONS
+    if tag == "completion":
+        return COMPLETION_VERSIONS
+    return PROMPT_VERSIONS if tag == "prompt" else SUPPORTED_VERSIONS
 
 
 def decode(data: bytes) -> Event:

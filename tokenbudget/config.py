@@ -178,6 +178,11 @@ class MetricsConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=T
     progress_interval_s: float = 60.0
 
 
+# How a conversation becomes prompts (producers.datasets): its first turn, every
+# assistant turn on the dataset's history, or every turn on the model's own answers.
+Turns = Literal["first", "all", "regenerate"]
+
+
 class DatasetConfig(_Sampling, frozen=True, forbid_unknown_fields=True, kw_only=True):
     name: str
     path: str
@@ -192,7 +197,7 @@ class DatasetConfig(_Sampling, frozen=True, forbid_unknown_fields=True, kw_only=
     max_new_tokens: int | None = None
     limit: int | None = None
     template: bool = False  # apply the tokenizer's chat template here, send input_ids
-    turns: Literal["first", "all"] = "first"
+    turns: Turns = "first"
     shuffle_seed: int | None = None
     # unset: "shuffled" with a shuffle_seed, else "file"; the seed also seeds "stratified"
     order: DatasetOrder | None = None
@@ -223,7 +228,7 @@ class Dataset(msgspec.Struct, frozen=True, kw_only=True):
     max_new_tokens: int
     limit: int | None
     template: bool = False
-    turns: Literal["first", "all"] = "first"
+    turns: Turns = "first"
     shuffle_seed: int | None = None
     order: DatasetOrder = "file"
     stratify_by: str = PROMPT_LENGTH
@@ -635,13 +640,15 @@ def _check_dataset(raw: _RawConfig, d: DatasetConfig, key: str, source: str) -> 
                 "'openai-completions' with a local template, or drop template",
                 source=source,
             )
-    if d.turns == "all" and (d.format == "prompt" or d.prompt_field or d.prompt_template):
+    if d.turns != "first" and (d.format == "prompt" or d.prompt_field or d.prompt_template):
         raise ConfigError(
             f"{key}.turns",
-            "'all' needs conversations (format openai, sharegpt, hf or auto, "
+            f"{d.turns!r} needs conversations (format openai, sharegpt, hf or auto, "
             "without prompt_field or prompt_template)",
             source=source,
         )
+    if d.turns == "regenerate":
+        _check_regenerate(raw, d, key, source)
     if d.split and d.format not in ("hf", "auto"):
         raise ConfigError(
             f"{key}.split", "only a Hugging Face dataset (format 'hf') has splits", source=source
@@ -657,6 +664,27 @@ def _check_dataset(raw: _RawConfig, d: DatasetConfig, key: str, source: str) -> 
         if d.messages_field:
             found = f"messages_field {d.messages_field!r}"
             raise untemplated_chat(key, d.name, raw.inference.api, found, source)
+
+
+def _check_regenerate(raw: _RawConfig, d: DatasetConfig, key: str, source: str) -> None:
+    """``turns = "regenerate"`` sends each turn's history, the model's own answers and
+    tool calls in it, through the chat API; one answer per turn."""
+    if raw.inference.api != "openai-chat":
+        raise ConfigError(
+            f"{key}.turns",
+            f"'regenerate' sends each turn with the model's earlier answers and tool calls "
+            f"as chat messages, which api {raw.inference.api!r} does not take: set "
+            '[inference] api = "openai-chat" (a local template is not supported with it)',
+            source=source,
+        )
+    n = d.n if d.n is not None else raw.inference.n
+    if n != 1:
+        raise ConfigError(
+            f"{key}.n",
+            f"'regenerate' makes one answer per turn, on which the next turn is built; n is "
+            f"{n}: set n = 1 for this dataset",
+            source=source,
+        )
 
 
 def _check_disable(raw: _RawConfig, d: DatasetConfig, key: str, source: str) -> None:

@@ -122,7 +122,9 @@ def test_rows_carry_prompt_ids_settings_and_n_samples(
         assert row["prompt_ids"] == expected_ids
         assert record.prompt_crc == ids_crc(expected_ids) != 0
         assert row["prompt_tokens"] == record.prompt_tokens == len(expected_ids)
-        assert row["messages"] == source["messages"] and row["prompt"] is None
+        no_tools = {"tool_calls": None, "tool_call_id": None, "name": None}
+        assert row["messages"] == [{**m, **no_tools} for m in source["messages"]]
+        assert row["prompt"] is None
         assert json.loads(row["sampling"]["chat_template_kwargs"]) == {"enable_thinking": False}
     for row in rows:
         record = by_rid[row["request_id"]]

@@ -26,7 +26,7 @@ from producers.inference import (
     make_backend,
     parse_retry_after,
 )
-from streams.events import ChatMessage
+from streams.events import ChatMessage, ToolCall
 from tests.producers.retries import generate_with_retries
 from tokenbudget.dev import simulator
 from tokenbudget.dev.simulator import Faults, RunningSimulator, SimulatorConfig
@@ -518,3 +518,71 @@ def test_raw_apis_keep_the_thinking_inline(api: str) -> None:
     assert result.reasoning is None and result.reasoning_tokens is None
     assert "</think>" in result.text and _crc(result.text) == record.content_crc
     assert 0 < record.reasoning_tokens < result.completion_tokens
+
+
+# --- tool use ------------------------------------------------------------------------------
+
+SEARCH = [{"type": "function", "function": {"name": "search", "parameters": {}}}]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_chat_sends_tool_use_and_reads_the_calls_the_model_answers_with(stream: bool) -> None:
+    """The tools and a history of calls and results go out as the chat API takes them
+    (the server's log says what each message held); an answer that calls a function
+    ends the turn (stop) with its call, not as a malformed answer."""
+    calling = dataclasses.replace(FAST, tool_calls=True)
+    called = ChatMessage(
+        "assistant", "", tool_calls=(ToolCall("call_7", "search", '{"query": "q"}'),)
+    )
+    history = (
+        ChatMessage("user", "#short q"),
+        called,
+        ChatMessage("tool", "sunny", tool_call_id="call_7"),
+        ChatMessage("user", "#short and tomorrow?"),
+    )
+
+    async def body(sim: RunningSimulator, client: httpx.AsyncClient) -> Any:
+        backend = make_backend("openai-chat", client, sim.url, stream=stream)
+        result = await backend.generate(request("t", messages=history, tools=SEARCH))
+        return result, sim.log[-1]
+
+    result, record = with_simulator(body, calling)
+    assert result.finish_reason == "stop" and result.text == ""
+    [call] = result.tool_calls or ()
+    assert (call.id, call.name) == (record.call_ids[0], "search")
+    assert json.loads(call.arguments) == {"query": "#short and tomorrow?"}
+    assert result.completion_tokens == record.completion_tokens > 0
+    assert record.extra["tools"] == SEARCH
+    assert record.messages == [
+        {"role": "user", "crc": _crc("#short q")},
+        {"role": "assistant", "crc": 0, "calls": ["call_7"]},
+        {"role": "tool", "crc": _crc("sunny"), "tool_call_id": "call_7"},
+        {"role": "user", "crc": _crc("#short and tomorrow?")},
+    ]
+
+
+def test_streamed_calls_are_joined_from_their_indexed_parts() -> None:
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+        return {"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+    def part(index: int, **fields: Any) -> dict[str, Any]:
+        return chunk({"tool_calls": [{"index": index, **fields}]})
+
+    chunks = [
+        chunk({"role": "assistant", "content": None}),
+        part(0, id="call_a", type="function", function={"name": "search", "arguments": ""}),
+        part(0, function={"arguments": '{"query": '}),
+        part(1, id="call_b", type="function", function={"name": "fetch", "arguments": "{}"}),
+        part(0, function={"arguments": '"q"}'}),
+        chunk({}, "tool_calls"),
+        {"choices": [], "usage": USAGE},
+    ]
+    result = asyncio.run(_generate(_answering_stream(chunks)))
+    assert result.finish_reason == "stop" and result.text == ""
+    assert result.tool_calls == (
+        ToolCall("call_a", "search", '{"query": "q"}'),
+        ToolCall("call_b", "fetch", "{}"),
+    )
+    nameless = [chunks[0], part(0, function={"arguments": "{}"}), chunk({}, "tool_calls")]
+    with pytest.raises(InferenceProtocolError, match="without a function name"):
+        asyncio.run(_generate(_answering_stream([*nameless, {"choices": [], "usage": USAGE}])))

@@ -3,11 +3,13 @@ a Parquet folder, each loaded back with Hugging Face ``datasets``."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import datasets as hf
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from sinks.export import ExportOptions, export
@@ -92,7 +94,10 @@ def test_parquet_folder_loads_with_datasets_and_reads_old_files(tmp_path: Path) 
     by_id = {r["request_id"]: r for r in loaded}
     assert set(by_id) == {"r0", "r1", "r5"}
     assert by_id["r0"]["prompt_ids"] == [1, 2, 3] and by_id["r0"]["model"] == "m"
-    assert by_id["r0"]["messages"][1] == {"role": "user", "content": "q0"}
+    # a message's tool fields are there, null when it has none
+    assert by_id["r0"]["messages"][1] == {
+        "role": "user", "content": "q0", "tool_calls": None, "tool_call_id": None, "name": None
+    }  # fmt: skip
     # the old file's row: its columns as written, the newer ones empty
     assert by_id["r5"]["output_ids"] == [15, 25] and by_id["r5"]["prompt_ids"] is None
     assert by_id["r5"]["messages"] is None and by_id["r5"]["dataset"] == "chat"
@@ -252,3 +257,119 @@ def test_the_command_exports_and_reports_errors_in_one_line(
     assert error.count("\n") == 1 and "--tokenizer DIR" in error
     # the failed export left the earlier file as it was
     assert len(load_jsonl(target)) == 2
+
+
+# --- conversations regenerated turn by turn ----------------------------------------------
+
+M = ev.ChatMessage
+SEARCH = ev.ToolCall("call_9", "search", '{"query": "weather"}')
+
+
+def turns_of(
+    conversation: str, answers: list[dict[str, Any]], **last: Any
+) -> list[ev.CompletionEvent]:
+    """The rows of a conversation regenerated turn by turn: each turn's prompt is the
+    one before, its answer (as the next history holds it: no reasoning), then the
+    recorded user turn."""
+    history: tuple[ev.ChatMessage, ...] = (M("system", "be brief"), M("user", "u0"))
+    rows = []
+    for k, answer in enumerate(answers):
+        fields: dict[str, Any] = {
+            "text": answer.get("text", ""),
+            "reasoning": answer.get("reasoning"),
+            "tool_calls": answer.get("calls"),
+            "messages": history,
+            "conversation_id": conversation,
+            "turn": k,
+            "turns": 3,
+            "tool_mismatch": False,
+            "stop_reason": "stop",
+            "unfinished": False,
+            "prompt_id": f"{conversation}-{k}",
+            "request_id": f"r-{conversation}-{k}",
+            "row_id": conversation,
+            "tools": [{"type": "function", "function": {"name": "search"}}],
+        }
+        if k == len(answers) - 1:
+            fields.update(last)
+        rows.append(completion(0, "conv", **fields))
+        said = M("assistant", fields["text"], tool_calls=fields["tool_calls"])
+        after = (
+            (M("tool", "sunny", tool_call_id="call_9"),)
+            if fields["tool_calls"]
+            else (M("user", f"u{k + 1}"),)
+        )
+        history = (*history, said, *after)
+    return rows
+
+
+WHOLE = turns_of("whole", [
+    {"calls": (SEARCH,), "reasoning": "look it up"},
+    {"text": "It is sunny.", "reasoning": "read the result"},
+    {"text": "You're welcome.", "reasoning": None},
+])  # fmt: skip
+CUT = turns_of("cut", [{"text": "a0"}, {"text": "a1 cut"}], stop_reason="budget")
+MISMATCH = turns_of("mismatch", [{"calls": (SEARCH,)}], tool_mismatch=True)
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_a_regenerated_conversation_is_one_record_with_every_turn_in_order(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    # its turns in two files, the later first: the record is in turn order anyway
+    write_rows(out, [*WHOLE[2:], *CUT])
+    write_rows(out, [*WHOLE[:2], *MISMATCH, completion(7, "conv")])
+    summary = export(ExportOptions("messages", tmp_path / "m.jsonl", out))
+    assert summary.rows == {"conv": 4} and summary.conversations == {"conv": 3}
+    records = {r["id"]: r for r in read_jsonl(tmp_path / "m.jsonl")}
+    whole = records["whole"]
+    assert whole["messages"] == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "u0"},
+        {"role": "assistant", "content": "", "reasoning_content": "look it up",
+         "tool_calls": [{"id": "call_9", "type": "function",
+                         "function": {"name": "search", "arguments": '{"query": "weather"}'}}]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "call_9"},
+        {"role": "assistant", "content": "It is sunny.", "reasoning_content": "read the result"},
+        {"role": "user", "content": "u2"},
+        {"role": "assistant", "content": "You're welcome."},
+    ]  # fmt: skip
+    assert whole["tools"] == [{"type": "function", "function": {"name": "search"}}]
+    assert whole["prompt_ids"] == ["whole-0", "whole-1", "whole-2"]
+    assert (whole["turns"], whole["turns_in_dataset"], whole["complete"]) == (3, 3, True)
+    assert whole["tool_mismatch"] is False
+    cut, mismatch = records["cut"], records["mismatch"]
+    assert (cut["turns"], cut["complete"], cut["stop_reason"]) == (2, False, "budget")
+    assert [m["content"] for m in cut["messages"] if m["role"] == "assistant"] == ["a0", "a1 cut"]
+    assert (mismatch["complete"], mismatch["tool_mismatch"]) == (False, True)
+    assert records["id7"]["messages"][-1] == {"role": "assistant", "content": "answer 7"}
+    # the JSONL loads for a trainer
+    assert len(load_jsonl(tmp_path / "m.jsonl")) == 4
+
+
+def test_drop_incomplete_leaves_out_conversations_not_whole(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    write_rows(out, [*WHOLE, *CUT, *MISMATCH, completion(7, "conv")])
+    summary = export(
+        ExportOptions("conversations", tmp_path / "c.jsonl", out, drop_incomplete=True)
+    )
+    assert [r["id"] for r in read_jsonl(tmp_path / "c.jsonl")] == ["id7", "whole"]
+    assert summary.incomplete == {"conv": 2}
+    # Parquet keeps a row per turn, of the whole conversations only
+    summary = export(ExportOptions("parquet", tmp_path / "p", out, drop_incomplete=True))
+    table = pa.concat_tables(
+        [pq.read_table(f) for f in sorted((tmp_path / "p" / "data").glob("*.parquet"))]
+    )
+    assert sorted(table.column("prompt_id").to_pylist()) == ["p7", "whole-0", "whole-1", "whole-2"]
+    assert summary.incomplete == {"conv": 2}
+
+
+def test_regenerated_conversations_take_their_ids_per_turn(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    write_rows(out, WHOLE)
+    with pytest.raises(ExportError, match="--format parquet --with-ids"):
+        export(ExportOptions("messages", tmp_path / "m.jsonl", out, with_ids=True))
+    summary = export(ExportOptions("parquet", tmp_path / "p", out, with_ids=True))
+    assert summary.rows == {"conv": 3}

@@ -290,7 +290,7 @@ def v1_wire(event: ev.CompletionEvent) -> bytes:
 def test_completion_ids_are_little_endian_int32_bytes_on_the_wire() -> None:
     event = msgspec.structs.replace(COMPLETION, output_ids=[0, 1, 151_643, 2**31 - 1, -1])
     wire = json.loads(ev.encode(event))
-    assert wire["v"] == ev.COMPLETION_VERSION == 5
+    assert wire["v"] == ev.COMPLETION_VERSION == 6
     raw = base64.b64decode(wire["output_ids"], validate=True)
     assert raw == np.array([0, 1, 151_643, 2**31 - 1, -1], dtype="<i4").tobytes()
 
@@ -343,10 +343,10 @@ def test_malformed_output_ids_are_a_decode_error(output_ids: object, message: st
 
 
 def test_completion_versions() -> None:
-    assert ev.supported_versions("completion") == {1, 2, 3, 4, 5}
+    assert ev.supported_versions("completion") == {1, 2, 3, 4, 5, 6}
     assert ev.supported_versions("budget_set") == {1}
-    with pytest.raises(EventDecodeError, match="'completion' event has schema version 6"):
-        ev.decode(_with(COMPLETION, v=6))
+    with pytest.raises(EventDecodeError, match="'completion' event has schema version 7"):
+        ev.decode(_with(COMPLETION, v=7))
     with pytest.raises(EventDecodeError, match="upgrade tokenbudget"):
         ev.decode(_with(BUDGET_SET, v=2))  # only completions moved to version 2
 
@@ -378,7 +378,7 @@ def test_a_v4_completion_decodes_with_no_reasoning_and_unfinished_unknown() -> N
     old = ev.decode(msgspec.json.encode(wire))
     assert isinstance(old, ev.CompletionEvent) and old.stop_reason == "length"
     assert (old.reasoning, old.reasoning_tokens, old.unfinished) == (None, None, None)
-    assert json.loads(ev.encode(old))["v"] == 5
+    assert json.loads(ev.encode(old))["v"] == 6
     thinking = msgspec.structs.replace(
         COMPLETION, reasoning="let me see", reasoning_tokens=1, unfinished=False
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import signal
 import time
@@ -14,7 +15,7 @@ from producers.datasets import check_datasets
 from producers.dispatcher import Dispatcher
 from producers.prompts import PromptProducer
 from sinks.parquet import stored_prompt_ids
-from sinks.replay import read_to_end
+from sinks.replay import kept_completions, read_to_end
 from streams import events as ev
 from streams.halts import BudgetBoard, BudgetWatcher
 from streams.publisher import publish_events
@@ -109,7 +110,11 @@ async def produce_until_done(
     try:
         await watcher.caught_up.wait()
         producer = PromptProducer(
-            config, bootstrap, watcher.board, stored_prompt_ids=stored_prompt_ids(config)
+            config,
+            bootstrap,
+            watcher.board,
+            stored_prompt_ids=stored_prompt_ids(config),
+            kept_completions=functools.partial(kept_completions, bootstrap, topics),
         )
         reports = await producer.run(interrupt=interrupt)
     finally:

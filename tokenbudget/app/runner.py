@@ -35,6 +35,7 @@ from producers.dispatcher import Dispatcher, DispatchReport
 from producers.inference import prepare
 from producers.prompts import ProduceReport, PromptProducer
 from sinks.parquet import ParquetSink, SinkSettings, stored_prompt_ids
+from sinks.replay import kept_completions
 from streams import budget
 from streams.halts import BudgetBoard, BudgetWatcher
 from streams.publisher import publish_events
@@ -711,7 +712,13 @@ class _Producing:
     @classmethod
     def start(cls, config: Config, bootstrap: str, board: BudgetBoard) -> _Producing:
         producer = PromptProducer(
-            config, bootstrap, board, stored_prompt_ids=stored_prompt_ids(config)
+            config,
+            bootstrap,
+            board,
+            stored_prompt_ids=stored_prompt_ids(config),
+            kept_completions=functools.partial(
+                kept_completions, bootstrap, Topics(config.kafka.namespace)
+            ),
         )
         stop, interrupt = asyncio.Event(), asyncio.Event()
         task = asyncio.create_task(producer.run(stop, interrupt))

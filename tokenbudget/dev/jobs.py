@@ -84,9 +84,12 @@ def write_job(
     namespace: str,
     url: str,
     datasets: dict[str, tuple[Path, int]],
+    *,
+    dataset_keys: dict[str, dict[str, Any]] | None = None,
     **sections: dict[str, Any],
 ) -> Path:
-    """A job config; ``sections`` override keys, e.g. ``budget={"lease_ttl_s": 3}``."""
+    """A job config; ``sections`` override keys, e.g. ``budget={"lease_ttl_s": 3}``;
+    ``dataset_keys`` adds keys to the named datasets, e.g. ``{"A": {"turns": "all"}}``."""
     settings: dict[str, dict[str, Any]] = {
         "kafka": {"bootstrap": bootstrap, "namespace": namespace},
         "inference": {
@@ -113,6 +116,7 @@ def write_job(
     for name, (path, budget) in datasets.items():
         lines += ["[[datasets]]", f'name = "{name}"', f'path = "{path}"', f"budget = {budget}"]
         lines += ["template = true"] if name in chats else []
+        lines += [f"{k} = {json.dumps(v)}" for k, v in (dataset_keys or {}).get(name, {}).items()]
     config = workdir / "job.toml"
     config.write_text("\n".join(lines) + "\n")
     return config

@@ -24,8 +24,14 @@ Behaviour worth knowing when reading client code against it:
   it in ``usage.completion_tokens_details.reasoning_tokens``; raw APIs send it inline.
   ``chat_template_kwargs`` turning thinking off, or a prompt ending in ``</think>``
   (a template that closed the block), make it answer straight away.
-* With ``tool_calls``, a chat request that offers ``tools`` is answered by a call to
-  the first one (``finish_reason`` ``tool_calls``), its arguments the answer's text.
+* With ``tool_calls``, a chat request that offers ``tools`` and ends with a user's
+  turn is answered by a call to the first one (``finish_reason`` ``tool_calls``),
+  with the arguments ``{"query": <that user turn's content>}``; one that ends with a
+  tool's result is answered in text, as a model reads the result and answers.
+* Its request log (``log_file``) says, for a chat request, what each message held
+  (role, a crc32 of its content, its tool calls' ids, a tool result's call id,
+  whether it carried reasoning), and the ids of the calls it answered with: enough
+  to tell, from outside, which history each turn of a conversation was sent.
 """
 
 from __future__ import annotations
@@ -185,6 +191,9 @@ class RequestRecord:
     reasoning_crc: int = 0
     content_crc: int = 0
     tool_calls: int = 0
+    # A chat request's messages (message_digest), and the ids of the calls sent back.
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    call_ids: list[str] = field(default_factory=list)
 
 
 PROFILES: dict[str, tuple[LengthRule, ...]] = {
@@ -398,6 +407,8 @@ class _Job:
     sampling: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
     tool: str | None = None  # the tool it answers with a call to
+    query: str = ""  # the user's turn the call passes on
+    messages: list[dict[str, Any]] = field(default_factory=list)  # chat: as logged
 
     def notify(self) -> None:
         # Swap in a fresh event before setting the old one so waiters never miss a tick
@@ -418,6 +429,10 @@ class _Parsed:
     return_token_ids: bool = False
     sampling: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
+    messages: list[dict[str, Any]] = field(default_factory=list)  # chat: message_digest
+    # chat: the content of the user's turn that ends the request (None: it does not
+    # end with one, e.g. it ends with a tool's result)
+    query: str | None = None
 
 
 @dataclass(frozen=True)
@@ -475,6 +490,25 @@ def thinking_turned_off(sampling: dict[str, Any], prompt: str) -> bool:
     ):
         return True
     return prompt.rstrip().endswith(THINK_END)
+
+
+def _message_text(message: dict[str, Any]) -> str:
+    return chat_prompt_text([message])
+
+
+def message_digest(message: dict[str, Any]) -> dict[str, Any]:
+    """What the request log keeps of a chat message: its role, a crc32 of its
+    content, and, when it has them, its calls' ids, the call a tool result answers,
+    and whether it carried reasoning."""
+    digest: dict[str, Any] = {"role": message.get("role"), "crc": _crc(_message_text(message))}
+    calls = message.get("tool_calls")
+    if isinstance(calls, list) and calls:
+        digest["calls"] = [c.get("id") for c in calls if isinstance(c, dict)]
+    if message.get("tool_call_id") is not None:
+        digest["tool_call_id"] = message["tool_call_id"]
+    if any(message.get(name) for name in ("reasoning_content", "reasoning")):
+        digest["reasoning"] = True
+    return digest
 
 
 def first_tool(extra: dict[str, Any]) -> str | None:
@@ -550,7 +584,9 @@ class _SimServer:
             text_crc=_text_crc(parsed),
             sampling=parsed.sampling,
             extra=parsed.extra,
-            tool=first_tool(parsed.extra) if self._offers_tools(api) else None,
+            tool=first_tool(parsed.extra) if self._calls_tool(api, parsed) else None,
+            query=parsed.query or "",
+            messages=parsed.messages,
         )
         self.jobs[job.rid] = job
         # A task of its own, not the handler's coroutine: decoding must outlive a client
@@ -560,8 +596,8 @@ class _SimServer:
         task.add_done_callback(self.tasks.discard)
         return job
 
-    def _offers_tools(self, api: str) -> bool:
-        return api == "openai-chat" and self.config.tool_calls
+    def _calls_tool(self, api: str, parsed: _Parsed) -> bool:
+        return api == "openai-chat" and self.config.tool_calls and parsed.query is not None
 
     async def _decode(self, job: _Job, stream: bool) -> None:
         loop = asyncio.get_running_loop()
@@ -629,6 +665,8 @@ class _SimServer:
                 reasoning_crc=_crc(sent.reasoning),
                 content_crc=_crc(sent.content),
                 tool_calls=len(sent.tool_calls),
+                messages=job.messages,
+                call_ids=[call["id"] for call in sent.tool_calls],
             )
         )
         job.done.set()
@@ -643,23 +681,24 @@ class _SimServer:
         end = job.produced if end is None else end
         output = job.output
         thinking = output.thinking_tokens(end) if self.think_end is not None else None
-        if job.api != "openai-chat" or self.config.reasoning_style == "none":
-            return _Answer(None, output.text(start, end), thinking, ())
-        reasoning = output.reasoning(start, end) or None
-        content = output.answer(start, end)
-        if job.tool is not None and final:
+        reasoning: str | None = None
+        content = output.text(start, end)
+        if job.api == "openai-chat" and self.config.reasoning_style != "none":
+            reasoning = output.reasoning(start, end) or None
+            content = output.answer(start, end)
+        if job.tool is None:
+            return _Answer(reasoning, content, thinking, ())
+        if final:
             call = {
                 "id": f"call_{job.rid[:16]}",
                 "type": "function",
                 "function": {
                     "name": job.tool,
-                    "arguments": _encode({"answer": output.answer(0, end).strip()}).decode(),
+                    "arguments": _encode({"query": job.query}).decode(),
                 },
             }
             return _Answer(reasoning, None, thinking, (call,))
-        if job.tool is not None:
-            content = ""  # the answer becomes the call's arguments, sent at the end
-        return _Answer(reasoning, content, thinking, ())
+        return _Answer(reasoning, "", thinking, ())  # the call comes at the end
 
     def _record(self, record: RequestRecord) -> None:
         self.log.append(record)
@@ -736,6 +775,7 @@ class _SimServer:
                 fault=kind,
                 sampling=parsed.sampling,
                 extra=parsed.extra,
+                messages=parsed.messages,
             )
         )
         retry_after = {"Retry-After": f"{self.config.faults.retry_after_s:g}"}
@@ -1033,9 +1073,12 @@ class _SimServer:
             max_tokens = _int_field(p, "max_tokens", default)
         if max_tokens < 0:
             raise _BadRequest(f"max_tokens must be at least 0, got {max_tokens}.")
+        last = messages[-1]
         return _Parsed(
-            rid, text, None, prompt_tokens, max_tokens, stream, include_usage, return_ids
-        )
+            rid, text, None, prompt_tokens, max_tokens, stream, include_usage, return_ids,
+            messages=[message_digest(m) for m in messages],
+            query=_message_text(last) if last.get("role") == "user" else None,
+        )  # fmt: skip
 
     def _prompt_ids(self, parsed: _Parsed) -> list[int]:
         if parsed.prompt_ids is not None:

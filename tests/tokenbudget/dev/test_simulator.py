@@ -752,9 +752,8 @@ def test_tool_calls_answer_requests_that_offer_tools() -> None:
         [call] = answer["tool_calls"]
         assert answer["finish"] == "tool_calls" and not answer.get("content")
         assert call["type"] == "function" and call["function"]["name"] == "search"
-        arguments = json.loads(call["function"]["arguments"])
-        thinking = answer["usage"]["completion_tokens_details"]["reasoning_tokens"]
-        assert arguments["answer"].split() == [f"w{i}" for i in answer["ids"][thinking:]]
+        # the user's turn, passed on: what a dataset can record for the call
+        assert json.loads(call["function"]["arguments"]) == {"query": PROMPT[0]["content"]}
         assert answer["reasoning_content"]  # it thought before calling
     # the same call, streamed or not (its id is the request's)
     assert plain["tool_calls"][0]["function"] == streamed["tool_calls"][0]["function"]
@@ -762,6 +761,38 @@ def test_tool_calls_answer_requests_that_offer_tools() -> None:
     assert without["finish"] == "stop" and without["content"] and "tool_calls" not in without
     assert [r.tool_calls for r in log] == [1, 1, 0]
     assert log[0].content_crc == 0  # no content was sent
+    assert log[0].call_ids == [plain["tool_calls"][0]["id"]] and log[2].call_ids == []
+
+
+def test_a_tool_result_is_answered_in_text_and_the_log_says_what_each_message_held() -> None:
+    tools = [{"type": "function", "function": {"name": "search", "parameters": {}}}]
+    config = replace(FAST, tool_calls=True)  # no thinking: calls all the same
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "search", "arguments": '{"query": "q"}'}}  # fmt: skip
+    history = [
+        {"role": "user", "content": "#short q"},
+        {"role": "assistant", "content": None, "tool_calls": [call],
+         "reasoning_content": "hmm"},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]  # fmt: skip
+
+    async def body(sim: RunningSimulator, c: httpx.AsyncClient) -> list[Any]:
+        first = (await c.post("/v1/chat/completions", json={
+            "messages": history[:1], "tools": tools})).json()  # fmt: skip
+        answered = (await c.post("/v1/chat/completions", json={
+            "messages": history, "tools": tools})).json()  # fmt: skip
+        return [first, answered, list(sim.log)]
+
+    first, answered, log = run(config, body)
+    assert first["choices"][0]["finish_reason"] == "tool_calls"
+    message = answered["choices"][0]["message"]
+    assert answered["choices"][0]["finish_reason"] == "stop" and message["content"]
+    assert "tool_calls" not in message and log[1].tool_calls == 0
+    assert log[1].messages == [
+        {"role": "user", "crc": zlib.crc32(b"#short q")},
+        {"role": "assistant", "crc": 0, "calls": ["call_1"], "reasoning": True},
+        {"role": "tool", "crc": zlib.crc32(b"sunny"), "tool_call_id": "call_1"},
+    ]
 
 
 def test_an_unknown_reasoning_style_is_a_config_error() -> None:

@@ -37,6 +37,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="leave out answers cut while the model was still thinking (no answer in them)",
     )
+    parser.add_argument(
+        "--drop-incomplete",
+        action="store_true",
+        help='leave out conversations regenerated turn by turn (turns = "regenerate") that '
+        "are not whole: a turn not generated, cut, or a tool call that differs",
+    )
     parser.add_argument("--tokenizer", metavar="DIR", help="decodes answers cut to token ids")
     parser.add_argument("--json", action="store_true", help="print a JSON summary")
 
@@ -62,6 +68,7 @@ def main(args: argparse.Namespace) -> int:
         with_ids=args.with_ids,
         decode=decode,
         drop_unfinished=args.drop_unfinished,
+        drop_incomplete=args.drop_incomplete,
     )
     if args.from_topic:
         assert config is not None
@@ -105,3 +112,10 @@ def _print_summary(summary: ExportSummary, as_json: bool) -> None:
         dropped = ", ".join(f"{name} {n}" for name, n in sorted(summary.unfinished.items()))
         total = sum(summary.unfinished.values())
         print(f"left out {total} unfinished answers, cut while still thinking ({dropped})")
+    if summary.conversations:
+        whole = ", ".join(f"{name} {n}" for name, n in sorted(summary.conversations.items()))
+        print(f"of them conversations regenerated turn by turn, one record each: {whole}")
+    if summary.incomplete:
+        dropped = ", ".join(f"{name} {n}" for name, n in sorted(summary.incomplete.items()))
+        total = sum(summary.incomplete.values())
+        print(f"left out {total} incomplete conversations ({dropped})")
