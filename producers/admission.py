@@ -13,6 +13,14 @@ ledger for more on the same lease. A denial with requests still in flight waits
 for them to settle (their leftovers come back); a denial with nothing in flight
 means the dataset is full for good, and the lease is released.
 
+Once the ledger has no more to give, what the lease still holds is less than a
+whole request; under ``[budget] cut = "last"`` a request waits for the leftovers
+of those in flight rather than go out short, unless the balance likely covers an
+answer of the dataset (:class:`streams.budget.AnswerLengths`, fed by
+:meth:`Admission.answered`) or nothing is in flight any more (the one answer cut at
+the line). The ledger's word that it has no more is taken again after every
+settle, so that one last request is sent only when the ledger still has nothing.
+
 Leases are renewed while in use and released when idle, so a dispatcher that dies
 holds budget only until its lease expires. A revoked lease (budget lowered, or
 expired under a slow holder) stops all spending at once and aborts what is in
@@ -40,7 +48,7 @@ from streams import budget
 from streams import events as ev
 from streams.halts import BudgetBoard
 from streams.topics import Topics
-from tokenbudget.config import BoundaryPolicy
+from tokenbudget.config import BoundaryPolicy, CutPolicy
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +57,7 @@ log = logging.getLogger(__name__)
 class AdmissionSettings:
     unit: ev.BudgetUnit = "completion_tokens"
     policy: BoundaryPolicy = "truncate"
+    cut: CutPolicy = "last"
     min_new_tokens: int = 1
     lease_size: int = 65536  # in the budget's unit
     lease_ttl_s: float = 30.0
@@ -132,6 +141,18 @@ class RevokedCap:
         self.generated.pop(rid, None)
 
 
+def _next_change(lease: _Lease) -> Awaitable[None]:
+    """Until the lease changes from now on (a settle, a grant, a revocation), or a
+    second passes: its state is then looked at again."""
+    lease.changed.clear()
+    return _at_most(lease.changed.wait(), 1.0)
+
+
+async def _at_most(awaitable: Awaitable[Any], seconds: float) -> None:
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(awaitable, timeout=seconds)
+
+
 async def _wait_aside(
     aside: Callable[[], AbstractAsyncContextManager[Any]] | None, awaitable: Awaitable[Any]
 ) -> None:
@@ -167,6 +188,7 @@ class Admission:
         self._asks: dict[str, asyncio.Future[ev.Event]] = {}
         self.refused_at: dict[str, float] = {}  # when this dispatcher first refused
         self.revocations: dict[str, tuple[str, int]] = {}  # dataset -> (lease id, allowance)
+        self._lengths: dict[str, budget.AnswerLengths] = {}
         board.lease_listeners[holder] = self._on_ledger_event
         self._maintenance: asyncio.Task[None] | None = None
 
@@ -179,6 +201,7 @@ class Admission:
         prompt_estimate: int = 0,
         *,
         aside: Callable[[], AbstractAsyncContextManager[Any]] | None = None,
+        exact: bool = False,
     ) -> Ticket | None:
         """Reserve for one request, or None when the dataset is full.
 
@@ -186,6 +209,8 @@ class Admission:
         tokens, leftovers of requests in flight, a lowering on its way), never around
         the reservation itself: the dispatcher lends its server place to prompts of
         other datasets meanwhile and has it back before anything is reserved.
+        ``exact``: ``max_new_tokens`` is the answer's own length (an answer generated
+        already), not a limit, so only all of it covers it.
         """
         waiting = functools.partial(_wait_aside, aside)
         settings = self.settings
@@ -207,14 +232,23 @@ class Admission:
                 # Revoked with requests still in flight: spend nothing more and do not
                 # ask on it (that would reopen an expired lease id at the ledger, or
                 # spin on denials); a fresh lease is opened once they have settled.
-                lease.changed.clear()
-                with contextlib.suppress(TimeoutError):
-                    await waiting(asyncio.wait_for(lease.changed.wait(), timeout=1.0))
+                await waiting(_next_change(lease))
                 continue
             # A whole request when the lease covers it; a clamped one only once the
-            # ledger has said it has no more to give (the budget's last tokens).
-            reserved = request.clamp(lease.balance, lease.ledger_short)
-            if reserved is not None:
+            # ledger has said it has no more to give (the budget's last tokens), and
+            # then as the cut policy says.
+            step = request.step(
+                lease.balance,
+                ledger_short=lease.ledger_short,
+                in_flight=lease.in_flight,
+                long_answer=None if exact else self.long_answer(dataset),
+                cut=settings.cut,
+            )
+            if step.action == "wait":
+                await waiting(_next_change(lease))
+                continue
+            if step.action == "reserve":
+                reserved = step.amount
                 lease.balance -= reserved
                 lease.in_flight += 1
                 lease.last_used = time.monotonic()
@@ -235,9 +269,7 @@ class Admission:
                 continue
             if lease.in_flight > 0:
                 # Leftovers of requests in flight may still cover this one.
-                lease.changed.clear()
-                with contextlib.suppress(TimeoutError):
-                    await waiting(asyncio.wait_for(lease.changed.wait(), timeout=1.0))
+                await waiting(_next_change(lease))
                 continue
             if isinstance(reply, ev.LeaseDenied) and not reply.full:
                 # The rest is reserved by other holders: it comes back when they
@@ -248,6 +280,20 @@ class Admission:
             if self._leases.get(dataset) is lease:
                 await self._release(lease)
             return None
+
+    def answered(self, dataset: str, completion_tokens: int) -> None:
+        """An answer of the dataset the budget did not cut was this long: what the
+        next ones likely need (:meth:`long_answer`)."""
+        lengths = self._lengths.get(dataset)
+        if lengths is None:
+            lengths = self._lengths[dataset] = budget.AnswerLengths()
+        lengths.observe(completion_tokens)
+
+    def long_answer(self, dataset: str) -> int | None:
+        """Tokens a next answer of the dataset rarely exceeds, from the answers seen
+        (:meth:`streams.budget.AnswerLengths.high`); None until enough were."""
+        lengths = self._lengths.get(dataset)
+        return None if lengths is None else lengths.high()
 
     def retire_if_expired(self, ticket: Ticket) -> bool:
         """Whether the ticket's lease may have expired at the ledger (revoked as
@@ -300,6 +346,10 @@ class Admission:
         lease.spent += cost
         if not lease.revoked:
             lease.balance += max(0, ticket.reserved - cost)
+        if self.settings.cut == "last":
+            # Waiting requests ask the ledger again before one of them goes out short:
+            # what other holders handed back, or a raised budget, may cover it whole.
+            lease.ledger_short = False
         lease.changed.set()
         if lease.revoked and lease.in_flight == 0:
             self._spawn(self._release(lease))
@@ -433,8 +483,8 @@ class Admission:
         await self._send(event)
         margin = min(2.0, self.settings.lease_ttl_s / 4)
         until = sent_at + self.settings.lease_ttl_s - margin
-        lease.valid_until = until if lease.valid_until == float("inf") else max(
-            lease.valid_until, until
+        lease.valid_until = (
+            until if lease.valid_until == float("inf") else max(lease.valid_until, until)
         )
 
     async def maintain(self) -> None:

@@ -243,11 +243,15 @@ class _Tickets:
         self._admission.settle(ticket, cost)
         self._settled.append(ticket)
 
-    def sending(self, ticket: Ticket, cost: int) -> None:
-        """Its completion is about to be sent: spent at ``cost`` from now on."""
+    def sending(self, ticket: Ticket, completion: ev.CompletionEvent) -> None:
+        """Its completion is about to be sent: spent at its cost from now on. An
+        answer that ended on its own terms (not cut by the budget, not aborted) says
+        how long the dataset's answers get."""
         assert self._admission is not None
         self._admission.sending(ticket)
-        self.settle(ticket, cost)
+        self.settle(ticket, completion.cost)
+        if completion.stop_reason in ("stop", "length"):
+            self._admission.answered(completion.dataset, completion.completion_tokens)
 
     def published(self, ticket: Ticket) -> None:
         """The completion announced by :meth:`sending` is on Kafka (or given up)."""
@@ -389,6 +393,7 @@ class Dispatcher:
             AdmissionSettings(
                 unit=settings.unit,
                 policy=settings.on_boundary,
+                cut=settings.cut,
                 min_new_tokens=settings.min_new_tokens,
                 lease_size=budget.lease_size(
                     settings.unit,
@@ -897,7 +902,7 @@ class Dispatcher:
         if ticket is not None:
             # Spent from here on, before any await: a revocation arriving while
             # this is being sent must already see it.
-            tickets.sending(ticket, completion.cost)
+            tickets.sending(ticket, completion)
         try:
             await self._publish(self.topics.completions, prompt.dataset, completion)
         finally:
@@ -1021,6 +1026,7 @@ class Dispatcher:
             result.completion_tokens,
             result.prompt_tokens,
             aside=slot.aside if slot is not None else None,
+            exact=True,
         )
         metrics.CLAIMS.labels(result="kept" if claimed else "refused").inc()
         if claimed is None:

@@ -4,8 +4,9 @@ The ledger (:mod:`streams.ledger`), the admission and the dispatcher
 (:mod:`producers`), ``tokenbudget status``, the run report and the metrics call
 these, so what a budget means is written once. The choices are named in the
 config (:data:`tokenbudget.config.Unit`, :data:`~tokenbudget.config.BoundaryPolicy`,
-:data:`~tokenbudget.config.AdmissionMode`); what each does is a row of a table
-here. Adding a unit, a policy or a mode means a row here and a name there.
+:data:`~tokenbudget.config.CutPolicy`, :data:`~tokenbudget.config.AdmissionMode`);
+what each does is a row of a table here. Adding a unit, a policy or a mode means a
+row here and a name there.
 
 Units (``[budget] unit``), :data:`UNITS`:
 
@@ -22,6 +23,16 @@ whole one (the *floor*):
               down to ``min_new_tokens``
     finish    a request goes out whole or not at all
 
+Cut policies (``[budget] cut``), :data:`CUT_POLICIES`: what a request does once
+the ledger has no more to give and its lease holds less than the whole request
+but at least its floor (:meth:`Ask.step`):
+
+    last  wait for the leftovers of the requests in flight, unless what the lease
+          holds likely covers an answer of the dataset (:class:`AnswerLengths`) or
+          nothing is in flight: only the answer that straddles the line is cut
+    any   go out at once with what the lease holds, however many answers that
+          cuts while the requests in flight hand most of their room back
+
 Admission modes (``[budget] admission``), :data:`ADMISSION_MODES`:
 
     reserve   every request reserves its cost before it is sent: nothing is kept
@@ -32,11 +43,13 @@ Admission modes (``[budget] admission``), :data:`ADMISSION_MODES`:
 
 from __future__ import annotations
 
+import bisect
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
-from tokenbudget.config import AdmissionMode, BoundaryPolicy, Unit
+from tokenbudget.config import AdmissionMode, BoundaryPolicy, CutPolicy, Unit
 
 
 class Counts(Protocol):
@@ -163,6 +176,20 @@ BOUNDARY_POLICIES: Mapping[BoundaryPolicy, Callable[[int, int, int], int]] = {
 
 
 @dataclass(frozen=True)
+class Step:
+    """What admission does next for one request (:meth:`Ask.step`): ``reserve``
+    ``amount`` from the lease, ``ask`` the ledger for more, or ``wait`` for the
+    leftovers of the requests in flight."""
+
+    action: Literal["reserve", "ask", "wait"]
+    amount: int = 0
+
+
+ASK = Step("ask")
+WAIT = Step("wait")
+
+
+@dataclass(frozen=True)
 class Ask:
     """What one request asks of a lease, in the budget's unit (see :func:`ask`)."""
 
@@ -181,6 +208,33 @@ class Ask:
         if ledger_short and balance >= self.floor:
             return balance
         return None
+
+    def enough(self, long_answer: int | None) -> int:
+        """What likely covers the answer: its prompt's estimate and ``long_answer``
+        (tokens a next answer of the dataset exceeds rarely, :meth:`AnswerLengths.high`),
+        or the whole request while that is unknown."""
+        if long_answer is None or not unit_rule(self.unit).in_tokens:
+            return self.want
+        return self.overhead + min(self.max_new_tokens, long_answer)
+
+    def step(
+        self,
+        balance: int,
+        *,
+        ledger_short: bool,
+        in_flight: int,
+        long_answer: int | None,
+        cut: CutPolicy,
+    ) -> Step:
+        """What to do with a lease holding ``balance`` while ``in_flight`` requests
+        of it are out: :meth:`clamp`, and when that would send less than the whole
+        request, the cut policy's choice (:data:`CUT_POLICIES`)."""
+        reserved = self.clamp(balance, ledger_short)
+        if reserved is None:
+            return ASK
+        if reserved == self.want:
+            return Step("reserve", reserved)
+        return CUT_POLICIES[cut](reserved, in_flight, self.enough(long_answer))
 
     def max_new_tokens_for(self, reserved: int) -> int:
         """The max_new_tokens to send for ``reserved`` (from :meth:`clamp`), so the
@@ -212,6 +266,60 @@ def ask(
     want = overhead + max_new_tokens
     floor = BOUNDARY_POLICIES[policy](want, overhead, min_new_tokens)
     return Ask(unit, want=want, floor=floor, overhead=overhead, max_new_tokens=max_new_tokens)
+
+
+# -- cut policies: which answers the line may cut -----------------------------------------
+
+
+def _cut_last(balance: int, in_flight: int, enough: int) -> Step:
+    """Only the answer that straddles the line is cut. Leftovers of requests in flight
+    come back to this lease, so a request sent short now would be cut, and another
+    after it with the leftovers: wait for them instead, unless the balance likely
+    covers the answer anyway. With nothing in flight nothing comes back (the ledger
+    was asked since the last request settled): the balance goes out, the one cut."""
+    if balance >= enough or in_flight == 0:
+        return Step("reserve", balance)
+    return WAIT
+
+
+def _cut_any(balance: int, in_flight: int, enough: int) -> Step:
+    """The balance goes out at once, whatever it cuts."""
+    return Step("reserve", balance)
+
+
+#: policy -> step(balance, requests in flight, what likely covers the answer)
+CUT_POLICIES: Mapping[CutPolicy, Callable[[int, int, int], Step]] = {
+    "last": _cut_last,
+    "any": _cut_any,
+}
+
+
+class AnswerLengths:
+    """How long one dataset's answers get: a running high quantile of the lengths
+    of answers seen (those the budget did not cut), the last ``window`` of them.
+
+    :meth:`high` is the length a next answer exceeds with probability at most
+    1 / ``one_in``, for answers drawn alike, whatever their distribution: of ``n``
+    lengths sorted, a next one exceeds the ``j``-th largest with probability
+    ``j / (n + 1)``, so ``j = (n + 1) // one_in``. Below ``one_in - 1`` answers no
+    length seen is high enough, and it is None.
+    """
+
+    def __init__(self, one_in: int = 100, window: int = 1000) -> None:
+        self.one_in = one_in
+        self._recent: deque[int] = deque(maxlen=window)
+        self._sorted: list[int] = []
+
+    def observe(self, tokens: int) -> None:
+        if len(self._recent) == self._recent.maxlen:
+            del self._sorted[bisect.bisect_left(self._sorted, self._recent[0])]
+        self._recent.append(tokens)
+        bisect.insort(self._sorted, tokens)
+
+    def high(self) -> int | None:
+        n = len(self._sorted)
+        j = (n + 1) // self.one_in
+        return self._sorted[n - j] if j else None
 
 
 # -- leases and admission modes ----------------------------------------------------------

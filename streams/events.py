@@ -543,6 +543,7 @@ class LedgerSnapshot(_LedgerEvent, tag="ledger_snapshot", frozen=True):
     outcome_events: int = 0
     reserved: int = 0
     at: float = 0.0
+    cut: int = 0  # completions counted that the budget's line cut (stop_reason "budget")
 
 
 class PromptSkipped(_Event, tag="prompt_skipped", frozen=True):

@@ -96,6 +96,8 @@ class DatasetLedger(msgspec.Struct, frozen=True, kw_only=True):
     samples: int = 0
     skipped: int = 0
     failed: int = 0
+    # Completions counted that the budget's line cut (stop_reason "budget").
+    cut: int = 0
     produced: int | None = None
     halted: bool = False
     last_event_id: str = ""
@@ -209,6 +211,7 @@ def snapshot(state: DatasetLedger, at: float) -> LedgerSnapshot:
         samples=state.samples,
         skipped=state.skipped,
         failed=state.failed,
+        cut=state.cut,
         produced=state.produced,
         halted=state.halted,
         status=status(state),
@@ -321,6 +324,7 @@ def apply_outcome(
         "samples": state.samples,
         "skipped": state.skipped,
         "failed": state.failed,
+        "cut": state.cut,
     }
     if previous == "skipped":
         counts["skipped"] -= 1
@@ -334,6 +338,8 @@ def apply_outcome(
         counts["completion_tokens"] += event.completion_tokens
         counts["prompt_tokens"] += event.prompt_tokens
         counts["samples"] += 1
+        if event.stop_reason == "budget":
+            counts["cut"] += 1
         trigger = event.request_id
         leases = _commit_to_lease(state, event)
     elif isinstance(event, PromptSkipped):

@@ -16,13 +16,19 @@ class LedgerGauges:
     """
 
     def __init__(self) -> None:
-        self._last: dict[str, tuple[int, int, int, int]] = {}
+        self._last: dict[str, tuple[int, int, int, int, int]] = {}
 
     def observe(self, state: object) -> None:
         assert isinstance(state, ledger.DatasetLedger)
         name = state.dataset
-        before = self._last.get(name, (0, 0, 0, 0))
-        now = (state.completion_tokens, state.prompt_tokens, state.samples, state.failed)
+        before = self._last.get(name, (0, 0, 0, 0, 0))
+        now = (
+            state.completion_tokens,
+            state.prompt_tokens,
+            state.samples,
+            state.failed,
+            state.cut,
+        )
         # Labelled children exist from the first state on (at 0), so "no progress"
         # is a series that does not grow rather than a missing one.
         for counter, current, last in zip(
@@ -31,6 +37,7 @@ class LedgerGauges:
                 metrics.PROMPT_TOKENS,
                 metrics.SAMPLES,
                 metrics.FAILED_PROMPTS,
+                metrics.CUT_ANSWERS,
             ),
             now,
             before,

@@ -38,6 +38,7 @@ Api = Literal["sglang", "openai-completions", "openai-chat"]
 Unit = Literal["completion_tokens", "total_tokens", "samples"]
 BoundaryPolicy = Literal["truncate", "finish"]
 AdmissionMode = Literal["reserve", "halt"]
+CutPolicy = Literal["last", "any"]
 DatasetFormat = Literal["auto", "prompt", "openai", "sharegpt", "hf"]
 # The order a dataset's prompts are sent in: producers/order.py says what each keeps.
 DatasetOrder = Literal["file", "shuffled", "stratified"]
@@ -145,6 +146,8 @@ class BudgetConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     # once a completion shows its budget reached (in-flight requests overshoot).
     admission: AdmissionMode = "reserve"
     on_boundary: BoundaryPolicy = "truncate"
+    # last: only the answer that straddles the line is cut; any: the old clamping.
+    cut: CutPolicy = "last"
     min_new_tokens: int = 1
     lease_tokens: int = 0  # 0: a quarter of concurrency x max_new_tokens
     lease_ttl_s: float = 30.0

@@ -9,7 +9,7 @@ Who sets what:
 
 * the **ledger worker** (the single owner of budget state) sets every per-dataset
   ledger metric through :class:`streams.ledger_gauges.LedgerGauges`: kept
-  tokens/samples (counters),
+  tokens/samples and answers cut by the budget (counters),
   budget, used, remaining, reserved, overshoot, halted and open (gauges). No other
   process touches them, so several processes never report conflicting values;
 * the **run process** sets the dispatcher's metrics (in-flight, latency, TTFT,
@@ -77,6 +77,14 @@ RESERVED = Gauge(
 #: gauge: used minus budget, never below 0
 OVERSHOOT = Gauge(
     "tokenbudget_overshoot_tokens", "Tokens kept beyond the budget, per dataset", ["dataset"]
+)
+#: counter: answers kept that the budget's line cut (their ``stop_reason`` is
+#: ``budget``): under ``[budget] cut = "last"`` at most one per dataset and
+#: dispatcher each time the budget runs out, besides those of a lowered budget
+CUT_ANSWERS = Counter(
+    "tokenbudget_cut_answers_total",
+    "Answers kept that the budget's line cut, per dataset",
+    ["dataset"],
 )
 #: counter: prompts that failed for good (their outcome is ``failed``)
 FAILED_PROMPTS = Counter(

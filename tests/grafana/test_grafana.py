@@ -47,6 +47,7 @@ LEDGER_OWNED = {
     "tokenbudget_reserved_tokens",
     "tokenbudget_overshoot_tokens",
     "tokenbudget_failed_prompts_total",
+    "tokenbudget_cut_answers_total",
     "tokenbudget_open_leases",
     "tokenbudget_dataset_halted",
     "tokenbudget_dataset_open",

@@ -25,8 +25,8 @@ from streams.topics import Topics
 from tests.integration.test_ledger_worker import publish, read_all, wait_for_snapshot
 from tokenbudget import config as config_module
 from tokenbudget import kafka_admin
-from tokenbudget.app.runner import run_async, start_ledger_process, stop_process
-from tokenbudget.dev import simulator
+from tokenbudget.app.runner import cli_command, run_async, start_ledger_process, stop_process
+from tokenbudget.dev import jobs, oracle, simulator
 
 pytestmark = pytest.mark.integration
 
@@ -348,3 +348,49 @@ def test_budget_lowered_while_streaming_keeps_only_what_fits(
         assert sum(r.completion_tokens for r in served) >= kept
     code = [r for r in log if r.text_head.startswith("#code")]
     assert any(r.finish == "abort" for r in code), "streams above the new budget were aborted"
+
+
+@pytest.mark.timeout(600)
+def test_thinking_answers_only_the_last_is_cut_by_the_budget(
+    tmp_path: Path, kafka_bootstrap: str, namespace: str
+) -> None:
+    """~100k-token answers, 16 at once, max_new_tokens 131072, a budget of four and a
+    half answers: the ledger runs dry while answers that will hand most of their room
+    back are in flight. Only the answer that straddles the line may be sent with less
+    room than it needs; the budget is still kept to the token. Graded by the server's
+    own log of each request's room (max_new_tokens sent) and natural length."""
+    data = jobs.rows(tmp_path / "think.jsonl", "#think", 32)
+    budget = 450_000
+    server = jobs.start_simulator(tmp_path, "--profile", "long", "--tokens-per-second", "100000")
+    try:
+        config = jobs.write_job(
+            tmp_path,
+            kafka_bootstrap,
+            namespace,
+            server.url,
+            {"think": (data, budget)},
+            inference={"max_new_tokens": 131_072, "concurrency": 16},
+        )
+        done = subprocess.run(
+            cli_command("run", "--config", str(config), "--json"),
+            capture_output=True,
+            text=True,
+            timeout=500,
+        )
+    finally:
+        server.stop()
+
+    assert done.returncode == 0, done.stderr[-3000:]
+    verdict = oracle.judge(tmp_path / "out", server.log, {"think": (data, budget)})
+    printed = "\n".join(verdict.lines())
+    assert verdict.ok, printed
+    assert verdict.datasets["think"].kept_tokens == budget, printed  # used to the token
+    sent = oracle.rooms(server.log)
+    cut = oracle.cut_by_budget(sent, 131_072)
+    rooms = [(r.max_new_tokens, r.natural_tokens) for r in sent]
+    assert len(cut) <= 1, rooms
+    # Four whole answers do not fill it: the fifth is the one cut, at the line.
+    assert len(cut) == 1, rooms
+    report = json.loads(done.stdout)["datasets"]["think"]
+    assert (report["completion_tokens"], report["status"]) == (budget, "halted")
+    assert report["cut"] == 1  # the run's report counts it, from the ledger

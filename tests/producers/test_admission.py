@@ -186,7 +186,8 @@ def test_first_admit_requests_a_lease_and_reserves_the_request() -> None:
 
 def test_truncate_clamps_max_new_tokens_at_the_end_of_the_budget() -> None:
     async def main() -> None:
-        admission, fake, _ = make(1000, lease_size=4096)
+        # cut = "any": what the lease holds goes out at once, requests in flight or not.
+        admission, fake, _ = make(1000, lease_size=4096, cut="any")
         tickets = [await admission.admit(DS, 300) for _ in range(3)]
         assert [t.reserved for t in tickets if t] == [300, 300, 300]
         last = await admission.admit(DS, 300)
@@ -320,6 +321,120 @@ def test_sum_of_reservations_never_exceeds_the_budget() -> None:
         assert kept > budget // 2
 
     run(main(), timeout=120)
+
+
+# ---- cut = "last": only the answer at the line goes out short ---------------------------
+
+
+def test_last_waits_for_leftovers_instead_of_sending_short_and_cuts_one_at_the_end() -> None:
+    async def main() -> None:
+        admission, fake, _ = make(1000, lease_size=4096)
+        t1, t2, t3 = [await admission.admit(DS, 300) for _ in range(3)]
+        assert t1 is not None and t2 is not None and t3 is not None
+        # 100 left and three requests in flight that will hand most of theirs back.
+        fourth = asyncio.create_task(admission.admit(DS, 300))
+        await asyncio.sleep(0.01)
+        assert not fourth.done()
+        await settle_and_complete(admission, fake, t1, 120)  # 280 held: not yet whole
+        await asyncio.sleep(0.01)
+        assert not fourth.done()
+        await settle_and_complete(admission, fake, t2, 200)
+        whole = await fourth
+        assert whole is not None and (whole.reserved, whole.max_new_tokens) == (300, 300)
+
+        # 80 left, two in flight: the fifth waits for both rather than go out short...
+        fifth = asyncio.create_task(admission.admit(DS, 300))
+        await settle_and_complete(admission, fake, t3, 250)
+        await asyncio.sleep(0.01)
+        assert not fifth.done()
+        asks = len(fake.requests())
+        await settle_and_complete(admission, fake, whole, 230)
+        # ...then, the ledger asked again and still short, it is the one sent short.
+        last = await fifth
+        assert last is not None
+        assert (last.reserved, last.max_new_tokens) == (200, 200)
+        assert len(fake.requests()) == asks + 1
+        state = fake.state()
+        assert used(state) == 800 and used(state) + ledger.reserved(state) == 1000
+
+    run(main())
+
+
+def test_last_sends_at_once_what_likely_covers_an_answer_of_the_dataset() -> None:
+    async def main() -> None:
+        admission, _, _ = make(1000, lease_size=4096)
+        for _ in range(98):
+            admission.answered(DS, 100)
+        assert admission.long_answer(DS) is None  # too few answers to judge a tail by
+        admission.answered(DS, 90)
+        assert admission.long_answer(DS) == 100
+        tickets = [await admission.admit(DS, 300) for _ in range(3)]
+        assert all(t is not None for t in tickets)
+        # 100 left, in flight or not: as long as the longest of 99 answers.
+        likely = await admission.admit(DS, 300)
+        assert likely is not None and (likely.reserved, likely.max_new_tokens) == (100, 100)
+
+    run(main())
+
+
+def test_last_never_sends_a_generated_answer_short_by_the_lengths_of_others() -> None:
+    async def main() -> None:
+        admission, fake, _ = make(1000, lease_size=4096)
+        for _ in range(99):
+            admission.answered(DS, 50)
+        tickets = [await admission.admit(DS, 300) for _ in range(3)]
+        assert tickets[0] is not None
+        # An answer of 250 tokens claimed anew: its own length is what covers it.
+        claim = asyncio.create_task(admission.admit(DS, 250, exact=True))
+        await asyncio.sleep(0.01)
+        assert not claim.done()
+        await settle_and_complete(admission, fake, tickets[0], 100)
+        claimed = await claim
+        assert claimed is not None and claimed.max_new_tokens == 250
+
+    run(main())
+
+
+def test_last_asks_the_ledger_again_before_the_one_request_sent_short() -> None:
+    async def main() -> None:
+        board = BudgetBoard()
+        fake = FakeLedger(board)
+        fake.set_budget(1000)
+        b, _, _ = make(board=board, fake=fake, holder="b", lease_size=400)
+        a, _, _ = make(board=board, fake=fake, holder="a", lease_size=900)
+        tb = await b.admit(DS, 300)
+        ta = await a.admit(DS, 550)  # a lease of 600 where 900 was asked: the ledger ran dry
+        assert tb is not None and ta is not None
+        waiting = asyncio.create_task(a.admit(DS, 300))
+        await asyncio.sleep(0.01)
+        assert not waiting.done()  # 50 held, 550 in flight
+        # b is done: its 100 unspent go back to the ledger while a waits.
+        await settle_and_complete(b, fake, tb, 300)
+        await b.close()
+        await until(lambda: ledger.remaining(fake.state()) == 100, "b's release")
+        await settle_and_complete(a, fake, ta, 500)
+        # a's 100 and b's 100 go out as one request: one answer cut, not two.
+        ticket = await waiting
+        assert ticket is not None and ticket.reserved == 200
+        state = fake.state()
+        assert used(state) == 800 and used(state) + ledger.reserved(state) == 1000
+
+    run(main())
+
+
+def test_finish_is_unchanged_by_the_cut_policy() -> None:
+    async def main() -> None:
+        admission, fake, _ = make(1000, lease_size=4096, policy="finish")
+        tickets = [await admission.admit(DS, 300) for _ in range(3)]
+        assert all(t is not None for t in tickets)
+        pending = asyncio.create_task(admission.admit(DS, 300))
+        for ticket in tickets:
+            assert ticket is not None
+            await settle_and_complete(admission, fake, ticket, 290)
+        # 130 left, never a whole answer: refused, nothing sent short.
+        assert await pending is None
+
+    run(main())
 
 
 # ---- the finish policy ---------------------------------------------------------------
@@ -663,7 +778,7 @@ def test_samples_reserve_one_per_request_and_keep_max_new_tokens() -> None:
 
 def test_total_tokens_reserve_prompt_estimate_plus_max_new() -> None:
     async def main() -> None:
-        admission, fake, _ = make(1000, unit="total_tokens", lease_size=4096)
+        admission, fake, _ = make(1000, unit="total_tokens", lease_size=4096, cut="any")
         a = await admission.admit(DS, 300, prompt_estimate=100)
         b = await admission.admit(DS, 300, prompt_estimate=100)
         assert a is not None and b is not None

@@ -223,3 +223,44 @@ def test_a_stream_already_past_its_cap_is_aborted_as_soon_as_the_cap_is_known() 
         assert completion.completion_tokens == 100
 
     run(main())
+
+
+def test_answers_the_model_ended_tell_admission_their_length_those_cut_do_not() -> None:
+    async def main() -> None:
+        dispatcher, backend, fake, board, recorder = make_dispatcher(stream=False)
+        admission = dispatcher.admission
+        assert admission is not None
+        first = asyncio.create_task(dispatcher._dispatch(backend, prompt(0)))
+        await until(lambda: len(backend.calls) == 1, "the first request")
+        backend.finish(backend.rid_of(0), 400)
+        await asyncio.wait_for(first, 5)
+
+        # The second is cut at the line of a budget lowered while it runs.
+        lowered = 500
+        syncs = 0
+
+        async def syncer() -> None:
+            nonlocal syncs
+            syncs += 1
+            if syncs == 1:
+                board.apply(ev.BudgetSet(dataset=DS, budget=lowered))
+
+        board.syncer = syncer
+        second = asyncio.create_task(dispatcher._dispatch(backend, prompt(1)))
+        await until(lambda: len(backend.calls) == 2, "the second request")
+        backend.finish(backend.rid_of(1), 500)
+        await until(lambda: syncs == 1, "the sync")
+        fake.set_budget(lowered)
+        await until(lambda: admission.revocations != {}, "the revocation")
+        board.apply(open_snapshot(lowered))
+        await asyncio.wait_for(second, 5)
+        kept = [(c.completion_tokens, c.stop_reason) for c in recorder.completions()]
+        assert kept[0] == (400, "stop") and kept[1][1] == "budget"
+        for _ in range(97):
+            admission.answered(DS, 10)
+        # 98 lengths, not 99: what was kept of the cut answer says nothing of its length.
+        assert admission.long_answer(DS) is None
+        admission.answered(DS, 10)
+        assert admission.long_answer(DS) == 400
+
+    run(main())

@@ -10,7 +10,7 @@ from streams import budget
 from streams.budget import ask, unit_cost, used
 from streams.events import BudgetUnit, LedgerSnapshot
 from streams.ledger import DatasetLedger
-from tokenbudget.config import AdmissionMode, BoundaryPolicy, Unit
+from tokenbudget.config import AdmissionMode, BoundaryPolicy, CutPolicy, Unit
 
 # ---- every name the config accepts has its row -------------------------------------
 
@@ -18,6 +18,7 @@ from tokenbudget.config import AdmissionMode, BoundaryPolicy, Unit
 def test_each_configured_name_has_a_rule() -> None:
     assert set(budget.UNITS) == set(get_args(Unit))
     assert set(budget.BOUNDARY_POLICIES) == set(get_args(BoundaryPolicy))
+    assert set(budget.CUT_POLICIES) == set(get_args(CutPolicy))
     assert set(budget.ADMISSION_MODES) == set(get_args(AdmissionMode))
 
 
@@ -126,6 +127,98 @@ def test_clamp_under_finish_never_cuts() -> None:
     request = ask("completion_tokens", "finish", 100)
     assert request.clamp(99, ledger_short=True) is None
     assert request.clamp(100, ledger_short=True) == 100
+
+
+# ---- the step: reserve, ask the ledger, or wait for leftovers ---------------------------
+
+
+def step(
+    balance: int,
+    *,
+    short: bool = True,
+    in_flight: int = 3,
+    long_answer: int | None = None,
+    cut: CutPolicy = "last",
+    policy: BoundaryPolicy = "truncate",
+) -> budget.Step:
+    request = ask("completion_tokens", policy, 100, min_new_tokens=10)
+    return request.step(
+        balance, ledger_short=short, in_flight=in_flight, long_answer=long_answer, cut=cut
+    )
+
+
+@pytest.mark.parametrize("cut", get_args(CutPolicy))
+def test_step_takes_a_whole_request_or_asks_the_ledger_under_either_cut(cut: CutPolicy) -> None:
+    assert step(100, short=False, cut=cut) == budget.Step("reserve", 100)
+    assert step(5000, cut=cut) == budget.Step("reserve", 100)
+    assert step(99, short=False, cut=cut) == budget.ASK  # the ledger may have more
+    assert step(9, cut=cut) == budget.ASK  # below the floor
+
+
+def test_step_any_sends_what_the_lease_holds_at_once() -> None:
+    assert step(40, cut="any") == budget.Step("reserve", 40)
+
+
+def test_step_last_waits_while_requests_in_flight_will_hand_back_their_room() -> None:
+    assert step(40) == budget.WAIT
+    assert step(99, in_flight=1) == budget.WAIT  # while unknown, only a whole one will do
+
+
+def test_step_last_sends_the_one_request_cut_once_nothing_is_in_flight() -> None:
+    # Nothing can come back any more: waiting would never end.
+    assert step(40, in_flight=0) == budget.Step("reserve", 40)
+    assert step(10, in_flight=0) == budget.Step("reserve", 10)
+
+
+def test_step_last_sends_short_what_likely_covers_an_answer_of_the_dataset() -> None:
+    assert step(40, long_answer=40) == budget.Step("reserve", 40)
+    assert step(39, long_answer=40) == budget.WAIT
+    # Answers longer than the request's limit: the whole request is what covers them.
+    assert step(99, long_answer=400) == budget.WAIT
+
+
+def test_step_under_finish_never_sends_short_whatever_the_cut() -> None:
+    for cut in get_args(CutPolicy):
+        assert step(99, in_flight=0, cut=cut, policy="finish") == budget.ASK
+
+
+def test_enough_is_the_prompt_and_a_long_answer_or_the_whole_request() -> None:
+    request = ask("total_tokens", "truncate", 4096, prompt_estimate=500)
+    assert request.enough(None) == 4596
+    assert request.enough(1000) == 1500
+    assert request.enough(9000) == 4596  # never more than the request
+    assert ask("samples", "truncate", 4096).enough(1000) == 1
+
+
+# ---- the lengths a dataset's answers reach ----------------------------------------------
+
+
+def test_answer_lengths_know_no_tail_before_99_answers() -> None:
+    lengths = budget.AnswerLengths()
+    for tokens in range(1, 99):
+        lengths.observe(tokens)
+    assert lengths.high() is None
+    lengths.observe(500)
+    # Of 99 answers, the next exceeds the longest with probability 1 / 100.
+    assert lengths.high() == 500
+
+
+def test_answer_lengths_take_the_order_statistic_a_next_answer_exceeds_one_in_100() -> None:
+    lengths = budget.AnswerLengths()
+    for tokens in range(1, 200):  # 199 answers: 1..199
+        lengths.observe(tokens)
+    assert lengths.high() == 198  # the second longest: exceeded with probability 2 / 200
+    lengths.observe(1000)
+    assert lengths.high() == 199
+
+
+def test_answer_lengths_keep_the_last_window_of_answers() -> None:
+    lengths = budget.AnswerLengths(one_in=4, window=3)
+    for tokens in (900, 10, 20):
+        lengths.observe(tokens)
+    assert lengths.high() == 900
+    lengths.observe(30)  # 900 leaves the window
+    assert lengths.high() == 30
 
 
 def test_max_new_tokens_sent_is_what_was_reserved_for_new_tokens() -> None:

@@ -106,6 +106,20 @@ def test_second_completion_for_same_prompt_with_new_request_id_is_ignored() -> N
     assert second.state.last_event_id == "completed:r1"
 
 
+def test_answers_the_budget_cut_are_counted_once_and_in_the_snapshot() -> None:
+    cut = msgspec.structs.replace(completion("r1", "p1"), stop_reason="budget")
+    whole = msgspec.structs.replace(completion("r2", "p2"), stop_reason="length")
+    state = apply_outcome(fresh(), cut, None, AT).state
+    state = apply_outcome(state, whole, None, AT).state
+    assert state.cut == 1
+    # The same answer again, or another answer to the same prompt: nothing more.
+    state = apply_outcome(state, cut, "completed", AT).state
+    again = msgspec.structs.replace(cut, request_id="r3")
+    state = apply_outcome(state, again, "completed", AT).state
+    assert (state.samples, state.cut) == (2, 1)
+    assert ledger.snapshot(state, AT).cut == 1
+
+
 def test_skipped_then_completed_moves_prompt_from_skipped_to_samples() -> None:
     s = apply_outcome(fresh(), skipped("p1"), None, AT)
     assert counts(s.state) == (0, 0, 0, 1, 0)

@@ -74,3 +74,12 @@ def test_failed_prompts_are_counted_once_per_prompt() -> None:
     gauges.observe(DatasetLedger(dataset="failing", budget=100, failed=2))  # a repeat
     gauges.observe(DatasetLedger(dataset="failing", budget=100, failed=3))
     assert value("tokenbudget_failed_prompts_total", "failing") == 3
+
+
+def test_answers_cut_by_the_budget_follow_the_ledgers_count() -> None:
+    gauges = LedgerGauges()
+    gauges.observe(DatasetLedger(dataset="cutting", budget=100))
+    assert value("tokenbudget_cut_answers_total", "cutting") == 0  # a series from the start
+    gauges.observe(DatasetLedger(dataset="cutting", budget=100, samples=4, cut=1))
+    gauges.observe(DatasetLedger(dataset="cutting", budget=100, samples=5, cut=1))
+    assert value("tokenbudget_cut_answers_total", "cutting") == 1

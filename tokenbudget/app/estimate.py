@@ -28,9 +28,10 @@ budget's unit (the job resumes past them: they count against B):
   send times the mean completion tokens of an answer) over the server's measured
   throughput: the completion tokens of the rows over the time some request of them
   was in flight (:func:`busy_rate`), so the gaps between runs do not count.
-* **Not modelled**: with ``on_boundary = "truncate"`` the answers still in flight
-  when the budget runs out are cut at the line and kept in part, so a run keeps a
-  few more (shorter) answers than m: about half the answers in flight at the end.
+* **Not modelled**: with ``on_boundary = "truncate"`` the answer at the budget's
+  line is cut there and kept in part, so a run keeps one more (shorter) answer than
+  m per dispatcher; with ``cut = "any"`` so are the answers still in flight when the
+  budget runs out: about half of them more.
 """
 
 from __future__ import annotations

@@ -256,6 +256,11 @@ def boundary_effect(config: Config) -> str:
             "a request goes out only while its max_new_tokens fits: a run stops short of"
             " the budget, a few prompts fewer"
         )
+    if config.budget.cut == "last":
+        return (
+            "the one answer at a budget's line is cut at the line and kept in part: a run"
+            " sends a prompt more"
+        )
     return (
         "the answers in flight when a budget runs out are cut at the line and kept in"
         " part: a run sends a few more prompts"

@@ -63,6 +63,7 @@ class DatasetResult:
     failed: int
     status: str  # "exhausted" | "halted"
     unit: Unit
+    cut: int = 0  # answers kept that the budget's line cut (stop_reason "budget")
 
     @property
     def overshoot(self) -> int:
@@ -99,6 +100,7 @@ class RunReport:
                     "completion_tokens": r.completion_tokens,
                     "prompt_tokens": r.prompt_tokens,
                     "samples": r.samples,
+                    "cut": r.cut,
                     "skipped": r.skipped,
                     "failed": r.failed,
                     "status": r.status,
@@ -627,6 +629,7 @@ def _results(config: Config, board: BudgetBoard) -> dict[str, DatasetResult]:
             failed=snap.failed,
             status="halted" if snap.halted else "exhausted",
             unit=snap.unit,
+            cut=snap.cut,
         )
     return results
 

@@ -69,6 +69,35 @@ def read_server_log(path: Path) -> dict[str, ServerAnswer]:
     return answers
 
 
+@dataclass(frozen=True)
+class Room:
+    """A request as the server saw it: the room it was sent with and what it needed."""
+
+    rid: str
+    text_head: str
+    max_new_tokens: int  # as sent
+    natural_tokens: int  # the answer's length had nothing stopped it
+
+
+def rooms(path: Path) -> list[Room]:
+    """Every generation request in the simulator's log (``--log-file``), faults left out."""
+    found = []
+    for line in path.read_text().splitlines():
+        raw = json.loads(line) if line.strip() else None
+        if raw is None or raw.get("finish") == "fault":
+            continue
+        found.append(
+            Room(raw["rid"], raw["text_head"], raw["max_new_tokens"], raw["natural_tokens"])
+        )
+    return found
+
+
+def cut_by_budget(requests: list[Room], max_new_tokens: int) -> list[Room]:
+    """Requests sent with less room than their answer needed, below the dataset's own
+    ``max_new_tokens`` (which would have cut them anyway): the answers the budget cut."""
+    return [r for r in requests if r.max_new_tokens < min(r.natural_tokens, max_new_tokens)]
+
+
 def ids_crc(ids: Any) -> int:
     array = np.asarray(ids, dtype="<i4")
     return zlib.crc32(array.tobytes()) if array.size else 0

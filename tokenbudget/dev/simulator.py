@@ -175,6 +175,9 @@ class RequestRecord:
     # text a request carried, checkable without the log holding it
     text_crc: int = 0
     fault: str = ""
+    # The answer's length had max_new_tokens not stopped it (0 for a fault): a request
+    # sent with less room than this was cut by its limit.
+    natural_tokens: int = 0
     # The sampling settings the request asked for, by their names on the wire
     # (SGLang's sampling_params minus max_new_tokens; OpenAI's sampling fields), and
     # any other top-level field the request carried (extra_body).
@@ -213,6 +216,9 @@ PROFILES: dict[str, tuple[LengthRule, ...]] = {
     # Answers of a long-context model's full length (~100k tokens), for what sizes
     # the pipeline must carry: run it at a high --tokens-per-second.
     "long": (LengthRule("", 100_000.0, 0.05),),
+    # A thinking model's answers: a mean of 20k tokens spread wide (median ~14.5k, 1%
+    # over ~93k, 3 in 1,000 over 131,072), for the budget's last answers at such sizes.
+    "thinking": (LengthRule("", 20_000.0, 0.8),),
 }
 
 # A streamed chunk every ~32 tokens is what real servers look like on the wire; one chunk
@@ -292,9 +298,10 @@ def _generate(
     max_new_tokens: int,
     vocab_size: int,
     think_end: int | None = None,
-) -> tuple[list[int], str, int]:
-    """(ids, finish, thinking tokens): with ``think_end`` (the id ending the thinking)
-    the answer thinks first, that id closing its thinking, and no other id is it."""
+) -> tuple[list[int], str, int, int]:
+    """(ids, finish, thinking tokens, natural length): with ``think_end`` (the id
+    ending the thinking) the answer thinks first, that id closing its thinking, and no
+    other id is it; the natural length is the answer's had max_new_tokens not cut it."""
     rng = _rng_for(seed, text)
     natural = _draw_length(rules, rng, text)
     n = min(natural, max_new_tokens)
@@ -309,7 +316,7 @@ def _generate(
         ids = [(i + 1) % vocab_size if i == think_end else i for i in ids]
         if think <= n:
             ids[think - 1] = think_end
-    return ids, ("length" if natural > max_new_tokens else "stop"), think
+    return ids, ("length" if natural > max_new_tokens else "stop"), think, natural
 
 
 def _text_crc(parsed: _Parsed) -> int:
@@ -385,6 +392,7 @@ class _Job:
     max_new_tokens: int
     output: _Output
     natural_finish: str
+    natural_tokens: int
     text_head: str
     prompt_crc: int = 0
     text_crc: int = 0
@@ -554,7 +562,7 @@ class _SimServer:
         thinks = self.think_end is not None and not thinking_turned_off(
             parsed.sampling, parsed.text
         )
-        ids, natural_finish, think = _generate(
+        ids, natural_finish, think, natural = _generate(
             self.rules,
             self.config.seed,
             parsed.text,
@@ -570,6 +578,7 @@ class _SimServer:
             max_new_tokens=parsed.max_new_tokens,
             output=_Output(ids, think),
             natural_finish=natural_finish,
+            natural_tokens=natural,
             text_head=parsed.text[:80],
             prompt_crc=ids_crc(parsed.prompt_ids) if parsed.prompt_ids is not None else 0,
             text_crc=_text_crc(parsed),
@@ -649,6 +658,7 @@ class _SimServer:
                 prompt_crc=job.prompt_crc,
                 text_crc=job.text_crc,
                 fault=job.fault,
+                natural_tokens=job.natural_tokens,
                 sampling=job.sampling,
                 extra=job.extra,
                 reasoning_tokens=sent.reasoning_tokens,

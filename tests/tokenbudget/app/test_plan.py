@@ -203,7 +203,8 @@ def test_after_a_run_the_kept_rows_are_shown_beside_their_source(tmp_path: Path)
 @pytest.mark.parametrize(
     ("budget", "says"),
     [
-        ({}, "cut at the line"),
+        ({}, "the one answer at a budget's line is cut"),
+        ({"cut": "any"}, "the answers in flight when a budget runs out are cut"),
         ({"on_boundary": "finish"}, "stops short"),
         ({"admission": "halt"}, "kept beyond the budget"),
         ({"unit": "samples"}, ""),

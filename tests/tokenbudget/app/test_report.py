@@ -1,4 +1,5 @@
-"""The run's report: bad rows (rows that are not prompts) in the table and --json."""
+"""The run's report: bad rows (rows that are not prompts) and answers the budget cut,
+in the table and --json."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ def report() -> RunReport:
         failed=0,
         status="exhausted",
         unit="completion_tokens",
+        cut=1,
     )
     return RunReport(
         datasets={"a": result, "b": result},
@@ -43,3 +45,15 @@ def test_bad_rows_are_a_column_of_the_table(capsys: pytest.CaptureFixture[str]) 
     at = header.index("bad rows") + len("bad rows")
     assert row_a[:at].rstrip().endswith("2")
     assert row_b[:at].rstrip().endswith("0")
+
+
+def test_answers_cut_by_the_budget_are_in_the_json_and_a_column_of_the_table(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    datasets = report().to_json()["datasets"]
+    assert isinstance(datasets, dict)
+    assert datasets["a"]["cut"] == 1
+    print_table(report())
+    header, _, row_a = capsys.readouterr().out.splitlines()[:3]
+    at = header.index("cut by budget") + len("cut by budget")
+    assert row_a[:at].rstrip().endswith("1")

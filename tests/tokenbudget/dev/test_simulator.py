@@ -590,6 +590,37 @@ def test_the_log_holds_a_crc_of_the_whole_prompt_text_the_request_carried(
     assert [line["text_crc"] for line in lines] == expected  # ids: no text was sent
 
 
+def test_the_log_holds_the_length_an_answer_would_have_had_without_its_limit() -> None:
+    text = "#long-code a long answer"
+    whole = natural(text)
+    records = run(FAST, _two_rooms(text, whole))
+    assert records == [
+        ("cut", whole // 2, whole // 2, "length", whole),
+        ("room", whole + 10, whole, "stop", whole),
+    ]
+
+
+def _two_rooms(
+    text: str, whole: int
+) -> Callable[[RunningSimulator, httpx.AsyncClient], Awaitable[list[tuple[Any, ...]]]]:
+    async def body(sim: RunningSimulator, c: httpx.AsyncClient) -> list[tuple[Any, ...]]:
+        for rid, room in (("cut", whole // 2), ("room", whole + 10)):
+            params = {"max_new_tokens": room}
+            await c.post("/generate", json={"text": text, "rid": rid, "sampling_params": params})
+        return [
+            (r.rid, r.max_new_tokens, r.completion_tokens, r.finish, r.natural_tokens)
+            for r in sim.log
+        ]
+
+    return body
+
+
+def test_the_thinking_profile_spreads_answers_around_a_mean_of_20k() -> None:
+    lengths = [completion_length(PROFILES["thinking"], 0, f"q{i}") for i in range(2000)]
+    assert abs(sum(lengths) / len(lengths) - 20_000) < 1_000
+    assert sorted(lengths)[len(lengths) // 2] < 16_000 < 80_000 < max(lengths)
+
+
 # --- a thinking model --------------------------------------------------------------------
 
 THINKING = replace(FAST, tokens_per_second=20_000, reasoning_style="reasoning_content")
