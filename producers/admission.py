@@ -256,30 +256,45 @@ class Admission:
                 return Ticket(dataset, lease.lease_id, reserved, send, prompt_estimate)
             want = request.lease_request(settings.lease_size)
             reply = await self._ask(lease, want, request.floor)
-            if reply is None or isinstance(reply, ev.LeaseGranted):
-                continue  # granted (see _on_ledger_event), or no answer yet: ask again
-            if lease.balance >= request.floor and self._leases.get(dataset) is lease:
-                lease.ledger_short = True  # denied: spend what the lease still holds
-                continue
-            if lease.revoked or self._leases.get(dataset) is not lease:
-                continue  # a fresh lease is opened on the next turn
-            if isinstance(reply, ev.LeaseDenied) and reply.remaining < 0:
-                # The ledger has not seen this dataset's budget yet: ask again.
-                await waiting(asyncio.sleep(0.2))
-                continue
-            if lease.in_flight > 0:
-                # Leftovers of requests in flight may still cover this one.
-                await waiting(_next_change(lease))
-                continue
-            if isinstance(reply, ev.LeaseDenied) and not reply.full:
-                # The rest is reserved by other holders: it comes back when they
-                # settle, go idle or expire.
-                await waiting(asyncio.sleep(0.25))
-                continue
-            self.refused_at.setdefault(dataset, time.time())
-            if self._leases.get(dataset) is lease:
-                await self._release(lease)
-            return None
+            if not await self._after_asking(lease, reply, request.floor, waiting):
+                return None
+
+    async def _after_asking(
+        self,
+        lease: _Lease,
+        reply: ev.Event | None,
+        floor: int,
+        waiting: Callable[[Awaitable[Any]], Awaitable[None]],
+    ) -> bool:
+        """What the ledger's reply (None: no reply in time) to a request for more on
+        ``lease`` means for :meth:`admit`: True to look at the budget again (after
+        waiting, where the reply says to wait), False when the dataset is full for
+        this holder (the refusal recorded, the lease released)."""
+        dataset = lease.dataset
+        if reply is None or isinstance(reply, ev.LeaseGranted):
+            return True  # granted (see _on_ledger_event), or no answer yet: ask again
+        if lease.balance >= floor and self._leases.get(dataset) is lease:
+            lease.ledger_short = True  # denied: spend what the lease still holds
+            return True
+        if lease.revoked or self._leases.get(dataset) is not lease:
+            return True  # a fresh lease is opened on the next turn
+        if isinstance(reply, ev.LeaseDenied) and reply.remaining < 0:
+            # The ledger has not seen this dataset's budget yet: ask again.
+            await waiting(asyncio.sleep(0.2))
+            return True
+        if lease.in_flight > 0:
+            # Leftovers of requests in flight may still cover this one.
+            await waiting(_next_change(lease))
+            return True
+        if isinstance(reply, ev.LeaseDenied) and not reply.full:
+            # The rest is reserved by other holders: it comes back when they
+            # settle, go idle or expire.
+            await waiting(asyncio.sleep(0.25))
+            return True
+        self.refused_at.setdefault(dataset, time.time())
+        if self._leases.get(dataset) is lease:
+            await self._release(lease)
+        return False
 
     def answered(self, dataset: str, completion_tokens: int) -> None:
         """An answer of the dataset the budget did not cut was this long: what the
