@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import os
 import socket
@@ -36,6 +35,7 @@ from aiokafka.errors import KafkaError, MessageSizeTooLargeError
 
 from producers import conversations
 from producers.admission import Admission, AdmissionSettings, RevokedCap, Ticket
+from producers.answers import PROBLEMS, cut_answer, finish_label, within_request
 from producers.inference import (
     GenerationRequest,
     GenerationResult,
@@ -85,20 +85,6 @@ def wasted(dataset: str, reason: str, tokens: int) -> None:
     """Count ``tokens`` the server generated that are not kept."""
     if tokens > 0:
         metrics.WASTED_TOKENS.labels(dataset=dataset, reason=reason).inc(tokens)
-
-
-def finish_label(
-    kept: GenerationResult, generated: GenerationResult, request_max: int, wanted_max: int
-) -> ev.StopReason:
-    """Why the kept answer ends (its ``stop_reason``): ``budget`` when the budget's
-    line cut it (the answer was cut to fit, or it ran into a max_new_tokens lowered
-    below the dataset's own), else the server's finish reason (``stop``, ``length``,
-    ``abort``)."""
-    if kept.completion_tokens < generated.completion_tokens:
-        return "budget"
-    if kept.finish_reason == "length" and request_max < wanted_max:
-        return "budget"
-    return kept.finish_reason
 
 
 @dataclass(frozen=True)
@@ -1147,46 +1133,6 @@ class Dispatcher:
         self.report.dead_lettered += 1
         metrics.DEAD_LETTERED.labels(topic="prompts").inc()
         log.warning("dead-lettered a prompt event: %s", reason)
-
-
-PROBLEMS = {
-    "over_request": "more tokens than max_new_tokens",
-    "ids_mismatch": "a completion_tokens count that disagrees with its token ids",
-}
-
-
-def within_request(
-    result: GenerationResult, max_new_tokens: int
-) -> tuple[GenerationResult, str | None]:
-    """The answer with ids and count agreeing and at most ``max_new_tokens`` tokens,
-    and what was wrong with it, if anything. Token ids, when the server returned
-    them, are the answer; a count without ids (a tokenizer recount) is capped."""
-    problem: str | None = None
-    if result.output_ids and len(result.output_ids) != result.completion_tokens:
-        problem = "ids_mismatch"
-        result = dataclasses.replace(result, completion_tokens=len(result.output_ids))
-    if result.completion_tokens > max_new_tokens:
-        problem = problem or "over_request"
-        result = cut_answer(result, max_new_tokens)
-    return result, problem
-
-
-def cut_answer(result: GenerationResult, keep: int) -> GenerationResult:
-    """The first ``keep`` tokens of an answer, as a server stopping there would give.
-    With ids, the ids are the answer: they hold the thinking and the answer as
-    generated, so neither text is kept (the thinking comes first: at most ``keep``
-    of it is), nor a call, whose arguments may be cut."""
-    thinking = result.reasoning_tokens
-    return dataclasses.replace(
-        result,
-        completion_tokens=keep,
-        output_ids=None if result.output_ids is None else result.output_ids[:keep],
-        text="" if result.output_ids else result.text,
-        reasoning=None if result.output_ids else result.reasoning,
-        tool_calls=None if result.output_ids else result.tool_calls,
-        reasoning_tokens=None if thinking is None else min(thinking, keep),
-        finish_reason="length",
-    )
 
 
 def _sent_ids(prompt: ev.PromptEvent, result: GenerationResult) -> ev.TokenIds | None:

@@ -13,7 +13,6 @@ import pytest
 from aiokafka.errors import KafkaConnectionError
 
 from producers.admission import Ticket
-from producers.dispatcher import cut_answer, within_request
 from producers.inference import GenerationRequest, GenerationResult, InferenceBackend, RetryPolicy
 from producers.server_gate import GateSettings, ServerGate
 from streams import events as ev
@@ -266,18 +265,6 @@ def test_an_answer_longer_than_asked_is_cut_to_the_request_and_counted() -> None
         assert after == before + 1
 
     run(main())
-
-
-def test_within_request_makes_ids_and_count_agree() -> None:
-    base = GenerationResult("r", 3, 10, list(range(12)), "t", "stop")
-    fixed, problem = within_request(base, 100)
-    assert (fixed.completion_tokens, problem) == (12, "ids_mismatch")
-    fixed, problem = within_request(base, 8)
-    assert (fixed.completion_tokens, len(fixed.output_ids), problem) == (8, 8, "ids_mismatch")
-    counted = GenerationResult("r", 3, 120, [], "text", "stop", count_source="tokenizer")
-    fixed, problem = within_request(counted, 100)
-    assert (fixed.completion_tokens, fixed.text, problem) == (100, "text", "over_request")
-    assert within_request(cut_answer(base, 10), 10) == (cut_answer(base, 10), None)
 
 
 def test_an_answer_on_a_lease_expired_meanwhile_is_claimed_on_a_fresh_lease() -> None:

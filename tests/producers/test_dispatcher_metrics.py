@@ -9,8 +9,6 @@ import time
 
 from prometheus_client import REGISTRY
 
-from producers.dispatcher import finish_label
-from producers.inference import GenerationResult
 from streams import events as ev
 from streams.halts import BudgetBoard
 from tests.producers.test_admission import DS, run, until
@@ -21,21 +19,6 @@ from tokenbudget.errors import InferenceUnavailableError
 
 def sample(name: str, **labels: str) -> float:
     return REGISTRY.get_sample_value(name, labels) or 0.0
-
-
-def answer(tokens: int, finish: str = "stop") -> GenerationResult:
-    return GenerationResult("r", 3, tokens, list(range(tokens)), "t", finish)
-
-
-def test_finish_label_tells_the_budgets_cut_from_the_models_own_ends() -> None:
-    assert finish_label(answer(10), answer(10), 100, 100) == "stop"
-    assert finish_label(answer(100, "length"), answer(100, "length"), 100, 100) == "length"
-    # cut at the line after it was generated
-    assert finish_label(answer(40, "length"), answer(90), 100, 100) == "budget"
-    # ran into a max_new_tokens the budget had lowered
-    assert finish_label(answer(30, "length"), answer(30, "length"), 30, 100) == "budget"
-    # a lowered limit it never reached: the model stopped by itself
-    assert finish_label(answer(20), answer(20), 30, 100) == "stop"
 
 
 def test_retries_are_counted_per_dataset_and_reason() -> None:
