@@ -25,7 +25,7 @@ Leases are renewed while in use and released when idle, so a dispatcher that die
 holds budget only until its lease expires. A revoked lease (budget lowered, or
 expired under a slow holder) stops all spending at once and aborts what is in
 flight through ``on_revoke``; what those requests may still keep between them is a
-:class:`RevokedCap`. From the moment a lower budget is read on the budgets topic
+:class:`producers.caps.RevokedCap`. From the moment a lower budget is read on the budgets topic
 until the ledger has applied it, nothing is admitted on the dataset.
 """
 
@@ -97,48 +97,6 @@ class _Lease:
     publishing: int = 0  # completions settled on it whose send Kafka has not acked
     published: asyncio.Event = field(default_factory=asyncio.Event)
     releasing: bool = False
-
-
-@dataclass
-class RevokedCap:
-    """What the requests in flight on a revoked lease may still keep, between them.
-
-    ``left`` starts as the lease's allowance (its ceiling less what the holder had
-    already spent). Streamed requests report their tokens as they arrive
-    (:meth:`progress`): the moment what they generated together reaches ``left``,
-    nothing more any of them generates can be kept, so all of them are to be
-    aborted at once. Answers are then kept in the order they come back, the one
-    that crosses the line cut at it (:meth:`fit`).
-    """
-
-    left: int
-    generated: dict[str, int] = field(default_factory=dict)  # rid -> tokens so far
-    aborting: bool = False
-
-    def progress(self, rid: str, tokens: int) -> bool:
-        """Record a request's tokens so far; True once (the first time the
-        requests' tokens reach what may be kept): abort them all now."""
-        self.generated[rid] = tokens
-        return self.check()
-
-    def check(self) -> bool:
-        if self.aborting or sum(self.generated.values()) < self.left:
-            return False
-        self.aborting = True
-        return True
-
-    def fit(self, rid: str, cost: int, cuttable: bool) -> int | None:
-        """How much of an answer costing ``cost`` is kept (:func:`streams.budget.fit`):
-        all of it, what is left when it can be cut at a token, or None."""
-        self.generated.pop(rid, None)
-        keep = budget.fit(cost, self.left, cuttable)
-        if keep is not None:
-            self.left -= keep
-        return keep
-
-    def forget(self, rid: str) -> None:
-        """A request that ended with nothing to keep."""
-        self.generated.pop(rid, None)
 
 
 def _next_change(lease: _Lease) -> Awaitable[None]:

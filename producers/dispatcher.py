@@ -34,8 +34,9 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListen
 from aiokafka.errors import KafkaError, MessageSizeTooLargeError
 
 from producers import conversations
-from producers.admission import Admission, AdmissionSettings, RevokedCap, Ticket
+from producers.admission import Admission, AdmissionSettings, Ticket
 from producers.answers import PROBLEMS, cut_answer, finish_label, within_request
+from producers.caps import InFlight
 from producers.inference import (
     GenerationRequest,
     GenerationResult,
@@ -304,12 +305,7 @@ class Dispatcher:
         # Static group membership (Kafka's group.instance.id), when named.
         self.instance = instance
         self.admission: Admission | None = None
-        # rid -> (dataset, lease id, the generation task)
-        self._in_flight: dict[str, tuple[str, str, asyncio.Task[GenerationResult]]] = {}
-        self._generated: dict[str, int] = {}  # rid -> tokens streamed so far
-        self._caps: dict[str, RevokedCap] = {}  # revoked lease id -> what may still be kept
-        self._aborts: set[asyncio.Task[None]] = set()
-        self._backend: InferenceBackend | None = None
+        self.in_flight = InFlight(None, config.budget.unit, inference.stream)
         self.gate: ServerGate | None = None
         self.outcomes = OutcomeView(bootstrap, self.topics)
         self._reported_problems: set[str] = set()
@@ -389,8 +385,18 @@ class Dispatcher:
                 ),
                 lease_ttl_s=settings.lease_ttl_s,
             ),
-            on_revoke=self._abort_dataset,
         )
+
+    def compose(self, producer: AIOKafkaProducer, admission: Admission | None) -> None:
+        """Wire the parts a prompt's path goes through: ``producer`` publishes the
+        outcomes, ``admission`` (None when budgets are not reserved) admits, and the
+        register of requests in flight hears its revocations. :meth:`run` calls it
+        once its clients are up; a test calls it with stand-ins."""
+        self._producer = producer
+        self.admission = admission
+        self.in_flight = InFlight(admission, self.config.budget.unit, self.config.inference.stream)
+        if admission is not None:
+            admission.on_revoke = self.in_flight.on_revoke
 
     async def _started_clients(self) -> tuple[AIOKafkaConsumer, AIOKafkaProducer]:
         """The clients, started once Kafka answers (a broker restarting as the
@@ -414,17 +420,18 @@ class Dispatcher:
 
     async def run(self, stop: asyncio.Event) -> DispatchReport:
         consumer, producer = await self._started_clients()
-        self._consumer, self._producer = consumer, producer
+        self._consumer = consumer
         maintenance: asyncio.Task[None] | None = None
+        admission = None
         if budget.reserves(self.config.budget.admission):
-            self.admission = self._admission(producer)
-            maintenance = asyncio.create_task(self.admission.maintain())
+            admission = self._admission(producer)
+            maintenance = asyncio.create_task(admission.maintain())
+        self.compose(producer, admission)
         tasks: set[asyncio.Task[None]] = set()
         committer = asyncio.create_task(self._commit_every(0.5))
         try:
             async with http_client(self.config.inference.concurrency, self.timeouts) as client:
                 backend = self._backend_factory(client)
-                self._backend = backend
                 self.gate = self._gate(backend)
                 while not self._stopping(stop):
                     batches = await consumer.getmany(
@@ -539,94 +546,6 @@ class Dispatcher:
 
     def admission_refused(self, dataset: str) -> None:
         self.refused_at.setdefault(dataset, time.time())
-
-    async def _abort_dataset(self, dataset: str) -> None:
-        """A lease of the dataset was revoked (budget lowered, or lease expired).
-
-        Its requests in flight may keep its allowance between them (a
-        :class:`RevokedCap`). When streaming, they run on while what they generated
-        fits (streaming accounting sees it chunk by chunk, :meth:`_on_progress`) and
-        are all aborted the moment it no longer does; without streaming they are
-        aborted at once. Either way answers are then cut to what fits. SGLang is told
-        by rid (a dropped connection alone may not stop it decoding); closing the
-        connection is what stops OpenAI-compatible servers.
-        """
-        if self.admission is None or dataset not in self.admission.revocations:
-            return
-        lease_id, _ = self.admission.revocations[dataset]
-        cap = self._cap(lease_id, dataset)
-        if cap is None:
-            return
-        if not self.config.inference.stream:
-            cap.aborting = True
-            self._abort_lease(lease_id)
-        elif cap.check():
-            self._abort_lease(lease_id)
-
-    def _cap(self, lease_id: str, dataset: str) -> RevokedCap | None:
-        """The cap of a revoked lease, made when its revocation is first needed
-        (the revocation is applied to the admission as soon as it is read)."""
-        cap = self._caps.get(lease_id)
-        if cap is not None or self.admission is None or not lease_id:
-            return cap
-        revoked = self.admission.revocations.get(dataset)
-        if revoked is None or revoked[0] != lease_id:
-            return None
-        cap = RevokedCap(left=revoked[1])
-        for rid, (_, lease, _) in self._in_flight.items():
-            if lease == lease_id:
-                cap.generated[rid] = self._generated.get(rid, 0)
-        self._caps[lease_id] = cap
-        return cap
-
-    def _abort_lease(self, lease_id: str) -> None:
-        """Stop every request in flight on the lease, all at once."""
-        backend = self._backend
-        sglang = backend is not None and backend.api == "sglang"
-        for rid, (_, lease, generation) in list(self._in_flight.items()):
-            if lease != lease_id:
-                continue
-            if sglang:
-                assert backend is not None
-                task = asyncio.get_running_loop().create_task(self._abort_request(backend, rid))
-                self._aborts.add(task)
-                task.add_done_callback(self._aborts.discard)
-            else:
-                generation.cancel()  # closing the stream is the only abort there
-
-    async def _abort_request(self, backend: InferenceBackend, rid: str) -> None:
-        try:
-            await backend.abort(rid)
-        except Exception as exc:  # the request may have finished meanwhile
-            log.debug("abort of %s failed: %s", rid, exc)
-
-    def _on_progress(self, rid: str, tokens: int) -> None:
-        self._generated[rid] = tokens
-        entry = self._in_flight.get(rid)
-        if entry is None:
-            return
-        dataset, lease_id, _ = entry
-        cap = self._cap(lease_id, dataset)
-        if cap is not None and cap.progress(rid, tokens):
-            self._abort_lease(lease_id)
-
-    def _fit_to_cap(
-        self, lease_id: str, dataset: str, rid: str, result: GenerationResult
-    ) -> GenerationResult | None:
-        """Cut an answer of a revoked lease to what its allowance still holds
-        (None: nothing fits). Only completion-token budgets can be cut mid-answer;
-        in other units an answer is kept whole or not at all."""
-        cap = self._cap(lease_id, dataset)
-        if cap is None:
-            return result
-        unit = self.config.budget.unit
-        cost = budget.unit_cost(unit, result.prompt_tokens, result.completion_tokens)
-        keep = cap.fit(rid, cost, budget.cuttable(unit, bool(result.output_ids)))
-        if keep is None:
-            return None
-        if keep == cost:
-            return result
-        return cut_answer(result, keep)
 
     async def _commit_every(self, interval: float) -> None:
         while True:
@@ -829,7 +748,7 @@ class Dispatcher:
         """The prompt's request under a fresh rid, limited to what its ticket reserved."""
         return GenerationRequest(
             rid=uuid.uuid4().hex,
-            on_progress=self._on_progress,
+            on_progress=self.in_flight.on_progress,
             max_new_tokens=ticket.max_new_tokens if ticket else max_new,
             text=prompt.text,
             messages=prompt.messages,
@@ -917,7 +836,7 @@ class Dispatcher:
         generation = asyncio.create_task(backend.generate(request))
         lease_id = ticket.lease_id if ticket else ""
         # In flight (abortable, counted by its lease's cap) until it is fitted.
-        self._in_flight[rid] = (prompt.dataset, lease_id, generation)
+        self.in_flight.add(rid, prompt.dataset, lease_id, generation, backend)
         try:
             try:
                 result = await generation
@@ -938,24 +857,18 @@ class Dispatcher:
                 await self.board.decided(prompt.dataset)
             return _Generated(result, sent_at, finished_at)
         except asyncio.CancelledError:
-            self._forget_in_cap(lease_id, rid)
+            self.in_flight.forget(lease_id, rid)
             current = asyncio.current_task()
             if current is not None and current.cancelling():
                 raise
             # aborted because its lease was revoked: what it streamed so far is lost
-            wasted(prompt.dataset, "aborted", self._generated.get(rid, 0))
+            wasted(prompt.dataset, "aborted", self.in_flight.streamed(rid))
             return None
         except BaseException:
-            self._forget_in_cap(lease_id, rid)
+            self.in_flight.forget(lease_id, rid)
             raise
         finally:
-            self._in_flight.pop(rid, None)
-            self._generated.pop(rid, None)
-
-    def _forget_in_cap(self, lease_id: str, rid: str) -> None:
-        cap = self._caps.get(lease_id)
-        if cap is not None:
-            cap.forget(rid)
+            self.in_flight.remove(rid)
 
     def _within_request(
         self, backend: InferenceBackend, result: GenerationResult, max_new_tokens: int
@@ -997,7 +910,7 @@ class Dispatcher:
             # Its budget may be someone else's now: claim the answer anew.
             tickets.settle(ticket, None)
             return await self._claim(prompt, answer, slot)
-        fitted = self._fit_to_cap(ticket.lease_id, prompt.dataset, rid, answer)
+        fitted = self.in_flight.fit(ticket.lease_id, prompt.dataset, rid, answer)
         return None if fitted is None else (ticket, fitted)
 
     async def _claim(

@@ -108,16 +108,14 @@ def make_dispatcher(
     dispatcher = Dispatcher(config, "127.0.0.1:1", board, holder="d1")
     recorder = Recorder()
     backend = ScriptedBackend()
-    dispatcher._producer = recorder  # type: ignore[assignment]
-    dispatcher._backend = backend
-    dispatcher.admission = Admission(
+    admission = Admission(
         fake,  # type: ignore[arg-type]
         TOPICS,
         "d1",
         board,
         AdmissionSettings(lease_size=1000),
-        on_revoke=dispatcher._abort_dataset,
     )
+    dispatcher.compose(recorder, admission)  # type: ignore[arg-type]
     return dispatcher, backend, fake, board, recorder
 
 
