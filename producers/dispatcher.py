@@ -50,6 +50,7 @@ from producers.offsets import OffsetTracker
 from producers.reasoning import ReasoningRows
 from producers.resume import OutcomeView
 from producers.server_gate import GateSettings, ServerGate
+from producers.slots import Places, Slot
 from streams import budget
 from streams import events as ev
 from streams.halts import BudgetBoard
@@ -103,74 +104,6 @@ class DispatchReport:
     dead_lettered: int = 0
     already_completed: int = 0  # handed over again, already completed: not generated
     sent: list[Dispatched] = field(default_factory=list)
-
-
-class _Slot:
-    """A request's place at the server, handed over to a place among the answers
-    being published once the server has answered; lent to other prompts while its
-    own waits for budget."""
-
-    def __init__(
-        self,
-        server: asyncio.Semaphore,
-        publishing: asyncio.Semaphore,
-        waiting: asyncio.Semaphore | None = None,
-    ) -> None:
-        self._server: asyncio.Semaphore | None = server
-        self._publishing = publishing
-        self._waiting = waiting
-        self._held: asyncio.Semaphore | None = None
-
-    @contextlib.asynccontextmanager
-    async def aside(self) -> AsyncIterator[None]:
-        """Free the server place while the prompt waits for budget, so prompts of
-        other datasets are not queued behind it, and take a place back (waiting
-        like any new prompt) before it goes on. The prompt keeps a place among the
-        waiting instead, so at most as many wait aside as the server has places;
-        past that, it waits where it is.
-
-        An answer waiting to be claimed anew (its lease expired) lends its place among
-        the answers being published instead, always: the budget it waits for may be
-        held by a request of the same lease that needs such a place to settle."""
-        held = self._held
-        if held is not None:
-            held.release()
-            self._held = None
-            try:
-                yield
-            finally:
-                await held.acquire()
-                self._held = held
-            return
-        server, waiting = self._server, self._waiting
-        if server is None or waiting is None or waiting.locked():
-            yield
-            return
-        await waiting.acquire()  # not locked: returns at once
-        server.release()
-        self._server = None
-        try:
-            yield
-        finally:
-            waiting.release()
-            await server.acquire()
-            self._server = server
-
-    async def hand_over(self) -> None:
-        if self._server is None:
-            return
-        await self._publishing.acquire()
-        self._held = self._publishing
-        self._server.release()
-        self._server = None
-
-    def release(self) -> None:
-        if self._server is not None:
-            self._server.release()
-            self._server = None
-        if self._held is not None:
-            self._held.release()
-            self._held = None
 
 
 @dataclass
@@ -296,11 +229,7 @@ class Dispatcher:
         )
         self._consumer: AIOKafkaConsumer | None = None
         self._producer: AIOKafkaProducer | None = None
-        # Requests at the server at once; answers being published hold a slot of
-        # their own, so the server's slots are free again as soon as it answers.
-        self._slots = asyncio.Semaphore(inference.concurrency)
-        self._publishing = asyncio.Semaphore(inference.concurrency)
-        self._waiting_aside = asyncio.Semaphore(inference.concurrency)
+        self.places = Places(inference.concurrency)
         self.holder = holder or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         # Static group membership (Kafka's group.instance.id), when named.
         self.instance = instance
@@ -311,7 +240,6 @@ class Dispatcher:
         self._reported_problems: set[str] = set()
         self.refused_at: dict[str, float] = {}  # first refusal per dataset, this process
         self._handing_back = asyncio.Event()
-        self._answered: set[asyncio.Task[Any]] = set()  # prompts the server has answered
         self._turns = conversations.Outcomes()  # what conversation turns led to
 
     @property
@@ -427,7 +355,7 @@ class Dispatcher:
             admission = self._admission(producer)
             maintenance = asyncio.create_task(admission.maintain())
         self.compose(producer, admission)
-        tasks: set[asyncio.Task[None]] = set()
+        tasks: dict[asyncio.Task[None], Slot] = {}  # the prompts started, with their slots
         committer = asyncio.create_task(self._commit_every(0.5))
         try:
             async with http_client(self.config.inference.concurrency, self.timeouts) as client:
@@ -443,11 +371,12 @@ class Dispatcher:
                             # Started but not sent, a prompt handed back stays pending:
                             # the commit stops before it.
                             self.tracker.started(tp.topic, tp.partition, record.offset)
-                            if not await self._take_slot():
+                            slot = await self.places.take(self._handing_back)
+                            if slot is None:
                                 break
-                            task = asyncio.create_task(self._handle(backend, record))
-                            tasks.add(task)
-                            task.add_done_callback(tasks.discard)
+                            task = asyncio.create_task(self._handle(backend, record, slot))
+                            tasks[task] = slot
+                            task.add_done_callback(lambda done: tasks.pop(done, None))
                 # Graceful stop: finish what was started (handing back, only what the
                 # server has answered), then commit it.
                 if tasks:
@@ -489,29 +418,12 @@ class Dispatcher:
     def _outage(self) -> bool:
         return self.gate is not None and self.gate.outage is not None
 
-    async def _take_slot(self) -> bool:
-        """A place at the server; False (and no place) once handing back."""
-        if self._handing_back.is_set():
-            return False
-        if not self._slots.locked():
-            await self._slots.acquire()
-            return True
-        slot = asyncio.ensure_future(self._slots.acquire())
-        handing_back = asyncio.ensure_future(self._handing_back.wait())
-        await asyncio.wait({slot, handing_back}, return_when=asyncio.FIRST_COMPLETED)
-        handing_back.cancel()
-        if not slot.done():
-            slot.cancel()  # a waiter cancelled before it got the place takes nothing
-            return False
-        if self._handing_back.is_set():
-            self._slots.release()
-            return False
-        return True
-
-    async def _wind_down(self, tasks: set[asyncio.Task[None]]) -> None:
+    async def _wind_down(self, tasks: dict[asyncio.Task[None], Slot]) -> None:
         """Wait for the prompts started; once handing back, cancel those the server has
-        not answered and give the others :data:`HAND_BACK_GRACE_S` to be published."""
-        started = list(tasks)
+        not answered (their slots say) and give the others :data:`HAND_BACK_GRACE_S` to
+        be published."""
+        slots = dict(tasks)
+        started = list(slots)
         finished = asyncio.gather(*started, return_exceptions=True)
         handing_back = asyncio.ensure_future(self._handing_back.wait())
         either: set[asyncio.Future[Any]] = {finished, handing_back}
@@ -519,7 +431,7 @@ class Dispatcher:
         handing_back.cancel()
         if not finished.done():
             for task in started:
-                if task not in self._answered:
+                if not slots[task].answered:
                     task.cancel()
             _, late = await asyncio.wait(started, timeout=HAND_BACK_GRACE_S)
             for task in late:
@@ -552,7 +464,7 @@ class Dispatcher:
             await asyncio.sleep(interval)
             await self.commit()
 
-    async def _handle(self, backend: InferenceBackend, record: Any) -> None:
+    async def _handle(self, backend: InferenceBackend, record: Any, slot: Slot) -> None:
         """Give the prompt at ``record`` its outcome, then let its offset be committed.
 
         Nothing but a stop (cancellation) leaves a prompt without an outcome: an error
@@ -560,7 +472,6 @@ class Dispatcher:
         and a prompt it keeps failing is recorded as failed, so the partition's commit
         point never sticks behind it.
         """
-        slot = _Slot(self._slots, self._publishing, self._waiting_aside)
         try:
             try:
                 prompt = ev.decode(record.value)
@@ -573,7 +484,6 @@ class Dispatcher:
                     await self._settle_prompt(backend, prompt, slot)
         finally:
             slot.release()
-            self._answered.discard(asyncio.current_task())  # type: ignore[arg-type]
         self.tracker.finished(record.topic, record.partition, record.offset)
 
     @contextlib.asynccontextmanager
@@ -606,7 +516,7 @@ class Dispatcher:
             metrics.EVENTS_PRODUCED.labels(topic="outcomes").inc()
 
     async def _settle_prompt(
-        self, backend: InferenceBackend, prompt: ev.PromptEvent, slot: _Slot
+        self, backend: InferenceBackend, prompt: ev.PromptEvent, slot: Slot
     ) -> None:
         errors = 0
         while True:
@@ -631,7 +541,7 @@ class Dispatcher:
                     await asyncio.sleep(self.retry.delay(min(errors, 6)))
 
     async def _dispatch(
-        self, backend: InferenceBackend, prompt: ev.PromptEvent, slot: _Slot | None = None
+        self, backend: InferenceBackend, prompt: ev.PromptEvent, slot: Slot | None = None
     ) -> None:
         """Admit, then generate, fit and publish (:meth:`_attempt`); retry what the
         server's errors allow, and record the prompt as failed when they do not."""
@@ -662,7 +572,7 @@ class Dispatcher:
         )
 
     async def _admit(
-        self, prompt: ev.PromptEvent, max_new: int, slot: _Slot | None
+        self, prompt: ev.PromptEvent, max_new: int, slot: Slot | None
     ) -> _Admitted | None:
         """Wait until the server takes requests, then admit the prompt (with a ticket
         when budgets are reserved); None once it is skipped instead (dataset full)."""
@@ -689,7 +599,7 @@ class Dispatcher:
         return _Admitted(ticket)
 
     async def _retry(
-        self, prompt: ev.PromptEvent, exc: InferenceError, tries: _Tries, slot: _Slot | None
+        self, prompt: ev.PromptEvent, exc: InferenceError, tries: _Tries, slot: Slot | None
     ) -> bool:
         """Count a failed attempt; True once its backoff has passed if the prompt may be
         tried again, False when it is to be given up."""
@@ -721,7 +631,7 @@ class Dispatcher:
         ticket: Ticket | None,
         max_new: int,
         attempts: int,
-        slot: _Slot | None,
+        slot: Slot | None,
     ) -> None:
         """One request: generate, fit the answer to what it may keep, publish it. The
         ticket is settled on every path (an error, a cancellation included)."""
@@ -765,7 +675,7 @@ class Dispatcher:
         request: GenerationRequest,
         answer: GenerationResult,
         tickets: _Tickets,
-        slot: _Slot | None,
+        slot: Slot | None,
     ) -> _Fitted | None:
         """What of the answer is kept, and on which ticket: cut to the request's limit,
         then to the budget (:meth:`_kept`); None when nothing of it fits. What is cut
@@ -824,7 +734,7 @@ class Dispatcher:
         prompt: ev.PromptEvent,
         request: GenerationRequest,
         ticket: Ticket | None,
-        slot: _Slot | None,
+        slot: Slot | None,
     ) -> _Generated | None:
         """The server's answer with when it was sent and finished; None when it was
         aborted because its lease was revoked (a lowered budget)."""
@@ -842,13 +752,13 @@ class Dispatcher:
                 result = await generation
             finally:
                 metrics.IN_FLIGHT.dec()
-            if (current := asyncio.current_task()) is not None:
-                self._answered.add(current)  # handing back, it is published, not dropped
             # Stamped before any cap is looked up: a budget lowered after this
             # moment is known (synced below) before the answer is kept.
             finished_at = time.time()
             if slot is not None:
-                await slot.hand_over()  # the server may take the next request
+                # The server may take the next request; handing back, this answer is
+                # published, not dropped.
+                await slot.hand_over()
             if ticket:
                 # Every budget event published until now is applied, and a lower
                 # budget on its way to the ledger has its answer (revocations come
@@ -898,7 +808,7 @@ class Dispatcher:
         tickets: _Tickets,
         rid: str,
         answer: GenerationResult,
-        slot: _Slot | None,
+        slot: Slot | None,
     ) -> tuple[Ticket | None, GenerationResult] | None:
         """What of the answer is kept, and on which ticket: its own; a fresh one when
         its lease may have expired meanwhile (the old one is settled); or, on a lease
@@ -914,7 +824,7 @@ class Dispatcher:
         return None if fitted is None else (ticket, fitted)
 
     async def _claim(
-        self, prompt: ev.PromptEvent, result: GenerationResult, slot: _Slot | None
+        self, prompt: ev.PromptEvent, result: GenerationResult, slot: Slot | None
     ) -> tuple[Ticket, GenerationResult] | None:
         """A fresh ticket for an answer already generated, for what it actually costs
         (cut at the line when only part of it fits a completion-token budget), or None

@@ -234,7 +234,9 @@ def test_an_error_outside_the_request_is_retried_and_the_offset_is_finished() ->
         dispatcher.retry = RetryPolicy(retries=1, backoff=0.0, backoff_max=0.0)
         record = _Record(ev.encode(prompt(0)))
         dispatcher.tracker.started(record.topic, record.partition, record.offset)
-        await dispatcher._handle(FailingBackend([]), record)
+        slot = await dispatcher.places.take(asyncio.Event())
+        assert slot is not None
+        await dispatcher._handle(FailingBackend([]), record, slot)
         assert [type(e) for e in outcomes(recorder)] == [ev.CompletionEvent]
         assert dispatcher.tracker.committable() == {(record.topic, record.partition): 1}
         lease = dispatcher.admission._leases[DS]  # type: ignore[union-attr]
@@ -275,9 +277,7 @@ def test_an_answer_on_a_lease_expired_meanwhile_is_claimed_on_a_fresh_lease() ->
         first = dispatcher.admission._leases[DS]  # type: ignore[union-attr]
         # The ledger expired the lease (its holder looked dead): the budget it held
         # is free again, and the holder hears so.
-        board.apply(
-            ev.LeaseRevoked(dataset=DS, lease_id=first.lease_id, holder="d1", expired=True)
-        )
+        board.apply(ev.LeaseRevoked(dataset=DS, lease_id=first.lease_id, holder="d1", expired=True))
         backend.finish(backend.rid_of(0), 300)
         await asyncio.wait_for(task, 5)
         [completion] = recorder.completions()
