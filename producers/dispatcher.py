@@ -24,14 +24,14 @@ import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import kafka.errors
 import msgspec
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
-from aiokafka.errors import KafkaError, MessageSizeTooLargeError
+from aiokafka.errors import KafkaError
 
 from producers import conversations
 from producers.admission import Admission, AdmissionSettings, Ticket
@@ -47,20 +47,21 @@ from producers.inference import (
     http_client,
 )
 from producers.offsets import OffsetTracker
+from producers.publisher import Publisher
 from producers.reasoning import ReasoningRows
 from producers.resume import OutcomeView
 from producers.server_gate import GateSettings, ServerGate
 from producers.slots import Places, Slot
+from producers.step import Dispatched, DispatchReport, about
 from streams import budget
 from streams import events as ev
 from streams.halts import BudgetBoard
 from streams.topics import Topics
-from tokenbudget import metrics, sizes
+from tokenbudget import metrics
 from tokenbudget.config import Config
 from tokenbudget.errors import (
     EventDecodeError,
     InferenceError,
-    KafkaLimitsError,
     ServerOutageError,
 )
 from tokenbudget.kafka import aiokafka_producer_options, consumer_options
@@ -76,34 +77,10 @@ UNEXPECTED_ERRORS = 5
 HAND_BACK_GRACE_S = 10.0
 
 
-def about(prompt: ev.PromptEvent) -> str:
-    """A prompt as log lines name it: its dataset and row, then its id (the hash
-    alone says nothing to whoever reads the log)."""
-    row = f", {prompt.source}" if prompt.source else ""
-    return f"{prompt.dataset}{row} (prompt {prompt.prompt_id})"
-
-
 def wasted(dataset: str, reason: str, tokens: int) -> None:
     """Count ``tokens`` the server generated that are not kept."""
     if tokens > 0:
         metrics.WASTED_TOKENS.labels(dataset=dataset, reason=reason).inc(tokens)
-
-
-@dataclass(frozen=True)
-class Dispatched:
-    dataset: str
-    rid: str
-    sent_at: float
-
-
-@dataclass
-class DispatchReport:
-    completed: int = 0
-    skipped: int = 0
-    failed: int = 0
-    dead_lettered: int = 0
-    already_completed: int = 0  # handed over again, already completed: not generated
-    sent: list[Dispatched] = field(default_factory=list)
 
 
 @dataclass
@@ -228,7 +205,6 @@ class Dispatcher:
             lambda client: backend_for_config(config, client)
         )
         self._consumer: AIOKafkaConsumer | None = None
-        self._producer: AIOKafkaProducer | None = None
         self.places = Places(inference.concurrency)
         self.holder = holder or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         # Static group membership (Kafka's group.instance.id), when named.
@@ -320,7 +296,7 @@ class Dispatcher:
         outcomes, ``admission`` (None when budgets are not reserved) admits, and the
         register of requests in flight hears its revocations. :meth:`run` calls it
         once its clients are up; a test calls it with stand-ins."""
-        self._producer = producer
+        self.publisher = Publisher(producer, self.topics, self.report, seen=self._turns.saw)
         self.admission = admission
         self.in_flight = InFlight(admission, self.config.budget.unit, self.config.inference.stream)
         if admission is not None:
@@ -402,7 +378,7 @@ class Dispatcher:
             await consumer.stop()
             await producer.stop()
             await asyncio.to_thread(self.outcomes.close)
-            self._consumer = self._producer = None
+            self._consumer = None
         return self.report
 
     def hand_back(self) -> None:
@@ -478,7 +454,7 @@ class Dispatcher:
                 if not isinstance(prompt, ev.PromptEvent):
                     raise EventDecodeError(f"expected a prompt, got {type(prompt).__name__}")
             except EventDecodeError as exc:
-                await self._dead_letter(str(exc), record)
+                await self.publisher.dead_letter(str(exc), record)
             else:
                 async with self._conversation_turn(prompt):
                     await self._settle_prompt(backend, prompt, slot)
@@ -508,10 +484,10 @@ class Dispatcher:
             at=time.time(),
         )
         if after.prompt is not None:
-            await self._publish(self.topics.prompts, prompt.dataset, after.prompt)
+            await self.publisher.publish(self.topics.prompts, prompt.dataset, after.prompt)
             metrics.EVENTS_PRODUCED.labels(topic="prompts").inc()
         for skipped in after.skipped:
-            await self._publish(self.topics.outcomes, prompt.dataset, skipped)
+            await self.publisher.publish(self.topics.outcomes, prompt.dataset, skipped)
             metrics.SKIPPED_PROMPTS.labels(dataset=prompt.dataset).inc()
             metrics.EVENTS_PRODUCED.labels(topic="outcomes").inc()
 
@@ -535,7 +511,7 @@ class Dispatcher:
                     exc_info=errors == 1,
                 )
                 if errors >= UNEXPECTED_ERRORS and not isinstance(exc, KafkaError):
-                    await self._fail(prompt, errors, f"dispatch failed: {exc!r}")
+                    await self.publisher.fail(prompt, errors, f"dispatch failed: {exc!r}")
                     return
                 async with slot.aside():
                     await asyncio.sleep(self.retry.delay(min(errors, 6)))
@@ -545,7 +521,6 @@ class Dispatcher:
     ) -> None:
         """Admit, then generate, fit and publish (:meth:`_attempt`); retry what the
         server's errors allow, and record the prompt as failed when they do not."""
-        assert self._producer is not None
         if prompt.prompt_id in self.outcomes.completed:
             self.report.already_completed += 1  # its outcome is recorded already
             return
@@ -565,7 +540,7 @@ class Dispatcher:
             if self.gate is not None:
                 self.gate.succeeded()
             return
-        await self._fail(
+        await self.publisher.fail(
             prompt,
             tries.attempts,
             f"gave up after {tries.attempts} attempt(s): {tries.last_error}",
@@ -580,7 +555,7 @@ class Dispatcher:
             await self.gate.wait_open()
         if self.board.is_halted(prompt.dataset):
             self.admission_refused(prompt.dataset)
-            await self._skip(prompt, "budget reached")
+            await self.publisher.skip(prompt, "budget reached")
             return None
         if self.admission is None:
             return _Admitted(None)
@@ -592,7 +567,7 @@ class Dispatcher:
             aside=slot.aside if slot is not None else None,
         )
         if ticket is None:
-            await self._skip(prompt, "budget fully used or reserved")
+            await self.publisher.skip(prompt, "budget fully used or reserved")
             return None
         waited = time.monotonic() - asked_at
         metrics.BUDGET_WAIT.labels(dataset=prompt.dataset).observe(waited)
@@ -640,11 +615,13 @@ class Dispatcher:
         try:
             generated = await self._generate(backend, prompt, request, ticket, slot)
             if generated is None:
-                await self._skip(prompt, "budget lowered: aborted in flight")
+                await self.publisher.skip(prompt, "budget lowered: aborted in flight")
                 return
             fitted = await self._fit(backend, prompt, request, generated.answer, tickets, slot)
             if fitted is None:
-                await self._skip(prompt, "budget lowered or lease expired: answer not kept")
+                await self.publisher.skip(
+                    prompt, "budget lowered or lease expired: answer not kept"
+                )
                 return
             await self._publish_completion(
                 prompt, request, generated, fitted, attempts, max_new, tickets
@@ -719,14 +696,10 @@ class Dispatcher:
             # this is being sent must already see it.
             tickets.sending(ticket, completion)
         try:
-            await self._publish(self.topics.completions, prompt.dataset, completion)
+            await self.publisher.completed(completion)
         finally:
             if ticket is not None:
                 tickets.published(ticket)
-        metrics.EVENTS_PRODUCED.labels(topic="completions").inc()
-        metrics.COMPLETIONS.labels(dataset=prompt.dataset, finish_reason=stop_reason).inc()
-        self.reasoning.count(completion)
-        self.report.completed += 1
 
     async def _generate(
         self,
@@ -893,69 +866,6 @@ class Dispatcher:
             tool_calls=result.tool_calls,
             **conversations.completion_fields(prompt, result.tool_calls),
         )
-
-    async def _publish(self, topic: str, dataset: str, event: ev.Event) -> None:
-        """Send until Kafka has it: an outcome is never given up on (a broker away is
-        waited out). The same event sent twice is harmless: readers keep the first
-        outcome of a prompt, and a repeated request id is recognised."""
-        assert self._producer is not None
-        value = ev.encode(event)
-        self._turns.saw(event)
-        delay = 0.2
-        while True:
-            try:
-                await self._producer.send_and_wait(topic, key=dataset.encode(), value=value)
-                return
-            except MessageSizeTooLargeError as exc:
-                # Sending it again cannot help. Prompts take at most half a message
-                # (tokenbudget.sizes), so only an answer of hundreds of thousands of
-                # tokens gets here.
-                raise KafkaLimitsError(
-                    f"a {type(event).__name__} of dataset {dataset} is {len(value):,} bytes, "
-                    f"over the {sizes.MESSAGE_BYTES:,}-byte Kafka message every topic "
-                    "accepts; fix: lower [inference] max_new_tokens (or the dataset's)"
-                ) from exc
-            except KafkaError as exc:
-                log.warning("publishing to %s failed (%r); trying again", topic, exc)
-                await asyncio.sleep(delay)
-                delay = min(5.0, delay * 2)
-
-    async def _fail(self, prompt: ev.PromptEvent, attempts: int, reason: str) -> None:
-        log.warning("%s: failed for good (%s); see the dead-letter topic", about(prompt), reason)
-        failed = ev.PromptFailed(
-            prompt_id=prompt.prompt_id,
-            dataset=prompt.dataset,
-            reason=reason,
-            attempts=attempts,
-            at=time.time(),
-        )
-        letter = ev.dead_letter(reason, source_topic=self.topics.prompts, payload=ev.encode(prompt))
-        await self._publish(self.topics.dead_letter, prompt.dataset, letter)
-        await self._publish(self.topics.outcomes, prompt.dataset, failed)
-        self.report.failed += 1
-        metrics.DEAD_LETTERED.labels(topic="prompts").inc()
-        metrics.EVENTS_PRODUCED.labels(topic="outcomes").inc()
-
-    async def _skip(self, prompt: ev.PromptEvent, reason: str) -> None:
-        skipped = ev.PromptSkipped(
-            prompt_id=prompt.prompt_id, dataset=prompt.dataset, reason=reason, at=time.time()
-        )
-        await self._publish(self.topics.outcomes, prompt.dataset, skipped)
-        self.report.skipped += 1
-        metrics.SKIPPED_PROMPTS.labels(dataset=prompt.dataset).inc()
-        metrics.EVENTS_PRODUCED.labels(topic="outcomes").inc()
-
-    async def _dead_letter(self, reason: str, record: Any) -> None:
-        assert self._producer is not None
-        letter = ev.dead_letter_for(reason, record)
-        await self._producer.send_and_wait(
-            self.topics.dead_letter,
-            key=record.key,
-            value=ev.encode(letter),
-        )
-        self.report.dead_lettered += 1
-        metrics.DEAD_LETTERED.labels(topic="prompts").inc()
-        log.warning("dead-lettered a prompt event: %s", reason)
 
 
 def _sent_ids(prompt: ev.PromptEvent, result: GenerationResult) -> ev.TokenIds | None:

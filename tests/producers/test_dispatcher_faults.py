@@ -128,10 +128,12 @@ def test_warnings_about_a_prompt_name_its_dataset_and_row(
         row = msgspec.structs.replace(prompt(0), source="data/a.jsonl:7")
         await dispatcher._dispatch(FailingBackend([InferenceServerError("HTTP 500")] * 2), row)
 
-    with caplog.at_level(logging.WARNING, logger="producers.dispatcher"):
+    # The dispatcher's steps log under their modules' names.
+    steps = {"producers.dispatcher", "producers.publisher"}
+    with caplog.at_level(logging.WARNING, logger="producers"):
         run(main())
     about = f"{DS}, data/a.jsonl:7 (prompt p0)"
-    assert [r.getMessage() for r in caplog.records if r.name == "producers.dispatcher"] == [
+    assert [r.getMessage() for r in caplog.records if r.name in steps] == [
         f"{about}: attempt 1 failed: HTTP 500",
         f"{about}: attempt 2 failed: HTTP 500",
         f"{about}: failed for good (gave up after 2 attempt(s): HTTP 500); "
@@ -202,7 +204,7 @@ def test_a_failed_send_is_retried_and_the_lease_is_handed_back_only_after_it() -
     async def main() -> None:
         dispatcher, _, fake, _, _ = make_dispatcher(stream=False)
         flaky = FlakyProducer(failures=2)
-        dispatcher._producer = flaky  # type: ignore[assignment]
+        dispatcher.publisher.producer = flaky  # type: ignore[assignment]
         backend = FailingBackend([], tokens=40)
         task = asyncio.create_task(dispatcher._dispatch(backend, prompt(0)))
         await asyncio.wait_for(task, 10)

@@ -48,7 +48,7 @@ def test_handing_back_publishes_the_answers_in_and_gives_up_the_requests_at_the_
     async def main() -> None:
         dispatcher, backend, _, _, _ = make_dispatcher(stream=False)
         recorder = HeldRecorder()
-        dispatcher._producer = recorder  # type: ignore[assignment]
+        dispatcher.publisher.producer = recorder  # type: ignore[assignment]
         records = [Record(0), Record(1)]
         tasks = {}
         for record in records:
