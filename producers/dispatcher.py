@@ -144,9 +144,14 @@ class Dispatcher:
 
     @property
     def group_id(self) -> str:
+        """The consumer group every dispatcher of the namespace shares."""
         return f"{self.topics.namespace}-dispatch"
 
     async def commit(self) -> None:
+        """Commit, for each partition assigned, the offsets up to the first prompt
+        without an outcome yet. A failed commit is tried again on the next one; never
+        raises. Called every half second while :meth:`run` runs, as it ends, and by
+        the rebalance listener before partitions are taken away."""
         offsets = self.tracker.committable()
         if self._consumer is None or not offsets:
             return
