@@ -1,6 +1,7 @@
-"""The dispatcher's signals, without a broker: finish reasons (the budget's cut told
-apart from the model's own stop), tokens generated but not kept, retries, time spent
-waiting for budget, request latency per dataset, and halt latency on the board."""
+"""The dispatcher's signals, without a broker: completions by finish reason (how the
+budget's cut is told from the model's own stop is in ``test_answers``), tokens
+generated but not kept, retries, time spent waiting for budget, request latency per
+dataset, and halt latency on the board."""
 
 from __future__ import annotations
 
