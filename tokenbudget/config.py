@@ -11,13 +11,14 @@ the config file's folder.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import tomllib
 import types
 import typing
 import urllib.parse
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -39,6 +40,8 @@ Unit = Literal["completion_tokens", "total_tokens", "samples"]
 BoundaryPolicy = Literal["truncate", "finish"]
 AdmissionMode = Literal["reserve", "halt"]
 CutPolicy = Literal["last", "any"]
+# Which server of the fleet a request goes to: producers/routing.py.
+RoutingPolicy = Literal["least_work", "round_robin"]
 DatasetFormat = Literal["auto", "prompt", "openai", "sharegpt", "hf"]
 # The order a dataset's prompts are sent in: producers/order.py says what each keeps.
 DatasetOrder = Literal["file", "shuffled", "stratified"]
@@ -53,6 +56,8 @@ ReasoningMode = Literal["save", "disable"]
 NO_THINKING = {"enable_thinking": False, "thinking": False}
 
 ENV_PREFIX = "TOKENBUDGET__"
+# The server a config that names none is sent to.
+DEFAULT_URL = "http://127.0.0.1:30000"
 
 
 class _Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -109,8 +114,25 @@ class _Sampling(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True)
     extra_body: dict[str, Any] | None = None  # sent verbatim in every request's body
 
 
+class ServerConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """One inference server of the job's fleet (``[[inference.servers]]``); what it
+    does not set, it takes from ``[inference]``."""
+
+    url: str
+    concurrency: int | None = None  # its requests in flight at most ([inference]'s when unset)
+    api_key_env: str | None = None  # [inference]'s when unset
+    # Its share of the work against the others' (a server twice as fast: 2.0).
+    weight: float = 1.0
+
+
 class InferenceConfig(_Sampling, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    url: str = "http://127.0.0.1:30000"
+    # One server; "" with no [[inference.servers]]: DEFAULT_URL.
+    url: str = ""
+    # The fleet, when the job has several servers (Config.servers resolves both).
+    servers: list[ServerConfig] = []
+    # least_work: the least outstanding work for its speed; round_robin: in turn
+    # (the peers' way, for comparison).
+    routing: RoutingPolicy = "least_work"
     api: Api = "sglang"
     model: str = ""
     concurrency: int = 64
@@ -259,9 +281,22 @@ def _sampling(inference: InferenceConfig, dataset: DatasetConfig) -> dict[str, A
     return merged
 
 
+class Server(msgspec.Struct, frozen=True, kw_only=True):
+    """A server of the fleet as the rest of the code sees it: [inference]'s settings
+    filled in where its own entry left them out."""
+
+    url: str
+    concurrency: int
+    api_key_env: str
+    weight: float = 1.0
+
+
 class Config(msgspec.Struct, frozen=True, kw_only=True):
     kafka: KafkaConfig
     inference: InferenceConfig
+    # The inference servers the job starts with: [[inference.servers]], else
+    # [inference] url as a fleet of one (``tokenbudget servers`` changes it at run time).
+    servers: tuple[Server, ...]
     budget: BudgetConfig
     sink: SinkConfig
     producer: ProducerConfig
@@ -281,8 +316,13 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
         return _resolve(self.base_dir, tokenizer) if tokenizer else None
 
     @property
+    def concurrency(self) -> int:
+        """Requests in flight at once over the whole fleet: its servers' concurrency."""
+        return sum(server.concurrency for server in self.servers)
+
+    @property
     def max_queued_per_dataset(self) -> int:
-        return self.producer.max_queued_per_dataset or 2 * self.inference.concurrency
+        return self.producer.max_queued_per_dataset or 2 * self.concurrency
 
     def require_datasets(self) -> None:
         """``run`` and ``produce`` have nothing to do without a dataset (and would wait
@@ -375,6 +415,9 @@ def _from_msgspec(exc: msgspec.ValidationError, source: str) -> ConfigError:
 
 
 def _apply_env(data: dict[str, Any], environ: Mapping[str, str]) -> None:
+    """The environment's overrides over ``data``. A server named there replaces the
+    file's: ``TOKENBUDGET__INFERENCE__URL`` its ``[[inference.servers]]`` and
+    ``TOKENBUDGET__INFERENCE__SERVERS`` its ``url``."""
     for name, value in environ.items():
         if not name.startswith(ENV_PREFIX):
             continue
@@ -384,9 +427,15 @@ def _apply_env(data: dict[str, Any], environ: Mapping[str, str]) -> None:
         section, key = parts
         if section == "datasets" or section not in _RawConfig.__struct_fields__:
             raise ConfigError(f"{section}.{key}", f"unknown section (from ${name})")
-        data.setdefault(section, {})[key] = (
-            value if _is_text_key(section, key) else _env_value(value)
-        )
+        table = data.setdefault(section, {})
+        table[key] = value if _is_text_key(section, key) else _env_value(value)
+        if section == "inference" and key in _ONE_OR_SEVERAL:
+            table.pop(_ONE_OR_SEVERAL[key], None)
+
+
+# An inference server named from the environment replaces the config's: url those of
+# [[inference.servers]], servers the url.
+_ONE_OR_SEVERAL = {"url": "servers", "servers": "url"}
 
 
 def _is_text_key(section: str, key: str) -> bool:
@@ -469,6 +518,7 @@ def build(
         )
         _check_dataset(raw, d, key, source)
     _check_ranges(raw, source)
+    servers = _servers(raw.inference, source)
     _check_kafka_security(raw.kafka, source)
     if raw.inference.tokenizer and not _resolve(base, raw.inference.tokenizer).is_dir():
         raise ConfigError(
@@ -481,6 +531,7 @@ def build(
     return Config(
         kafka=msgspec.structs.replace(raw.kafka, bootstrap=bootstrap),
         inference=raw.inference,
+        servers=servers,
         budget=raw.budget,
         sink=raw.sink,
         producer=raw.producer,
@@ -810,7 +861,6 @@ def _check_ranges(raw: _RawConfig, source: str) -> None:
             "must be within 6..1800 seconds (the broker's group.min/max.session.timeout.ms)",
             source=source,
         )
-    _check_url(raw.inference.url, source)
     if not re.fullmatch(r"[A-Za-z0-9_\-]+", raw.kafka.namespace):
         raise ConfigError("kafka.namespace", "use letters, digits, '_' and '-'", source=source)
     _check_replication(raw.kafka, source)
@@ -818,27 +868,88 @@ def _check_ranges(raw: _RawConfig, source: str) -> None:
 
 
 def one_server_per_url(url: str) -> str:
-    """What to do with several servers: the one place that says it (a fleet of
-    servers behind one job would change it)."""
+    """What to do with several servers in one URL: the one place that says it."""
     return (
-        f"{url!r} names several servers, but it takes one URL: run one `tokenbudget "
-        "dispatch` per server with TOKENBUDGET__INFERENCE__URL set to its URL, or put a "
-        "router in front of them and set its URL here"
+        f"{url!r} names several servers, but it takes one URL: give each server its own "
+        '[[inference.servers]] table (url = "http://..."), or pass --server URL once per '
+        "server to `tokenbudget run`"
     )
 
 
-def _check_url(url: str, source: str) -> None:
+def _servers(inference: InferenceConfig, source: str) -> tuple[Server, ...]:
+    """The fleet the config names: its ``[[inference.servers]]``, each with
+    ``[inference]``'s settings where it sets none, else ``url`` alone (by default
+    :data:`DEFAULT_URL`)."""
+    if inference.servers and inference.url:
+        raise ConfigError(
+            "inference.url",
+            "set either one server (url) or several ([[inference.servers]]), not both: "
+            f'move {inference.url!r} into a [[inference.servers]] table as url = "..."',
+            source=source,
+        )
+    if not inference.servers:
+        url = inference.url or DEFAULT_URL
+        _check_url(url, "inference.url", source)
+        return (
+            Server(
+                url=url.rstrip("/"),
+                concurrency=inference.concurrency,
+                api_key_env=inference.api_key_env,
+            ),
+        )
+    servers: list[Server] = []
+    for i, entry in enumerate(inference.servers):
+        key = f"inference.servers[{i}]"
+        _check_url(entry.url, f"{key}.url", source)
+        url = entry.url.rstrip("/")
+        twice = [j for j, s in enumerate(servers) if s.url == url]
+        if twice:
+            raise ConfigError(
+                f"{key}.url",
+                f"{entry.url!r} is inference.servers[{twice[0]}] already: list each server once",
+                source=source,
+            )
+        concurrency = inference.concurrency if entry.concurrency is None else entry.concurrency
+        if concurrency <= 0:
+            raise ConfigError(
+                f"{key}.concurrency", f"must be positive, got {concurrency}", source=source
+            )
+        if not (entry.weight > 0 and math.isfinite(entry.weight)):
+            raise ConfigError(
+                f"{key}.weight", f"must be a positive number, got {entry.weight}", source=source
+            )
+        key_env = inference.api_key_env if entry.api_key_env is None else entry.api_key_env
+        servers.append(
+            Server(url=url, concurrency=concurrency, api_key_env=key_env, weight=entry.weight)
+        )
+    return tuple(servers)
+
+
+def with_servers(config: Config, urls: Sequence[str]) -> Config:
+    """``config`` sent to ``urls`` instead of the servers it names (``--server``), each
+    with ``[inference]``'s settings."""
+    for url in urls:
+        _check_url(url, "--server", config.source)
+    inference = msgspec.structs.replace(
+        config.inference, url="", servers=[ServerConfig(url=url) for url in urls]
+    )
+    return msgspec.structs.replace(
+        config, inference=inference, servers=_servers(inference, config.source)
+    )
+
+
+def _check_url(url: str, key: str, source: str) -> None:
     if "," in url or len(url.split()) > 1:
-        raise ConfigError("inference.url", one_server_per_url(url), source=source)
+        raise ConfigError(key, one_server_per_url(url), source=source)
     if not url.startswith(("http://", "https://")):
-        raise ConfigError("inference.url", f"{url!r} is not an http(s) URL", source=source)
+        raise ConfigError(key, f"{url!r} is not an http(s) URL", source=source)
     parts = urllib.parse.urlsplit(url)
     try:
         parts.port  # noqa: B018 - parsing the port is the check
     except ValueError as exc:
-        raise ConfigError("inference.url", f"{url!r}: {exc}", source=source) from None
+        raise ConfigError(key, f"{url!r}: {exc}", source=source) from None
     if not parts.hostname:
-        raise ConfigError("inference.url", f"{url!r} names no host", source=source)
+        raise ConfigError(key, f"{url!r} names no host", source=source)
 
 
 _ADDRESS_RE = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.\-]+):\d{1,5}$")
