@@ -14,14 +14,15 @@
     │   ├── InferenceServerError      another HTTP 5xx (retried)
     │   ├── InferenceRequestError     another HTTP 4xx: the request is wrong (not retried)
     │   └── InferenceProtocolError    the body is not the wire format we expect (retried)
-    ├── ServerOutageError      the inference server stayed away longer than allowed
+    ├── ServerOutageError      every inference server stayed away longer than allowed
     ├── WorkerFailedError      a worker process of ``run`` kept exiting on its own
     ├── ExportError            kept rows cannot be exported as asked (and what to fix)
     └── JobChangedError        a rerun is not the job its namespace recorded (and the ways on)
 
 "Server away" errors say nothing about the request: they are retried for as long as
-the server is away (dispatch pauses meanwhile) and never fail a prompt. The other
-retried errors fail a prompt after ``[inference] retries`` of them.
+some server of the fleet may answer (the server away gets nothing meanwhile) and
+never fail a prompt. The other retried errors fail a prompt after ``[inference]
+retries`` of them.
 
 Errors from libraries are translated at one boundary per module with
 ``raise ... from exc`` so the user sees where and what to fix, and the cause stays
@@ -122,6 +123,8 @@ class InferenceError(TokenBudgetError):
     retryable: bool = False
     # The server is busy or unreachable: the request itself is not to blame.
     server_away: bool = False
+    # The server is up but takes no more now (429, 503): it is sent fewer at once.
+    busy: bool = False
     retry_after: float | None = None  # seconds the server asked us to wait
 
 
@@ -139,9 +142,12 @@ class InferenceUnavailableError(InferenceError):
     retryable = True
     server_away = True
 
-    def __init__(self, message: str, *, retry_after: float | None = None) -> None:
+    def __init__(
+        self, message: str, *, retry_after: float | None = None, busy: bool = False
+    ) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+        self.busy = busy
 
 
 class InferenceServerError(InferenceError):
@@ -161,7 +167,8 @@ class InferenceProtocolError(InferenceError):
 
 
 class ServerOutageError(TokenBudgetError):
-    """The inference server stayed away longer than ``[inference] outage_timeout_s``."""
+    """Every inference server of the fleet stayed away longer than ``[inference]
+    outage_timeout_s``."""
 
 
 class WorkerFailedError(TokenBudgetError):
