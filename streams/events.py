@@ -753,7 +753,11 @@ def decode(data: bytes) -> Event:
 
 def event_key(event: Event) -> bytes | None:
     dataset = getattr(event, "dataset", None)
-    return dataset.encode() if isinstance(dataset, str) else None
+    if isinstance(dataset, str):
+        return dataset.encode()
+    if isinstance(event, ServerAdded | ServerDrained | FleetReport):
+        return FLEET_KEY
+    return None
 
 
 def dead_letter_for(reason: str, record: Any) -> DeadLetter:

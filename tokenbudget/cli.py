@@ -56,6 +56,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "produce": ("tokenbudget.app.commands.produce", "the prompt producer on its own"),
     "budget": ("tokenbudget.app.commands.budget", "set or show budgets while a job runs"),
+    "servers": (
+        "tokenbudget.app.commands.servers",
+        "add, drain or list the job's inference servers while it runs",
+    ),
 }
 
 

@@ -11,6 +11,7 @@ the config file's folder.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -418,6 +419,7 @@ def _apply_env(data: dict[str, Any], environ: Mapping[str, str]) -> None:
     """The environment's overrides over ``data``. A server named there replaces the
     file's: ``TOKENBUDGET__INFERENCE__URL`` its ``[[inference.servers]]`` and
     ``TOKENBUDGET__INFERENCE__SERVERS`` its ``url``."""
+    named: list[str] = []  # the inference servers' keys the environment sets
     for name, value in environ.items():
         if not name.startswith(ENV_PREFIX):
             continue
@@ -427,15 +429,35 @@ def _apply_env(data: dict[str, Any], environ: Mapping[str, str]) -> None:
         section, key = parts
         if section == "datasets" or section not in _RawConfig.__struct_fields__:
             raise ConfigError(f"{section}.{key}", f"unknown section (from ${name})")
-        table = data.setdefault(section, {})
-        table[key] = value if _is_text_key(section, key) else _env_value(value)
+        data.setdefault(section, {})[key] = (
+            value if _is_text_key(section, key) else _env_value(value)
+        )
         if section == "inference" and key in _ONE_OR_SEVERAL:
-            table.pop(_ONE_OR_SEVERAL[key], None)
+            named.append(key)
+    if len(named) > 1:
+        raise ConfigError(
+            "inference.url",
+            f"both ${ENV_PREFIX}INFERENCE__URL and ${ENV_PREFIX}INFERENCE__SERVERS are set: "
+            "unset one",
+        )
+    for key in named:
+        data["inference"].pop(_ONE_OR_SEVERAL[key], None)
 
 
 # An inference server named from the environment replaces the config's: url those of
 # [[inference.servers]], servers the url.
 _ONE_OR_SEVERAL = {"url": "servers", "servers": "url"}
+
+
+def servers_environment(config: Config) -> dict[str, str]:
+    """The environment that gives a process loading ``config``'s file the same fleet
+    (``run``'s extra dispatchers, whatever ``--server`` or the environment said)."""
+    tables = ", ".join(
+        f"{{url = {json.dumps(s.url)}, concurrency = {s.concurrency}, "
+        f"api_key_env = {json.dumps(s.api_key_env)}, weight = {s.weight!r}}}"
+        for s in config.servers
+    )
+    return {f"{ENV_PREFIX}INFERENCE__SERVERS": f"[{tables}]"}
 
 
 def _is_text_key(section: str, key: str) -> bool:
@@ -889,7 +911,7 @@ def _servers(inference: InferenceConfig, source: str) -> tuple[Server, ...]:
         )
     if not inference.servers:
         url = inference.url or DEFAULT_URL
-        _check_url(url, "inference.url", source)
+        check_url(url, "inference.url", source)
         return (
             Server(
                 url=url.rstrip("/"),
@@ -900,7 +922,7 @@ def _servers(inference: InferenceConfig, source: str) -> tuple[Server, ...]:
     servers: list[Server] = []
     for i, entry in enumerate(inference.servers):
         key = f"inference.servers[{i}]"
-        _check_url(entry.url, f"{key}.url", source)
+        check_url(entry.url, f"{key}.url", source)
         url = entry.url.rstrip("/")
         twice = [j for j, s in enumerate(servers) if s.url == url]
         if twice:
@@ -929,7 +951,7 @@ def with_servers(config: Config, urls: Sequence[str]) -> Config:
     """``config`` sent to ``urls`` instead of the servers it names (``--server``), each
     with ``[inference]``'s settings."""
     for url in urls:
-        _check_url(url, "--server", config.source)
+        check_url(url, "--server", config.source)
     inference = msgspec.structs.replace(
         config.inference, url="", servers=[ServerConfig(url=url) for url in urls]
     )
@@ -938,7 +960,8 @@ def with_servers(config: Config, urls: Sequence[str]) -> Config:
     )
 
 
-def _check_url(url: str, key: str, source: str) -> None:
+def check_url(url: str, key: str, source: str | None = None) -> None:
+    """Raise a ConfigError naming ``key`` unless ``url`` is one http(s) URL of a host."""
     if "," in url or len(url.split()) > 1:
         raise ConfigError(key, one_server_per_url(url), source=source)
     if not url.startswith(("http://", "https://")):

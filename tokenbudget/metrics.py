@@ -14,9 +14,10 @@ Who sets what:
   process touches them, so several processes never report conflicting values;
 * the **run process** sets the dispatcher's metrics (in-flight, latency, TTFT,
   inference errors, skipped prompts, and per server of the fleet, labelled ``server``
-  with its URL: requests, tokens generated, errors, in flight, window, state, TTFT), the sink's (Parquet rows and bytes), events
-  produced/consumed, dead letters, consumer lag (:class:`LagSampler`) and the
-  overshoot allowance;
+  with its URL: requests, tokens generated, errors, in flight, window, state, TTFT),
+  the sink's (Parquet rows and bytes), events produced/consumed, dead letters,
+  consumer lag (:class:`LagSampler`) and the overshoot allowance; so does each
+  ``tokenbudget dispatch`` process, for its own requests;
 * events consumed and dead letters are also counted by the ledger, labelled
   ``consumer="ledger"``.
 

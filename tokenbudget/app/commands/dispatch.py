@@ -18,6 +18,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a name unique in the job: restarted under it, the dispatcher takes its "
         "prompts straight back (Kafka static group membership)",
     )
+    add_server(parser)
+
+
+def add_server(parser: argparse.ArgumentParser) -> None:
+    """``--server URL``, once per server: the fleet instead of the config's (``run``
+    and ``dispatch``)."""
+    parser.add_argument(
+        "--server",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="an inference server, once per server: these instead of the config's",
+    )
 
 
 def main(args: argparse.Namespace) -> int:

@@ -10,6 +10,7 @@ import sys
 from streams.topics import Topics
 from tokenbudget import config as config_module
 from tokenbudget.app import plan, runner
+from tokenbudget.app.commands.dispatch import add_server
 from tokenbudget.app.interrupts import Interrupted
 from tokenbudget.app.report import print_table
 
@@ -25,6 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--ledgers", type=int, default=1, help="ledger worker processes sharing the datasets"
     )
+    add_server(parser)
     add_resume_changed(parser)
 
 
@@ -39,6 +41,8 @@ def add_resume_changed(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     config = config_module.load(args.config)
+    if args.server:
+        config = config_module.with_servers(config, args.server)
     try:
         report = runner.run(
             config,
