@@ -569,8 +569,9 @@ class DatasetConfig(_Sampling, frozen=True, forbid_unknown_fields=True, kw_only=
         ReasoningMode | None,
         doc(
             "a thinking model's reasoning: `save` (kept, warned about when a chat answer "
-            "has none, raw text checked for `inference.reasoning_end`) or `disable` (the chat "
-            "template asked for none); unset: as the server does"
+            "has none, raw text checked for `inference.reasoning_end`) or `disable` "
+            "(`chat_template_kwargs` gets `enable_thinking = false` and `thinking = false`, "
+            "unless the dataset sets its own); unset: as the server does, its reasoning kept"
         ),
     ] = None
 
