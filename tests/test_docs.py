@@ -5,6 +5,7 @@ describe (docs/gen_reference.py writes them)."""
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 from types import ModuleType
 
@@ -50,3 +51,34 @@ def test_a_format_lists_every_value_it_takes(generator: ModuleType) -> None:
     )
     for value in ("auto", "prompt", "openai", "sharegpt", "hf"):
         assert f'`"{value}"`' in row
+
+
+def test_the_readme_opens_with_the_two_commands_and_fits_a_first_hour() -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert readme.startswith("# tokenbudget\n\n```\nmake demo\nmake test\n```\n")
+    assert len(readme.splitlines()) <= 200
+    assert "make test" in (ROOT / ".ci" / "run").read_text()  # CI runs the README's command
+
+
+def test_every_alert_has_its_runbook_where_its_link_points() -> None:
+    """An alert's runbook_url is <runbooks>#<alert in lower case>: a heading of
+    docs/monitoring.md (infra/prometheus/prometheus.yml's runbooks)."""
+    yaml = pytest.importorskip("yaml")
+    rules = yaml.safe_load(
+        (ROOT / "infra" / "prometheus" / "rules" / "tokenbudget.yml").read_text()
+    )
+    page = (ROOT / "docs" / "monitoring.md").read_text().splitlines()
+    for rule in rules["groups"][0]["rules"]:
+        assert f"### {rule['alert']}" in page
+    prometheus = (ROOT / "infra" / "prometheus" / "prometheus.yml").read_text()
+    assert "docs/monitoring.md" in prometheus
+
+
+def test_the_readmes_links_reach_pages_that_exist() -> None:
+    """mkdocs build --strict checks the links between docs/ pages; the README is not
+    one of them."""
+    readme = (ROOT / "README.md").read_text()
+    targets = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", readme)
+    assert targets
+    for target in targets:
+        assert (ROOT / target).exists(), target
