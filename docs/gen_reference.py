@@ -211,6 +211,18 @@ def option_cell(action: argparse.Action) -> str:
     return ", ".join(f"`{name} {value}`".replace(" `", "`") for name in action.option_strings)
 
 
+def wrap(line: str, width: int = 88) -> str:
+    """A usage line over several, each option kept whole (``[--to PATH]``)."""
+    items = re.findall(r"\[[^\]]*\]|\S+", line)
+    lines = [items[0]]
+    for item in items[1:]:
+        if len(lines[-1]) + 1 + len(item) > width:
+            lines.append("    " + item)
+        else:
+            lines[-1] += " " + item
+    return "\n".join(lines)
+
+
 def usage(path: tuple[str, ...], parser: argparse.ArgumentParser) -> str:
     words, positionals = [], []
     for action in parser._actions:
@@ -256,7 +268,8 @@ def command_section(path: tuple[str, ...], parser: argparse.ArgumentParser) -> s
     parts = [f"{level} `{' '.join(['tokenbudget', *path])}`\n"]
     if parser.description:
         parts.append(text_and_examples(parser.description))
-    parts.append(f"```\n{usage(path, parser)}\n```\n")
+    wrapped = wrap(usage(path, parser))
+    parts.append(f"```\n{wrapped}\n```\n")
     rows = ["| option | what it does |", "|---|---|"]
     for action in parser._actions:
         if isinstance(action, argparse._HelpAction) or action.help == argparse.SUPPRESS:
