@@ -25,7 +25,7 @@ Leases are renewed while in use and released when idle, so a dispatcher that die
 holds budget only until its lease expires. A revoked lease (budget lowered, or
 expired under a slow holder) stops all spending at once and aborts what is in
 flight through ``on_revoke``; what those requests may still keep between them is a
-:class:`RevokedCap`. From the moment a lower budget is read on the budgets topic
+:class:`producers.caps.RevokedCap`. From the moment a lower budget is read on the budgets topic
 until the ledger has applied it, nothing is admitted on the dataset.
 """
 
@@ -99,48 +99,6 @@ class _Lease:
     releasing: bool = False
 
 
-@dataclass
-class RevokedCap:
-    """What the requests in flight on a revoked lease may still keep, between them.
-
-    ``left`` starts as the lease's allowance (its ceiling less what the holder had
-    already spent). Streamed requests report their tokens as they arrive
-    (:meth:`progress`): the moment what they generated together reaches ``left``,
-    nothing more any of them generates can be kept, so all of them are to be
-    aborted at once. Answers are then kept in the order they come back, the one
-    that crosses the line cut at it (:meth:`fit`).
-    """
-
-    left: int
-    generated: dict[str, int] = field(default_factory=dict)  # rid -> tokens so far
-    aborting: bool = False
-
-    def progress(self, rid: str, tokens: int) -> bool:
-        """Record a request's tokens so far; True once (the first time the
-        requests' tokens reach what may be kept): abort them all now."""
-        self.generated[rid] = tokens
-        return self.check()
-
-    def check(self) -> bool:
-        if self.aborting or sum(self.generated.values()) < self.left:
-            return False
-        self.aborting = True
-        return True
-
-    def fit(self, rid: str, cost: int, cuttable: bool) -> int | None:
-        """How much of an answer costing ``cost`` is kept (:func:`streams.budget.fit`):
-        all of it, what is left when it can be cut at a token, or None."""
-        self.generated.pop(rid, None)
-        keep = budget.fit(cost, self.left, cuttable)
-        if keep is not None:
-            self.left -= keep
-        return keep
-
-    def forget(self, rid: str) -> None:
-        """A request that ended with nothing to keep."""
-        self.generated.pop(rid, None)
-
-
 def _next_change(lease: _Lease) -> Awaitable[None]:
     """Until the lease changes from now on (a settle, a grant, a revocation), or a
     second passes: its state is then looked at again."""
@@ -165,6 +123,17 @@ async def _wait_aside(
 
 
 class Admission:
+    """One dispatcher's leases (``holder`` names it to the ledger), asked for and
+    handed back with ``producer`` on the namespace's reservations topic; the ledger's
+    answers come through ``board``.
+
+    ``on_revoke``, if given, is called with a dataset's name, as a task of its own,
+    when the ledger revokes a lease of it in use because its budget was lowered; what
+    the lease's requests in flight may still keep is then in :attr:`revocations`.
+    That is the one call admission makes back into the dispatcher
+    (:meth:`producers.caps.InFlight.on_revoke`, wired by the dispatcher's
+    ``compose``); every other call goes the other way."""
+
     def __init__(
         self,
         producer: AIOKafkaProducer,
@@ -192,7 +161,7 @@ class Admission:
         board.lease_listeners[holder] = self._on_ledger_event
         self._maintenance: asyncio.Task[None] | None = None
 
-    # -- the two calls a dispatcher makes -------------------------------------------
+    # -- the calls a dispatcher makes ------------------------------------------------
 
     async def admit(
         self,
@@ -211,6 +180,10 @@ class Admission:
         other datasets meanwhile and has it back before anything is reserved.
         ``exact``: ``max_new_tokens`` is the answer's own length (an answer generated
         already), not a limit, so only all of it covers it.
+
+        Called by the dispatcher's tries for each prompt, and by its request attempt to
+        claim an answer anew. Raises what sending to Kafka raises (a request for more
+        budget) and a cancellation; a ticket is then not reserved.
         """
         waiting = functools.partial(_wait_aside, aside)
         settings = self.settings
@@ -256,34 +229,50 @@ class Admission:
                 return Ticket(dataset, lease.lease_id, reserved, send, prompt_estimate)
             want = request.lease_request(settings.lease_size)
             reply = await self._ask(lease, want, request.floor)
-            if reply is None or isinstance(reply, ev.LeaseGranted):
-                continue  # granted (see _on_ledger_event), or no answer yet: ask again
-            if lease.balance >= request.floor and self._leases.get(dataset) is lease:
-                lease.ledger_short = True  # denied: spend what the lease still holds
-                continue
-            if lease.revoked or self._leases.get(dataset) is not lease:
-                continue  # a fresh lease is opened on the next turn
-            if isinstance(reply, ev.LeaseDenied) and reply.remaining < 0:
-                # The ledger has not seen this dataset's budget yet: ask again.
-                await waiting(asyncio.sleep(0.2))
-                continue
-            if lease.in_flight > 0:
-                # Leftovers of requests in flight may still cover this one.
-                await waiting(_next_change(lease))
-                continue
-            if isinstance(reply, ev.LeaseDenied) and not reply.full:
-                # The rest is reserved by other holders: it comes back when they
-                # settle, go idle or expire.
-                await waiting(asyncio.sleep(0.25))
-                continue
-            self.refused_at.setdefault(dataset, time.time())
-            if self._leases.get(dataset) is lease:
-                await self._release(lease)
-            return None
+            if not await self._after_asking(lease, reply, request.floor, waiting):
+                return None
+
+    async def _after_asking(
+        self,
+        lease: _Lease,
+        reply: ev.Event | None,
+        floor: int,
+        waiting: Callable[[Awaitable[Any]], Awaitable[None]],
+    ) -> bool:
+        """What the ledger's reply (None: no reply in time) to a request for more on
+        ``lease`` means for :meth:`admit`: True to look at the budget again (after
+        waiting, where the reply says to wait), False when the dataset is full for
+        this holder (the refusal recorded, the lease released)."""
+        dataset = lease.dataset
+        if reply is None or isinstance(reply, ev.LeaseGranted):
+            return True  # granted (see _on_ledger_event), or no answer yet: ask again
+        if lease.balance >= floor and self._leases.get(dataset) is lease:
+            lease.ledger_short = True  # denied: spend what the lease still holds
+            return True
+        if lease.revoked or self._leases.get(dataset) is not lease:
+            return True  # a fresh lease is opened on the next turn
+        if isinstance(reply, ev.LeaseDenied) and reply.remaining < 0:
+            # The ledger has not seen this dataset's budget yet: ask again.
+            await waiting(asyncio.sleep(0.2))
+            return True
+        if lease.in_flight > 0:
+            # Leftovers of requests in flight may still cover this one.
+            await waiting(_next_change(lease))
+            return True
+        if isinstance(reply, ev.LeaseDenied) and not reply.full:
+            # The rest is reserved by other holders: it comes back when they
+            # settle, go idle or expire.
+            await waiting(asyncio.sleep(0.25))
+            return True
+        self.refused_at.setdefault(dataset, time.time())
+        if self._leases.get(dataset) is lease:
+            await self._release(lease)
+        return False
 
     def answered(self, dataset: str, completion_tokens: int) -> None:
         """An answer of the dataset the budget did not cut was this long: what the
-        next ones likely need (:meth:`long_answer`)."""
+        next ones likely need (:meth:`long_answer`). Called by the request attempt as
+        such an answer's completion is sent."""
         lengths = self._lengths.get(dataset)
         if lengths is None:
             lengths = self._lengths[dataset] = budget.AnswerLengths()
@@ -299,7 +288,8 @@ class Admission:
         """Whether the ticket's lease may have expired at the ledger (revoked as
         expired, or not renewed within its TTL, as after a freeze). If so the lease
         takes nothing more, and an answer on it is to be claimed anew (:meth:`admit`
-        for its actual cost, after settling this ticket) before it is kept."""
+        for its actual cost, after settling this ticket) before it is kept. Called by
+        the request attempt once the answer is in."""
         lease = self._lease_of(ticket)
         if lease is None:
             return True
@@ -313,14 +303,16 @@ class Admission:
     def sending(self, ticket: Ticket) -> None:
         """A completion on ``ticket`` is about to be sent: its lease is not handed back
         before :meth:`published`, so every completion of a lease is on Kafka before its
-        release, and the ledger never frees budget an answer on its way still needs."""
+        release, and the ledger never frees budget an answer on its way still needs.
+        Called by the request attempt, before the send and before any await."""
         lease = self._lease_of(ticket)
         if lease is not None:
             lease.publishing += 1
             lease.published.clear()
 
     def published(self, ticket: Ticket) -> None:
-        """The completion announced by :meth:`sending` is on Kafka (or given up)."""
+        """The completion announced by :meth:`sending` is on Kafka (or given up).
+        Called by the request attempt after the send, on every path."""
         lease = self._lease_of(ticket)
         if lease is None:
             return
@@ -329,8 +321,11 @@ class Admission:
             lease.published.set()
 
     def settle(self, ticket: Ticket, published_cost: int | None) -> None:
-        """``published_cost``: what the published completion consumed, in the
-        budget's unit, or None when nothing was published for this request."""
+        """Give the ticket's lease back what its request did not use (all of it when
+        nothing was published). ``published_cost``: what the published completion
+        consumed, in the budget's unit, or None when nothing was published for this
+        request. Called by the request attempt exactly once per ticket, on every
+        path; never raises."""
         lease = self._lease_of(ticket)
         if lease is None:
             return  # its lease was released meanwhile
@@ -488,9 +483,10 @@ class Admission:
         )
 
     async def maintain(self) -> None:
-        """Renew leases in use, release idle ones; run as a background task. A failed
-        send (a broker away) is tried again on the next round: this task never ends
-        on its own, or every lease would expire under requests still using it."""
+        """Renew leases in use, release idle ones; run as a background task by the
+        dispatcher while it runs. A failed send (a broker away) is tried again on the
+        next round: this task never ends on its own, or every lease would expire
+        under requests still using it."""
         interval = max(0.5, self.settings.lease_ttl_s / 3)
         while True:
             await asyncio.sleep(min(interval, self.settings.idle_release_s))
@@ -518,13 +514,15 @@ class Admission:
                 await self._send_extending(lease, renewal)
 
     async def hand_back_idle(self) -> None:
-        """Release every lease with no request in flight now (dispatch is pausing)."""
+        """Release every lease with no request in flight now: the server gate's
+        ``on_pause`` (dispatch is pausing). Raises what sending to Kafka raises."""
         for lease in list(self._leases.values()):
             if lease.in_flight == 0 and not lease.revoked:
                 await self._release(lease)
 
     async def close(self) -> None:
-        """Hand every lease back (graceful stop: nothing is left in flight)."""
+        """Hand every lease back (graceful stop: nothing is left in flight). Called by
+        the dispatcher as it stops; raises what sending to Kafka raises."""
         for lease in list(self._by_id.values()):
             await self._release(lease)
         self.board.lease_listeners.pop(self.holder, None)

@@ -1,4 +1,4 @@
-"""The dispatcher: prompt events in, inference requests out, completions back.
+"""The dispatcher: prompt events in, inference requests out, outcomes back.
 
 Contract, per prompt read from the prompts topic:
   * undecodable           -> dead-letter topic
@@ -9,36 +9,45 @@ Contract, per prompt read from the prompts topic:
 Its offset is committed only after that outcome is acknowledged by Kafka, so a
 crash re-dispatches unfinished prompts and never loses one.
 
-A prompt's path, in :meth:`Dispatcher._dispatch` and :meth:`Dispatcher._attempt`:
-admit (a ticket on the budget) -> generate -> fit (what of the answer is kept) ->
-publish, the ticket settled on every path; retried as the server's errors allow.
+:class:`Dispatcher` is the spine: it consumes prompts, gives each a place at the
+server (a :class:`~producers.slots.Slot`), hands it to the steps of its path and
+commits its offset once it has its outcome; it stops by finishing what it started,
+or by handing back what the server has not answered (:meth:`Dispatcher.hand_back`).
+The path itself is composed in one place, :meth:`Dispatcher.compose`:
+
+    ConversationTurns (producers/turns.py)    what follows a conversation's turn
+      -> Tries (producers/tries.py)           admit, attempt, retry, or fail
+        -> Attempt (producers/attempt.py)     generate, fit, publish; tickets settled
+
+with the parts they share: :class:`~producers.admission.Admission` (budget leases),
+:class:`~producers.caps.InFlight` (requests at the server, caps of revoked leases),
+:class:`~producers.publisher.Publisher` (outcomes to Kafka),
+:class:`~producers.server_gate.ServerGate` (the server's health) and
+:class:`~producers.slots.Places` (how many at once). Each step's contract is in
+:mod:`producers.step` and its own module.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import os
 import socket
-import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import httpx
 import kafka.errors
-import msgspec
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
-from aiokafka.errors import KafkaError, MessageSizeTooLargeError
+from aiokafka.errors import KafkaError
 
 from producers import conversations
-from producers.admission import Admission, AdmissionSettings, RevokedCap, Ticket
+from producers.admission import Admission, AdmissionSettings
+from producers.attempt import Attempt
+from producers.caps import InFlight
 from producers.inference import (
-    GenerationRequest,
-    GenerationResult,
     InferenceBackend,
     RetryPolicy,
     Timeouts,
@@ -46,223 +55,29 @@ from producers.inference import (
     http_client,
 )
 from producers.offsets import OffsetTracker
+from producers.publisher import Publisher
 from producers.reasoning import ReasoningRows
 from producers.resume import OutcomeView
 from producers.server_gate import GateSettings, ServerGate
+from producers.slots import Places, Slot
+from producers.step import DispatchReport
+from producers.tries import Tries
+from producers.turns import ConversationTurns
 from streams import budget
 from streams import events as ev
 from streams.halts import BudgetBoard
 from streams.topics import Topics
-from tokenbudget import metrics, sizes
+from tokenbudget import metrics
 from tokenbudget.config import Config
-from tokenbudget.errors import (
-    EventDecodeError,
-    InferenceError,
-    KafkaLimitsError,
-    ServerOutageError,
-)
+from tokenbudget.errors import EventDecodeError
 from tokenbudget.kafka import aiokafka_producer_options, consumer_options
 
 log = logging.getLogger(__name__)
 
 PRODUCER_BATCH_BYTES = 512 * 1024
-# Errors outside the inference request (not Kafka's: those are waited out) after which
-# a prompt is recorded as failed rather than tried again.
-UNEXPECTED_ERRORS = 5
 # Handing back: how long answers already in get to be published before they too are
 # given up (one waiting for budget on an expired lease could wait for long).
 HAND_BACK_GRACE_S = 10.0
-
-
-def about(prompt: ev.PromptEvent) -> str:
-    """A prompt as log lines name it: its dataset and row, then its id (the hash
-    alone says nothing to whoever reads the log)."""
-    row = f", {prompt.source}" if prompt.source else ""
-    return f"{prompt.dataset}{row} (prompt {prompt.prompt_id})"
-
-
-def wasted(dataset: str, reason: str, tokens: int) -> None:
-    """Count ``tokens`` the server generated that are not kept."""
-    if tokens > 0:
-        metrics.WASTED_TOKENS.labels(dataset=dataset, reason=reason).inc(tokens)
-
-
-def finish_label(
-    kept: GenerationResult, generated: GenerationResult, request_max: int, wanted_max: int
-) -> ev.StopReason:
-    """Why the kept answer ends (its ``stop_reason``): ``budget`` when the budget's
-    line cut it (the answer was cut to fit, or it ran into a max_new_tokens lowered
-    below the dataset's own), else the server's finish reason (``stop``, ``length``,
-    ``abort``)."""
-    if kept.completion_tokens < generated.completion_tokens:
-        return "budget"
-    if kept.finish_reason == "length" and request_max < wanted_max:
-        return "budget"
-    return kept.finish_reason
-
-
-@dataclass(frozen=True)
-class Dispatched:
-    dataset: str
-    rid: str
-    sent_at: float
-
-
-@dataclass
-class DispatchReport:
-    completed: int = 0
-    skipped: int = 0
-    failed: int = 0
-    dead_lettered: int = 0
-    already_completed: int = 0  # handed over again, already completed: not generated
-    sent: list[Dispatched] = field(default_factory=list)
-
-
-class _Slot:
-    """A request's place at the server, handed over to a place among the answers
-    being published once the server has answered; lent to other prompts while its
-    own waits for budget."""
-
-    def __init__(
-        self,
-        server: asyncio.Semaphore,
-        publishing: asyncio.Semaphore,
-        waiting: asyncio.Semaphore | None = None,
-    ) -> None:
-        self._server: asyncio.Semaphore | None = server
-        self._publishing = publishing
-        self._waiting = waiting
-        self._held: asyncio.Semaphore | None = None
-
-    @contextlib.asynccontextmanager
-    async def aside(self) -> AsyncIterator[None]:
-        """Free the server place while the prompt waits for budget, so prompts of
-        other datasets are not queued behind it, and take a place back (waiting
-        like any new prompt) before it goes on. The prompt keeps a place among the
-        waiting instead, so at most as many wait aside as the server has places;
-        past that, it waits where it is.
-
-        An answer waiting to be claimed anew (its lease expired) lends its place among
-        the answers being published instead, always: the budget it waits for may be
-        held by a request of the same lease that needs such a place to settle."""
-        held = self._held
-        if held is not None:
-            held.release()
-            self._held = None
-            try:
-                yield
-            finally:
-                await held.acquire()
-                self._held = held
-            return
-        server, waiting = self._server, self._waiting
-        if server is None or waiting is None or waiting.locked():
-            yield
-            return
-        await waiting.acquire()  # not locked: returns at once
-        server.release()
-        self._server = None
-        try:
-            yield
-        finally:
-            waiting.release()
-            await server.acquire()
-            self._server = server
-
-    async def hand_over(self) -> None:
-        if self._server is None:
-            return
-        await self._publishing.acquire()
-        self._held = self._publishing
-        self._server.release()
-        self._server = None
-
-    def release(self) -> None:
-        if self._server is not None:
-            self._server.release()
-            self._server = None
-        if self._held is not None:
-            self._held.release()
-            self._held = None
-
-
-@dataclass
-class _Tries:
-    """A prompt's attempts so far, and why the last one failed."""
-
-    attempts: int = 0
-    failures: int = 0  # failures that do not say the server is away
-    last_error: InferenceError | None = None
-
-
-@dataclass(frozen=True)
-class _Admitted:
-    """A prompt let through: on ``ticket`` when budgets are reserved, else None."""
-
-    ticket: Ticket | None
-
-
-@dataclass(frozen=True)
-class _Generated:
-    """The server's answer to one request, and when it was sent and finished."""
-
-    answer: GenerationResult
-    sent_at: float
-    finished_at: float
-
-
-@dataclass(frozen=True)
-class _Fitted:
-    """What of an answer is kept (``result``), on which ticket, and the answer as the
-    request allowed it before the budget cut it (``answer``)."""
-
-    ticket: Ticket | None
-    result: GenerationResult
-    answer: GenerationResult
-
-
-class _Tickets:
-    """The tickets one attempt holds (its own, and one claimed for its answer if its
-    lease expired): each is settled exactly once, at its cost when its completion is
-    sent, and with nothing otherwise (:meth:`settle_rest`, on every path)."""
-
-    def __init__(self, admission: Admission | None, admitted: Ticket | None) -> None:
-        self.admitted = admitted
-        self._admission = admission
-        self._held: list[Ticket] = [admitted] if admitted is not None else []
-        self._settled: list[Ticket] = []
-
-    def hold(self, ticket: Ticket | None) -> None:
-        """``ticket`` is this attempt's to settle too."""
-        if ticket is not None and ticket not in self._held:
-            self._held.append(ticket)
-
-    def settle(self, ticket: Ticket, cost: int | None) -> None:
-        """Settle ``ticket`` at ``cost`` (None: nothing published on it)."""
-        assert self._admission is not None
-        self._admission.settle(ticket, cost)
-        self._settled.append(ticket)
-
-    def sending(self, ticket: Ticket, completion: ev.CompletionEvent) -> None:
-        """Its completion is about to be sent: spent at its cost from now on. An
-        answer that ended on its own terms (not cut by the budget, not aborted) says
-        how long the dataset's answers get."""
-        assert self._admission is not None
-        self._admission.sending(ticket)
-        self.settle(ticket, completion.cost)
-        if completion.stop_reason in ("stop", "length"):
-            self._admission.answered(completion.dataset, completion.completion_tokens)
-
-    def published(self, ticket: Ticket) -> None:
-        """The completion announced by :meth:`sending` is on Kafka (or given up)."""
-        assert self._admission is not None
-        self._admission.published(ticket)
-
-    def settle_rest(self) -> None:
-        """Settle with nothing every ticket not settled yet."""
-        for ticket in self._held:
-            if ticket not in self._settled:
-                self.settle(ticket, None)
 
 
 class _CommitOnRevoke(ConsumerRebalanceListener):  # type: ignore[misc]
@@ -282,6 +97,17 @@ class _CommitOnRevoke(ConsumerRebalanceListener):  # type: ignore[misc]
 
 
 class Dispatcher:
+    """One dispatcher process's consumer of prompts (``holder`` names it to the ledger;
+    ``instance``, when given, is its static group membership). ``board`` is the
+    budget board the process reads; ``backend_factory`` makes the inference backend
+    from the HTTP client (default: the config's); ``keep_log`` keeps every request
+    sent in the report.
+
+    Public contract: :meth:`run` (called once, by ``run``'s in-process dispatcher and
+    by ``tokenbudget dispatch``), :meth:`hand_back` (from a signal handler),
+    :meth:`commit` (the rebalance listener), :meth:`compose` (by :meth:`run`; tests
+    call it with stand-ins), and after :meth:`run`: ``report``, ``refused_at``."""
+
     def __init__(
         self,
         config: Config,
@@ -302,41 +128,30 @@ class Dispatcher:
         self.keep_log = keep_log
         self.reasoning = ReasoningRows.for_config(config)
         inference = config.inference
-        self.retry = RetryPolicy(inference.retries, inference.backoff_s, inference.backoff_max_s)
         self.timeouts = Timeouts(inference.connect_timeout_s, inference.read_timeout_s)
         self._backend_factory = backend_factory or (
             lambda client: backend_for_config(config, client)
         )
         self._consumer: AIOKafkaConsumer | None = None
-        self._producer: AIOKafkaProducer | None = None
-        # Requests at the server at once; answers being published hold a slot of
-        # their own, so the server's slots are free again as soon as it answers.
-        self._slots = asyncio.Semaphore(inference.concurrency)
-        self._publishing = asyncio.Semaphore(inference.concurrency)
-        self._waiting_aside = asyncio.Semaphore(inference.concurrency)
+        self.places = Places(inference.concurrency)
         self.holder = holder or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         # Static group membership (Kafka's group.instance.id), when named.
         self.instance = instance
         self.admission: Admission | None = None
-        # rid -> (dataset, lease id, the generation task)
-        self._in_flight: dict[str, tuple[str, str, asyncio.Task[GenerationResult]]] = {}
-        self._generated: dict[str, int] = {}  # rid -> tokens streamed so far
-        self._caps: dict[str, RevokedCap] = {}  # revoked lease id -> what may still be kept
-        self._aborts: set[asyncio.Task[None]] = set()
-        self._backend: InferenceBackend | None = None
-        self.gate: ServerGate | None = None
         self.outcomes = OutcomeView(bootstrap, self.topics)
-        self._reported_problems: set[str] = set()
         self.refused_at: dict[str, float] = {}  # first refusal per dataset, this process
         self._handing_back = asyncio.Event()
-        self._answered: set[asyncio.Task[Any]] = set()  # prompts the server has answered
-        self._turns = conversations.Outcomes()  # what conversation turns led to
 
     @property
     def group_id(self) -> str:
+        """The consumer group every dispatcher of the namespace shares."""
         return f"{self.topics.namespace}-dispatch"
 
     async def commit(self) -> None:
+        """Commit, for each partition assigned, the offsets up to the first prompt
+        without an outcome yet. A failed commit is tried again on the next one; never
+        raises. Called every half second while :meth:`run` runs, as it ends, and by
+        the rebalance listener before partitions are taken away."""
         offsets = self.tracker.committable()
         if self._consumer is None or not offsets:
             return
@@ -403,7 +218,56 @@ class Dispatcher:
                 ),
                 lease_ttl_s=settings.lease_ttl_s,
             ),
-            on_revoke=self._abort_dataset,
+        )
+
+    def compose(
+        self,
+        producer: AIOKafkaProducer,
+        admission: Admission | None,
+        gate: ServerGate | None = None,
+    ) -> None:
+        """Wire the steps of a prompt's path and the parts they share, in the one
+        place they are wired: ``producer`` publishes the outcomes, ``admission`` (None
+        when budgets are not reserved) admits, and hears its revocations through the
+        register of requests in flight; ``gate`` (None: not watched) pauses dispatch
+        while the server is away. Sets ``steps`` (the path's first step) and the
+        parts a test may reach: ``publisher``, ``in_flight``, ``tries``, ``admission``.
+        Called by :meth:`run` once its clients are up; raises nothing."""
+        inference = self.config.inference
+        unit = self.config.budget.unit
+        turns = conversations.Outcomes()  # what each conversation turn led to
+        self.admission = admission
+        self.publisher = Publisher(producer, self.topics, self.report, seen=turns.saw)
+        self.in_flight = InFlight(admission, unit, inference.stream)
+        if admission is not None:
+            admission.on_revoke = self.in_flight.on_revoke
+        attempt = Attempt(
+            self.publisher,
+            self.in_flight,
+            admission,
+            self.board,
+            self.reasoning,
+            unit,
+            self.report,
+            keep_log=self.keep_log,
+        )
+        self.tries = Tries(
+            attempt,
+            self.publisher,
+            self.board,
+            admission,
+            self.outcomes,
+            RetryPolicy(inference.retries, inference.backoff_s, inference.backoff_max_s),
+            max_new_tokens=inference.max_new_tokens,
+            report=self.report,
+            refused_at=self.refused_at,
+            gate=gate,
+        )
+        self.steps = ConversationTurns(
+            self.tries,
+            self.publisher,
+            turns,
+            max_prompt_bytes=self.config.producer.max_prompt_bytes,
         )
 
     async def _started_clients(self) -> tuple[AIOKafkaConsumer, AIOKafkaProducer]:
@@ -427,43 +291,31 @@ class Dispatcher:
                 delay = min(5.0, delay * 2)
 
     async def run(self, stop: asyncio.Event) -> DispatchReport:
+        """Dispatch until ``stop`` is set (finishing what was started) or
+        :meth:`hand_back` is called, then hand the leases back, commit and return
+        the report. Raises :class:`~tokenbudget.errors.ServerOutageError` when the
+        server stays away past ``[inference] outage_timeout_s`` (after the same
+        orderly stop); Kafka away at the start is waited out."""
         consumer, producer = await self._started_clients()
-        self._consumer, self._producer = consumer, producer
+        self._consumer = consumer
         maintenance: asyncio.Task[None] | None = None
+        admission = None
         if budget.reserves(self.config.budget.admission):
-            self.admission = self._admission(producer)
-            maintenance = asyncio.create_task(self.admission.maintain())
-        tasks: set[asyncio.Task[None]] = set()
+            admission = self.admission = self._admission(producer)
+            maintenance = asyncio.create_task(admission.maintain())
         committer = asyncio.create_task(self._commit_every(0.5))
+        gate: ServerGate | None = None
         try:
             async with http_client(self.config.inference.concurrency, self.timeouts) as client:
                 backend = self._backend_factory(client)
-                self._backend = backend
-                self.gate = self._gate(backend)
-                while not self._stopping(stop):
-                    batches = await consumer.getmany(
-                        timeout_ms=200, max_records=self.config.inference.concurrency
-                    )
-                    for tp, records in batches.items():
-                        metrics.consumed(tp.topic, "dispatcher", len(records))
-                        for record in records:
-                            # Started but not sent, a prompt handed back stays pending:
-                            # the commit stops before it.
-                            self.tracker.started(tp.topic, tp.partition, record.offset)
-                            if not await self._take_slot():
-                                break
-                            task = asyncio.create_task(self._handle(backend, record))
-                            tasks.add(task)
-                            task.add_done_callback(tasks.discard)
-                # Graceful stop: finish what was started (handing back, only what the
-                # server has answered), then commit it.
-                if tasks:
-                    await self._wind_down(tasks)
-                if self.gate.outage is not None:
-                    raise self.gate.outage
+                gate = self._gate(backend, admission)
+                self.compose(producer, admission, gate)
+                await self._consume(consumer, backend, gate, stop)
+                if gate.outage is not None:
+                    raise gate.outage
         finally:
-            if self.gate is not None:
-                await self.gate.close()
+            if gate is not None:
+                await gate.close()
             committer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await committer
@@ -471,54 +323,62 @@ class Dispatcher:
                 maintenance.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await maintenance
-            if self.admission is not None:
+            if admission is not None:
                 with contextlib.suppress(Exception):
-                    await self.admission.close()
-                for dataset, at in self.admission.refused_at.items():
+                    await admission.close()
+                for dataset, at in admission.refused_at.items():
                     self.refused_at.setdefault(dataset, at)
             await self.commit()
             await consumer.stop()
             await producer.stop()
             await asyncio.to_thread(self.outcomes.close)
-            self._consumer = self._producer = None
+            self._consumer = None
         return self.report
+
+    async def _consume(
+        self,
+        consumer: AIOKafkaConsumer,
+        backend: InferenceBackend,
+        gate: ServerGate,
+        stop: asyncio.Event,
+    ) -> None:
+        """Start each prompt consumed, once it has a place at the server, until a stop,
+        a hand-back or the server's outage; then wind down what was started."""
+        tasks: dict[asyncio.Task[None], Slot] = {}  # the prompts started, with their slots
+        concurrency = self.config.inference.concurrency
+        while not (stop.is_set() or self._handing_back.is_set() or gate.outage is not None):
+            batches = await consumer.getmany(timeout_ms=200, max_records=concurrency)
+            for tp, records in batches.items():
+                metrics.consumed(tp.topic, "dispatcher", len(records))
+                for record in records:
+                    # Started but not sent, a prompt handed back stays pending: the
+                    # commit stops before it.
+                    self.tracker.started(tp.topic, tp.partition, record.offset)
+                    slot = await self.places.take(self._handing_back)
+                    if slot is None:
+                        break
+                    task = asyncio.create_task(self._handle(backend, record, slot))
+                    tasks[task] = slot
+                    task.add_done_callback(lambda done: tasks.pop(done, None))
+        # Graceful stop: finish what was started (handing back, only what the server
+        # has answered), then commit it.
+        if tasks:
+            await self._wind_down(tasks)
 
     def hand_back(self) -> None:
         """Stop, handing back rather than finishing: no prompt is started any more,
         requests the server has not answered are given up (their prompts stay
         uncommitted, for the group's next dispatcher or a rerun), answers already in
-        are published; then :meth:`run` commits and returns."""
+        are published; then :meth:`run` commits and returns. Called from a signal
+        handler (``run`` interrupted, or SIGINT to ``tokenbudget dispatch``)."""
         self._handing_back.set()
 
-    def _stopping(self, stop: asyncio.Event) -> bool:
-        return stop.is_set() or self._handing_back.is_set() or self._outage()
-
-    def _outage(self) -> bool:
-        return self.gate is not None and self.gate.outage is not None
-
-    async def _take_slot(self) -> bool:
-        """A place at the server; False (and no place) once handing back."""
-        if self._handing_back.is_set():
-            return False
-        if not self._slots.locked():
-            await self._slots.acquire()
-            return True
-        slot = asyncio.ensure_future(self._slots.acquire())
-        handing_back = asyncio.ensure_future(self._handing_back.wait())
-        await asyncio.wait({slot, handing_back}, return_when=asyncio.FIRST_COMPLETED)
-        handing_back.cancel()
-        if not slot.done():
-            slot.cancel()  # a waiter cancelled before it got the place takes nothing
-            return False
-        if self._handing_back.is_set():
-            self._slots.release()
-            return False
-        return True
-
-    async def _wind_down(self, tasks: set[asyncio.Task[None]]) -> None:
+    async def _wind_down(self, tasks: dict[asyncio.Task[None], Slot]) -> None:
         """Wait for the prompts started; once handing back, cancel those the server has
-        not answered and give the others :data:`HAND_BACK_GRACE_S` to be published."""
-        started = list(tasks)
+        not answered (their slots say) and give the others :data:`HAND_BACK_GRACE_S` to
+        be published."""
+        slots = dict(tasks)
+        started = list(slots)
         finished = asyncio.gather(*started, return_exceptions=True)
         handing_back = asyncio.ensure_future(self._handing_back.wait())
         either: set[asyncio.Future[Any]] = {finished, handing_back}
@@ -526,20 +386,16 @@ class Dispatcher:
         handing_back.cancel()
         if not finished.done():
             for task in started:
-                if task not in self._answered:
+                if not slots[task].answered:
                     task.cancel()
             _, late = await asyncio.wait(started, timeout=HAND_BACK_GRACE_S)
             for task in late:
                 task.cancel()
         await finished
 
-    def _gate(self, backend: InferenceBackend) -> ServerGate:
+    def _gate(self, backend: InferenceBackend, admission: Admission | None) -> ServerGate:
+        """The server's gate; while it is closed, leases not in use are handed back."""
         inference = self.config.inference
-
-        async def hand_back() -> None:
-            if self.admission is not None:
-                await self.admission.hand_back_idle()
-
         return ServerGate(
             backend.health,
             GateSettings(
@@ -548,657 +404,28 @@ class Dispatcher:
                 outage_timeout_s=inference.outage_timeout_s,
             ),
             url=inference.url,
-            on_pause=hand_back,
+            on_pause=admission.hand_back_idle if admission is not None else None,
         )
-
-    def admission_refused(self, dataset: str) -> None:
-        self.refused_at.setdefault(dataset, time.time())
-
-    async def _abort_dataset(self, dataset: str) -> None:
-        """A lease of the dataset was revoked (budget lowered, or lease expired).
-
-        Its requests in flight may keep its allowance between them (a
-        :class:`RevokedCap`). When streaming, they run on while what they generated
-        fits (streaming accounting sees it chunk by chunk, :meth:`_on_progress`) and
-        are all aborted the moment it no longer does; without streaming they are
-        aborted at once. Either way answers are then cut to what fits. SGLang is told
-        by rid (a dropped connection alone may not stop it decoding); closing the
-        connection is what stops OpenAI-compatible servers.
-        """
-        if self.admission is None or dataset not in self.admission.revocations:
-            return
-        lease_id, _ = self.admission.revocations[dataset]
-        cap = self._cap(lease_id, dataset)
-        if cap is None:
-            return
-        if not self.config.inference.stream:
-            cap.aborting = True
-            self._abort_lease(lease_id)
-        elif cap.check():
-            self._abort_lease(lease_id)
-
-    def _cap(self, lease_id: str, dataset: str) -> RevokedCap | None:
-        """The cap of a revoked lease, made when its revocation is first needed
-        (the revocation is applied to the admission as soon as it is read)."""
-        cap = self._caps.get(lease_id)
-        if cap is not None or self.admission is None or not lease_id:
-            return cap
-        revoked = self.admission.revocations.get(dataset)
-        if revoked is None or revoked[0] != lease_id:
-            return None
-        cap = RevokedCap(left=revoked[1])
-        for rid, (_, lease, _) in self._in_flight.items():
-            if lease == lease_id:
-                cap.generated[rid] = self._generated.get(rid, 0)
-        self._caps[lease_id] = cap
-        return cap
-
-    def _abort_lease(self, lease_id: str) -> None:
-        """Stop every request in flight on the lease, all at once."""
-        backend = self._backend
-        sglang = backend is not None and backend.api == "sglang"
-        for rid, (_, lease, generation) in list(self._in_flight.items()):
-            if lease != lease_id:
-                continue
-            if sglang:
-                assert backend is not None
-                task = asyncio.get_running_loop().create_task(self._abort_request(backend, rid))
-                self._aborts.add(task)
-                task.add_done_callback(self._aborts.discard)
-            else:
-                generation.cancel()  # closing the stream is the only abort there
-
-    async def _abort_request(self, backend: InferenceBackend, rid: str) -> None:
-        try:
-            await backend.abort(rid)
-        except Exception as exc:  # the request may have finished meanwhile
-            log.debug("abort of %s failed: %s", rid, exc)
-
-    def _on_progress(self, rid: str, tokens: int) -> None:
-        self._generated[rid] = tokens
-        entry = self._in_flight.get(rid)
-        if entry is None:
-            return
-        dataset, lease_id, _ = entry
-        cap = self._cap(lease_id, dataset)
-        if cap is not None and cap.progress(rid, tokens):
-            self._abort_lease(lease_id)
-
-    def _fit_to_cap(
-        self, lease_id: str, dataset: str, rid: str, result: GenerationResult
-    ) -> GenerationResult | None:
-        """Cut an answer of a revoked lease to what its allowance still holds
-        (None: nothing fits). Only completion-token budgets can be cut mid-answer;
-        in other units an answer is kept whole or not at all."""
-        cap = self._cap(lease_id, dataset)
-        if cap is None:
-            return result
-        unit = self.config.budget.unit
-        cost = budget.unit_cost(unit, result.prompt_tokens, result.completion_tokens)
-        keep = cap.fit(rid, cost, budget.cuttable(unit, bool(result.output_ids)))
-        if keep is None:
-            return None
-        if keep == cost:
-            return result
-        return cut_answer(result, keep)
 
     async def _commit_every(self, interval: float) -> None:
         while True:
             await asyncio.sleep(interval)
             await self.commit()
 
-    async def _handle(self, backend: InferenceBackend, record: Any) -> None:
-        """Give the prompt at ``record`` its outcome, then let its offset be committed.
-
-        Nothing but a stop (cancellation) leaves a prompt without an outcome: an error
-        outside the inference request (a broker away, a bug) is retried with backoff,
-        and a prompt it keeps failing is recorded as failed, so the partition's commit
-        point never sticks behind it.
-        """
-        slot = _Slot(self._slots, self._publishing, self._waiting_aside)
+    async def _handle(self, backend: InferenceBackend, record: Any, slot: Slot) -> None:
+        """Give the prompt at ``record`` its outcome (through :attr:`steps`; a record
+        that is not a prompt is dead-lettered), then let its offset be committed.
+        Nothing but a stop (cancellation) or the server's outage leaves a prompt
+        without an outcome (:meth:`producers.tries.Tries.submit`)."""
         try:
             try:
                 prompt = ev.decode(record.value)
                 if not isinstance(prompt, ev.PromptEvent):
                     raise EventDecodeError(f"expected a prompt, got {type(prompt).__name__}")
             except EventDecodeError as exc:
-                await self._dead_letter(str(exc), record)
+                await self.publisher.dead_letter(str(exc), record)
             else:
-                async with self._conversation_turn(prompt):
-                    await self._settle_prompt(backend, prompt, slot)
+                await self.steps.submit(backend, prompt, slot)
         finally:
             slot.release()
-            self._answered.discard(asyncio.current_task())  # type: ignore[arg-type]
         self.tracker.finished(record.topic, record.partition, record.offset)
-
-    @contextlib.asynccontextmanager
-    async def _conversation_turn(self, prompt: ev.PromptEvent) -> AsyncIterator[None]:
-        """For a turn of a conversation regenerated turn by turn: once its outcome is
-        published, publish what follows it (the next turn's prompt, or skips of the
-        turns that will not be sent: :func:`conversations.follow_up`), before its
-        offset may be committed. A stop before then leaves that to the prompt's
-        redelivery, or to a rerun's producer (:func:`conversations.resume`)."""
-        if not self._turns.expect(prompt):
-            yield
-            return
-        try:
-            yield
-        except BaseException:
-            self._turns.take(prompt.prompt_id)
-            raise
-        after = conversations.follow_up(
-            prompt,
-            self._turns.take(prompt.prompt_id),
-            max_prompt_bytes=self.config.producer.max_prompt_bytes,
-            at=time.time(),
-        )
-        if after.prompt is not None:
-            await self._publish(self.topics.prompts, prompt.dataset, after.prompt)
-            metrics.EVENTS_PRODUCED.labels(topic="prompts").inc()
-        for skipped in after.skipped:
-            await self._publish(self.topics.outcomes, prompt.dataset, skipped)
-            metrics.SKIPPED_PROMPTS.labels(dataset=prompt.dataset).inc()
-            metrics.EVENTS_PRODUCED.labels(topic="outcomes").inc()
-
-    async def _settle_prompt(
-        self, backend: InferenceBackend, prompt: ev.PromptEvent, slot: _Slot
-    ) -> None:
-        errors = 0
-        while True:
-            try:
-                await self._dispatch(backend, prompt, slot)
-                return
-            except (asyncio.CancelledError, ServerOutageError):
-                raise
-            except Exception as exc:
-                errors += 1
-                log.warning(
-                    "%s: %r (attempt %d); trying again",
-                    about(prompt),
-                    exc,
-                    errors,
-                    exc_info=errors == 1,
-                )
-                if errors >= UNEXPECTED_ERRORS and not isinstance(exc, KafkaError):
-                    await self._fail(prompt, errors, f"dispatch failed: {exc!r}")
-                    return
-                async with slot.aside():
-                    await asyncio.sleep(self.retry.delay(min(errors, 6)))
-
-    async def _dispatch(
-        self, backend: InferenceBackend, prompt: ev.PromptEvent, slot: _Slot | None = None
-    ) -> None:
-        """Admit, then generate, fit and publish (:meth:`_attempt`); retry what the
-        server's errors allow, and record the prompt as failed when they do not."""
-        assert self._producer is not None
-        if prompt.prompt_id in self.outcomes.completed:
-            self.report.already_completed += 1  # its outcome is recorded already
-            return
-        max_new = prompt.sampling.max_new_tokens or self.config.inference.max_new_tokens
-        tries = _Tries()
-        while True:
-            admitted = await self._admit(prompt, max_new, slot)
-            if admitted is None:
-                return  # skipped: its dataset has no budget left for it
-            tries.attempts += 1
-            try:
-                await self._attempt(backend, prompt, admitted.ticket, max_new, tries.attempts, slot)
-            except InferenceError as exc:
-                if await self._retry(prompt, exc, tries, slot):
-                    continue
-                break
-            if self.gate is not None:
-                self.gate.succeeded()
-            return
-        await self._fail(
-            prompt,
-            tries.attempts,
-            f"gave up after {tries.attempts} attempt(s): {tries.last_error}",
-        )
-
-    async def _admit(
-        self, prompt: ev.PromptEvent, max_new: int, slot: _Slot | None
-    ) -> _Admitted | None:
-        """Wait until the server takes requests, then admit the prompt (with a ticket
-        when budgets are reserved); None once it is skipped instead (dataset full)."""
-        if self.gate is not None:
-            await self.gate.wait_open()
-        if self.board.is_halted(prompt.dataset):
-            self.admission_refused(prompt.dataset)
-            await self._skip(prompt, "budget reached")
-            return None
-        if self.admission is None:
-            return _Admitted(None)
-        asked_at = time.monotonic()
-        ticket = await self.admission.admit(
-            prompt.dataset,
-            max_new,
-            prompt_token_estimate(prompt),
-            aside=slot.aside if slot is not None else None,
-        )
-        if ticket is None:
-            await self._skip(prompt, "budget fully used or reserved")
-            return None
-        waited = time.monotonic() - asked_at
-        metrics.BUDGET_WAIT.labels(dataset=prompt.dataset).observe(waited)
-        return _Admitted(ticket)
-
-    async def _retry(
-        self, prompt: ev.PromptEvent, exc: InferenceError, tries: _Tries, slot: _Slot | None
-    ) -> bool:
-        """Count a failed attempt; True once its backoff has passed if the prompt may be
-        tried again, False when it is to be given up."""
-        tries.last_error = exc
-        metrics.INFERENCE_ERRORS.labels(kind=type(exc).__name__).inc()
-        log.warning("%s: attempt %d failed: %s", about(prompt), tries.attempts, exc)
-        if self.gate is not None:
-            self.gate.failed(exc)
-        if not exc.retryable:
-            return False
-        if not exc.server_away:
-            tries.failures += 1
-            if tries.failures > self.retry.retries:
-                return False
-        reason = type(exc).__name__
-        metrics.RETRIES.labels(dataset=prompt.dataset, reason=reason).inc()
-        delay = self.retry.delay(min(tries.attempts, 8), exc.retry_after)
-        if slot is not None:
-            async with slot.aside():
-                await asyncio.sleep(delay)
-        else:
-            await asyncio.sleep(delay)
-        return True
-
-    async def _attempt(
-        self,
-        backend: InferenceBackend,
-        prompt: ev.PromptEvent,
-        ticket: Ticket | None,
-        max_new: int,
-        attempts: int,
-        slot: _Slot | None,
-    ) -> None:
-        """One request: generate, fit the answer to what it may keep, publish it. The
-        ticket is settled on every path (an error, a cancellation included)."""
-        request = self._request(prompt, ticket, max_new)
-        tickets = _Tickets(self.admission, ticket)
-        try:
-            generated = await self._generate(backend, prompt, request, ticket, slot)
-            if generated is None:
-                await self._skip(prompt, "budget lowered: aborted in flight")
-                return
-            fitted = await self._fit(backend, prompt, request, generated.answer, tickets, slot)
-            if fitted is None:
-                await self._skip(prompt, "budget lowered or lease expired: answer not kept")
-                return
-            await self._publish_completion(
-                prompt, request, generated, fitted, attempts, max_new, tickets
-            )
-        finally:
-            tickets.settle_rest()
-
-    def _request(
-        self, prompt: ev.PromptEvent, ticket: Ticket | None, max_new: int
-    ) -> GenerationRequest:
-        """The prompt's request under a fresh rid, limited to what its ticket reserved."""
-        return GenerationRequest(
-            rid=uuid.uuid4().hex,
-            on_progress=self._on_progress,
-            max_new_tokens=ticket.max_new_tokens if ticket else max_new,
-            text=prompt.text,
-            messages=prompt.messages,
-            input_ids=tuple(prompt.input_ids) if prompt.input_ids is not None else None,
-            temperature=prompt.sampling.temperature,
-            sampling=prompt.sampling.request_fields(),
-            tools=prompt.tools,
-        )
-
-    async def _fit(
-        self,
-        backend: InferenceBackend,
-        prompt: ev.PromptEvent,
-        request: GenerationRequest,
-        answer: GenerationResult,
-        tickets: _Tickets,
-        slot: _Slot | None,
-    ) -> _Fitted | None:
-        """What of the answer is kept, and on which ticket: cut to the request's limit,
-        then to the budget (:meth:`_kept`); None when nothing of it fits. What is cut
-        or refused is counted as wasted."""
-        generated_tokens = answer.completion_tokens
-        answer = self._within_request(backend, answer, request.max_new_tokens)
-        wasted(prompt.dataset, "over_request", generated_tokens - answer.completion_tokens)
-        kept = await self._kept(prompt, tickets, request.rid, answer, slot)
-        if kept is None:
-            wasted(prompt.dataset, "refused", answer.completion_tokens)
-            return None
-        ticket, result = kept
-        tickets.hold(ticket)
-        wasted(prompt.dataset, "cut", answer.completion_tokens - result.completion_tokens)
-        return _Fitted(ticket, result, answer)
-
-    async def _publish_completion(
-        self,
-        prompt: ev.PromptEvent,
-        request: GenerationRequest,
-        generated: _Generated,
-        fitted: _Fitted,
-        attempts: int,
-        max_new: int,
-        tickets: _Tickets,
-    ) -> None:
-        """Publish the kept answer as the prompt's completion, its ticket settled at
-        the completion's cost before the send; count it."""
-        ticket, result = fitted.ticket, fitted.result
-        sent_at, finished_at = generated.sent_at, generated.finished_at
-        metrics.REQUEST_LATENCY.labels(dataset=prompt.dataset).observe(finished_at - sent_at)
-        if result.first_token_at is not None:
-            metrics.TIME_TO_FIRST_TOKEN.observe(max(0.0, result.first_token_at - sent_at))
-        stop_reason = finish_label(result, fitted.answer, request.max_new_tokens, max_new)
-        unfinished = self.reasoning.unfinished(prompt.dataset, result, fitted.answer, stop_reason)
-        completion = self._completion(
-            prompt, request, result, ticket, attempts, sent_at, finished_at, stop_reason, unfinished
-        )
-        if ticket is not None:
-            # Spent from here on, before any await: a revocation arriving while
-            # this is being sent must already see it.
-            tickets.sending(ticket, completion)
-        try:
-            await self._publish(self.topics.completions, prompt.dataset, completion)
-        finally:
-            if ticket is not None:
-                tickets.published(ticket)
-        metrics.EVENTS_PRODUCED.labels(topic="completions").inc()
-        metrics.COMPLETIONS.labels(dataset=prompt.dataset, finish_reason=stop_reason).inc()
-        self.reasoning.count(completion)
-        self.report.completed += 1
-
-    async def _generate(
-        self,
-        backend: InferenceBackend,
-        prompt: ev.PromptEvent,
-        request: GenerationRequest,
-        ticket: Ticket | None,
-        slot: _Slot | None,
-    ) -> _Generated | None:
-        """The server's answer with when it was sent and finished; None when it was
-        aborted because its lease was revoked (a lowered budget)."""
-        rid = request.rid
-        sent_at = time.time()
-        if self.keep_log:
-            self.report.sent.append(Dispatched(prompt.dataset, rid, sent_at))
-        metrics.IN_FLIGHT.inc()
-        generation = asyncio.create_task(backend.generate(request))
-        lease_id = ticket.lease_id if ticket else ""
-        # In flight (abortable, counted by its lease's cap) until it is fitted.
-        self._in_flight[rid] = (prompt.dataset, lease_id, generation)
-        try:
-            try:
-                result = await generation
-            finally:
-                metrics.IN_FLIGHT.dec()
-            if (current := asyncio.current_task()) is not None:
-                self._answered.add(current)  # handing back, it is published, not dropped
-            # Stamped before any cap is looked up: a budget lowered after this
-            # moment is known (synced below) before the answer is kept.
-            finished_at = time.time()
-            if slot is not None:
-                await slot.hand_over()  # the server may take the next request
-            if ticket:
-                # Every budget event published until now is applied, and a lower
-                # budget on its way to the ledger has its answer (revocations come
-                # before the snapshot that shows it): what fits is known.
-                await self.board.sync()
-                await self.board.decided(prompt.dataset)
-            return _Generated(result, sent_at, finished_at)
-        except asyncio.CancelledError:
-            self._forget_in_cap(lease_id, rid)
-            current = asyncio.current_task()
-            if current is not None and current.cancelling():
-                raise
-            # aborted because its lease was revoked: what it streamed so far is lost
-            wasted(prompt.dataset, "aborted", self._generated.get(rid, 0))
-            return None
-        except BaseException:
-            self._forget_in_cap(lease_id, rid)
-            raise
-        finally:
-            self._in_flight.pop(rid, None)
-            self._generated.pop(rid, None)
-
-    def _forget_in_cap(self, lease_id: str, rid: str) -> None:
-        cap = self._caps.get(lease_id)
-        if cap is not None:
-            cap.forget(rid)
-
-    def _within_request(
-        self, backend: InferenceBackend, result: GenerationResult, max_new_tokens: int
-    ) -> GenerationResult:
-        """The answer as the request allowed it: ids and count agreeing, at most
-        ``max_new_tokens`` (a server that ignored the limit, or a recount that came out
-        higher, is cut to it and reported once per server)."""
-        checked, problem = within_request(result, max_new_tokens)
-        if problem is not None:
-            metrics.SERVER_COUNT_CORRECTIONS.labels(kind=problem).inc()
-            if problem not in self._reported_problems:
-                self._reported_problems.add(problem)
-                log.error(
-                    "the inference server %s returned %s (first seen: %d ids, %d counted, "
-                    "max_new_tokens %d); such answers are cut to the request's limit",
-                    backend.base_url,
-                    PROBLEMS[problem],
-                    len(result.output_ids or ()),
-                    result.completion_tokens,
-                    max_new_tokens,
-                )
-        return checked
-
-    async def _kept(
-        self,
-        prompt: ev.PromptEvent,
-        tickets: _Tickets,
-        rid: str,
-        answer: GenerationResult,
-        slot: _Slot | None,
-    ) -> tuple[Ticket | None, GenerationResult] | None:
-        """What of the answer is kept, and on which ticket: its own; a fresh one when
-        its lease may have expired meanwhile (the old one is settled); or, on a lease
-        revoked by a lowered budget, what its allowance holds. None: nothing fits."""
-        ticket = tickets.admitted
-        if ticket is None or self.admission is None:
-            return ticket, answer
-        if self.admission.retire_if_expired(ticket):
-            # Its budget may be someone else's now: claim the answer anew.
-            tickets.settle(ticket, None)
-            return await self._claim(prompt, answer, slot)
-        fitted = self._fit_to_cap(ticket.lease_id, prompt.dataset, rid, answer)
-        return None if fitted is None else (ticket, fitted)
-
-    async def _claim(
-        self, prompt: ev.PromptEvent, result: GenerationResult, slot: _Slot | None
-    ) -> tuple[Ticket, GenerationResult] | None:
-        """A fresh ticket for an answer already generated, for what it actually costs
-        (cut at the line when only part of it fits a completion-token budget), or None
-        when the budget has no room left for it: GPU work done is kept when it can be."""
-        assert self.admission is not None
-        claimed = await self.admission.admit(
-            prompt.dataset,
-            result.completion_tokens,
-            result.prompt_tokens,
-            aside=slot.aside if slot is not None else None,
-            exact=True,
-        )
-        metrics.CLAIMS.labels(result="kept" if claimed else "refused").inc()
-        if claimed is None:
-            return None
-        if claimed.max_new_tokens >= result.completion_tokens:
-            return claimed, result
-        return claimed, cut_answer(result, claimed.max_new_tokens)
-
-    def _completion(
-        self,
-        prompt: ev.PromptEvent,
-        request: GenerationRequest,
-        result: GenerationResult,
-        ticket: Ticket | None,
-        attempts: int,
-        sent_at: float,
-        finished_at: float,
-        stop_reason: ev.StopReason,
-        unfinished: bool,
-    ) -> ev.CompletionEvent:
-        return ev.CompletionEvent(
-            request_id=request.rid,
-            prompt_id=prompt.prompt_id,
-            dataset=prompt.dataset,
-            prompt_tokens=result.prompt_tokens,
-            completion_tokens=result.completion_tokens,
-            output_ids=None if result.output_ids is None else ev.TokenIds(result.output_ids),
-            finish_reason=result.finish_reason,
-            max_new_tokens=request.max_new_tokens,
-            text=result.text,
-            attempts=attempts,
-            lease_id=ticket.lease_id if ticket else "",
-            cost=budget.unit_cost(
-                self.config.budget.unit, result.prompt_tokens, result.completion_tokens
-            ),
-            dispatched_at=sent_at,
-            first_token_at=result.first_token_at,
-            count_source=result.count_source,
-            finished_at=finished_at,
-            prompt=prompt.text,
-            messages=prompt.messages,
-            # the ids sent (template applied here), else those the server returned
-            prompt_ids=_sent_ids(prompt, result),
-            sampling=msgspec.structs.replace(
-                prompt.sampling, max_new_tokens=request.max_new_tokens
-            ),
-            model=result.model,
-            row_id=prompt.row_id,
-            input_columns=prompt.input_columns,
-            sample_index=prompt.sample_index,
-            stop_reason=stop_reason,
-            reasoning=result.reasoning,
-            reasoning_tokens=result.reasoning_tokens,
-            unfinished=unfinished,
-            tool_calls=result.tool_calls,
-            **conversations.completion_fields(prompt, result.tool_calls),
-        )
-
-    async def _publish(self, topic: str, dataset: str, event: ev.Event) -> None:
-        """Send until Kafka has it: an outcome is never given up on (a broker away is
-        waited out). The same event sent twice is harmless: readers keep the first
-        outcome of a prompt, and a repeated request id is recognised."""
-        assert self._producer is not None
-        value = ev.encode(event)
-        self._turns.saw(event)
-        delay = 0.2
-        while True:
-            try:
-                await self._producer.send_and_wait(topic, key=dataset.encode(), value=value)
-                return
-            except MessageSizeTooLargeError as exc:
-                # Sending it again cannot help. Prompts take at most half a message
-                # (tokenbudget.sizes), so only an answer of hundreds of thousands of
-                # tokens gets here.
-                raise KafkaLimitsError(
-                    f"a {type(event).__name__} of dataset {dataset} is {len(value):,} bytes, "
-                    f"over the {sizes.MESSAGE_BYTES:,}-byte Kafka message every topic "
-                    "accepts; fix: lower [inference] max_new_tokens (or the dataset's)"
-                ) from exc
-            except KafkaError as exc:
-                log.warning("publishing to %s failed (%r); trying again", topic, exc)
-                await asyncio.sleep(delay)
-                delay = min(5.0, delay * 2)
-
-    async def _fail(self, prompt: ev.PromptEvent, attempts: int, reason: str) -> None:
-        log.warning("%s: failed for good (%s); see the dead-letter topic", about(prompt), reason)
-        failed = ev.PromptFailed(
-            prompt_id=prompt.prompt_id,
-            dataset=prompt.dataset,
-            reason=reason,
-            attempts=attempts,
-            at=time.time(),
-        )
-        letter = ev.dead_letter(reason, source_topic=self.topics.prompts, payload=ev.encode(prompt))
-        await self._publish(self.topics.dead_letter, prompt.dataset, letter)
-        await self._publish(self.topics.outcomes, prompt.dataset, failed)
-        self.report.failed += 1
-        metrics.DEAD_LETTERED.labels(topic="prompts").inc()
-        metrics.EVENTS_PRODUCED.labels(topic="outcomes").inc()
-
-    async def _skip(self, prompt: ev.PromptEvent, reason: str) -> None:
-        skipped = ev.PromptSkipped(
-            prompt_id=prompt.prompt_id, dataset=prompt.dataset, reason=reason, at=time.time()
-        )
-        await self._publish(self.topics.outcomes, prompt.dataset, skipped)
-        self.report.skipped += 1
-        metrics.SKIPPED_PROMPTS.labels(dataset=prompt.dataset).inc()
-        metrics.EVENTS_PRODUCED.labels(topic="outcomes").inc()
-
-    async def _dead_letter(self, reason: str, record: Any) -> None:
-        assert self._producer is not None
-        letter = ev.dead_letter_for(reason, record)
-        await self._producer.send_and_wait(
-            self.topics.dead_letter,
-            key=record.key,
-            value=ev.encode(letter),
-        )
-        self.report.dead_lettered += 1
-        metrics.DEAD_LETTERED.labels(topic="prompts").inc()
-        log.warning("dead-lettered a prompt event: %s", reason)
-
-
-PROBLEMS = {
-    "over_request": "more tokens than max_new_tokens",
-    "ids_mismatch": "a completion_tokens count that disagrees with its token ids",
-}
-
-
-def within_request(
-    result: GenerationResult, max_new_tokens: int
-) -> tuple[GenerationResult, str | None]:
-    """The answer with ids and count agreeing and at most ``max_new_tokens`` tokens,
-    and what was wrong with it, if anything. Token ids, when the server returned
-    them, are the answer; a count without ids (a tokenizer recount) is capped."""
-    problem: str | None = None
-    if result.output_ids and len(result.output_ids) != result.completion_tokens:
-        problem = "ids_mismatch"
-        result = dataclasses.replace(result, completion_tokens=len(result.output_ids))
-    if result.completion_tokens > max_new_tokens:
-        problem = problem or "over_request"
-        result = cut_answer(result, max_new_tokens)
-    return result, problem
-
-
-def cut_answer(result: GenerationResult, keep: int) -> GenerationResult:
-    """The first ``keep`` tokens of an answer, as a server stopping there would give.
-    With ids, the ids are the answer: they hold the thinking and the answer as
-    generated, so neither text is kept (the thinking comes first: at most ``keep``
-    of it is), nor a call, whose arguments may be cut."""
-    thinking = result.reasoning_tokens
-    return dataclasses.replace(
-        result,
-        completion_tokens=keep,
-        output_ids=None if result.output_ids is None else result.output_ids[:keep],
-        text="" if result.output_ids else result.text,
-        reasoning=None if result.output_ids else result.reasoning,
-        tool_calls=None if result.output_ids else result.tool_calls,
-        reasoning_tokens=None if thinking is None else min(thinking, keep),
-        finish_reason="length",
-    )
-
-
-def _sent_ids(prompt: ev.PromptEvent, result: GenerationResult) -> ev.TokenIds | None:
-    """The prompt's ids: those sent (the template applied here), else those the
-    server returned, else unknown."""
-    ids = prompt.input_ids if prompt.input_ids is not None else result.prompt_ids
-    return None if ids is None else ev.TokenIds(ids)
-
-
-def prompt_token_estimate(prompt: ev.PromptEvent) -> int:
-    """An upper bound on the prompt's tokens before the server counts them, for
-    budgets in total_tokens: byte-level tokenizers never make more tokens than
-    UTF-8 bytes; the margin covers special and template tokens."""
-    text = prompt.text or "".join(m.content for m in prompt.messages or ())
-    return len(text.encode()) + 16 * (1 + len(prompt.messages or ()))

@@ -74,6 +74,9 @@ class ServerGate:
         return self._outage
 
     async def wait_open(self) -> None:
+        """Return once the gate is open (at once while the server answers). Raises
+        :class:`~tokenbudget.errors.ServerOutageError` once the server has been away
+        too long. Called by the dispatcher's tries before each admission."""
         while not self._open.is_set():
             if self._outage is not None:
                 raise self._outage
@@ -82,11 +85,15 @@ class ServerGate:
             raise self._outage
 
     def succeeded(self) -> None:
+        """A request was answered: the count of failures in a row starts again.
+        Called by the dispatcher's tries."""
         self._failures = 0
         self._pauses = 0
         self._away_since = None
 
     def failed(self, error: InferenceError) -> None:
+        """A request failed with ``error``; a "server away" error counts towards the
+        pause (see the module's contract). Called by the dispatcher's tries."""
         if not error.server_away:
             return
         if error.retry_after:
@@ -150,6 +157,7 @@ class ServerGate:
         return bool(limit) and since is not None and time.monotonic() - since > limit
 
     async def close(self) -> None:
+        """Stop probing; never raises. Called by the dispatcher as it stops."""
         if self._prober is not None:
             self._prober.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):

@@ -108,16 +108,14 @@ def make_dispatcher(
     dispatcher = Dispatcher(config, "127.0.0.1:1", board, holder="d1")
     recorder = Recorder()
     backend = ScriptedBackend()
-    dispatcher._producer = recorder  # type: ignore[assignment]
-    dispatcher._backend = backend
-    dispatcher.admission = Admission(
+    admission = Admission(
         fake,  # type: ignore[arg-type]
         TOPICS,
         "d1",
         board,
         AdmissionSettings(lease_size=1000),
-        on_revoke=dispatcher._abort_dataset,
     )
+    dispatcher.compose(recorder, admission)  # type: ignore[arg-type]
     return dispatcher, backend, fake, board, recorder
 
 
@@ -146,7 +144,7 @@ def test_an_answer_finished_after_a_lowering_waits_for_the_ledger_and_is_cut() -
                 board.apply(ev.BudgetSet(dataset=DS, budget=lowered))
 
         board.syncer = syncer
-        task = asyncio.create_task(dispatcher._dispatch(backend, prompt(0)))
+        task = asyncio.create_task(dispatcher.tries.dispatch(backend, prompt(0)))
         await until(lambda: len(backend.calls) == 1, "the request")
         backend.finish(backend.rid_of(0), 500)
         await until(lambda: syncs == 1, "the sync")
@@ -167,7 +165,7 @@ def test_an_answer_finished_after_a_lowering_waits_for_the_ledger_and_is_cut() -
 def test_an_answer_finished_before_the_lowering_was_published_is_kept_whole() -> None:
     async def main() -> None:
         dispatcher, backend, _, board, recorder = make_dispatcher(stream=False)
-        task = asyncio.create_task(dispatcher._dispatch(backend, prompt(0)))
+        task = asyncio.create_task(dispatcher.tries.dispatch(backend, prompt(0)))
         await until(lambda: len(backend.calls) == 1, "the request")
         backend.finish(backend.rid_of(0), 500)
         await asyncio.wait_for(task, 5)
@@ -181,7 +179,9 @@ def test_an_answer_finished_before_the_lowering_was_published_is_kept_whole() ->
 def test_streams_are_aborted_together_when_what_they_generated_reaches_the_cap() -> None:
     async def main() -> None:
         dispatcher, backend, fake, board, recorder = make_dispatcher(stream=True)
-        tasks = [asyncio.create_task(dispatcher._dispatch(backend, prompt(i))) for i in range(2)]
+        tasks = [
+            asyncio.create_task(dispatcher.tries.dispatch(backend, prompt(i))) for i in range(2)
+        ]
         await until(lambda: len(backend.calls) == 2, "two requests")
         a, b = backend.rid_of(0), backend.rid_of(1)
         backend.streamed(a, 100)
@@ -209,7 +209,7 @@ def test_streams_are_aborted_together_when_what_they_generated_reaches_the_cap()
 def test_a_stream_already_past_its_cap_is_aborted_as_soon_as_the_cap_is_known() -> None:
     async def main() -> None:
         dispatcher, backend, fake, board, recorder = make_dispatcher(stream=True)
-        task = asyncio.create_task(dispatcher._dispatch(backend, prompt(0)))
+        task = asyncio.create_task(dispatcher.tries.dispatch(backend, prompt(0)))
         await until(lambda: len(backend.calls) == 1, "the request")
         rid = backend.rid_of(0)
         backend.streamed(rid, 400)
@@ -230,7 +230,7 @@ def test_answers_the_model_ended_tell_admission_their_length_those_cut_do_not() 
         dispatcher, backend, fake, board, recorder = make_dispatcher(stream=False)
         admission = dispatcher.admission
         assert admission is not None
-        first = asyncio.create_task(dispatcher._dispatch(backend, prompt(0)))
+        first = asyncio.create_task(dispatcher.tries.dispatch(backend, prompt(0)))
         await until(lambda: len(backend.calls) == 1, "the first request")
         backend.finish(backend.rid_of(0), 400)
         await asyncio.wait_for(first, 5)
@@ -246,7 +246,7 @@ def test_answers_the_model_ended_tell_admission_their_length_those_cut_do_not() 
                 board.apply(ev.BudgetSet(dataset=DS, budget=lowered))
 
         board.syncer = syncer
-        second = asyncio.create_task(dispatcher._dispatch(backend, prompt(1)))
+        second = asyncio.create_task(dispatcher.tries.dispatch(backend, prompt(1)))
         await until(lambda: len(backend.calls) == 2, "the second request")
         backend.finish(backend.rid_of(1), 500)
         await until(lambda: syncs == 1, "the sync")

@@ -13,7 +13,6 @@ import pytest
 from aiokafka.errors import KafkaConnectionError
 
 from producers.admission import Ticket
-from producers.dispatcher import cut_answer, within_request
 from producers.inference import GenerationRequest, GenerationResult, InferenceBackend, RetryPolicy
 from producers.server_gate import GateSettings, ServerGate
 from streams import events as ev
@@ -78,7 +77,7 @@ class NoWaitRetry(RetryPolicy):
 
 def with_retry(dispatcher: Any, retries: int = 2) -> NoWaitRetry:
     policy = NoWaitRetry(retries)
-    dispatcher.retry = policy
+    dispatcher.tries.retry = policy
     return policy
 
 
@@ -92,7 +91,7 @@ def test_a_busy_server_delays_a_prompt_by_its_retry_after_and_never_fails_it() -
         policy = with_retry(dispatcher, retries=1)
         busy = [InferenceUnavailableError("HTTP 503", retry_after=2.5) for _ in range(6)]
         backend = FailingBackend([*busy, InferenceTransportError("reset")])
-        await dispatcher._dispatch(backend, prompt(0))
+        await dispatcher.tries.dispatch(backend, prompt(0))
         [completion] = outcomes(recorder)
         assert isinstance(completion, ev.CompletionEvent)
         assert completion.attempts == 8  # seven failures, more than `retries`, spared it
@@ -110,9 +109,9 @@ def test_a_wrong_request_fails_at_once_and_other_server_errors_after_the_retries
         dispatcher, _, _, _, recorder = make_dispatcher(stream=False)
         with_retry(dispatcher, retries=2)
         wrong = FailingBackend([InferenceRequestError("HTTP 400: prompt too long")])
-        await dispatcher._dispatch(wrong, prompt(0))
+        await dispatcher.tries.dispatch(wrong, prompt(0))
         broken = FailingBackend([InferenceServerError("HTTP 500")] * 5)
-        await dispatcher._dispatch(broken, prompt(1))
+        await dispatcher.tries.dispatch(broken, prompt(1))
         failed = [e for e in recorder.sent if isinstance(e, ev.PromptFailed)]
         assert [(f.prompt_id, f.attempts) for f in failed] == [("p0", 1), ("p1", 3)]
         assert len(wrong.requests) == 1 and len(broken.requests) == 3
@@ -127,12 +126,14 @@ def test_warnings_about_a_prompt_name_its_dataset_and_row(
         dispatcher, _, _, _, _ = make_dispatcher(stream=False)
         with_retry(dispatcher, retries=1)
         row = msgspec.structs.replace(prompt(0), source="data/a.jsonl:7")
-        await dispatcher._dispatch(FailingBackend([InferenceServerError("HTTP 500")] * 2), row)
+        await dispatcher.tries.dispatch(FailingBackend([InferenceServerError("HTTP 500")] * 2), row)
 
-    with caplog.at_level(logging.WARNING, logger="producers.dispatcher"):
+    # The dispatcher's steps log under their modules' names.
+    steps = {"producers.dispatcher", "producers.tries", "producers.publisher"}
+    with caplog.at_level(logging.WARNING, logger="producers"):
         run(main())
     about = f"{DS}, data/a.jsonl:7 (prompt p0)"
-    assert [r.getMessage() for r in caplog.records if r.name == "producers.dispatcher"] == [
+    assert [r.getMessage() for r in caplog.records if r.name in steps] == [
         f"{about}: attempt 1 failed: HTTP 500",
         f"{about}: attempt 2 failed: HTTP 500",
         f"{about}: failed for good (gave up after 2 attempt(s): HTTP 500); "
@@ -145,13 +146,13 @@ def test_the_gate_pauses_dispatch_hands_back_idle_leases_and_resumes_on_health()
         dispatcher, _, fake, _, recorder = make_dispatcher(stream=False)
         with_retry(dispatcher, retries=0)
         backend = FailingBackend([InferenceTransportError("refused")] * 3)
-        dispatcher.gate = ServerGate(
+        gate = dispatcher.tries.gate = ServerGate(
             backend.health,
             GateSettings(pause_after=3, health_interval_s=0.01),
             on_pause=dispatcher.admission.hand_back_idle,  # type: ignore[union-attr]
         )
-        task = asyncio.create_task(dispatcher._dispatch(backend, prompt(0)))
-        await until(lambda: not dispatcher.gate.is_open, "the pause")  # type: ignore[union-attr]
+        task = asyncio.create_task(dispatcher.tries.dispatch(backend, prompt(0)))
+        await until(lambda: not gate.is_open, "the pause")
         await until(lambda: backend.health_checks >= 2, "health checks")
         # While the server is away nothing is sent and no budget is held.
         assert len(backend.requests) == 3
@@ -169,13 +170,13 @@ def test_a_server_away_longer_than_the_outage_timeout_ends_dispatch_with_a_clear
         dispatcher, _, _, _, recorder = make_dispatcher(stream=False)
         with_retry(dispatcher, retries=0)
         backend = FailingBackend([InferenceTransportError("refused")] * 100)
-        dispatcher.gate = ServerGate(
+        dispatcher.tries.gate = ServerGate(
             backend.health,
             GateSettings(pause_after=1, health_interval_s=0.01, outage_timeout_s=0.05),
             url="http://sim",
         )
         try:
-            await asyncio.wait_for(dispatcher._dispatch(backend, prompt(0)), 5)
+            await asyncio.wait_for(dispatcher.tries.dispatch(backend, prompt(0)), 5)
         except ServerOutageError as exc:
             assert "http://sim" in str(exc) and "outage_timeout_s" in str(exc)
         else:
@@ -203,9 +204,9 @@ def test_a_failed_send_is_retried_and_the_lease_is_handed_back_only_after_it() -
     async def main() -> None:
         dispatcher, _, fake, _, _ = make_dispatcher(stream=False)
         flaky = FlakyProducer(failures=2)
-        dispatcher._producer = flaky  # type: ignore[assignment]
+        dispatcher.publisher.producer = flaky  # type: ignore[assignment]
         backend = FailingBackend([], tokens=40)
-        task = asyncio.create_task(dispatcher._dispatch(backend, prompt(0)))
+        task = asyncio.create_task(dispatcher.tries.dispatch(backend, prompt(0)))
         await asyncio.wait_for(task, 10)
         [completion] = flaky.completions()
         admission = dispatcher.admission
@@ -232,10 +233,12 @@ def test_an_error_outside_the_request_is_retried_and_the_offset_is_finished() ->
                 raise RuntimeError("budgets not synced")
 
         board.syncer = syncer
-        dispatcher.retry = RetryPolicy(retries=1, backoff=0.0, backoff_max=0.0)
+        dispatcher.tries.retry = RetryPolicy(retries=1, backoff=0.0, backoff_max=0.0)
         record = _Record(ev.encode(prompt(0)))
         dispatcher.tracker.started(record.topic, record.partition, record.offset)
-        await dispatcher._handle(FailingBackend([]), record)
+        slot = await dispatcher.places.take(asyncio.Event())
+        assert slot is not None
+        await dispatcher._handle(FailingBackend([]), record, slot)
         assert [type(e) for e in outcomes(recorder)] == [ev.CompletionEvent]
         assert dispatcher.tracker.committable() == {(record.topic, record.partition): 1}
         lease = dispatcher.admission._leases[DS]  # type: ignore[union-attr]
@@ -258,7 +261,9 @@ def test_an_answer_longer_than_asked_is_cut_to_the_request_and_counted() -> None
     async def main() -> None:
         dispatcher, _, _, _, recorder = make_dispatcher(stream=False)
         before = metrics.SERVER_COUNT_CORRECTIONS.labels(kind="over_request")._value.get()
-        await dispatcher._dispatch(FailingBackend([], tokens=900), prompt(0, max_new_tokens=500))
+        await dispatcher.tries.dispatch(
+            FailingBackend([], tokens=900), prompt(0, max_new_tokens=500)
+        )
         [completion] = recorder.completions()
         assert completion.completion_tokens == 500 == len(completion.output_ids)
         assert completion.finish_reason == "length"
@@ -268,29 +273,15 @@ def test_an_answer_longer_than_asked_is_cut_to_the_request_and_counted() -> None
     run(main())
 
 
-def test_within_request_makes_ids_and_count_agree() -> None:
-    base = GenerationResult("r", 3, 10, list(range(12)), "t", "stop")
-    fixed, problem = within_request(base, 100)
-    assert (fixed.completion_tokens, problem) == (12, "ids_mismatch")
-    fixed, problem = within_request(base, 8)
-    assert (fixed.completion_tokens, len(fixed.output_ids), problem) == (8, 8, "ids_mismatch")
-    counted = GenerationResult("r", 3, 120, [], "text", "stop", count_source="tokenizer")
-    fixed, problem = within_request(counted, 100)
-    assert (fixed.completion_tokens, fixed.text, problem) == (100, "text", "over_request")
-    assert within_request(cut_answer(base, 10), 10) == (cut_answer(base, 10), None)
-
-
 def test_an_answer_on_a_lease_expired_meanwhile_is_claimed_on_a_fresh_lease() -> None:
     async def main() -> None:
         dispatcher, backend, fake, board, recorder = make_dispatcher(stream=False)
-        task = asyncio.create_task(dispatcher._dispatch(backend, prompt(0)))
+        task = asyncio.create_task(dispatcher.tries.dispatch(backend, prompt(0)))
         await until(lambda: len(backend.calls) == 1, "the request")
         first = dispatcher.admission._leases[DS]  # type: ignore[union-attr]
         # The ledger expired the lease (its holder looked dead): the budget it held
         # is free again, and the holder hears so.
-        board.apply(
-            ev.LeaseRevoked(dataset=DS, lease_id=first.lease_id, holder="d1", expired=True)
-        )
+        board.apply(ev.LeaseRevoked(dataset=DS, lease_id=first.lease_id, holder="d1", expired=True))
         backend.finish(backend.rid_of(0), 300)
         await asyncio.wait_for(task, 5)
         [completion] = recorder.completions()
@@ -305,7 +296,7 @@ def test_an_answer_on_a_lease_expired_meanwhile_is_claimed_on_a_fresh_lease() ->
 def test_a_claim_the_budget_has_no_room_for_is_not_kept() -> None:
     async def main() -> None:
         dispatcher, backend, fake, _, recorder = make_dispatcher(stream=False, budget=1000)
-        task = asyncio.create_task(dispatcher._dispatch(backend, prompt(0)))
+        task = asyncio.create_task(dispatcher.tries.dispatch(backend, prompt(0)))
         await until(lambda: len(backend.calls) == 1, "the request")
         first = dispatcher.admission._leases[DS]  # type: ignore[union-attr]
         first.valid_until = 0.0  # frozen past its TTL: no renewal reached the ledger

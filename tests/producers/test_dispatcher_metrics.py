@@ -1,6 +1,7 @@
-"""The dispatcher's signals, without a broker: finish reasons (the budget's cut told
-apart from the model's own stop), tokens generated but not kept, retries, time spent
-waiting for budget, request latency per dataset, and halt latency on the board."""
+"""The dispatcher's signals, without a broker: completions by finish reason (how the
+budget's cut is told from the model's own stop is in ``test_answers``), tokens
+generated but not kept, retries, time spent waiting for budget, request latency per
+dataset, and halt latency on the board."""
 
 from __future__ import annotations
 
@@ -9,8 +10,6 @@ import time
 
 from prometheus_client import REGISTRY
 
-from producers.dispatcher import finish_label
-from producers.inference import GenerationResult
 from streams import events as ev
 from streams.halts import BudgetBoard
 from tests.producers.test_admission import DS, run, until
@@ -23,21 +22,6 @@ def sample(name: str, **labels: str) -> float:
     return REGISTRY.get_sample_value(name, labels) or 0.0
 
 
-def answer(tokens: int, finish: str = "stop") -> GenerationResult:
-    return GenerationResult("r", 3, tokens, list(range(tokens)), "t", finish)
-
-
-def test_finish_label_tells_the_budgets_cut_from_the_models_own_ends() -> None:
-    assert finish_label(answer(10), answer(10), 100, 100) == "stop"
-    assert finish_label(answer(100, "length"), answer(100, "length"), 100, 100) == "length"
-    # cut at the line after it was generated
-    assert finish_label(answer(40, "length"), answer(90), 100, 100) == "budget"
-    # ran into a max_new_tokens the budget had lowered
-    assert finish_label(answer(30, "length"), answer(30, "length"), 30, 100) == "budget"
-    # a lowered limit it never reached: the model stopped by itself
-    assert finish_label(answer(20), answer(20), 30, 100) == "stop"
-
-
 def test_retries_are_counted_per_dataset_and_reason() -> None:
     async def main() -> None:
         dispatcher, _, _, _, recorder = make_dispatcher(stream=False)
@@ -45,7 +29,7 @@ def test_retries_are_counted_per_dataset_and_reason() -> None:
         labels = {"dataset": DS, "reason": "InferenceUnavailableError"}
         before = sample("tokenbudget_inference_retries_total", **labels)
         busy = [InferenceUnavailableError("HTTP 503") for _ in range(3)]
-        await dispatcher._dispatch(FailingBackend(busy), prompt(0))
+        await dispatcher.tries.dispatch(FailingBackend(busy), prompt(0))
         assert isinstance(outcomes(recorder)[0], ev.CompletionEvent)
         assert sample("tokenbudget_inference_retries_total", **labels) == before + 3
 
@@ -58,7 +42,7 @@ def test_latency_budget_wait_and_finish_reason_are_observed_per_dataset() -> Non
         latency = sample("tokenbudget_request_latency_seconds_count", dataset=DS)
         waits = sample("tokenbudget_budget_wait_seconds_count", dataset=DS)
         stops = sample("tokenbudget_completions_total", dataset=DS, finish_reason="stop")
-        await dispatcher._dispatch(FailingBackend([], tokens=40), prompt(0))
+        await dispatcher.tries.dispatch(FailingBackend([], tokens=40), prompt(0))
         assert sample("tokenbudget_request_latency_seconds_count", dataset=DS) == latency + 1
         assert sample("tokenbudget_budget_wait_seconds_count", dataset=DS) == waits + 1
         assert (
@@ -73,7 +57,9 @@ def test_tokens_beyond_the_request_are_waste() -> None:
         dispatcher, _, _, _, _ = make_dispatcher(stream=False)
         labels = {"dataset": DS, "reason": "over_request"}
         before = sample("tokenbudget_wasted_tokens_total", **labels)
-        await dispatcher._dispatch(FailingBackend([], tokens=900), prompt(0, max_new_tokens=500))
+        await dispatcher.tries.dispatch(
+            FailingBackend([], tokens=900), prompt(0, max_new_tokens=500)
+        )
         assert sample("tokenbudget_wasted_tokens_total", **labels) == before + 400
 
     run(main())
@@ -84,7 +70,7 @@ def test_an_answer_the_budget_has_no_room_for_is_waste() -> None:
         dispatcher, backend, fake, _, recorder = make_dispatcher(stream=False, budget=1000)
         labels = {"dataset": DS, "reason": "refused"}
         before = sample("tokenbudget_wasted_tokens_total", **labels)
-        task = asyncio.create_task(dispatcher._dispatch(backend, prompt(0)))
+        task = asyncio.create_task(dispatcher.tries.dispatch(backend, prompt(0)))
         await until(lambda: len(backend.calls) == 1, "the request")
         dispatcher.admission._leases[DS].valid_until = 0.0  # type: ignore[union-attr]
         fake.states[DS] = fake.state().__class__(

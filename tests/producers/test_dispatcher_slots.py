@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 
 from producers.admission import Admission, AdmissionSettings
-from producers.dispatcher import _Slot
+from producers.slots import Slot
 from streams import events as ev
 from streams import ledger
 from tests.producers.test_admission import DS, TOPICS, run, settle_and_complete, until
@@ -29,8 +29,8 @@ def test_a_prompt_waiting_for_budget_frees_its_server_place_until_budget_comes()
         assert taken is not None
 
         await server.acquire()  # as the run loop does before it starts a prompt
-        slot = _Slot(server, publishing, waiting)
-        task = asyncio.create_task(dispatcher._dispatch(backend, prompt(1), slot))
+        slot = Slot(server, publishing, waiting)
+        task = asyncio.create_task(dispatcher.tries.dispatch(backend, prompt(1), slot))
         await until(
             lambda: any(isinstance(e, ev.LeaseDenied) and e.holder == "d1" for e in fake.replies),
             "a denial for the waiting prompt",
@@ -55,48 +55,6 @@ def test_a_prompt_waiting_for_budget_frees_its_server_place_until_budget_comes()
     run(main())
 
 
-def test_with_as_many_prompts_aside_as_places_the_next_waits_in_place() -> None:
-    async def main() -> None:
-        server, publishing, waiting = (asyncio.Semaphore(1) for _ in range(3))
-        await waiting.acquire()  # the one place among the waiting is taken
-        await server.acquire()
-        slot = _Slot(server, publishing, waiting)
-        async with slot.aside():
-            assert server.locked()  # kept: nobody else gets it meanwhile
-        slot.release()
-        assert not server.locked()
-
-    run(main())
-
-
-def test_a_prompt_cancelled_while_aside_leaves_every_place_free() -> None:
-    async def main() -> None:
-        server, publishing, waiting = (asyncio.Semaphore(1) for _ in range(3))
-        await server.acquire()
-        slot = _Slot(server, publishing, waiting)
-        entered = asyncio.Event()
-
-        async def wait_aside() -> None:
-            try:
-                async with slot.aside():
-                    entered.set()
-                    await asyncio.Event().wait()
-            finally:
-                slot.release()
-
-        task = asyncio.create_task(wait_aside())
-        await entered.wait()
-        await server.acquire()  # someone else holds the place when it is cancelled
-        task.cancel()
-        await asyncio.sleep(0.01)
-        server.release()
-        await asyncio.sleep(0.01)
-        assert task.done()
-        assert not server.locked() and not waiting.locked()
-
-    run(main())
-
-
 def test_an_answer_waiting_to_be_claimed_lends_its_place_among_those_being_published() -> None:
     """Two answers of one lease in flight when the ledger expires it (a frozen
     dispatcher, a broker away): the first to finish waits to claim budget anew until
@@ -110,9 +68,9 @@ def test_an_answer_waiting_to_be_claimed_lends_its_place_among_those_being_publi
 
         async def handle(i: int) -> None:  # as the run loop does
             await server.acquire()
-            slot = _Slot(server, publishing, waiting)
+            slot = Slot(server, publishing, waiting)
             try:
-                await dispatcher._dispatch(backend, prompt(i), slot)
+                await dispatcher.tries.dispatch(backend, prompt(i), slot)
             finally:
                 slot.release()
 

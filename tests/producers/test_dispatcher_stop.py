@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 
+from producers.dispatcher import Dispatcher
+from producers.slots import Slot
 from streams import events as ev
 from tests.producers.test_admission import DS, run, until
 from tests.producers.test_dispatcher_caps import Recorder, make_dispatcher, prompt
@@ -25,6 +27,13 @@ class HeldRecorder(Recorder):
         await super().send_and_wait(topic, key, value)
 
 
+async def taken(dispatcher: Dispatcher) -> Slot:
+    """A place at the server, as the run loop takes one before it starts a prompt."""
+    slot = await dispatcher.places.take(asyncio.Event())
+    assert slot is not None
+    return slot
+
+
 class Record:
     topic = "t.prompts"
     partition = 0
@@ -39,17 +48,18 @@ def test_handing_back_publishes_the_answers_in_and_gives_up_the_requests_at_the_
     async def main() -> None:
         dispatcher, backend, _, _, _ = make_dispatcher(stream=False)
         recorder = HeldRecorder()
-        dispatcher._producer = recorder  # type: ignore[assignment]
+        dispatcher.publisher.producer = recorder  # type: ignore[assignment]
         records = [Record(0), Record(1)]
-        tasks = set()
+        tasks = {}
         for record in records:
             dispatcher.tracker.started(record.topic, record.partition, record.offset)
-            tasks.add(asyncio.create_task(dispatcher._handle(backend, record)))
+            slot = await taken(dispatcher)
+            tasks[asyncio.create_task(dispatcher._handle(backend, record, slot))] = slot
         await until(lambda: len(backend.calls) == 2, "both requests at the server")
         calls = {call.request.text: call for call in backend.calls.values()}
         p0, p1 = calls["q0"], calls["q1"]
         p0.answer.set_result(40)  # p0's answer is in, its completion not sent yet
-        await until(lambda: len(dispatcher._answered) == 1, "p0's answer")
+        await until(lambda: [s.answered for s in tasks.values()] == [True, False], "p0's answer")
 
         dispatcher.hand_back()
         winding_down = asyncio.create_task(dispatcher._wind_down(tasks))
@@ -72,7 +82,8 @@ def test_without_hand_back_a_stop_waits_for_every_request() -> None:
         dispatcher, backend, _, _, recorder = make_dispatcher(stream=False)
         record = Record(0)
         dispatcher.tracker.started(record.topic, record.partition, record.offset)
-        tasks = {asyncio.create_task(dispatcher._handle(backend, record))}
+        slot = await taken(dispatcher)
+        tasks = {asyncio.create_task(dispatcher._handle(backend, record, slot)): slot}
         await until(lambda: len(backend.calls) == 1, "the request at the server")
         winding_down = asyncio.create_task(dispatcher._wind_down(tasks))
         await asyncio.sleep(0.05)

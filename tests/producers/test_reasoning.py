@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from prometheus_client import REGISTRY
 
-from producers.dispatcher import cut_answer
+from producers.answers import cut_answer
 from producers.inference import GenerationResult
 from producers.reasoning import ReasoningRows, unfinished
 from streams import events as ev

@@ -31,9 +31,10 @@ import msgspec
 from kafka.errors import KafkaError
 
 from producers.datasets import check_datasets
-from producers.dispatcher import Dispatcher, DispatchReport
+from producers.dispatcher import Dispatcher
 from producers.inference import prepare
 from producers.prompts import ProduceReport, PromptProducer
+from producers.step import DispatchReport
 from sinks.parquet import ParquetSink, SinkSettings, stored_prompt_ids
 from sinks.replay import kept_completions
 from streams import budget

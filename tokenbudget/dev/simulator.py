@@ -32,6 +32,10 @@ Behaviour worth knowing when reading client code against it:
   (role, a crc32 of its content, its tool calls' ids, a tool result's call id,
   whether it carried reasoning), and the ids of the calls it answered with: enough
   to tell, from outside, which history each turn of a conversation was sent.
+
+The server is a few parts composed by ``_SimServer``: the generation engine every API
+shares (``_Engine``), the routes of each API (``_SGLangRoutes``, ``_OpenAIRoutes``),
+the injected faults (``_Faults``) and the request log (``_RequestLog``).
 """
 
 from __future__ import annotations
@@ -521,42 +525,150 @@ def first_tool(extra: dict[str, Any]) -> str | None:
     return None
 
 
-class _SimServer:
-    def __init__(self, config: SimulatorConfig) -> None:
+class _RequestLog:
+    """The simulator's account of every request, one :class:`RequestRecord` each: kept
+    in memory (``GET /sim/log``, :attr:`RunningSimulator.log`) and appended to
+    ``log_file``, one JSON line each, when given (kept across restarts)."""
+
+    def __init__(self, log_file: str | None) -> None:
+        self.records: list[RequestRecord] = []
+        self._file = open(log_file, "ab") if log_file else None  # noqa: SIM115
+
+    def record(self, record: RequestRecord) -> None:
+        self.records.append(record)
+        if self._file is not None:
+            self._file.write(_encode(record) + b"\n")
+            self._file.flush()
+
+    async def handle_log(self, request: web.Request) -> web.Response:
+        return web.Response(body=_encode(self.records), content_type="application/json")
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+
+
+class _Faults:
+    """Faults injected into generation requests: a share of them fails in each way
+    (:class:`Faults`), drawn from one RNG per instance, once per request, so a fault
+    schedule replays exactly for the same request order; and an outage
+    (``POST /sim/outage``) during which every request, ``/health`` included, answers
+    503. Each fault is recorded in the request log."""
+
+    def __init__(self, config: SimulatorConfig, log: _RequestLog, stopping: asyncio.Event) -> None:
+        self.config = config
+        self.log = log
+        self.stopping = stopping  # set at shutdown: a hanging request ends then
+        self.fault_rng = random.Random(config.seed)
+        self.outage_until = 0.0  # POST /sim/outage: every request answers 503 until then
+
+    def out(self) -> bool:
+        """Whether an outage is on now."""
+        return time.time() < self.outage_until
+
+    def draw(self, stream: bool) -> str | None:
+        if self.out():
+            return "outage"
+        r = self.fault_rng.random()
+        for kind, share in self.config.faults.shares().items():
+            if r < share:
+                # Only a stream can break off part way; a plain answer is reset whole.
+                return "reset" if kind == "reset_mid_stream" and not stream else kind
+            r -= share
+        return None
+
+    async def respond(
+        self,
+        kind: str,
+        request: web.Request,
+        api: str,
+        parsed: _Parsed,
+        received_at: float,
+    ) -> web.StreamResponse:
+        self.log.record(
+            RequestRecord(
+                rid=parsed.rid,
+                api=api,
+                received_at=received_at,
+                finished_at=time.time(),
+                prompt_tokens=parsed.prompt_tokens,
+                max_new_tokens=parsed.max_new_tokens,
+                completion_tokens=0,
+                finish="fault",
+                text_head=parsed.text[:80],
+                text_crc=_text_crc(parsed),
+                fault=kind,
+                sampling=parsed.sampling,
+                extra=parsed.extra,
+                messages=parsed.messages,
+            )
+        )
+        retry_after = {"Retry-After": f"{self.config.faults.retry_after_s:g}"}
+        if kind == "busy":
+            return _error(api, 429, "simulated: too many requests", headers=retry_after)
+        if kind in ("unavailable", "outage"):
+            return _error(api, 503, "simulated: service unavailable", headers=retry_after)
+        if kind == "http_500":
+            return _error(api, 500, "simulated internal server error")
+        if kind == "timeout":
+            # Waiting on the stop event (not a bare sleep) lets stop() end promptly.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stopping.wait(), _HANG_SECONDS)
+            _drop(request)
+            return web.Response()
+        if kind == "reset":
+            _drop(request)
+            # aiohttp swallows the ConnectionError from writing this to a dead transport.
+            return web.Response()
+        # malformed: a 200 whose body breaks off mid-JSON.
+        if parsed.stream:
+            resp = _sse_response()
+            with contextlib.suppress(ConnectionError):
+                await resp.prepare(request)
+                await resp.write(b'data: {"text": " w1 w2", "meta_info": {"id": \n\n')
+                await resp.write_eof()
+            return resp
+        return web.Response(
+            body=b'{"text": " w1 w2 w3", "output_ids": [1, 2', content_type="application/json"
+        )
+
+    async def handle_outage(self, request: web.Request) -> web.Response:
+        """``{"seconds": S}``: answer every request, /health included, with 503 for S
+        seconds from now (0 ends an outage)."""
+        try:
+            seconds = float(_decode(await request.read() or b"{}").get("seconds", 0))
+        except (msgspec.DecodeError, AttributeError, TypeError, ValueError):
+            return _error("sglang", 400, 'expected {"seconds": S}')
+        self.outage_until = time.time() + max(0.0, seconds)
+        return _json({"until": self.outage_until})
+
+
+class _Engine:
+    """The generation core shared by every API: a parsed request becomes a job that
+    decodes in a task of its own at ``tokens_per_second`` (outliving a client that
+    hangs up, as SGLang's requests do), is rendered as it is sent, streamed or
+    answered whole, and recorded in the request log when it ends; faults are drawn
+    before a request is admitted."""
+
+    def __init__(
+        self,
+        config: SimulatorConfig,
+        log: _RequestLog,
+        faults: _Faults,
+        stopping: asyncio.Event,
+    ) -> None:
         self.config = config
         self.rules = PROFILES[config.profile]
         self.tokenizer = _load_tokenizer(config.tokenizer) if config.tokenizer else None
         self.think_end = _think_end_id(config, self.tokenizer)
-        self.log: list[RequestRecord] = []
+        self.log = log
+        self.faults = faults
+        self.stopping = stopping
         self.counters = _Counters()
         self.jobs: dict[str, _Job] = {}
         self.tasks: set[asyncio.Task[None]] = set()
-        self.stopping = asyncio.Event()
-        # One RNG per instance, drawn once per generation request, so a fault schedule
-        # replays exactly for the same request order.
-        self.fault_rng = random.Random(config.seed)
-        self.outage_until = 0.0  # POST /sim/outage: every request answers 503 until then
-        self._log_file = open(config.log_file, "ab") if config.log_file else None  # noqa: SIM115
-        self.app = web.Application(client_max_size=64 * 1024 * 1024)
-        self.app.add_routes(
-            [
-                web.post("/generate", self.handle_generate),
-                web.post("/abort_request", self.handle_abort),
-                web.get("/health", self.handle_health),
-                web.get("/health_generate", self.handle_health),
-                web.get("/get_model_info", self.handle_model_info),
-                web.get("/v1/models", self.handle_models),
-                web.post("/v1/completions", self.handle_completions),
-                web.post("/v1/chat/completions", self.handle_chat),
-                web.get("/metrics", self.handle_metrics),
-                web.get("/sim/log", self.handle_log),
-                web.post("/sim/outage", self.handle_outage),
-            ]
-        )
 
-    # ---- generation core -------------------------------------------------------------
-
-    def _admit(self, api: str, parsed: _Parsed, received_at: float) -> _Job:
+    def admit(self, api: str, parsed: _Parsed, received_at: float) -> _Job:
         if parsed.rid in self.jobs:
             raise _BadRequest(f"Duplicate request ID: {parsed.rid}")
         thinks = self.think_end is not None and not thinking_turned_off(
@@ -642,8 +754,8 @@ class _SimServer:
         c.generation_tokens += job.produced
         if job.finish == "abort":
             c.aborted += 1
-        sent = self._sent(job)
-        self._record(
+        sent = self.sent(job)
+        self.log.record(
             RequestRecord(
                 rid=job.rid,
                 api=job.api,
@@ -672,7 +784,7 @@ class _SimServer:
         job.done.set()
         job.notify()
 
-    def _sent(
+    def sent(
         self, job: _Job, start: int = 0, end: int | None = None, *, final: bool = True
     ) -> _Answer:
         """What the answer holds of tokens ``start:end`` (all produced by default) as
@@ -700,18 +812,12 @@ class _SimServer:
             return _Answer(reasoning, None, thinking, (call,))
         return _Answer(reasoning, "", thinking, ())  # the call comes at the end
 
-    def _record(self, record: RequestRecord) -> None:
-        self.log.append(record)
-        if self._log_file is not None:
-            self._log_file.write(_encode(record) + b"\n")
-            self._log_file.flush()
-
-    def _abort(self, job: _Job) -> None:
+    def abort(self, job: _Job) -> None:
         job.abort_requested = True
         if job.wake is not None:
             _resolve(job.wake)
 
-    async def _pump(
+    async def pump(
         self,
         job: _Job,
         emit: Callable[[int, int, str | None], Awaitable[bool]],
@@ -739,77 +845,7 @@ class _SimServer:
             else:
                 await tick.wait()
 
-    # ---- faults ----------------------------------------------------------------------
-
-    def _draw_fault(self, stream: bool) -> str | None:
-        if time.time() < self.outage_until:
-            return "outage"
-        r = self.fault_rng.random()
-        for kind, share in self.config.faults.shares().items():
-            if r < share:
-                # Only a stream can break off part way; a plain answer is reset whole.
-                return "reset" if kind == "reset_mid_stream" and not stream else kind
-            r -= share
-        return None
-
-    async def _fault(
-        self,
-        kind: str,
-        request: web.Request,
-        api: str,
-        parsed: _Parsed,
-        received_at: float,
-    ) -> web.StreamResponse:
-        self._record(
-            RequestRecord(
-                rid=parsed.rid,
-                api=api,
-                received_at=received_at,
-                finished_at=time.time(),
-                prompt_tokens=parsed.prompt_tokens,
-                max_new_tokens=parsed.max_new_tokens,
-                completion_tokens=0,
-                finish="fault",
-                text_head=parsed.text[:80],
-                text_crc=_text_crc(parsed),
-                fault=kind,
-                sampling=parsed.sampling,
-                extra=parsed.extra,
-                messages=parsed.messages,
-            )
-        )
-        retry_after = {"Retry-After": f"{self.config.faults.retry_after_s:g}"}
-        if kind == "busy":
-            return _error(api, 429, "simulated: too many requests", headers=retry_after)
-        if kind in ("unavailable", "outage"):
-            return _error(api, 503, "simulated: service unavailable", headers=retry_after)
-        if kind == "http_500":
-            return _error(api, 500, "simulated internal server error")
-        if kind == "timeout":
-            # Waiting on the stop event (not a bare sleep) lets stop() end promptly.
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.stopping.wait(), _HANG_SECONDS)
-            _drop(request)
-            return web.Response()
-        if kind == "reset":
-            _drop(request)
-            # aiohttp swallows the ConnectionError from writing this to a dead transport.
-            return web.Response()
-        # malformed: a 200 whose body breaks off mid-JSON.
-        if parsed.stream:
-            resp = _sse_response()
-            with contextlib.suppress(ConnectionError):
-                await resp.prepare(request)
-                await resp.write(b'data: {"text": " w1 w2", "meta_info": {"id": \n\n')
-                await resp.write_eof()
-            return resp
-        return web.Response(
-            body=b'{"text": " w1 w2 w3", "output_ids": [1, 2', content_type="application/json"
-        )
-
-    # ---- shared request plumbing -------------------------------------------------------
-
-    async def _run(
+    async def run(
         self,
         request: web.Request,
         api: str,
@@ -825,14 +861,14 @@ class _SimServer:
                 raise _BadRequest(f"request body is not valid JSON: {exc}") from exc
             if not isinstance(payload, dict):
                 raise _BadRequest("request body must be a JSON object")
-            if not self._authorized(request):
+            if not self.authorized(request):
                 return _error(api, 401, "Unauthorized")
             parsed = parse(payload, request)
             parsed.sampling, parsed.extra = requested_settings(api, payload)
-            fault = self._draw_fault(parsed.stream)
+            fault = self.faults.draw(parsed.stream)
             if fault is not None and fault != "reset_mid_stream":
-                return await self._fault(fault, request, api, parsed, received_at)
-            job = self._admit(api, parsed, received_at)
+                return await self.faults.respond(fault, request, api, parsed, received_at)
+            job = self.admit(api, parsed, received_at)
         except _BadRequest as exc:
             return _error(api, 400, str(exc))
         if fault == "reset_mid_stream":
@@ -840,7 +876,7 @@ class _SimServer:
             job.cut_at = max(1, len(job.output.ids) // 2)
         return await respond(request, job, parsed, received_at)
 
-    async def _stream(
+    async def stream(
         self,
         request: web.Request,
         job: _Job,
@@ -865,17 +901,60 @@ class _SimServer:
             return True
 
         if job.cut_at is not None:
-            await self._pump(job, emit, until=job.cut_at)
+            await self.pump(job, emit, until=job.cut_at)
             _drop(request)  # the job decodes on: what it generates is lost to the client
             return resp
-        await self._pump(job, emit)
+        await self.pump(job, emit)
         with contextlib.suppress(ConnectionError):
             await resp.write_eof()
         return resp
 
-    # ---- SGLang native -------------------------------------------------------------------
+    def prompt(self, text: Any, ids: Any) -> tuple[str, list[int] | None]:
+        if ids is not None:
+            if not isinstance(ids, list) or not ids or not all(_is_int(i) for i in ids):
+                raise _BadRequest("input_ids must be a non-empty list of integers")
+            # The rules need text to match markers against: the ids decoded, when there
+            # is a tokenizer to decode them and they decode to words; else the ids
+            # themselves, which match no marker (the profile's default rule).
+            decoded = self.tokenizer.decode(ids) if self.tokenizer is not None else ""
+            return (decoded if decoded.strip() else " ".join(map(str, ids))), ids
+        if not isinstance(text, str):
+            raise _BadRequest("text must be a string")
+        return text, None
 
-    def _parse_generate(self, p: dict[str, Any], request: web.Request) -> _Parsed:
+    def authorized(self, request: web.Request) -> bool:
+        key = self.config.api_key
+        return key is None or request.headers.get("Authorization") == f"Bearer {key}"
+
+    async def shutdown(self) -> None:
+        self.stopping.set()
+        for job in list(self.jobs.values()):
+            self.abort(job)
+        if self.tasks:
+            await asyncio.gather(*self.tasks, return_exceptions=True)
+
+
+class _SGLangRoutes:
+    """SGLang's native API: ``/generate``, ``/abort_request``, ``/get_model_info`` and
+    its Prometheus ``/metrics``; and ``/health`` (``/health_generate``), which vLLM
+    answers at the same path."""
+
+    def __init__(self, engine: _Engine, faults: _Faults) -> None:
+        self.engine = engine
+        self.faults = faults
+        self.config = engine.config
+
+    def routes(self) -> list[web.RouteDef]:
+        return [
+            web.post("/generate", self.handle_generate),
+            web.post("/abort_request", self.handle_abort),
+            web.get("/health", self.handle_health),
+            web.get("/health_generate", self.handle_health),
+            web.get("/get_model_info", self.handle_model_info),
+            web.get("/metrics", self.handle_metrics),
+        ]
+
+    def _parse(self, p: dict[str, Any], request: web.Request) -> _Parsed:
         text, input_ids = p.get("text"), p.get("input_ids")
         if (text is None) == (input_ids is None):
             raise _BadRequest("Either text or input_ids should be provided.")
@@ -892,7 +971,7 @@ class _SimServer:
         rid = p.get("rid")
         if rid is not None and not isinstance(rid, str):
             raise _BadRequest("rid must be a string")
-        text, prompt_ids = self._prompt(text, input_ids)
+        text, prompt_ids = self.engine.prompt(text, input_ids)
         return _Parsed(
             rid=rid or uuid.uuid4().hex,
             text=text,
@@ -902,23 +981,10 @@ class _SimServer:
             stream=bool(p.get("stream", False)),
         )
 
-    def _prompt(self, text: Any, ids: Any) -> tuple[str, list[int] | None]:
-        if ids is not None:
-            if not isinstance(ids, list) or not ids or not all(_is_int(i) for i in ids):
-                raise _BadRequest("input_ids must be a non-empty list of integers")
-            # The rules need text to match markers against: the ids decoded, when there
-            # is a tokenizer to decode them and they decode to words; else the ids
-            # themselves, which match no marker (the profile's default rule).
-            decoded = self.tokenizer.decode(ids) if self.tokenizer is not None else ""
-            return (decoded if decoded.strip() else " ".join(map(str, ids))), ids
-        if not isinstance(text, str):
-            raise _BadRequest("text must be a string")
-        return text, None
-
     async def handle_generate(self, request: web.Request) -> web.StreamResponse:
-        return await self._run(request, "sglang", self._parse_generate, self._respond_generate)
+        return await self.engine.run(request, "sglang", self._parse, self._respond)
 
-    async def _respond_generate(
+    async def _respond(
         self, request: web.Request, job: _Job, parsed: _Parsed, received_at: float
     ) -> web.StreamResponse:
         def body(produced: int, finish: str | None, start: int = 0) -> dict[str, Any]:
@@ -943,7 +1009,7 @@ class _SimServer:
             start = sent if self.config.incremental_streaming else 0
             return [b"data: " + _encode(body(produced, finish, start)) + b"\n\n"]
 
-        return await self._stream(request, job, render, [b"data: [DONE]\n\n"])
+        return await self.engine.stream(request, job, render, [b"data: [DONE]\n\n"])
 
     async def handle_abort(self, request: web.Request) -> web.Response:
         try:
@@ -953,29 +1019,19 @@ class _SimServer:
         if not isinstance(payload, dict):
             return _error("sglang", 400, "request body must be a JSON object")
         if payload.get("abort_all"):
-            for job in list(self.jobs.values()):
-                self._abort(job)
+            for job in list(self.engine.jobs.values()):
+                self.engine.abort(job)
         else:
             rid = payload.get("rid")
-            target = self.jobs.get(rid) if isinstance(rid, str) else None
+            target = self.engine.jobs.get(rid) if isinstance(rid, str) else None
             if target is not None:
-                self._abort(target)
+                self.engine.abort(target)
         return web.Response(status=200)
 
     async def handle_health(self, request: web.Request) -> web.Response:
-        if time.time() < self.outage_until:
+        if self.faults.out():
             return web.Response(status=503)
         return web.Response(status=200)
-
-    async def handle_outage(self, request: web.Request) -> web.Response:
-        """``{"seconds": S}``: answer every request, /health included, with 503 for S
-        seconds from now (0 ends an outage)."""
-        try:
-            seconds = float(_decode(await request.read() or b"{}").get("seconds", 0))
-        except (msgspec.DecodeError, AttributeError, TypeError, ValueError):
-            return _error("sglang", 400, 'expected {"seconds": S}')
-        self.outage_until = time.time() + max(0.0, seconds)
-        return _json({"until": self.outage_until})
 
     async def handle_model_info(self, request: web.Request) -> web.Response:
         info: dict[str, Any] = {"model_path": self.config.model, "is_generation": True}
@@ -983,24 +1039,52 @@ class _SimServer:
             info["tokenizer_path"] = self.config.tokenizer
         return _json(info)
 
-    def _authorized(self, request: web.Request) -> bool:
-        key = self.config.api_key
-        return key is None or request.headers.get("Authorization") == f"Bearer {key}"
+    async def handle_metrics(self, request: web.Request) -> web.Response:
+        label = '{model_name="' + _prom_escape(self.config.model) + '"}'
+        c = self.engine.counters
+        series = [
+            ("sglang:prompt_tokens_total", "counter", "Number of prefill tokens processed.",
+             c.prompt_tokens),
+            ("sglang:generation_tokens_total", "counter", "Number of generation tokens processed.",
+             c.generation_tokens),
+            ("sglang:num_requests_total", "counter", "Number of requests processed.", c.requests),
+            ("sglang:num_aborted_requests_total", "counter", "Number of requests aborted.",
+             c.aborted),
+            ("sglang:num_running_reqs", "gauge", "The number of running requests.",
+             len(self.engine.jobs)),
+            ("sglang:num_queue_reqs", "gauge", "The number of requests in the waiting queue.", 0),
+        ]  # fmt: skip
+        lines: list[str] = []
+        for name, kind, help_text, value in series:
+            lines.append(f"# HELP {name} {help_text}")
+            lines.append(f"# TYPE {name} {kind}")
+            lines.append(f"{name}{label} {float(value)}")
+        return web.Response(
+            text="\n".join(lines) + "\n",
+            content_type="text/plain",
+            charset="utf-8",
+            headers={"X-Prometheus-Format": "0.0.4"},
+        )
 
-    def _usage(self, job: _Job, *, always: bool = False) -> dict[str, Any] | None:
-        """The usage of an answer (None with ``omit_usage``, unless ``always``: the
-        stream asked for it, which ``omit_usage`` already refused); a thinking chat
-        answer's says how many of its tokens were thinking."""
-        if self.config.omit_usage and not always:
-            return None
-        usage: dict[str, Any] = _usage(job)
-        if job.api == "openai-chat" and self.think_end is not None:
-            thinking = job.output.thinking_tokens(job.produced)
-            usage["completion_tokens_details"] = {"reasoning_tokens": thinking}
-        return usage
+
+class _OpenAIRoutes:
+    """The OpenAI-compatible API of vLLM and SGLang: ``/v1/models``,
+    ``/v1/completions`` and ``/v1/chat/completions`` (a thinking model's reasoning
+    field and tool calls included)."""
+
+    def __init__(self, engine: _Engine) -> None:
+        self.engine = engine
+        self.config = engine.config
+
+    def routes(self) -> list[web.RouteDef]:
+        return [
+            web.get("/v1/models", self.handle_models),
+            web.post("/v1/completions", self.handle_completions),
+            web.post("/v1/chat/completions", self.handle_chat),
+        ]
 
     async def handle_models(self, request: web.Request) -> web.Response:
-        if not self._authorized(request):
+        if not self.engine.authorized(request):
             return _error("openai", 401, "Unauthorized")
         return _json(
             {
@@ -1016,9 +1100,7 @@ class _SimServer:
             }
         )
 
-    # ---- OpenAI-compatible -------------------------------------------------------------
-
-    def _parse_openai_common(
+    def _parse_common(
         self, p: dict[str, Any], request: web.Request
     ) -> tuple[str, bool, bool, bool]:
         rid = p.get("request_id") or p.get("rid") or request.headers.get("X-Request-Id")
@@ -1039,14 +1121,14 @@ class _SimServer:
         )
 
     def _parse_completions(self, p: dict[str, Any], request: web.Request) -> _Parsed:
-        rid, stream, include_usage, return_ids = self._parse_openai_common(p, request)
+        rid, stream, include_usage, return_ids = self._parse_common(p, request)
         prompt = p.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
         if isinstance(prompt, str):
-            text, ids = self._prompt(prompt, None)
+            text, ids = self.engine.prompt(prompt, None)
         elif isinstance(prompt, list) and prompt and all(_is_int(i) for i in prompt):
-            text, ids = self._prompt(None, prompt)
+            text, ids = self.engine.prompt(None, prompt)
         elif prompt is None:
             raise _BadRequest("prompt is required")
         else:
@@ -1058,7 +1140,7 @@ class _SimServer:
         return _Parsed(rid, text, ids, prompt_tokens, max_tokens, stream, include_usage, return_ids)
 
     def _parse_chat(self, p: dict[str, Any], request: web.Request) -> _Parsed:
-        rid, stream, include_usage, return_ids = self._parse_openai_common(p, request)
+        rid, stream, include_usage, return_ids = self._parse_common(p, request)
         messages = p.get("messages")
         if not isinstance(messages, list) or not messages:
             raise _BadRequest("messages must be a non-empty list")
@@ -1086,12 +1168,12 @@ class _SimServer:
         return _prompt_ids_from_text(parsed.text, self.config.vocab_size)
 
     async def handle_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._run(
+        return await self.engine.run(
             request, "openai-completions", self._parse_completions, self._respond_completions
         )
 
     async def handle_chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._run(request, "openai-chat", self._parse_chat, self._respond_chat)
+        return await self.engine.run(request, "openai-chat", self._parse_chat, self._respond_chat)
 
     async def _respond_completions(
         self, request: web.Request, job: _Job, parsed: _Parsed, received_at: float
@@ -1135,7 +1217,7 @@ class _SimServer:
                 out.append(_sse({**head, "choices": [], "usage": _usage(job)}))
             return out
 
-        return await self._stream(request, job, render, [b"data: [DONE]\n\n"])
+        return await self.engine.stream(request, job, render, [b"data: [DONE]\n\n"])
 
     async def _respond_chat(
         self, request: web.Request, job: _Job, parsed: _Parsed, received_at: float
@@ -1147,7 +1229,7 @@ class _SimServer:
             await job.done.wait()
             choice: dict[str, Any] = {
                 "index": 0,
-                "message": {"role": "assistant", **self._chat_fields(self._sent(job))},
+                "message": {"role": "assistant", **self._chat_fields(self.engine.sent(job))},
                 "logprobs": None,
                 "finish_reason": _chat_finish(job, job.finish),
             }
@@ -1186,7 +1268,7 @@ class _SimServer:
                 if parsed.return_token_ids:
                     first["prompt_token_ids"] = self._prompt_ids(parsed)
                 out.append(_sse(first))
-            part = self._sent(job, sent, produced, final=finish is not None)
+            part = self.engine.sent(job, sent, produced, final=finish is not None)
             choice: dict[str, Any] = {
                 "index": 0,
                 "delta": self._chat_fields(part, delta=True),
@@ -1200,7 +1282,7 @@ class _SimServer:
                 out.append(_sse({**head, "choices": [], "usage": self._usage(job, always=True)}))
             return out
 
-        return await self._stream(request, job, render, [b"data: [DONE]\n\n"])
+        return await self.engine.stream(request, job, render, [b"data: [DONE]\n\n"])
 
     def _chat_fields(self, answer: _Answer, *, delta: bool = False) -> dict[str, Any]:
         """A chat message's (or delta's) fields for ``answer``. A message has content
@@ -1226,46 +1308,42 @@ class _SimServer:
             fields[style] = answer.reasoning
         return fields
 
-    # ---- observability -------------------------------------------------------------------
+    def _usage(self, job: _Job, *, always: bool = False) -> dict[str, Any] | None:
+        """The usage of an answer (None with ``omit_usage``, unless ``always``: the
+        stream asked for it, which ``omit_usage`` already refused); a thinking chat
+        answer's says how many of its tokens were thinking."""
+        if self.config.omit_usage and not always:
+            return None
+        usage: dict[str, Any] = _usage(job)
+        if job.api == "openai-chat" and self.engine.think_end is not None:
+            thinking = job.output.thinking_tokens(job.produced)
+            usage["completion_tokens_details"] = {"reasoning_tokens": thinking}
+        return usage
 
-    async def handle_metrics(self, request: web.Request) -> web.Response:
-        label = '{model_name="' + _prom_escape(self.config.model) + '"}'
-        c = self.counters
-        series = [
-            ("sglang:prompt_tokens_total", "counter", "Number of prefill tokens processed.",
-             c.prompt_tokens),
-            ("sglang:generation_tokens_total", "counter", "Number of generation tokens processed.",
-             c.generation_tokens),
-            ("sglang:num_requests_total", "counter", "Number of requests processed.", c.requests),
-            ("sglang:num_aborted_requests_total", "counter", "Number of requests aborted.",
-             c.aborted),
-            ("sglang:num_running_reqs", "gauge", "The number of running requests.",
-             len(self.jobs)),
-            ("sglang:num_queue_reqs", "gauge", "The number of requests in the waiting queue.", 0),
-        ]  # fmt: skip
-        lines: list[str] = []
-        for name, kind, help_text, value in series:
-            lines.append(f"# HELP {name} {help_text}")
-            lines.append(f"# TYPE {name} {kind}")
-            lines.append(f"{name}{label} {float(value)}")
-        return web.Response(
-            text="\n".join(lines) + "\n",
-            content_type="text/plain",
-            charset="utf-8",
-            headers={"X-Prometheus-Format": "0.0.4"},
+
+class _SimServer:
+    """The simulator's parts, composed: the request log, the faults, the generation
+    engine and the routes of each API, on one aiohttp application."""
+
+    def __init__(self, config: SimulatorConfig) -> None:
+        self.config = config
+        self.stopping = asyncio.Event()
+        self.log = _RequestLog(config.log_file)
+        self.faults = _Faults(config, self.log, self.stopping)
+        self.engine = _Engine(config, self.log, self.faults, self.stopping)
+        self.app = web.Application(client_max_size=64 * 1024 * 1024)
+        self.app.add_routes(
+            [
+                *_SGLangRoutes(self.engine, self.faults).routes(),
+                *_OpenAIRoutes(self.engine).routes(),
+                web.get("/sim/log", self.log.handle_log),
+                web.post("/sim/outage", self.faults.handle_outage),
+            ]
         )
 
-    async def handle_log(self, request: web.Request) -> web.Response:
-        return web.Response(body=_encode(self.log), content_type="application/json")
-
     async def shutdown(self) -> None:
-        self.stopping.set()
-        for job in list(self.jobs.values()):
-            self._abort(job)
-        if self.tasks:
-            await asyncio.gather(*self.tasks, return_exceptions=True)
-        if self._log_file is not None:
-            self._log_file.close()
+        await self.engine.shutdown()
+        self.log.close()
 
 
 # --------------------------------------------------------------------------------------
@@ -1435,7 +1513,7 @@ class RunningSimulator:
         self.port = port
         url_host = f"[{host}]" if ":" in host else host
         self.url = f"http://{url_host}:{port}"
-        self.log: list[RequestRecord] = server.log
+        self.log: list[RequestRecord] = server.log.records
 
     async def stop(self) -> None:
         await self._server.shutdown()

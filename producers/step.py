@@ -1,0 +1,71 @@
+"""What the steps of a prompt's path through the dispatcher share: their contract,
+the report they count into, and how log lines name a prompt.
+
+The path, composed in one place (:meth:`producers.dispatcher.Dispatcher.compose`)::
+
+    Dispatcher (consume a prompt, give it a Slot, commit once it has an outcome)
+      -> ConversationTurns   what follows a turn of a conversation (producers/turns.py)
+      -> Tries               admit, attempt, retry, or record it failed (producers/tries.py)
+      -> Attempt             one request: generate, fit, publish (producers/attempt.py)
+
+beside the parts they use: Admission (budget leases), InFlight (requests at the
+server, caps of revoked leases), Publisher (outcomes to Kafka), ServerGate (the
+server's health), Places (how many at once).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from producers.inference import InferenceBackend
+from producers.slots import Slot
+from streams import events as ev
+
+
+class Step(Protocol):
+    """One step of a prompt's path (arroyo's ``ProcessingStrategy.submit``, for one
+    prompt at a time and awaited rather than polled)."""
+
+    async def submit(
+        self, backend: InferenceBackend, prompt: ev.PromptEvent, slot: Slot | None = None
+    ) -> None:
+        """Take ``prompt`` to its outcome through ``backend`` (the server it is sent
+        to), the prompt holding ``slot`` (None: no place is lent or handed over).
+
+        Returns once the prompt's outcome (a completion, a skip or a failure) is on
+        Kafka, or once it is known to have one already. Raises
+        :class:`asyncio.CancelledError` when stopped (the prompt then has no outcome
+        and its offset stays uncommitted) and
+        :class:`~tokenbudget.errors.ServerOutageError` when the server stays away
+        past ``[inference] outage_timeout_s``; what else a step may raise, its own
+        contract says."""
+        ...
+
+
+@dataclass(frozen=True)
+class Dispatched:
+    """A request sent (kept with ``keep_log``, for tests and benchmarks)."""
+
+    dataset: str
+    rid: str
+    sent_at: float
+
+
+@dataclass
+class DispatchReport:
+    """What one dispatcher did, counted by the steps as they publish."""
+
+    completed: int = 0
+    skipped: int = 0
+    failed: int = 0
+    dead_lettered: int = 0
+    already_completed: int = 0  # handed over again, already completed: not generated
+    sent: list[Dispatched] = field(default_factory=list)
+
+
+def about(prompt: ev.PromptEvent) -> str:
+    """A prompt as log lines name it: its dataset and row, then its id (the hash
+    alone says nothing to whoever reads the log)."""
+    row = f", {prompt.source}" if prompt.source else ""
+    return f"{prompt.dataset}{row} (prompt {prompt.prompt_id})"

@@ -1,0 +1,85 @@
+"""A prompt's slot (producers/slots.py) on its own: waiting aside, cancelled aside,
+and places taken while the dispatcher hands back. How a dispatcher lends a place to
+prompts of other datasets is in ``test_dispatcher_slots``."""
+
+from __future__ import annotations
+
+import asyncio
+
+from producers.slots import Places, Slot
+from tests.producers.test_admission import run
+
+
+def test_with_as_many_prompts_aside_as_places_the_next_waits_in_place() -> None:
+    async def main() -> None:
+        server, publishing, waiting = (asyncio.Semaphore(1) for _ in range(3))
+        await waiting.acquire()  # the one place among the waiting is taken
+        await server.acquire()
+        slot = Slot(server, publishing, waiting)
+        async with slot.aside():
+            assert server.locked()  # kept: nobody else gets it meanwhile
+        slot.release()
+        assert not server.locked()
+
+    run(main())
+
+
+def test_a_prompt_cancelled_while_aside_leaves_every_place_free() -> None:
+    async def main() -> None:
+        server, publishing, waiting = (asyncio.Semaphore(1) for _ in range(3))
+        await server.acquire()
+        slot = Slot(server, publishing, waiting)
+        entered = asyncio.Event()
+
+        async def wait_aside() -> None:
+            try:
+                async with slot.aside():
+                    entered.set()
+                    await asyncio.Event().wait()
+            finally:
+                slot.release()
+
+        task = asyncio.create_task(wait_aside())
+        await entered.wait()
+        await server.acquire()  # someone else holds the place when it is cancelled
+        task.cancel()
+        await asyncio.sleep(0.01)
+        server.release()
+        await asyncio.sleep(0.01)
+        assert task.done()
+        assert not server.locked() and not waiting.locked()
+
+    run(main())
+
+
+def test_the_server_answering_marks_the_slot_and_frees_its_place() -> None:
+    async def main() -> None:
+        server, publishing = asyncio.Semaphore(1), asyncio.Semaphore(1)
+        await server.acquire()
+        slot = Slot(server, publishing)
+        assert not slot.answered
+        await slot.hand_over()
+        assert slot.answered
+        assert not server.locked() and publishing.locked()  # a place among the publishing
+        slot.release()
+        assert not publishing.locked()
+
+    run(main())
+
+
+def test_no_place_is_taken_once_handing_back() -> None:
+    async def main() -> None:
+        places = Places(1)
+        handing_back = asyncio.Event()
+        first = await places.take(handing_back)
+        assert first is not None
+        waiting = asyncio.create_task(places.take(handing_back))
+        await asyncio.sleep(0.01)
+        assert not waiting.done()  # the one place is taken
+        handing_back.set()
+        assert await asyncio.wait_for(waiting, 1) is None
+        first.release()
+        assert await places.take(handing_back) is None
+        assert await places.take(asyncio.Event()) is not None  # the place was given back
+
+    run(main())
