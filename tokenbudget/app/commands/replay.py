@@ -45,6 +45,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--topic", metavar="NAME", help="default: the namespace's completions topic"
     )
+    _add_range(parser)
+    _add_targets(parser)
+    _add_sizes(parser)
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print a JSON summary: events, MB, rates, kept, duplicates, per-dataset totals, "
+        "per-target results, busy seconds per stage",
+    )
+    parser.add_argument(
+        "--quiet",
+        action="store_true",
+        help="no progress on stderr (else a bar on a terminal, a line every 5 s elsewhere)",
+    )
+
+
+def _add_range(parser: argparse.ArgumentParser) -> None:
+    """Which records: where to start, a time range, which datasets."""
     start = parser.add_mutually_exclusive_group()
     start.add_argument(
         "--from-beginning", action="store_true", help="start at the beginning (default)"
@@ -69,6 +87,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="NAME",
         help="only this dataset (repeatable; default: all)",
     )
+
+
+def _add_targets(parser: argparse.ArgumentParser) -> None:
+    """Where the kept completions go, any of them in one pass."""
     parser.add_argument(
         "--to-parquet",
         metavar="DIR",
@@ -91,6 +113,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="TOKENIZER_PATH",
         help="count each kept answer's text with this local transformers tokenizer folder",
     )
+
+
+def _add_sizes(parser: argparse.ArgumentParser) -> None:
+    """--to-parquet's files and row groups."""
     parser.add_argument(
         "--rotate-rows", type=int, default=20_000, metavar="N", help="--to-parquet: rows per file"
     )
@@ -115,17 +141,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=32 * 1024 * 1024,
         metavar="N",
         help="--to-parquet: about this many bytes per row group",
-    )
-    parser.add_argument(
-        "--json",
-        action="store_true",
-        help="print a JSON summary: events, MB, rates, kept, duplicates, per-dataset totals, "
-        "per-target results, busy seconds per stage",
-    )
-    parser.add_argument(
-        "--quiet",
-        action="store_true",
-        help="no progress on stderr (else a bar on a terminal, a line every 5 s elsewhere)",
     )
 
 
