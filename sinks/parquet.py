@@ -3,7 +3,7 @@
 Layout: ``<path>/dataset=<name>/part-<time>-<id>.parquet``, one row per prompt. The
 ``dataset`` column is stored as ``dictionary<int32, string>``, the type pyarrow
 infers for a hive folder, so ``pq.read_table(path)``, polars, DuckDB and Hugging
-Face ``datasets`` read the whole tree as one table (see the README).
+Face ``datasets`` read the whole tree as one table (docs/output.md).
 
 Contract:
   * A file appears whole or not at all: written under a hidden temporary name in

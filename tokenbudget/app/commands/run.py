@@ -10,6 +10,7 @@ import sys
 from streams.topics import Topics
 from tokenbudget import config as config_module
 from tokenbudget.app import plan, runner
+from tokenbudget.app.commands import add_config, examples
 from tokenbudget.app.interrupts import Interrupted
 from tokenbudget.app.report import print_table
 
@@ -17,13 +18,34 @@ EXIT_PROMPTS_FAILED = 3  # the job ended, but some prompts failed for good
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", required=True)
-    parser.add_argument("--json", action="store_true")
+    parser.description = (
+        "Run a job until every dataset is exhausted (all its prompts have an outcome) or "
+        "halted (its budget is reached), then print its table. It starts the broker for "
+        'bootstrap = "local", and the producer, dispatchers, ledger workers and sink. '
+        "Run it again to resume after any stop. Exit 0; 3 when some prompts failed for "
+        "good; 2 on an error; 130 or 143 when interrupted."
+    )
+    parser.epilog = examples(
+        "tokenbudget run --config job.toml",
+        "nohup tokenbudget run --config job.toml --dispatchers 2 > run.log 2>&1 &",
+    )
+    add_config(parser)
     parser.add_argument(
-        "--dispatchers", type=int, default=1, help="dispatcher processes sharing the budgets"
+        "--json", action="store_true", help="print the report as JSON instead of the tables"
     )
     parser.add_argument(
-        "--ledgers", type=int, default=1, help="ledger worker processes sharing the datasets"
+        "--dispatchers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="dispatcher processes sharing the budgets",
+    )
+    parser.add_argument(
+        "--ledgers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="ledger worker processes sharing the datasets",
     )
     add_resume_changed(parser)
 
