@@ -7,12 +7,9 @@ import functools
 import json
 import sys
 
-from streams.topics import Topics
+from producers.datasets import check_datasets
 from tokenbudget import config as config_module
-from tokenbudget.app import plan, runner
 from tokenbudget.app.commands import add_config, examples
-from tokenbudget.app.interrupts import Interrupted
-from tokenbudget.app.report import print_table
 
 EXIT_PROMPTS_FAILED = 3  # the job ended, but some prompts failed for good
 
@@ -61,6 +58,16 @@ def add_resume_changed(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     config = config_module.load(args.config)
+    check_datasets(config)
+    # Imported once the job is known to be sound: the pipeline's modules (Faust,
+    # aiokafka, the runner) take most of a second to import, and a config that
+    # cannot run should say so before that, not after (the runner checks again for
+    # callers of the library, from the first rows only).
+    from streams.topics import Topics
+    from tokenbudget.app import plan, runner
+    from tokenbudget.app.interrupts import Interrupted
+    from tokenbudget.app.report import print_table
+
     try:
         report = runner.run(
             config,
