@@ -37,6 +37,7 @@ import logging
 import os
 import threading
 import time
+import typing
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -83,22 +84,35 @@ MESSAGES_TYPE = pa.list_(
         ]
     )
 )
-_JSON_SAMPLING = ("chat_template_kwargs", "extra_body")  # free-form: kept as JSON text
-SAMPLING_TYPE = pa.struct(
-    [
-        ("max_new_tokens", pa.int64()),
-        ("temperature", pa.float64()),
-        ("top_p", pa.float64()),
-        ("top_k", pa.int64()),
-        ("min_p", pa.float64()),
-        ("repetition_penalty", pa.float64()),
-        ("frequency_penalty", pa.float64()),
-        ("presence_penalty", pa.float64()),
-        ("stop", pa.list_(pa.string())),
-        ("seed", pa.int64()),
-        *((name, pa.string()) for name in _JSON_SAMPLING),
-    ]
+# How a sampling setting (tokenbudget.sampling) is stored, by its Python type; the
+# free-form tables (dict) as JSON text.
+_SAMPLING_ARROW = {float: pa.float64(), int: pa.int64(), str: pa.string()}
+
+
+def _set_type(hint: Any) -> Any:
+    """The type of a setting when set (every one is optional)."""
+    (value,) = [t for t in typing.get_args(hint) if t is not type(None)]
+    return value
+
+
+def _sampling_arrow_type(hint: Any) -> pa.DataType:
+    value = _set_type(hint)
+    if typing.get_origin(value) is list:
+        (item,) = typing.get_args(value)
+        return pa.list_(_SAMPLING_ARROW[item])
+    if typing.get_origin(value) is dict:
+        return pa.string()
+    return _SAMPLING_ARROW[value]
+
+
+# The event's fields, ``max_new_tokens`` first: where the files written so far hold it.
+_SAMPLING_FIELDS = sorted(
+    msgspec.structs.fields(ev.SamplingParams), key=lambda f: f.name != "max_new_tokens"
 )
+_JSON_SAMPLING = tuple(
+    f.name for f in _SAMPLING_FIELDS if typing.get_origin(_set_type(f.type)) is dict
+)
+SAMPLING_TYPE = pa.struct([(f.name, _sampling_arrow_type(f.type)) for f in _SAMPLING_FIELDS])
 
 # The one declaration of a Parquet row's columns, in file order: each is the
 # CompletionEvent field of that name, with the Arrow type it is stored as. The
@@ -156,9 +170,6 @@ def _check_columns() -> None:
             f"sinks.parquet.COLUMNS and CompletionEvent disagree: "
             f"only in the event {sorted(fields - columns)}, only here {sorted(columns - fields)}"
         )
-    sampling = {f.name for f in msgspec.structs.fields(ev.SamplingParams)}
-    if sampling != set(SAMPLING_TYPE.names):  # pragma: no cover - as above
-        raise TypeError("sinks.parquet.SAMPLING_TYPE and SamplingParams disagree")
 
 
 _check_columns()

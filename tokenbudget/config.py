@@ -32,6 +32,7 @@ from tokenbudget.columns import (
     TemplateError,
 )
 from tokenbudget.errors import ConfigError
+from tokenbudget.sampling import SAMPLING_KEYS, Sampling
 
 Api = Literal["sglang", "openai-completions", "openai-chat"]
 # The budget's choices, named once here; what each means is streams/budget.py's tables.
@@ -92,21 +93,10 @@ class KafkaConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=Tru
     ssl_check_hostname: bool = True
 
 
-class _Sampling(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """Sampling settings, all optional: in [inference], and in each [[datasets]]
-    entry over [inference]'s, key by key (see :func:`_sampling`)."""
-
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    stop: list[str] | None = None
-    seed: int | None = None
-    chat_template_kwargs: dict[str, Any] | None = None  # e.g. {enable_thinking = false}
-    extra_body: dict[str, Any] | None = None  # sent verbatim in every request's body
+class _Sampling(_Section, Sampling, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The sampling settings (:mod:`tokenbudget.sampling`), all optional: in
+    [inference], and in each [[datasets]] entry over [inference]'s, key by key (see
+    :func:`_sampling`)."""
 
 
 class InferenceConfig(_Sampling, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -238,9 +228,6 @@ class Dataset(msgspec.Struct, frozen=True, kw_only=True):
     keep_columns: tuple[str, ...] = ()
     columns: Columns = DEFAULT_COLUMNS  # where the rows hold the prompt
     reasoning: ReasoningMode | None = None  # see ReasoningMode
-
-
-SAMPLING_KEYS = _Sampling.__struct_fields__
 
 
 def _sampling(inference: InferenceConfig, dataset: DatasetConfig) -> dict[str, Any]:
