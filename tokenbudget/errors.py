@@ -3,6 +3,7 @@
     TokenBudgetError
     ├── ConfigError            a config key is missing, unknown or has a bad value
     ├── DatasetError           a dataset file or row cannot be read
+    ├── TokenizerError         a tokenizer folder is missing or holds no tokenizer
     ├── EventDecodeError       bytes on a topic are not a known event of a known version
     ├── BrokerError            the local Kafka broker cannot be fetched, started or reached
     ├── KafkaAuthError         a Kafka broker refused our credentials, or TLS failed
@@ -74,6 +75,17 @@ class DatasetError(TokenBudgetError):
     def where(self) -> str:
         """``path:line``, or the path of an error about the whole file."""
         return f"{self.path}:{self.line}" if self.line is not None else self.path
+
+
+class TokenizerError(TokenBudgetError):
+    """A tokenizer folder is missing or holds no tokenizer. ``origin`` is the config
+    key or command flag that named the folder."""
+
+    def __init__(self, origin: str, folder: object, reason: str) -> None:
+        self.origin = origin
+        self.folder = folder
+        self.reason = reason
+        super().__init__(f"{origin} {folder}: {reason}")
 
 
 class EventDecodeError(TokenBudgetError):
