@@ -7,8 +7,9 @@ Face ``datasets`` read the whole tree as one table (see the README).
 
 Contract:
   * A file appears whole or not at all: written under a hidden temporary name in
-    the same folder, fsynced, then renamed (``os.replace``) and the folder fsynced.
-    Temporaries left by a crash are removed at start.
+    the same folder, fsynced, then renamed and the folder fsynced
+    (:func:`tokenbudget.files.atomic_file`). Temporaries left by a crash are removed
+    at start.
   * Offsets are committed only after every row read before them is in a renamed
     file, so a crash at any point re-reads, and never skips, completions.
   * Re-read rows are dropped by ``prompt_id`` (the files on disk are scanned at
@@ -34,7 +35,6 @@ from __future__ import annotations
 import functools
 import io
 import logging
-import os
 import threading
 import time
 import typing
@@ -58,6 +58,7 @@ from streams.topics import Topics
 from tokenbudget import metrics, sizes
 from tokenbudget.config import Config
 from tokenbudget.errors import EventDecodeError, expected_kafka_error
+from tokenbudget.files import atomic_file
 from tokenbudget.kafka import (
     consumer_options,
     kafka_python_producer_options,
@@ -687,15 +688,10 @@ def load_fenced_leases(root: Path) -> set[str]:
 
 
 def save_fenced_leases(root: Path, fenced: set[str]) -> None:
-    """Written whole under a temporary name, then renamed, like the Parquet files."""
-    root.mkdir(parents=True, exist_ok=True)
-    temporary = root / f"{FENCED_LEASES}.tmp"
-    with temporary.open("w") as handle:
-        handle.write("".join(f"{lease}\n" for lease in sorted(fenced)))
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, root / FENCED_LEASES)
-    _fsync_dir(root)
+    """Replaced whole and durably, like the Parquet files."""
+    text = "".join(f"{lease}\n" for lease in sorted(fenced))
+    with atomic_file(root / FENCED_LEASES, temporary=root / f"{FENCED_LEASES}.tmp") as handle:
+        handle.write(text)
 
 
 def remove_stale_temporaries(root: Path) -> list[Path]:
@@ -721,25 +717,12 @@ def write_parquet(table: pa.Table, where: Any, row_group_rows: int) -> None:
     pq.write_table(table, where, row_group_size=row_group_rows, compression="zstd")
 
 
-def _fsync_dir(folder: Path) -> None:
-    directory = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
-
-
 def write_atomically(table: pa.Table, folder: Path, row_group_rows: int) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
     name = f"part-{time.time_ns()}-{uuid.uuid4().hex[:8]}.parquet"
     final = folder / name
-    temporary = folder / f".{name}.tmp"
-    with temporary.open("wb") as handle:
+    # Named so remove_stale_temporaries finds what a crash leaves.
+    with atomic_file(final, binary=True, temporary=folder / f".{name}.tmp") as handle:
         write_parquet(table, handle, row_group_rows)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, final)
-    _fsync_dir(folder)
     return final
 
 

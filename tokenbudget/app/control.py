@@ -28,6 +28,7 @@ from tokenbudget.app.runner import publish_budgets
 from tokenbudget.app.tables import format_table
 from tokenbudget.config import parse_budget
 from tokenbudget.errors import ConfigError
+from tokenbudget.files import write_atomic
 
 
 async def dispatch_until_stopped(
@@ -66,7 +67,8 @@ async def dispatch_until_stopped(
         for name, view in watcher.board.views.items():
             if view.halted_at is not None:
                 refused[name] = min(refused.get(name, view.halted_at), view.halted_at)
-        report_path.write_text(
+        write_atomic(
+            report_path,
             json.dumps(
                 {
                     "holder": dispatcher.holder,
@@ -75,7 +77,7 @@ async def dispatch_until_stopped(
                     "skipped": dispatcher.report.skipped,
                     "failed": dispatcher.report.failed,
                 }
-            )
+            ),
         )
 
 
