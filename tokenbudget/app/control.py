@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import functools
 import json
 import signal
@@ -29,6 +28,7 @@ from tokenbudget.app.tables import format_table
 from tokenbudget.config import parse_budget
 from tokenbudget.errors import ConfigError
 from tokenbudget.files import write_atomic
+from tokenbudget.tasks import cancel_and_wait
 
 
 async def dispatch_until_stopped(
@@ -58,9 +58,7 @@ async def dispatch_until_stopped(
     try:
         await dispatcher.run(stop)
     finally:
-        watch_task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await watch_task
+        await cancel_and_wait(watch_task, ignore_errors=True)
         await watcher.stop()
     if report_path is not None:
         refused = dict(dispatcher.refused_at)
@@ -120,9 +118,7 @@ async def produce_until_done(
         )
         reports = await producer.run(interrupt=interrupt)
     finally:
-        watch_task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await watch_task
+        await cancel_and_wait(watch_task, ignore_errors=True)
         await watcher.stop()
     for name, report in reports.items():
         line = f"{name}: {report.produced} prompts produced ({report.reason})"

@@ -18,7 +18,6 @@ already receives, through the same :class:`~tokenbudget.app.status.Tracker` that
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import sys
 import time
@@ -29,6 +28,7 @@ from rich.progress import BarColumn, Progress, TaskID, TaskProgressColumn, TextC
 from streams.halts import BudgetBoard
 from tokenbudget.app.status import StatusRow, Tracker, format_eta
 from tokenbudget.config import Config
+from tokenbudget.tasks import cancel_and_wait
 
 # Shown whatever TOKENBUDGET_LOG says (its level is set when lines are asked for):
 # a run's progress is its output, not a diagnostic.
@@ -169,10 +169,7 @@ class BudgetProgress:
         self._task = asyncio.create_task(self._loop())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)
         self.update()
         self.progress.stop()
 
@@ -235,10 +232,7 @@ class ProgressLines:
         self._task = asyncio.create_task(self._loop())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)
         _emit([*self.changes(), *self.lines()])
 
 

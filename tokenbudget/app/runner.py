@@ -49,6 +49,7 @@ from tokenbudget.config import Config, Unit
 from tokenbudget.errors import ConfigError, WorkerFailedError
 from tokenbudget.kafka import GroupLag
 from tokenbudget.security import subprocess_env
+from tokenbudget.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -789,9 +790,7 @@ async def _stop_in_process(
     await asyncio.to_thread(running.sink_thread.join, 120)
     if running.bars is not None:
         await running.bars.stop()
-    running.watch_task.cancel()
-    with contextlib.suppress(asyncio.CancelledError, Exception):
-        await running.watch_task
+    await cancel_and_wait(running.watch_task, ignore_errors=True)
     await running.watcher.stop()
     return refused
 
