@@ -114,10 +114,6 @@ class PromptProducer:
         self._queued: set[str] = set()  # on the prompts topic, not yet dispatched
         self._cursors: list[_Cursor] = []
 
-    @property
-    def dispatch_group(self) -> str:
-        return f"{self.topics.namespace}-dispatch"
-
     def _outcomes(self, dataset: str) -> int:
         snap = self.board.snapshot(dataset)
         return snap.outcome_events if snap else 0
@@ -202,7 +198,7 @@ class PromptProducer:
                 resume.completed_prompt_ids, self.bootstrap, self.topics, self._stored_prompt_ids
             )
             self._queued = await asyncio.to_thread(
-                resume.queued_prompt_ids, self.bootstrap, self.topics, self.dispatch_group
+                resume.queued_prompt_ids, self.bootstrap, self.topics, self.topics.dispatch_group
             )
             regenerated = frozenset(d.name for d in self.config.datasets if d.turns == "regenerate")
             if regenerated:

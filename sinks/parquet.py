@@ -866,7 +866,7 @@ class ParquetSink:
 
     @property
     def group_id(self) -> str:
-        return self._group_id or f"{self.topics.namespace}-sink"
+        return self._group_id or self.topics.sink_group
 
     @property
     def rows_written(self) -> dict[str, int]:

@@ -128,12 +128,6 @@ class RunReport:
         return sum(r.failed for r in self.datasets.values())
 
 
-def dispatcher_instance(namespace: str, index: int) -> str:
-    """The static group member name of ``run``'s dispatcher ``index`` (0: its own):
-    a rerun's dispatchers take the prompts of a killed run's straight back."""
-    return f"{namespace}-dispatch-{index}"
-
-
 def cli_command(*args: str) -> list[str]:
     """This tokenbudget, as a subprocess command line."""
     return [sys.executable, "-m", "tokenbudget", *args]
@@ -324,7 +318,7 @@ class ExtraDispatchers(SupervisedGroup):
                 "--report",
                 str(report),
                 "--instance",
-                dispatcher_instance(namespace, i + 1),
+                Topics(namespace).dispatcher_instance(i + 1),
             )
             if self.config.metrics.port:
                 port = self.config.metrics.port + dispatcher_port_offset(i)
@@ -392,7 +386,7 @@ async def _wait_drained(
     topics = Topics(config.kafka.namespace)
     lag = await _group_lag(bootstrap)
     checks = [
-        (f"{topics.namespace}-dispatch", [topics.prompts]),
+        (topics.dispatch_group, [topics.prompts]),
         (topics.ledger_app_id, [topics.completions, topics.outcomes]),
     ]
     names = [d.name for d in config.datasets]
@@ -499,9 +493,9 @@ async def run_async(
     lag_sampler = metrics.LagSampler(
         bootstrap,
         {
-            f"{topics.namespace}-dispatch": [topics.prompts],
+            topics.dispatch_group: [topics.prompts],
             topics.ledger_app_id: [topics.completions, topics.outcomes],
-            f"{topics.namespace}-sink": [topics.completions],
+            topics.sink_group: [topics.completions],
         },
     )
     if config.metrics.port:
@@ -684,7 +678,7 @@ async def _start_in_process(
         bootstrap,
         watcher.board,
         keep_log=keep_dispatch_log,
-        instance=dispatcher_instance(topics.namespace, 0),
+        instance=topics.dispatcher_instance(0),
     )
     dispatch_stop = asyncio.Event()
     dispatch_task = asyncio.create_task(dispatcher.run(dispatch_stop))
