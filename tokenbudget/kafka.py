@@ -10,7 +10,6 @@ the application's business (:mod:`tokenbudget.app.bootstrap`); creating topics i
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -22,6 +21,7 @@ from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
 
 from tokenbudget import security, sizes
 from tokenbudget.errors import BrokerError
+from tokenbudget.retry import retry_until, retry_until_async
 
 log = logging.getLogger(__name__)
 
@@ -132,14 +132,14 @@ def wait_for_partitions(
     metadata for it; it asks every ``interval`` seconds. Raises
     :class:`BrokerError` (``missing``, by default "topic ... does not exist") if it
     has none after ``timeout`` seconds. Blocking."""
-    deadline = time.monotonic() + timeout
-    while True:
+
+    def partitions() -> list[TopicPartition]:
         found = consumer.partitions_for_topic(topic)
-        if found:
-            return [TopicPartition(topic, p) for p in sorted(found)]
-        if time.monotonic() > deadline:
+        if not found:
             raise BrokerError(missing or f"topic {topic} does not exist")
-        time.sleep(interval)
+        return [TopicPartition(topic, p) for p in sorted(found)]
+
+    return retry_until(partitions, timeout=timeout, retry_on=BrokerError, interval=interval)
 
 
 async def wait_for_partitions_aio(
@@ -152,17 +152,19 @@ async def wait_for_partitions_aio(
 ) -> list[AIOTopicPartition]:
     """:func:`wait_for_partitions` for a started aiokafka ``AIOKafkaConsumer``: the
     same contract, without blocking the event loop."""
-    deadline = time.monotonic() + timeout
-    while True:
+
+    async def partitions() -> list[AIOTopicPartition]:
         # aiokafka refreshes the metadata of topics it is not subscribed to only
         # every few minutes (metadata_max_age_ms): ask for it now.
         await consumer._client.force_metadata_update()
         found = consumer.partitions_for_topic(topic)
-        if found:
-            return [AIOTopicPartition(topic, p) for p in sorted(found)]
-        if time.monotonic() > deadline:
+        if not found:
             raise BrokerError(missing or f"topic {topic} does not exist")
-        await asyncio.sleep(interval)
+        return [AIOTopicPartition(topic, p) for p in sorted(found)]
+
+    return await retry_until_async(
+        partitions, timeout=timeout, retry_on=BrokerError, interval=interval
+    )
 
 
 # ----------------------------------------------------------------- reading a topic

@@ -48,6 +48,7 @@ from tokenbudget.app.progress import Display, ProgressMode, choose_mode, display
 from tokenbudget.config import Config, Unit
 from tokenbudget.errors import ConfigError, WorkerFailedError
 from tokenbudget.kafka import GroupLag
+from tokenbudget.retry import retry_until_async
 from tokenbudget.security import subprocess_env
 from tokenbudget.tasks import cancel_and_wait
 
@@ -361,14 +362,16 @@ async def publish_budgets(config: Config, bootstrap: str) -> list[precedence.Bud
 
 async def _group_lag(bootstrap: str) -> GroupLag:
     """A lag reader, once Kafka answers (a broker restarting is waited out)."""
-    delay = 0.5
-    while True:
-        try:
-            return await asyncio.to_thread(GroupLag, bootstrap)
-        except KafkaError as exc:
-            log.warning("Kafka at %s does not answer (%r); trying again", bootstrap, exc)
-            await asyncio.sleep(delay)
-            delay = min(5.0, delay * 2)
+    return await retry_until_async(
+        functools.partial(asyncio.to_thread, GroupLag, bootstrap),
+        timeout=None,
+        retry_on=KafkaError,
+        interval=0.5,
+        max_interval=5.0,
+        on_retry=lambda exc: log.warning(
+            "Kafka at %s does not answer (%r); trying again", bootstrap, exc
+        ),
+    )
 
 
 async def _lag(lag: GroupLag, group: str, topics: list[str]) -> int | None:

@@ -14,7 +14,7 @@ from tokenbudget import config as config_module
 from tokenbudget import metrics, sizes
 from tokenbudget.app.bootstrap import resolve_bootstrap
 from tokenbudget.errors import TokenBudgetError
-from tokenbudget.kafka_admin import ensure_topics, topic_layout, wait_reachable
+from tokenbudget.kafka_admin import ensure_topics, topic_layout, wait_ready
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,7 +42,7 @@ def main(args: argparse.Namespace) -> int:
     elif args.bootstrap:
         bootstrap, namespace, interval = args.bootstrap, args.namespace, args.snapshot_interval
         compression = args.compression
-        wait_reachable(bootstrap)  # Faust gives up at once on a broker restarting
+        wait_ready(bootstrap)  # Faust gives up at once on a broker restarting
     else:
         raise TokenBudgetError("ledger needs --config FILE, or --bootstrap HOST:PORT")
     if args.metrics_port:
