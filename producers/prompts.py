@@ -32,7 +32,7 @@ from aiokafka import AIOKafkaProducer
 from producers import conversations, resume
 from producers.datasets import PromptRow, read_options, read_prompts, row_error, turn_prompt_id
 from streams import events as ev
-from streams.halts import BudgetBoard
+from streams.budget_board import BudgetBoard
 from streams.topics import Topics
 from tokenbudget import metrics, sizes
 from tokenbudget.config import Config, Dataset

@@ -71,7 +71,7 @@ from sinks.parquet import (
     save_fenced_leases,
 )
 from streams import events as ev
-from streams.halts import BudgetBoard
+from streams.budget_board import BudgetBoard
 from streams.ledger import Outcome, outcome_change
 from streams.topics import Topics, completion_topic_configs
 from tokenbudget import sizes

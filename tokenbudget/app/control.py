@@ -16,7 +16,7 @@ from producers.prompts import PromptProducer
 from sinks.parquet import stored_prompt_ids
 from sinks.replay import kept_completions, read_to_end
 from streams import events as ev
-from streams.halts import BudgetBoard, BudgetWatcher
+from streams.budget_board import BudgetBoard, BudgetWatcher
 from streams.publisher import publish_events
 from streams.topics import Topics
 from tokenbudget import config as config_module

@@ -1,7 +1,7 @@
 """What ``run`` and ``demo`` show while a job runs: one bar per dataset on a
 terminal, progress lines elsewhere.
 
-Both are driven by the ledger snapshots a run's :class:`~streams.halts.BudgetBoard`
+Both are driven by the ledger snapshots a run's :class:`~streams.budget_board.BudgetBoard`
 already receives, through the same :class:`~tokenbudget.app.status.Tracker` that
 ``tokenbudget status`` uses, and show the same fields (:func:`fields`): kept/budget,
 % used, tokens/s, ETA, state.
@@ -25,7 +25,7 @@ from typing import Literal, Protocol
 
 from rich.progress import BarColumn, Progress, TaskID, TaskProgressColumn, TextColumn
 
-from streams.halts import BudgetBoard
+from streams.budget_board import BudgetBoard
 from tokenbudget.app.status import StatusRow, Tracker, format_eta
 from tokenbudget.config import Config
 from tokenbudget.tasks import cancel_and_wait

@@ -37,7 +37,7 @@ from producers.prompts import ProduceReport, PromptProducer
 from sinks.parquet import ParquetSink, SinkSettings, stored_prompt_ids
 from sinks.replay import kept_completions
 from streams import budget
-from streams.halts import BudgetBoard, BudgetWatcher
+from streams.budget_board import BudgetBoard, BudgetWatcher
 from streams.publisher import publish_events
 from streams.topics import Topics
 from tokenbudget import lifetime, metrics, sizes

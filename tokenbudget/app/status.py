@@ -23,7 +23,7 @@ from rich.table import Table
 
 from streams import budget as policy
 from streams import events as ev
-from streams.halts import BudgetBoard, BudgetWatcher
+from streams.budget_board import BudgetBoard, BudgetWatcher
 from streams.topics import Topics
 from tokenbudget.app.tables import format_table
 from tokenbudget.tasks import cancel_and_wait

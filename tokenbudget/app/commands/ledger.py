@@ -6,9 +6,9 @@ import argparse
 import sys
 import typing
 
-from streams.app import LedgerSettings, run_worker
 from streams.faust_adapt import HotPath
 from streams.ledger_gauges import LedgerGauges
+from streams.ledger_worker import LedgerSettings, run_worker
 from streams.topics import Topics
 from tokenbudget import config as config_module
 from tokenbudget import metrics, sizes
