@@ -10,27 +10,33 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import TypeVar
+from typing import TypedDict, TypeVar, Unpack
 
 T = TypeVar("T")
 
 Errors = type[BaseException] | tuple[type[BaseException], ...]
 
 
-@dataclass
+class RetryOptions(TypedDict, total=False):
+    """How :func:`retry_until` asks again (every key optional)."""
+
+    retry_on: Errors  # the errors that mean "not yet" (default: any Exception)
+    interval: float  # seconds before the next attempt (default 0.2)
+    max_interval: float | None  # the interval doubles up to this (None: it stays)
+    on_retry: Callable[[BaseException], None]  # sees each error before the wait
+    give_up: Callable[[BaseException], BaseException]  # the error at the timeout
+
+
 class _Schedule:
     """When to stop asking, and how long to wait before asking again."""
 
-    timeout: float | None
-    interval: float
-    max_interval: float | None
-    on_retry: Callable[[BaseException], None] | None
-    give_up: Callable[[BaseException], BaseException] | None
-
-    def __post_init__(self) -> None:
-        self.deadline = None if self.timeout is None else time.monotonic() + self.timeout
-        self.delay = self.interval
+    def __init__(self, timeout: float | None, options: RetryOptions) -> None:
+        self.retry_on: Errors = options.get("retry_on", Exception)
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+        self.delay = options.get("interval", 0.2)
+        self.max_interval = options.get("max_interval")
+        self.on_retry = options.get("on_retry")
+        self.give_up = options.get("give_up")
 
     def next_delay(self, error: BaseException) -> float:
         """Seconds to wait before the next attempt; raises once the time is up."""
@@ -50,14 +56,7 @@ class _Schedule:
 
 
 def retry_until(
-    attempt: Callable[[], T],
-    *,
-    timeout: float | None,
-    retry_on: Errors = Exception,
-    interval: float = 0.2,
-    max_interval: float | None = None,
-    on_retry: Callable[[BaseException], None] | None = None,
-    give_up: Callable[[BaseException], BaseException] | None = None,
+    attempt: Callable[[], T], *, timeout: float | None, **options: Unpack[RetryOptions]
 ) -> T:
     """What ``attempt()`` returns, once it returns: an error of ``retry_on`` it
     raises is followed by another attempt, ``interval`` seconds later (doubled each
@@ -68,31 +67,24 @@ def retry_until(
     error is raised, or ``give_up(error)`` is raised from it. ``on_retry(error)``
     is called before each wait, to log it, or to raise and stop asking (a process
     that died will not answer). Blocking: see :func:`retry_until_async`."""
-    schedule = _Schedule(timeout, interval, max_interval, on_retry, give_up)
+    schedule = _Schedule(timeout, options)
     while True:
         try:
             return attempt()
-        except retry_on as error:
+        except schedule.retry_on as error:
             delay = schedule.next_delay(error)
         time.sleep(delay)
 
 
 async def retry_until_async(
-    attempt: Callable[[], Awaitable[T]],
-    *,
-    timeout: float | None,
-    retry_on: Errors = Exception,
-    interval: float = 0.2,
-    max_interval: float | None = None,
-    on_retry: Callable[[BaseException], None] | None = None,
-    give_up: Callable[[BaseException], BaseException] | None = None,
+    attempt: Callable[[], Awaitable[T]], *, timeout: float | None, **options: Unpack[RetryOptions]
 ) -> T:
     """:func:`retry_until` for a coroutine function: the same contract, waiting
     without blocking the event loop."""
-    schedule = _Schedule(timeout, interval, max_interval, on_retry, give_up)
+    schedule = _Schedule(timeout, options)
     while True:
         try:
             return await attempt()
-        except retry_on as error:
+        except schedule.retry_on as error:
             delay = schedule.next_delay(error)
         await asyncio.sleep(delay)
