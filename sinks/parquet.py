@@ -64,6 +64,7 @@ from tokenbudget.kafka import (
     kafka_python_producer_options,
     wait_for_partitions,
 )
+from tokenbudget.retry import retry_until
 
 log = logging.getLogger(__name__)
 
@@ -726,6 +727,10 @@ def write_atomically(table: pa.Table, folder: Path, row_group_rows: int) -> Path
     return final
 
 
+class _Stopped(Exception):
+    """The sink was stopped while it waited for Kafka."""
+
+
 @dataclass
 class _Buffer:
     tables: list[pa.Table] = field(default_factory=list)
@@ -971,14 +976,24 @@ class ParquetSink:
         """Consume until ``stop`` is set, then (with ``drain``) read to the end of the
         topic; flush and commit. A broker that does not answer at start (restarting,
         say) is waited for."""
-        while True:
-            try:
-                self.start()
-                break
-            except KafkaError as exc:
-                log.warning("sink: Kafka does not answer (%r); trying again", exc)
-                if stop.wait(2.0):
-                    return
+
+        def wait(seconds: float) -> None:
+            if stop.wait(seconds):
+                raise _Stopped
+
+        try:
+            retry_until(
+                self.start,
+                timeout=None,
+                retry_on=KafkaError,
+                interval=2.0,
+                on_retry=lambda exc: log.warning(
+                    "sink: Kafka does not answer (%r); trying again", exc
+                ),
+                sleep=wait,
+            )
+        except _Stopped:
+            return
         try:
             while not stop.is_set():
                 self.poll_once()

@@ -25,6 +25,9 @@ class RetryOptions(TypedDict, total=False):
     max_interval: float | None  # the interval doubles up to this (None: it stays)
     on_retry: Callable[[BaseException], None]  # sees each error before the wait
     give_up: Callable[[BaseException], BaseException]  # the error at the timeout
+    # retry_until only: how to wait (default time.sleep), e.g. a wait that ends, and
+    # raises, when the caller is stopped
+    sleep: Callable[[float], object]
 
 
 class _Schedule:
@@ -68,12 +71,13 @@ def retry_until(
     is called before each wait, to log it, or to raise and stop asking (a process
     that died will not answer). Blocking: see :func:`retry_until_async`."""
     schedule = _Schedule(timeout, options)
+    sleep = options.get("sleep") or time.sleep
     while True:
         try:
             return attempt()
         except schedule.retry_on as error:
             delay = schedule.next_delay(error)
-        time.sleep(delay)
+        sleep(delay)
 
 
 async def retry_until_async(

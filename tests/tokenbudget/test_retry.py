@@ -135,3 +135,21 @@ def test_the_async_form_keeps_the_same_contract(clock: Clock) -> None:
     with pytest.raises(ConnectionError):
         asyncio.run(retry_until_async(never, timeout=3, retry_on=ConnectionError, interval=1))
     assert clock.sleeps[2:] == [1, 1, 1]
+
+
+def test_a_wait_of_the_callers_own_may_end_the_asking(clock: Clock) -> None:
+    class Stopped(Exception):
+        pass
+
+    waits: list[float] = []
+
+    def wait(seconds: float) -> None:
+        waits.append(seconds)
+        if len(waits) == 2:
+            raise Stopped  # the caller was stopped while it waited
+
+    f = failing(100, ConnectionError())
+    with pytest.raises(Stopped):
+        retry_until(f.attempt, timeout=None, retry_on=ConnectionError, interval=2, sleep=wait)
+    assert waits == [2, 2] and f.calls == 2
+    assert clock.sleeps == []  # time.sleep was not used
