@@ -65,12 +65,13 @@ from producers.tries import Tries
 from producers.turns import ConversationTurns
 from streams import budget
 from streams import events as ev
-from streams.halts import BudgetBoard
+from streams.budget_board import BudgetBoard
 from streams.topics import Topics
 from tokenbudget import metrics
 from tokenbudget.config import Config
 from tokenbudget.errors import EventDecodeError
 from tokenbudget.kafka import aiokafka_producer_options, consumer_options
+from tokenbudget.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +146,7 @@ class Dispatcher:
     @property
     def group_id(self) -> str:
         """The consumer group every dispatcher of the namespace shares."""
-        return f"{self.topics.namespace}-dispatch"
+        return self.topics.dispatch_group
 
     async def commit(self) -> None:
         """Commit, for each partition assigned, the offsets up to the first prompt
@@ -316,13 +317,9 @@ class Dispatcher:
         finally:
             if gate is not None:
                 await gate.close()
-            committer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await committer
+            await cancel_and_wait(committer)
             if maintenance is not None:
-                maintenance.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await maintenance
+                await cancel_and_wait(maintenance)
             if admission is not None:
                 with contextlib.suppress(Exception):
                     await admission.close()

@@ -32,6 +32,8 @@ from tokenbudget.columns import (
     TemplateError,
 )
 from tokenbudget.errors import ConfigError
+from tokenbudget.keydoc import doc
+from tokenbudget.sampling import SAMPLING_KEYS, Sampling
 
 Api = Literal["sglang", "openai-completions", "openai-chat"]
 # The budget's choices, named once here; what each means is streams/budget.py's tables.
@@ -53,12 +55,6 @@ ReasoningMode = Literal["save", "disable"]
 NO_THINKING = {"enable_thinking": False, "thinking": False}
 
 ENV_PREFIX = "TOKENBUDGET__"
-
-
-def doc(description: str) -> msgspec.Meta:
-    """A config key's description, where the key is declared: the one line of it in
-    docs/reference/config.md, which docs/gen_reference.py writes from these."""
-    return msgspec.Meta(description=description)
 
 
 class _Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -175,41 +171,10 @@ class KafkaConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=Tru
     ] = True
 
 
-class _Sampling(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """Sampling settings, all optional: in [inference], and in each [[datasets]]
-    entry over [inference]'s, key by key (see :func:`_sampling`)."""
-
-    temperature: Annotated[float | None, doc("sampling: the temperature")] = None
-    top_p: Annotated[float | None, doc("sampling: nucleus sampling's probability mass")] = None
-    top_k: Annotated[int | None, doc("sampling: the most likely tokens sampled from")] = None
-    min_p: Annotated[float | None, doc("sampling: the least probability, relative to the top")] = (
-        None
-    )
-    repetition_penalty: Annotated[float | None, doc("sampling: the repetition penalty")] = None
-    frequency_penalty: Annotated[float | None, doc("sampling: the frequency penalty")] = None
-    presence_penalty: Annotated[float | None, doc("sampling: the presence penalty")] = None
-    stop: Annotated[list[str] | None, doc("sampling: strings that end an answer")] = None
-    seed: Annotated[
-        int | None,
-        doc(
-            "sampling: the seed (SGLang's `sampling_seed`); with `n` answers per prompt, "
-            "answer *k* is sent `seed + k`, so they differ and are reproducible"
-        ),
-    ] = None
-    chat_template_kwargs: Annotated[
-        dict[str, Any] | None,
-        doc(
-            "a table for the chat template (e.g. `{enable_thinking = false}`): applied with "
-            '`template = true`, sent with `api = "openai-chat"`'
-        ),
-    ] = None
-    extra_body: Annotated[
-        dict[str, Any] | None,
-        doc(
-            "a table sent verbatim in every request's JSON body (SGLang and OpenAI alike), "
-            "for server options tokenbudget has no key for"
-        ),
-    ] = None
+class _Sampling(_Section, Sampling, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The sampling settings (:mod:`tokenbudget.sampling`), all optional: in
+    [inference], and in each [[datasets]] entry over [inference]'s, key by key (see
+    :func:`_sampling`)."""
 
 
 class InferenceConfig(_Sampling, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -606,9 +571,6 @@ class Dataset(msgspec.Struct, frozen=True, kw_only=True):
     keep_columns: tuple[str, ...] = ()
     columns: Columns = DEFAULT_COLUMNS  # where the rows hold the prompt
     reasoning: ReasoningMode | None = None  # see ReasoningMode
-
-
-SAMPLING_KEYS = _Sampling.__struct_fields__
 
 
 def _sampling(inference: InferenceConfig, dataset: DatasetConfig) -> dict[str, Any]:

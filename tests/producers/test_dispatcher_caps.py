@@ -15,7 +15,7 @@ from producers.admission import Admission, AdmissionSettings
 from producers.dispatcher import Dispatcher
 from producers.inference import GenerationRequest, GenerationResult, InferenceBackend
 from streams import events as ev
-from streams.halts import BudgetBoard
+from streams.budget_board import BudgetBoard
 from tests.producers.test_admission import (
     DS,
     TOPICS,

@@ -12,12 +12,13 @@ from pathlib import Path
 from typing import Any
 
 from sinks.export import FORMATS, Decode, ExportOptions, ExportSummary, export
-from sinks.replay import ReplayOptions, load_tokenizer_folder, replay
+from sinks.replay import ReplayOptions, replay
 from streams.topics import Topics
 from tokenbudget import config as config_module
 from tokenbudget.app.bootstrap import resolve_bootstrap
 from tokenbudget.app.commands import add_config, examples
 from tokenbudget.errors import ExportError
+from tokenbudget.tokenizer import load_pretrained
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -95,7 +96,7 @@ def main(args: argparse.Namespace) -> int:
     )
     decode: Decode | None = None
     if tokenizer_path:
-        tokenizer = load_tokenizer_folder(Path(tokenizer_path), "export --tokenizer")
+        tokenizer = load_pretrained(Path(tokenizer_path), "export --tokenizer")
         decode = functools.partial(tokenizer.decode, skip_special_tokens=False)
     options = ExportOptions(
         format=args.format,

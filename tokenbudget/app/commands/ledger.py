@@ -6,16 +6,16 @@ import argparse
 import sys
 import typing
 
-from streams.app import LedgerSettings, run_worker
 from streams.faust_adapt import HotPath
 from streams.ledger_gauges import LedgerGauges
+from streams.ledger_worker import LedgerSettings, run_worker
 from streams.topics import Topics
 from tokenbudget import config as config_module
 from tokenbudget import metrics, sizes
 from tokenbudget.app.bootstrap import resolve_bootstrap
 from tokenbudget.app.commands import add_config, examples
 from tokenbudget.errors import TokenBudgetError
-from tokenbudget.kafka_admin import ensure_topics, topic_layout, wait_reachable
+from tokenbudget.kafka_admin import ensure_topics, topic_layout, wait_ready
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -77,7 +77,7 @@ def main(args: argparse.Namespace) -> int:
     elif args.bootstrap:
         bootstrap, namespace, interval = args.bootstrap, args.namespace, args.snapshot_interval
         compression = args.compression
-        wait_reachable(bootstrap)  # Faust gives up at once on a broker restarting
+        wait_ready(bootstrap)  # Faust gives up at once on a broker restarting
     else:
         raise TokenBudgetError("ledger needs --config FILE, or --bootstrap HOST:PORT")
     if args.metrics_port:
