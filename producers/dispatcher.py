@@ -71,6 +71,7 @@ from tokenbudget import metrics
 from tokenbudget.config import Config
 from tokenbudget.errors import EventDecodeError
 from tokenbudget.kafka import aiokafka_producer_options, consumer_options
+from tokenbudget.retry import retry_until_async
 from tokenbudget.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
@@ -274,22 +275,32 @@ class Dispatcher:
     async def _started_clients(self) -> tuple[AIOKafkaConsumer, AIOKafkaProducer]:
         """The clients, started once Kafka answers (a broker restarting as the
         dispatcher starts is waited out, with fresh clients each time)."""
-        delay = 0.5
-        while True:
+
+        async def start() -> tuple[AIOKafkaConsumer, AIOKafkaProducer]:
             consumer, producer = self._clients()
             try:
                 await producer.start()
                 await asyncio.to_thread(self.outcomes.refresh)
                 await consumer.start()
-                return consumer, producer
-            except (KafkaError, kafka.errors.KafkaError, OSError) as exc:
-                log.warning("dispatcher: Kafka does not answer (%r); trying again", exc)
+            except BaseException:
                 with contextlib.suppress(Exception):
                     await consumer.stop()
                 with contextlib.suppress(Exception):
                     await producer.stop()
-                await asyncio.sleep(delay)
-                delay = min(5.0, delay * 2)
+                raise
+            return consumer, producer
+
+        def warn(exc: BaseException) -> None:
+            log.warning("dispatcher: Kafka does not answer (%r); trying again", exc)
+
+        return await retry_until_async(
+            start,
+            timeout=None,
+            retry_on=(KafkaError, kafka.errors.KafkaError, OSError),
+            interval=0.5,
+            max_interval=5.0,
+            on_retry=warn,
+        )
 
     async def run(self, stop: asyncio.Event) -> DispatchReport:
         """Dispatch until ``stop`` is set (finishing what was started) or
