@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 TEST_WORKERS ?= 3
 
 .DEFAULT_GOAL := help
-.PHONY: help venv jars broker-up broker-down lint rules test test-fast demo bench clean jars-lock
+.PHONY: help venv jars broker-up broker-down lint rules test test-fast docs demo bench clean jars-lock
 
 help: ## list the targets
 	@echo "usage: make TARGET"
@@ -57,6 +57,9 @@ test: venv jars ## run every test, on TEST_WORKERS processes (each starts its ow
 test-fast: venv ## the unit tests only (no broker, no JVM): the edit loop
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not integration" $(PYTEST_ARGS)
 
+docs: venv ## build the docs (docs/, mkdocs.yml) into site/; a broken link or anchor fails
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
 demo: venv jars ## eight datasets against the simulator, on the local broker
 	$(BIN)/tokenbudget demo
 
@@ -76,7 +79,7 @@ bench: venv jars ## run every bench/*.py against the local broker (llama_cpp.py 
 	if [ -n "$$failed" ]; then echo "failed:$$failed"; exit 1; fi
 
 clean: ## remove demo output, Faust data dirs, build artefacts and caches (keeps .venv)
-	rm -rf demo-out build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf demo-out build dist site *.egg-info .pytest_cache .mypy_cache .ruff_cache
 	rm -rf ./*-ledger-data ./tb-smoke-*-data
 	find . -path ./$(VENV) -prune -o -type d -name __pycache__ -prune -exec rm -rf {} +
 

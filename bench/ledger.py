@@ -47,8 +47,8 @@ from tempfile import TemporaryDirectory
 from kafka import KafkaAdminClient, KafkaProducer
 
 from streams import events as ev
+from streams.budget_board import BudgetWatcher
 from streams.faust_adapt import HotPath
-from streams.halts import BudgetWatcher
 from streams.topics import Topics
 from tokenbudget import kafka_admin, lifetime, sizes
 from tokenbudget.app.commands import ledger as ledger_command

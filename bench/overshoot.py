@@ -42,7 +42,7 @@ from kafka import KafkaProducer
 
 from sinks.replay import read_to_end
 from streams import events as ev
-from streams.halts import BudgetWatcher
+from streams.budget_board import BudgetWatcher
 from streams.topics import Topics
 from tokenbudget import config as config_module
 from tokenbudget.app.runner import RunReport, run

@@ -46,7 +46,7 @@ from aiokafka import AIOKafkaProducer
 
 from streams import budget
 from streams import events as ev
-from streams.halts import BudgetBoard
+from streams.budget_board import BudgetBoard
 from streams.topics import Topics
 from tokenbudget.config import BoundaryPolicy, CutPolicy
 

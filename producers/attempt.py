@@ -41,7 +41,7 @@ from producers.slots import Slot
 from producers.step import Dispatched, DispatchReport
 from streams import budget
 from streams import events as ev
-from streams.halts import BudgetBoard
+from streams.budget_board import BudgetBoard
 from tokenbudget import metrics
 
 log = logging.getLogger(__name__)
@@ -191,7 +191,6 @@ class Attempt:
             text=prompt.text,
             messages=prompt.messages,
             input_ids=tuple(prompt.input_ids) if prompt.input_ids is not None else None,
-            temperature=prompt.sampling.temperature,
             sampling=prompt.sampling.request_fields(),
             tools=prompt.tools,
         )

@@ -1002,7 +1002,7 @@ def _no_prompts(
             fix += f" in place of {columns.key}"
         if dataset.format in CONFLICTING_FORMATS.get(option, ()):
             fix += ' and format = "auto"'
-    message = f"{message}: {fix} (README: Column mapping)"
+    message = f"{message}: {fix} (docs/datasets.md: Column mapping)"
     return ConfigError(f"{key}.{option}", message, source=source)
 
 

@@ -61,12 +61,14 @@ from producers.tries import Tries
 from producers.turns import ConversationTurns
 from streams import budget
 from streams import events as ev
-from streams.halts import BudgetBoard
+from streams.budget_board import BudgetBoard
 from streams.topics import Topics
 from tokenbudget import metrics
 from tokenbudget.config import Config, Server
 from tokenbudget.errors import EventDecodeError
 from tokenbudget.kafka import aiokafka_producer_options, consumer_options
+from tokenbudget.retry import retry_until_async
+from tokenbudget.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +143,7 @@ class Dispatcher:
     @property
     def group_id(self) -> str:
         """The consumer group every dispatcher of the namespace shares."""
-        return f"{self.topics.namespace}-dispatch"
+        return self.topics.dispatch_group
 
     async def commit(self) -> None:
         """Commit, for each partition assigned, the offsets up to the first prompt
@@ -272,22 +274,32 @@ class Dispatcher:
     async def _started_clients(self) -> tuple[AIOKafkaConsumer, AIOKafkaProducer]:
         """The clients, started once Kafka answers (a broker restarting as the
         dispatcher starts is waited out, with fresh clients each time)."""
-        delay = 0.5
-        while True:
+
+        async def start() -> tuple[AIOKafkaConsumer, AIOKafkaProducer]:
             consumer, producer = self._clients()
             try:
                 await producer.start()
                 await asyncio.to_thread(self.outcomes.refresh)
                 await consumer.start()
-                return consumer, producer
-            except (KafkaError, kafka.errors.KafkaError, OSError) as exc:
-                log.warning("dispatcher: Kafka does not answer (%r); trying again", exc)
+            except BaseException:
                 with contextlib.suppress(Exception):
                     await consumer.stop()
                 with contextlib.suppress(Exception):
                     await producer.stop()
-                await asyncio.sleep(delay)
-                delay = min(5.0, delay * 2)
+                raise
+            return consumer, producer
+
+        def warn(exc: BaseException) -> None:
+            log.warning("dispatcher: Kafka does not answer (%r); trying again", exc)
+
+        return await retry_until_async(
+            start,
+            timeout=None,
+            retry_on=(KafkaError, kafka.errors.KafkaError, OSError),
+            interval=0.5,
+            max_interval=5.0,
+            on_retry=warn,
+        )
 
     async def run(self, stop: asyncio.Event) -> DispatchReport:
         """Dispatch until ``stop`` is set (finishing what was started) or
@@ -319,9 +331,7 @@ class Dispatcher:
         finally:
             changes.listeners.remove(fleet.apply)
             for task in tasks:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+                await cancel_and_wait(task)
             await fleet.close()
             if admission is not None:
                 with contextlib.suppress(Exception):

@@ -61,6 +61,7 @@ from tokenbudget.errors import (
     InferenceTransportError,
     InferenceUnavailableError,
 )
+from tokenbudget.sampling import VERBATIM_KEY
 
 if TYPE_CHECKING:
     from producers.tokenizers import LocalTokenizer
@@ -221,8 +222,7 @@ class GenerationRequest:
     text: str | None = None
     messages: tuple[ChatMessage, ...] | None = None
     input_ids: tuple[int, ...] | None = None
-    temperature: float | None = None
-    # Every sampling setting configured (temperature included), by its config name:
+    # Every sampling setting configured (tokenbudget.sampling), by its config name:
     # each backend maps them to its wire format.
     sampling: Mapping[str, Any] = field(default_factory=dict)
     tools: list[dict[str, Any]] | None = None  # chat: the function definitions offered
@@ -541,7 +541,7 @@ class _SGLangStream:
 _SGLANG_NAMES = {"seed": "sampling_seed"}
 # Settings that are not sampling_params on /generate: the template's are applied
 # here (template = true), the extra body goes beside sampling_params.
-_NOT_SAMPLING_PARAMS = frozenset({"chat_template_kwargs", "extra_body"})
+_NOT_SAMPLING_PARAMS = frozenset({"chat_template_kwargs", VERBATIM_KEY})
 
 
 class SGLangBackend(InferenceBackend):
@@ -550,8 +550,6 @@ class SGLangBackend(InferenceBackend):
 
     def _body(self, request: GenerationRequest) -> dict[str, Any]:
         sampling: dict[str, Any] = {"max_new_tokens": request.max_new_tokens}
-        if request.temperature is not None:
-            sampling["temperature"] = request.temperature
         for key, value in request.sampling.items():
             if key not in _NOT_SAMPLING_PARAMS:
                 sampling[_SGLANG_NAMES.get(key, key)] = value
@@ -559,7 +557,7 @@ class SGLangBackend(InferenceBackend):
             "rid": request.rid,
             "sampling_params": sampling,
             "stream": self.stream,
-            **(request.sampling.get("extra_body") or {}),
+            **(request.sampling.get(VERBATIM_KEY) or {}),
         }
         if request.input_ids is not None:
             body["input_ids"] = list(request.input_ids)
@@ -692,14 +690,12 @@ class _OpenAIBackend(InferenceBackend):
         body.update(model=self.model, stream=self.stream, return_token_ids=True)
         if self.stream:
             body["stream_options"] = {"include_usage": True}
-        if request.temperature is not None:
-            body["temperature"] = request.temperature
         for key, value in request.sampling.items():
             if key == "chat_template_kwargs" and self.api != "openai-chat":
                 continue  # only the chat route applies a template
-            if key != "extra_body":
+            if key != VERBATIM_KEY:
                 body[key] = value
-        body.update(request.sampling.get("extra_body") or {})
+        body.update(request.sampling.get(VERBATIM_KEY) or {})
         return body
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:

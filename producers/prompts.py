@@ -32,7 +32,7 @@ from aiokafka import AIOKafkaProducer
 from producers import conversations, resume
 from producers.datasets import PromptRow, read_options, read_prompts, row_error, turn_prompt_id
 from streams import events as ev
-from streams.halts import BudgetBoard
+from streams.budget_board import BudgetBoard
 from streams.topics import Topics
 from tokenbudget import metrics, sizes
 from tokenbudget.config import Config, Dataset
@@ -113,10 +113,6 @@ class PromptProducer:
         self._done: set[str] = set()  # completed by earlier runs (producers.resume)
         self._queued: set[str] = set()  # on the prompts topic, not yet dispatched
         self._cursors: list[_Cursor] = []
-
-    @property
-    def dispatch_group(self) -> str:
-        return f"{self.topics.namespace}-dispatch"
 
     def _outcomes(self, dataset: str) -> int:
         snap = self.board.snapshot(dataset)
@@ -202,7 +198,7 @@ class PromptProducer:
                 resume.completed_prompt_ids, self.bootstrap, self.topics, self._stored_prompt_ids
             )
             self._queued = await asyncio.to_thread(
-                resume.queued_prompt_ids, self.bootstrap, self.topics, self.dispatch_group
+                resume.queued_prompt_ids, self.bootstrap, self.topics, self.topics.dispatch_group
             )
             regenerated = frozenset(d.name for d in self.config.datasets if d.turns == "regenerate")
             if regenerated:

@@ -17,7 +17,6 @@ keep the first outcome of a prompt, and a repeated request id is recognised.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -32,6 +31,7 @@ from streams import events as ev
 from streams.topics import Topics
 from tokenbudget import metrics, sizes
 from tokenbudget.errors import KafkaLimitsError
+from tokenbudget.retry import retry_until_async
 
 log = logging.getLogger(__name__)
 
@@ -62,11 +62,10 @@ class Publisher:
         value = ev.encode(event)
         if self._seen is not None:
             self._seen(event)
-        delay = 0.2
-        while True:
+
+        async def send() -> None:
             try:
                 await self.producer.send_and_wait(topic, key=dataset.encode(), value=value)
-                return
             except MessageSizeTooLargeError as exc:
                 # Sending it again cannot help. Prompts take at most half a message
                 # (tokenbudget.sizes), so only an answer of hundreds of thousands of
@@ -76,10 +75,13 @@ class Publisher:
                     f"over the {sizes.MESSAGE_BYTES:,}-byte Kafka message every topic "
                     "accepts; fix: lower [inference] max_new_tokens (or the dataset's)"
                 ) from exc
-            except KafkaError as exc:
-                log.warning("publishing to %s failed (%r); trying again", topic, exc)
-                await asyncio.sleep(delay)
-                delay = min(5.0, delay * 2)
+
+        def warn(exc: BaseException) -> None:
+            log.warning("publishing to %s failed (%r); trying again", topic, exc)
+
+        await retry_until_async(
+            send, timeout=None, retry_on=KafkaError, max_interval=5.0, on_retry=warn
+        )
 
     async def completed(self, completion: ev.CompletionEvent) -> None:
         """Publish a prompt's completion and count it (by dataset and stop reason,

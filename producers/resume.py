@@ -1,6 +1,6 @@
 """Resumable runs: which prompts of a namespace already have a completion.
 
-The ledger's outcome table (``streams.app``, table ``outcomes``) records, per
+The ledger's outcome table (``streams.ledger_worker``, table ``outcomes``) records, per
 ``prompt_id``, whether the prompt was completed, skipped or failed. Its changelog is
 a compacted topic keyed by ``prompt_id``, so reading it from the beginning to its end
 offsets gives the record of every earlier run of the namespace. The producer skips

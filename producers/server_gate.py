@@ -24,7 +24,6 @@ Contract:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -32,6 +31,7 @@ from dataclasses import dataclass
 
 from tokenbudget import metrics
 from tokenbudget.errors import InferenceError, ServerOutageError
+from tokenbudget.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -172,8 +172,4 @@ class ServerGate:
         return bool(limit) and since is not None and time.monotonic() - since > limit
 
     async def close(self) -> None:
-        """Stop probing; never raises. Called by the dispatcher as it stops."""
-        if self._prober is not None:
-            self._prober.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._prober
+        await cancel_and_wait(self._prober, ignore_errors=True)

@@ -7,23 +7,22 @@ Two uses, both optional (``[inference] tokenizer``):
 * servers that return neither usage nor token ids: completions and prompts are
   counted with the tokenizer, and the completion says so (``count_source``).
 
-The folder is what ``save_pretrained`` writes (``tokenizer.json``,
-``tokenizer_config.json``, ``chat_template.jinja``...); nothing is downloaded:
-``transformers`` is imported lazily and run with ``local_files_only``.
+The folder is loaded by :func:`tokenbudget.tokenizer.load_pretrained` (nothing is
+downloaded, ``transformers`` is imported only then).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from streams.events import ChatMessage
-from tokenbudget.errors import ConfigError
+from tokenbudget.errors import ConfigError, TokenizerError
 from tokenbudget.extras import require
+from tokenbudget.tokenizer import load_pretrained
 
 
 class LocalTokenizer:
@@ -93,19 +92,11 @@ class LocalTokenizer:
 @functools.lru_cache(maxsize=8)
 def _load(path: str) -> LocalTokenizer:
     folder = Path(path)
-    if not folder.is_dir():
-        raise ConfigError("inference.tokenizer", f"{folder} is not a folder")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    transformers = require("transformers", "[inference] tokenizer (chat templates, counts)")
-    require("jinja2", "chat templates")
     try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-    except (OSError, ValueError, KeyError) as exc:
-        raise ConfigError(
-            "inference.tokenizer", f"cannot load a tokenizer from {folder}: {exc}"
-        ) from exc
+        tokenizer = load_pretrained(folder, "[inference] tokenizer")
+    except TokenizerError as exc:
+        raise ConfigError("inference.tokenizer", f"{folder}: {exc.reason}") from exc
+    require("jinja2", "chat templates")
     return LocalTokenizer(tokenizer, folder)
 
 

@@ -45,7 +45,7 @@ from producers.route import Route
 from producers.slots import Slot
 from producers.step import DispatchReport, about
 from streams import events as ev
-from streams.halts import BudgetBoard
+from streams.budget_board import BudgetBoard
 from tokenbudget import metrics
 from tokenbudget.errors import InferenceError, ServerOutageError
 

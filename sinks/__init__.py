@@ -1,1 +1,3 @@
-"""Parquet sink, Prometheus metrics and replay."""
+"""Where kept completions go: the Parquet sink (``parquet``), replay of the
+completions topic (``replay``) and the export for training (``export``). The
+Prometheus metrics are in :mod:`tokenbudget.metrics`."""

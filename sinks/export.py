@@ -53,9 +53,7 @@ name, then rename), so a failed export leaves no half file behind.
 
 from __future__ import annotations
 
-import functools
 import json
-import os
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -68,6 +66,7 @@ import pyarrow.parquet as pq
 
 from sinks.parquet import conform, output_files
 from tokenbudget.errors import ExportError
+from tokenbudget.files import atomic_file
 
 Format = Literal["conversations", "messages", "parquet"]
 FORMATS: tuple[Format, ...] = ("conversations", "messages", "parquet")
@@ -122,7 +121,8 @@ def export(options: ExportOptions) -> ExportSummary:
     if options.format == "parquet":
         _export_parquet(files, options, summary)
     else:
-        _write_whole(options.to, lambda out: _export_jsonl(files, options, summary, out))
+        with atomic_file(options.to) as out:
+            _export_jsonl(files, options, summary, out)
         summary.files.append(options.to)
     return summary
 
@@ -339,7 +339,8 @@ def _export_parquet(files: list[Path], options: ExportOptions, summary: ExportSu
             table = _with_ids(table)
         # "train-NNNNN" is a name datasets.load_dataset(folder) reads as the train split
         path = folder / f"train-{i:05d}.parquet"
-        _write_whole(path, functools.partial(pq.write_table, table), binary=True)
+        with atomic_file(path, binary=True) as out:
+            pq.write_table(table, out)
         summary.files.append(path)
         summary.rows.update(table.column("dataset").to_pylist())
 
@@ -379,15 +380,3 @@ def _with_ids(table: pa.Table) -> pa.Table:
     return table.append_column(
         "input_ids", pa.array([p[0] for p in pairs], pa.list_(pa.int32()))
     ).append_column("loss_mask", pa.array([p[1] for p in pairs], pa.list_(pa.int8())))
-
-
-def _write_whole(path: Path, write: Callable[[Any], None], *, binary: bool = False) -> None:
-    """``write(handle)`` into a temporary beside ``path``, renamed over it on success."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with temporary.open("wb" if binary else "w", encoding=None if binary else "utf-8") as out:
-            write(out)
-        os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)

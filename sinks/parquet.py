@@ -3,12 +3,13 @@
 Layout: ``<path>/dataset=<name>/part-<time>-<id>.parquet``, one row per prompt. The
 ``dataset`` column is stored as ``dictionary<int32, string>``, the type pyarrow
 infers for a hive folder, so ``pq.read_table(path)``, polars, DuckDB and Hugging
-Face ``datasets`` read the whole tree as one table (see the README).
+Face ``datasets`` read the whole tree as one table (docs/output.md).
 
 Contract:
   * A file appears whole or not at all: written under a hidden temporary name in
-    the same folder, fsynced, then renamed (``os.replace``) and the folder fsynced.
-    Temporaries left by a crash are removed at start.
+    the same folder, fsynced, then renamed and the folder fsynced
+    (:func:`tokenbudget.files.atomic_file`). Temporaries left by a crash are removed
+    at start.
   * Offsets are committed only after every row read before them is in a renamed
     file, so a crash at any point re-reads, and never skips, completions.
   * Re-read rows are dropped by ``prompt_id`` (the files on disk are scanned at
@@ -34,9 +35,9 @@ from __future__ import annotations
 import functools
 import io
 import logging
-import os
 import threading
 import time
+import typing
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -57,11 +58,13 @@ from streams.topics import Topics
 from tokenbudget import metrics, sizes
 from tokenbudget.config import Config
 from tokenbudget.errors import EventDecodeError, expected_kafka_error
+from tokenbudget.files import atomic_file
 from tokenbudget.kafka import (
     consumer_options,
     kafka_python_producer_options,
     wait_for_partitions,
 )
+from tokenbudget.retry import retry_until
 
 log = logging.getLogger(__name__)
 
@@ -83,22 +86,37 @@ MESSAGES_TYPE = pa.list_(
         ]
     )
 )
-_JSON_SAMPLING = ("chat_template_kwargs", "extra_body")  # free-form: kept as JSON text
-SAMPLING_TYPE = pa.struct(
-    [
-        ("max_new_tokens", pa.int64()),
-        ("temperature", pa.float64()),
-        ("top_p", pa.float64()),
-        ("top_k", pa.int64()),
-        ("min_p", pa.float64()),
-        ("repetition_penalty", pa.float64()),
-        ("frequency_penalty", pa.float64()),
-        ("presence_penalty", pa.float64()),
-        ("stop", pa.list_(pa.string())),
-        ("seed", pa.int64()),
-        *((name, pa.string()) for name in _JSON_SAMPLING),
-    ]
+# How a sampling setting (tokenbudget.sampling) is stored, by its Python type; the
+# free-form tables (dict) as JSON text.
+_SAMPLING_ARROW = {float: pa.float64(), int: pa.int64(), str: pa.string()}
+
+
+def _set_type(hint: Any) -> Any:
+    """The type of a setting when set (every one is optional)."""
+    if typing.get_origin(hint) is typing.Annotated:  # its description for the docs
+        hint = typing.get_args(hint)[0]
+    (value,) = [t for t in typing.get_args(hint) if t is not type(None)]
+    return value
+
+
+def _sampling_arrow_type(hint: Any) -> pa.DataType:
+    value = _set_type(hint)
+    if typing.get_origin(value) is list:
+        (item,) = typing.get_args(value)
+        return pa.list_(_SAMPLING_ARROW[item])
+    if typing.get_origin(value) is dict:
+        return pa.string()
+    return _SAMPLING_ARROW[value]
+
+
+# The event's fields, ``max_new_tokens`` first: where the files written so far hold it.
+_SAMPLING_FIELDS = sorted(
+    msgspec.structs.fields(ev.SamplingParams), key=lambda f: f.name != "max_new_tokens"
 )
+_JSON_SAMPLING = tuple(
+    f.name for f in _SAMPLING_FIELDS if typing.get_origin(_set_type(f.type)) is dict
+)
+SAMPLING_TYPE = pa.struct([(f.name, _sampling_arrow_type(f.type)) for f in _SAMPLING_FIELDS])
 
 # The one declaration of a Parquet row's columns, in file order: each is the
 # CompletionEvent field of that name, with the Arrow type it is stored as. The
@@ -156,9 +174,6 @@ def _check_columns() -> None:
             f"sinks.parquet.COLUMNS and CompletionEvent disagree: "
             f"only in the event {sorted(fields - columns)}, only here {sorted(columns - fields)}"
         )
-    sampling = {f.name for f in msgspec.structs.fields(ev.SamplingParams)}
-    if sampling != set(SAMPLING_TYPE.names):  # pragma: no cover - as above
-        raise TypeError("sinks.parquet.SAMPLING_TYPE and SamplingParams disagree")
 
 
 _check_columns()
@@ -676,15 +691,10 @@ def load_fenced_leases(root: Path) -> set[str]:
 
 
 def save_fenced_leases(root: Path, fenced: set[str]) -> None:
-    """Written whole under a temporary name, then renamed, like the Parquet files."""
-    root.mkdir(parents=True, exist_ok=True)
-    temporary = root / f"{FENCED_LEASES}.tmp"
-    with temporary.open("w") as handle:
-        handle.write("".join(f"{lease}\n" for lease in sorted(fenced)))
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, root / FENCED_LEASES)
-    _fsync_dir(root)
+    """Replaced whole and durably, like the Parquet files."""
+    text = "".join(f"{lease}\n" for lease in sorted(fenced))
+    with atomic_file(root / FENCED_LEASES, temporary=root / f"{FENCED_LEASES}.tmp") as handle:
+        handle.write(text)
 
 
 def remove_stale_temporaries(root: Path) -> list[Path]:
@@ -710,26 +720,17 @@ def write_parquet(table: pa.Table, where: Any, row_group_rows: int) -> None:
     pq.write_table(table, where, row_group_size=row_group_rows, compression="zstd")
 
 
-def _fsync_dir(folder: Path) -> None:
-    directory = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
-
-
 def write_atomically(table: pa.Table, folder: Path, row_group_rows: int) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
     name = f"part-{time.time_ns()}-{uuid.uuid4().hex[:8]}.parquet"
     final = folder / name
-    temporary = folder / f".{name}.tmp"
-    with temporary.open("wb") as handle:
+    # Named so remove_stale_temporaries finds what a crash leaves.
+    with atomic_file(final, binary=True, temporary=folder / f".{name}.tmp") as handle:
         write_parquet(table, handle, row_group_rows)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, final)
-    _fsync_dir(folder)
     return final
+
+
+class _Stopped(Exception):
+    """The sink was stopped while it waited for Kafka."""
 
 
 @dataclass
@@ -872,7 +873,7 @@ class ParquetSink:
 
     @property
     def group_id(self) -> str:
-        return self._group_id or f"{self.topics.namespace}-sink"
+        return self._group_id or self.topics.sink_group
 
     @property
     def rows_written(self) -> dict[str, int]:
@@ -977,14 +978,24 @@ class ParquetSink:
         """Consume until ``stop`` is set, then (with ``drain``) read to the end of the
         topic; flush and commit. A broker that does not answer at start (restarting,
         say) is waited for."""
-        while True:
-            try:
-                self.start()
-                break
-            except KafkaError as exc:
-                log.warning("sink: Kafka does not answer (%r); trying again", exc)
-                if stop.wait(2.0):
-                    return
+
+        def wait(seconds: float) -> None:
+            if stop.wait(seconds):
+                raise _Stopped
+
+        try:
+            retry_until(
+                self.start,
+                timeout=None,
+                retry_on=KafkaError,
+                interval=2.0,
+                on_retry=lambda exc: log.warning(
+                    "sink: Kafka does not answer (%r); trying again", exc
+                ),
+                sleep=wait,
+            )
+        except _Stopped:
+            return
         try:
             while not stop.is_set():
                 self.poll_once()

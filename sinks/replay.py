@@ -71,12 +71,11 @@ from sinks.parquet import (
     save_fenced_leases,
 )
 from streams import events as ev
-from streams.halts import BudgetBoard
+from streams.budget_board import BudgetBoard
 from streams.ledger import Outcome, outcome_change
 from streams.topics import Topics, completion_topic_configs
 from tokenbudget import sizes
 from tokenbudget.errors import BrokerError, EventDecodeError, TokenBudgetError
-from tokenbudget.extras import require
 from tokenbudget.kafka import (
     consumer_options,
     kafka_python_producer_options,
@@ -84,6 +83,7 @@ from tokenbudget.kafka import (
     wait_for_partitions_aio,
 )
 from tokenbudget.kafka_admin import TopicSpec, ensure_topics
+from tokenbudget.tokenizer import load_pretrained
 
 REPLAY_WRITER = WriterSettings(rotate_rows=20_000, rotate_bytes=256 * 1024 * 1024)
 LEDGER_FIELDS = ("samples", "completion_tokens", "prompt_tokens", "skipped", "failed")
@@ -471,18 +471,6 @@ class _BackgroundWriter:
             self._pool.shutdown(wait=True)
 
 
-def load_tokenizer_folder(path: Path, flag: str = "replay --recount-with") -> Any:
-    """A ``transformers`` tokenizer from a local folder, for the command ``flag``
-    (named in the errors)."""
-    if not path.exists():
-        raise TokenBudgetError(f"{flag} {path}: no such folder")
-    transformers = require("transformers", flag)
-    try:
-        return transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise TokenBudgetError(f"{flag} {path}: cannot load a tokenizer: {exc}") from exc
-
-
 async def _started_consumer(bootstrap: str) -> AIOKafkaConsumer:
     """An aiokafka consumer of no group, started; :class:`BrokerError` if Kafka at
     ``bootstrap`` does not answer."""
@@ -706,7 +694,11 @@ def replay(options: ReplayOptions, *, progress: bool = True) -> ReplaySummary:
         raise TokenBudgetError("--ledger compares whole topics: drop --from-offset/--since/--until")
     summary = ReplaySummary(topic=options.source)
     started = time.monotonic()
-    tokenizer = load_tokenizer_folder(options.recount_with) if options.recount_with else None
+    tokenizer = (
+        load_pretrained(options.recount_with, "replay --recount-with")
+        if options.recount_with
+        else None
+    )
     first = FirstCompletion()
     writer, already = _open_parquet(options, first)
     producer: KafkaProducer | None = None

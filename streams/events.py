@@ -36,6 +36,7 @@ import numpy as np
 
 from tokenbudget.config import Unit as BudgetUnit
 from tokenbudget.errors import DatasetError, EventDecodeError
+from tokenbudget.sampling import SAMPLING_KEYS, Sampling
 
 SCHEMA_VERSION = 1
 SUPPORTED_VERSIONS = frozenset({1})
@@ -82,30 +83,16 @@ class ChatMessage(msgspec.Struct, frozen=True, omit_defaults=True):
     name: str | None = None
 
 
-class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
+class SamplingParams(Sampling, frozen=True, omit_defaults=True, kw_only=True):
     """What the request asks of the sampler, as configured (``[inference]`` and
-    ``[[datasets]]``); unset ones are left to the server and take no room here."""
+    ``[[datasets]]``, :class:`~tokenbudget.sampling.Sampling`) and the length the
+    budget allows; unset ones are left to the server and take no room here."""
 
     max_new_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    stop: list[str] | None = None
-    seed: int | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-    extra_body: dict[str, Any] | None = None
 
     def request_fields(self) -> dict[str, Any]:
         """The settings a request carries beside max_new_tokens (the budget's)."""
-        return {
-            name: value
-            for name in self.__struct_fields__
-            if name != "max_new_tokens" and (value := getattr(self, name)) is not None
-        }
+        return {name: value for name in SAMPLING_KEYS if (value := getattr(self, name)) is not None}
 
 
 class _Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):

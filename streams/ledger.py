@@ -1,6 +1,6 @@
 """Budget ledger arithmetic: pure functions over immutable state, no I/O.
 
-The Faust agent in :mod:`streams.app` is a thin loop around these functions. Each
+The Faust agent in :mod:`streams.ledger_worker` is a thin loop around these functions. Each
 function takes the current state and one event and returns the new state plus the
 events to publish, so every rule here is unit-tested without a broker.
 

@@ -1,4 +1,5 @@
-"""Every Kafka topic tokenbudget uses, with its partitions and configs.
+"""Every Kafka topic tokenbudget uses, with its partitions and configs, and every
+consumer group it reads them in.
 
 Topics are created up front (the broker runs with ``auto.create.topics.enable=false``)
 because Faust does not consume a topic that appears after its worker started, and
@@ -30,7 +31,7 @@ _KEEP_FOREVER = {"retention.ms": "-1", "retention.bytes": "-1"}
 
 @dataclass(frozen=True)
 class Topics:
-    """The topic names of one namespace."""
+    """The topic and consumer group names of one namespace."""
 
     namespace: str = DEFAULT_NAMESPACE
     partitions: int = PARTITIONS
@@ -62,9 +63,28 @@ class Topics:
     def dead_letter(self) -> str:
         return f"{self.namespace}.deadletter"
 
+    # Consumer groups: each role's readers share the work of its topics.
+
     @property
     def ledger_app_id(self) -> str:
+        """The ledger's Faust app id, which is its consumer group too."""
         return f"{self.namespace}-ledger"
+
+    @property
+    def dispatch_group(self) -> str:
+        """The dispatchers' group, on the prompts topic."""
+        return f"{self.namespace}-dispatch"
+
+    def dispatcher_instance(self, index: int) -> str:
+        """The static member name of ``run``'s dispatcher ``index`` (0: its own) in
+        :attr:`dispatch_group`: a rerun's dispatchers take the prompts of a killed
+        run's straight back."""
+        return f"{self.dispatch_group}-{index}"
+
+    @property
+    def sink_group(self) -> str:
+        """The Parquet sink's group, on the completions topic."""
+        return f"{self.namespace}-sink"
 
     def changelog(self, table: str) -> str:
         """Faust's name for a table's changelog topic."""

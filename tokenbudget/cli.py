@@ -14,68 +14,147 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 from types import ModuleType
+from typing import Any, NamedTuple
 
 from tokenbudget import lifetime, version
 from tokenbudget.errors import EXPECTED_KAFKA_ERRORS, TokenBudgetError, expected_kafka_error
 
 DESCRIPTION = "Exact per-dataset token budgets for synthetic data generation, over Kafka."
 
-# Command name -> its module and one line of help. Only the module of the command
-# being run is imported: all of them (Faust, pyarrow, the simulator, ...) would add
-# 0.15-0.4 s to every start, and `run` starts several children (bench/cli_startup.py).
-COMMANDS: dict[str, tuple[str, str]] = {
-    "broker": (
-        "tokenbudget.dev.commands.broker",
-        "the local Kafka broker (KRaft, from Maven jars)",
+
+class Command(NamedTuple):
+    module: str  # its add_arguments(parser) and main(args)
+    group: str  # a key of GROUPS
+    help: str  # one line
+
+
+# The groups `tokenbudget --help` lists the commands in, in this order.
+GROUPS: dict[str, str] = {
+    "job": "commands for a job",
+    "role": "process roles, which `run` starts itself (start one alone to run it elsewhere)",
+    "dev": "developer tools",
+}
+
+# Command name -> its module, group and one line of help. Only the module of the
+# command being run is imported: all of them (Faust, pyarrow, the simulator, ...) would
+# add 0.15-0.4 s to every start, and `run` starts several children (bench/cli_startup.py).
+COMMANDS: dict[str, Command] = {
+    "init": Command(
+        "tokenbudget.app.commands.init", "job", "write a job's config from its datasets and server"
     ),
-    "simulate": ("tokenbudget.dev.commands.simulate", "a simulated SGLang/OpenAI inference server"),
-    "ledger": ("tokenbudget.app.commands.ledger", "the Faust budget ledger worker"),
-    "init": (
-        "tokenbudget.app.commands.init",
-        "write a job's config from its datasets and server",
+    "plan": Command(
+        "tokenbudget.app.commands.plan", "job", "what each budget will buy, before it is spent"
     ),
-    "plan": ("tokenbudget.app.commands.plan", "what each budget will buy, before it is spent"),
-    "run": ("tokenbudget.app.commands.run", "run a job to its budgets"),
-    "status": ("tokenbudget.app.commands.status", "per-dataset budget, kept, rate, ETA, state"),
-    "demo": ("tokenbudget.dev.commands.demo", "eight datasets against the simulator"),
-    "sink": (
-        "tokenbudget.app.commands.sink",
-        "the Parquet sink on its own (SIGTERM: flush, commit)",
+    "run": Command("tokenbudget.app.commands.run", "job", "run a job to its budgets"),
+    "status": Command(
+        "tokenbudget.app.commands.status", "job", "per-dataset budget, kept, rate, ETA, state"
     ),
-    "replay": (
-        "tokenbudget.app.commands.replay",
-        "replay the completions topic (Parquet, ledger, ...)",
+    "budget": Command(
+        "tokenbudget.app.commands.budget", "job", "set or show budgets, while a job runs or not"
     ),
-    "export": (
+    "servers": Command(
+        "tokenbudget.app.commands.servers",
+        "job",
+        "add, drain or list the job's inference servers, while it runs or not",
+    ),
+    "export": Command(
         "tokenbudget.app.commands.export",
+        "job",
         "the kept answers as training data (JSONL conversations, Parquet)",
     ),
-    "dispatch": (
+    "replay": Command(
+        "tokenbudget.app.commands.replay",
+        "job",
+        "read the completions topic again: Parquet, ledger audit, another topic, recount",
+    ),
+    "produce": Command(
+        "tokenbudget.app.commands.produce", "role", "the prompt producer on its own"
+    ),
+    "dispatch": Command(
         "tokenbudget.app.commands.dispatch",
+        "role",
         "one dispatcher process (SIGTERM: finish, release)",
     ),
-    "produce": ("tokenbudget.app.commands.produce", "the prompt producer on its own"),
-    "budget": ("tokenbudget.app.commands.budget", "set or show budgets while a job runs"),
-    "servers": (
-        "tokenbudget.app.commands.servers",
-        "add, drain or list the job's inference servers while it runs",
+    "ledger": Command("tokenbudget.app.commands.ledger", "role", "one Faust budget ledger worker"),
+    "sink": Command(
+        "tokenbudget.app.commands.sink",
+        "role",
+        "the Parquet sink on its own (SIGTERM: flush, commit)",
     ),
+    "broker": Command(
+        "tokenbudget.dev.commands.broker", "dev", "the local Kafka broker (KRaft, from Maven jars)"
+    ),
+    "simulate": Command(
+        "tokenbudget.dev.commands.simulate", "dev", "a simulated SGLang/OpenAI inference server"
+    ),
+    "demo": Command("tokenbudget.dev.commands.demo", "dev", "eight datasets against the simulator"),
 }
+
+EXAMPLES = (
+    "tokenbudget init --server http://gpu-box:30000 data/a.jsonl data/b.parquet -o job.toml",
+    "tokenbudget plan --config job.toml --pilot 20",
+    "tokenbudget run --config job.toml",
+)
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """argparse's formatter, but a description's or epilog's indented lines (the
+    examples) are kept as written; other paragraphs are wrapped as usual."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        paragraphs = []
+        for paragraph in text.split("\n\n"):
+            lines = paragraph.splitlines()
+            if any(line.startswith(" ") for line in lines):
+                paragraphs.append("\n".join(indent + line for line in lines))
+            else:
+                paragraphs.append(super()._fill_text(paragraph, width, indent))
+        return "\n\n".join(paragraphs)
+
+
+class Parser(argparse.ArgumentParser):
+    """Every parser of the command line, its commands' and their subcommands' too
+    (argparse makes subparsers of the parent's class): one help formatter."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
 
 
 def command_module(name: str) -> ModuleType:
-    return importlib.import_module(COMMANDS[name][0])
+    return importlib.import_module(COMMANDS[name].module)
+
+
+def command_list() -> str:
+    """The commands by group, as `tokenbudget --help` lists them."""
+    width = max(map(len, COMMANDS)) + 2
+    sections = []
+    for group, title in GROUPS.items():
+        rows = [f"  {n:<{width}}{c.help}" for n, c in COMMANDS.items() if c.group == group]
+        sections.append("\n".join([f"{title}:", *rows]))
+    return "\n\n".join(sections)
 
 
 def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     """The whole parser; given the command line, only its command's module is
     imported (the others are listed by name, without their arguments)."""
     named = next((arg for arg in argv or () if not arg.startswith("-")), None)
-    parser = argparse.ArgumentParser(prog="tokenbudget", description=DESCRIPTION)
-    parser.add_argument("--version", action="version", version=f"tokenbudget {version()}")
-    sub = parser.add_subparsers(dest="command", required=True)
-    for name, (_, help_line) in COMMANDS.items():
-        command = sub.add_parser(name, help=help_line)
+    parser = Parser(
+        prog="tokenbudget",
+        usage="%(prog)s [-h] [--version] COMMAND ...",
+        description=f"{DESCRIPTION}\n\n{command_list()}",
+        epilog="`tokenbudget COMMAND --help` shows a command's options.\n\n"
+        + "\n".join(["a job, from its datasets to its answers:", *(f"  {e}" for e in EXAMPLES)]),
+    )
+    parser.add_argument(
+        "--version", action="version", version=f"tokenbudget {version()}", help="print the version"
+    )
+    # The commands are listed by group in the description, not by argparse.
+    sub = parser.add_subparsers(
+        prog="tokenbudget", dest="command", required=True, metavar="COMMAND", help=argparse.SUPPRESS
+    )
+    for name, spec in COMMANDS.items():
+        command = sub.add_parser(name, help=spec.help, description=spec.help)
         if argv is not None and name != named:
             continue
         module = command_module(name)

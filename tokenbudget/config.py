@@ -21,7 +21,7 @@ import typing
 import urllib.parse
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -34,6 +34,8 @@ from tokenbudget.columns import (
     TemplateError,
 )
 from tokenbudget.errors import ConfigError
+from tokenbudget.keydoc import doc
+from tokenbudget.sampling import SAMPLING_KEYS, Sampling
 
 Api = Literal["sglang", "openai-completions", "openai-chat"]
 # The budget's choices, named once here; what each means is streams/budget.py's tables.
@@ -66,139 +68,407 @@ class _Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
 
 
 class KafkaConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    bootstrap: str = "local"
-    namespace: str = "tokenbudget"
-    local_port: int = 9092
-    local_controller_port: int = 9093
-    # topic retention when tokenbudget creates the topics; -1 keeps everything
-    prompt_retention_ms: int = 7 * 24 * 3600 * 1000
-    completion_retention_ms: int = -1
-    budget_retention_ms: int = -1  # budgets and outcomes
-    # Topics tokenbudget creates: -1 lets the cluster decide (its
-    # default.replication.factor and min.insync.replicas); the local broker has 1.
-    replication_factor: int = -1
-    min_insync_replicas: int = -1
-    # Partitions of every topic it creates: bounds how many ledger workers and
-    # dispatchers share the work (one partition has one reader per group).
-    partitions: int = 4
-    # What every producer of ours compresses its batches with (tokenbudget.sizes).
-    compression: sizes.Compression = sizes.DEFAULT_COMPRESSION
-    # Security (see README "Secured Kafka"). Secrets are never written here: only the
-    # name of an environment variable (*_env) or a file (*_file) that holds them.
-    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
-    sasl_mechanism: Literal["", "PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] = ""
-    sasl_username: str = ""
-    sasl_password_env: str = ""
-    sasl_password_file: str = ""
-    ssl_cafile: str = ""  # PEM CA bundle the broker's certificate must chain to; "": system CAs
-    ssl_certfile: str = ""  # PEM client certificate, when the broker asks for one
-    ssl_keyfile: str = ""  # its PEM private key ("": inside ssl_certfile)
-    ssl_key_password_env: str = ""
-    ssl_key_password_file: str = ""
-    ssl_check_hostname: bool = True
+    """Where the job's events go: the broker or cluster, the namespace of its topics,
+    the topics tokenbudget creates, and how its clients connect (docs/kafka.md)."""
+
+    bootstrap: Annotated[
+        str,
+        doc(
+            '`"local"`: the project\'s own broker on 127.0.0.1, started if needed; else '
+            '`HOST:PORT` of an existing cluster, or a list `"k1:9092,k2:9092,k3:9092"` '
+            "(the topics are created there)"
+        ),
+    ] = "local"
+    namespace: Annotated[
+        str,
+        doc(
+            "prefix of every topic and of the ledger's app id (letters, digits, `_`, `-`); "
+            "a new job gets a namespace of its own"
+        ),
+    ] = "tokenbudget"
+    local_port: Annotated[
+        int, doc("client port of the local broker (`TOKENBUDGET_KAFKA_PORT` wins when set)")
+    ] = 9092
+    local_controller_port: Annotated[
+        int,
+        doc(
+            "controller port of the local broker (`TOKENBUDGET_KAFKA_CONTROLLER_PORT` wins "
+            "when `TOKENBUDGET_KAFKA_PORT` is set)"
+        ),
+    ] = 9093
+    prompt_retention_ms: Annotated[
+        int, doc("retention of the prompts topic when tokenbudget creates it (7 days); -1: forever")
+    ] = 7 * 24 * 3600 * 1000
+    completion_retention_ms: Annotated[
+        int,
+        doc(
+            "retention of the completions topic when tokenbudget creates it; -1: forever, "
+            "so `replay` and `export --from-topic` can read every answer again"
+        ),
+    ] = -1
+    budget_retention_ms: Annotated[
+        int, doc("retention of the budgets and outcomes topics when tokenbudget creates them")
+    ] = -1
+    replication_factor: Annotated[
+        int,
+        doc(
+            "replicas of every topic tokenbudget creates, Faust's included; -1: the cluster's "
+            "`default.replication.factor` (1 on the local broker)"
+        ),
+    ] = -1
+    min_insync_replicas: Annotated[
+        int, doc("`min.insync.replicas` of the topics tokenbudget creates; -1: the cluster's")
+    ] = -1
+    partitions: Annotated[
+        int,
+        doc(
+            "partitions of every topic tokenbudget creates (1..1000): bounds how many ledger "
+            "workers and dispatchers share the work (one partition has one reader per group)"
+        ),
+    ] = 4
+    compression: Annotated[
+        sizes.Compression,
+        doc(
+            "what every producer of tokenbudget (prompt producer, dispatchers, the ledger's "
+            "Faust producer, the sink's dead letters, `replay --to-topic`) compresses its "
+            "batches with"
+        ),
+    ] = sizes.DEFAULT_COMPRESSION
+    # Secrets are never written here: only the name of an environment variable (*_env)
+    # or a file (*_file) that holds them.
+    security_protocol: Annotated[
+        Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"],
+        doc("how clients connect; the local broker is `PLAINTEXT` only"),
+    ] = "PLAINTEXT"
+    sasl_mechanism: Annotated[
+        Literal["", "PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"], doc("required with SASL")
+    ] = ""
+    sasl_username: Annotated[str, doc("required with SASL")] = ""
+    sasl_password_env: Annotated[
+        str,
+        doc(
+            "the environment variable holding the SASL password (with SASL, this or "
+            "`sasl_password_file`)"
+        ),
+    ] = ""
+    sasl_password_file: Annotated[
+        str,
+        doc(
+            "a file holding the SASL password (relative to the config; a trailing newline "
+            "is ignored)"
+        ),
+    ] = ""
+    ssl_cafile: Annotated[
+        str,
+        doc("PEM CA bundle the broker's certificate must chain to; `\"\"`: the system's CAs"),
+    ] = ""
+    ssl_certfile: Annotated[str, doc("PEM client certificate, for brokers that ask for one")] = ""
+    ssl_keyfile: Annotated[
+        str, doc('the client certificate\'s PEM private key (`""`: inside `ssl_certfile`)')
+    ] = ""
+    ssl_key_password_env: Annotated[
+        str, doc("the environment variable holding the client key's password, if it has one")
+    ] = ""
+    ssl_key_password_file: Annotated[
+        str, doc("a file holding the client key's password, if it has one")
+    ] = ""
+    ssl_check_hostname: Annotated[
+        bool, doc("the broker's certificate must name the host in `bootstrap`")
+    ] = True
 
 
-class _Sampling(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """Sampling settings, all optional: in [inference], and in each [[datasets]]
-    entry over [inference]'s, key by key (see :func:`_sampling`)."""
-
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    stop: list[str] | None = None
-    seed: int | None = None
-    chat_template_kwargs: dict[str, Any] | None = None  # e.g. {enable_thinking = false}
-    extra_body: dict[str, Any] | None = None  # sent verbatim in every request's body
+class _Sampling(_Section, Sampling, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The sampling settings (:mod:`tokenbudget.sampling`), all optional: in
+    [inference], and in each [[datasets]] entry over [inference]'s, key by key (see
+    :func:`_sampling`)."""
 
 
 class ServerConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """One inference server of the job's fleet (``[[inference.servers]]``); what it
-    does not set, it takes from ``[inference]``."""
+    """One inference server of the job's fleet (docs/servers.md, Several inference
+    servers); what it does not set, it takes from [inference]."""
 
-    url: str
-    concurrency: int | None = None  # its requests in flight at most ([inference]'s when unset)
-    api_key_env: str | None = None  # [inference]'s when unset
-    # Its share of the work against the others' (a server twice as fast: 2.0).
-    weight: float = 1.0
+    url: Annotated[str, doc("the server (http or https): its root, or a router's")]
+    concurrency: Annotated[
+        int | None,
+        doc("its requests in flight at once, per dispatcher (unset: [inference]'s)"),
+    ] = None
+    api_key_env: Annotated[
+        str | None,
+        doc("the environment variable holding its key (unset: [inference]'s)"),
+    ] = None
+    weight: Annotated[
+        float,
+        doc(
+            "its share of the work against the others' (2.0: twice as much for as much "
+            "outstanding work); the speed its answers show counts on top"
+        ),
+    ] = 1.0
 
 
 class InferenceConfig(_Sampling, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    # One server; "" with no [[inference.servers]]: DEFAULT_URL.
-    url: str = ""
-    # The fleet, when the job has several servers (Config.servers resolves both).
-    servers: list[ServerConfig] = []
-    # least_work: the least outstanding work for its speed; round_robin: in turn
-    # (the peers' way, for comparison).
-    routing: RoutingPolicy = "least_work"
-    api: Api = "sglang"
-    model: str = ""
-    concurrency: int = 64
-    max_new_tokens: int = 4096
-    connect_timeout_s: float = 5.0
-    read_timeout_s: float = 600.0
+    """The inference servers and how they are asked (docs/servers.md). The sampling
+    keys are sent only when set: in SGLang's `sampling_params` or as the OpenAI
+    request's fields; every [[datasets]] entry may set its own, key by key, over
+    these."""
+
+    url: Annotated[
+        str,
+        doc(
+            "one inference server (http or https); unset with no `[[inference.servers]]`: "
+            f"`{DEFAULT_URL}`. Several: `[[inference.servers]]` (docs/servers.md)"
+        ),
+    ] = ""
+    servers: Annotated[
+        list[ServerConfig],
+        doc(
+            "the fleet, one `[[inference.servers]]` table per server (instead of `url`): "
+            "each request goes to the server with the least outstanding work for its speed"
+        ),
+    ] = []
+    routing: Annotated[
+        RoutingPolicy,
+        doc(
+            "`least_work` (the least outstanding work for its speed and weight, a "
+            "conversation back to its server) or `round_robin` (in turn, whatever the "
+            "load: the peers' way, for comparison)"
+        ),
+    ] = "least_work"
+    api: Annotated[
+        Api,
+        doc(
+            "`sglang` (native `/generate`), `openai-completions` (`/v1/completions`) or "
+            "`openai-chat` (`/v1/chat/completions`)"
+        ),
+    ] = "sglang"
+    model: Annotated[
+        str,
+        doc(
+            "the model name: sent to the OpenAI APIs, and checked against what the server "
+            "serves before a run"
+        ),
+    ] = ""
+    concurrency: Annotated[
+        int,
+        doc(
+            "requests in flight at once per server and dispatcher, for the servers that do "
+            "not set their own; cut while a server answers 429/503 or slows down"
+        ),
+    ] = 64
+    max_new_tokens: Annotated[
+        int, doc("per request, unless the dataset sets its own; the budget may lower it")
+    ] = 4096
+    connect_timeout_s: Annotated[float, doc("seconds to connect to the server")] = 5.0
+    read_timeout_s: Annotated[float, doc("seconds to wait for (the next part of) an answer")] = (
+        600.0
+    )
     # Failures of one prompt that do not say the server is away (another HTTP 5xx, a
     # malformed answer) before it fails for good; "away" ones (429/408/502/503/504,
     # refused, reset, timed out) are retried for as long as the server is away.
-    retries: int = 3
-    backoff_s: float = 0.5
-    backoff_max_s: float = 10.0
-    pause_after_failures: int = 5  # "away" failures in a row that pause dispatch
-    health_interval_s: float = 2.0  # while paused: how often /health is asked
-    outage_timeout_s: float = 3600.0  # a server away longer ends the run (0: never)
-    # A dispatcher that stops answering (frozen, cut off, killed) keeps its prompts
-    # this long before others take them over; back within it, it claims its answers.
-    prompt_hold_s: float = 60.0
-    stream: bool = False  # SSE streaming (first-token time, per-chunk progress)
-    api_key_env: str = "TOKENBUDGET_API_KEY"  # env var whose value is sent as a Bearer token
-    tokenizer: str = ""  # local tokenizer folder: chat templates, counts the server omits
-    check_server: bool = True  # /health or /v1/models (and the model) before a run
-    n: int = 1  # answers per prompt: each its own request, budgeted and counted alone
-    # Ends a thinking block in the model's raw output: rows of raw text or ids (no
-    # reasoning field) of a reasoning = "save" dataset are unfinished without it.
-    reasoning_end: str = "</think>"
+    retries: Annotated[
+        int,
+        doc(
+            "retries of a prompt before it is recorded as failed, for errors that do not say "
+            "the server is busy or away (a 500, a stream reset, a malformed body); an answer "
+            "that says the request itself is wrong (400-style) fails it at once"
+        ),
+    ] = 3
+    backoff_s: Annotated[
+        float, doc("first retry delay (a `Retry-After` the server sends wins)")
+    ] = 0.5
+    backoff_max_s: Annotated[float, doc("longest retry delay")] = 10.0
+    pause_after_failures: Annotated[
+        int,
+        doc(
+            "busy or away answers in a row from one server (429, 408, 502, 503, 504, "
+            "refused or reset connections, read timeouts) after which it is paused: it gets "
+            "nothing and `/health` is polled (when every server is, idle leases go back); "
+            "those answers are retried without limit, on the other servers"
+        ),
+    ] = 5
+    health_interval_s: Annotated[float, doc("how often a paused server's `/health` is asked")] = 2.0
+    outage_timeout_s: Annotated[
+        float,
+        doc(
+            "a server away longer than this is dropped and the job goes on with the others; "
+            "with every server away past it the run ends with an error (0: wait for ever)"
+        ),
+    ] = 3600.0
+    prompt_hold_s: Annotated[
+        float,
+        doc(
+            "6..1800: a dispatcher that stops answering (frozen, cut off, killed) keeps its "
+            "prompts this long before another takes them over (its Kafka session timeout); "
+            "back within it, it claims the answers it holds"
+        ),
+    ] = 60.0
+    stream: Annotated[
+        bool,
+        doc(
+            "server-sent events: `first_token_at`, per-chunk progress, and answers aborted "
+            "at once when a lowered budget no longer fits them"
+        ),
+    ] = False
+    api_key_env: Annotated[
+        str,
+        doc(
+            "the environment variable whose value is sent as a Bearer token, when set "
+            "(the key itself is never read from the config)"
+        ),
+    ] = "TOKENBUDGET_API_KEY"
+    tokenizer: Annotated[
+        str,
+        doc(
+            "a local tokenizer folder (relative to the config), never downloaded: chat "
+            "templates (`template = true`), counts the server does not send"
+        ),
+    ] = ""
+    check_server: Annotated[
+        bool, doc("check the server (and `model`) before a run: `/health` or `/v1/models`")
+    ] = True
+    n: Annotated[
+        int, doc("answers per prompt, for every dataset that does not set its own `n`")
+    ] = 1
+    reasoning_end: Annotated[
+        str,
+        doc(
+            "the text that ends a thinking block in the model's raw output: rows of a "
+            '`reasoning = "save"` dataset whose thinking is inline are unfinished without '
+            "an answer after it"
+        ),
+    ] = "</think>"
 
 
 class BudgetConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    unit: Unit = "completion_tokens"
-    snapshot_interval_s: float = 0.5
-    # reserve: admission control (exact, the default); halt: stop a dataset only
-    # once a completion shows its budget reached (in-flight requests overshoot).
-    admission: AdmissionMode = "reserve"
-    on_boundary: BoundaryPolicy = "truncate"
-    # last: only the answer that straddles the line is cut; any: the old clamping.
-    cut: CutPolicy = "last"
-    min_new_tokens: int = 1
-    lease_tokens: int = 0  # 0: a quarter of concurrency x max_new_tokens
-    lease_ttl_s: float = 30.0
+    """How budgets are counted and kept (docs/budgets.md)."""
+
+    unit: Annotated[
+        Unit,
+        doc(
+            "what budgets count: `completion_tokens`, `total_tokens` (prompt and completion) "
+            "or `samples`"
+        ),
+    ] = "completion_tokens"
+    snapshot_interval_s: Annotated[
+        float, doc("how often the ledger publishes snapshots of the datasets that changed")
+    ] = 0.5
+    admission: Annotated[
+        AdmissionMode,
+        doc(
+            "`reserve`: reserve budget before a request is sent and send that as its "
+            "`max_new_tokens` (never overshoots); `halt`: halt a dataset once a completion "
+            "reaches its budget (what is in flight then overshoots)"
+        ),
+    ] = "reserve"
+    on_boundary: Annotated[
+        BoundaryPolicy,
+        doc(
+            "`truncate`: the budget is used to the token, the answer at the line cut at it; "
+            "`finish`: never cut an answer, stop admitting once a whole one "
+            "(`max_new_tokens`) no longer fits, and leave the rest unused"
+        ),
+    ] = "truncate"
+    cut: Annotated[
+        CutPolicy,
+        doc(
+            "with `truncate`, which answers the line may cut. `last`: only the one that "
+            "straddles it (a request that can no longer get room for a whole answer waits "
+            "for the leftovers of those in flight); `any`: what is left goes out at once, "
+            "however many answers that cuts"
+        ),
+    ] = "last"
+    min_new_tokens: Annotated[
+        int,
+        doc(
+            "with `truncate`, the smallest request still worth sending; below it the "
+            "dataset is full"
+        ),
+    ] = 1
+    lease_tokens: Annotated[
+        int,
+        doc(
+            "budget a dispatcher takes from the ledger at a time (0: a quarter of "
+            "`concurrency × max_new_tokens`)"
+        ),
+    ] = 0
+    lease_ttl_s: Annotated[
+        float,
+        doc(
+            "a lease not renewed for this long (at least 2) expires and its budget returns "
+            "(a dispatcher that died)"
+        ),
+    ] = 30.0
 
 
 class SinkConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    path: str = "out"
-    rotate_rows: int = 2000
-    rotate_bytes: int = 64 * 1024 * 1024
-    row_group_rows: int = 1000
-    flush_interval_s: float = 5.0
+    """The Parquet output (docs/output.md)."""
+
+    path: Annotated[
+        str,
+        doc(
+            "the Parquet root (relative to the config): `<path>/dataset=<name>/part-*.parquet`; "
+            "rows already there count as done"
+        ),
+    ] = "out"
+    rotate_rows: Annotated[int, doc("rows buffered before a file is written")] = 2000
+    rotate_bytes: Annotated[int, doc("bytes buffered before a file is written (64 MiB)")] = (
+        64 * 1024 * 1024
+    )
+    row_group_rows: Annotated[int, doc("rows per Parquet row group")] = 1000
+    flush_interval_s: Annotated[float, doc("the longest rows stay buffered")] = 5.0
 
 
 class ProducerConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    max_queued_per_dataset: int = 0  # 0: twice the dispatcher concurrency
-    on_bad_row: Literal["skip", "fail"] = "skip"
+    """The prompt producer: pacing, and rows that are not prompts (docs/datasets.md)."""
+
+    max_queued_per_dataset: Annotated[
+        int,
+        doc(
+            "prompts a dataset may be ahead of its recorded outcomes (0: twice "
+            "`inference.concurrency`), so a halt leaves at most that many to skip"
+        ),
+    ] = 0
+    on_bad_row: Annotated[
+        Literal["skip", "fail"],
+        doc(
+            "what a bad row does once it is dead-lettered and counted: `skip` (a warning "
+            "naming dataset and file:line; exit 0) or `fail` (the run stops, exit 2)"
+        ),
+    ] = "skip"
     # A longer prompt is a bad row (beyond any model's context, and Kafka's messages).
-    max_prompt_bytes: int = sizes.DEFAULT_PROMPT_BYTES  # of UTF-8
-    max_prompt_tokens: int = 0  # once templated (template = true); 0: no limit
+    max_prompt_bytes: Annotated[
+        int,
+        doc(
+            "a prompt (its text, or its messages' contents) longer than this in UTF-8 is a "
+            "bad row (1 MiB; at most 4 MiB, half a Kafka message)"
+        ),
+    ] = sizes.DEFAULT_PROMPT_BYTES
+    max_prompt_tokens: Annotated[
+        int,
+        doc(
+            "with `template = true`, a prompt of more tokens than this once templated is a "
+            "bad row (0: no limit)"
+        ),
+    ] = 0
 
 
 class MetricsConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    host: str = "127.0.0.1"
-    # run serves /metrics here (the next free block when taken), its ledger on port + 1
-    # and extra dispatchers after it; 0: no metrics endpoint
-    port: int = 9464
-    # run's output when it is not a terminal: a line per dataset this often; 0: none
-    progress_interval_s: float = 60.0
+    """Prometheus metrics and progress lines (docs/monitoring.md)."""
+
+    host: Annotated[str, doc("the address `/metrics` binds to")] = "127.0.0.1"
+    port: Annotated[
+        int,
+        doc(
+            "`run` serves `/metrics` here (the next free block when taken; it says where), "
+            "its ledger worker on port + 1, extra dispatchers and ledgers after it; 0: none"
+        ),
+    ] = 9464
+    progress_interval_s: Annotated[
+        float,
+        doc(
+            "when `run`'s output is not a terminal, a progress line per dataset this often "
+            "(0: none)"
+        ),
+    ] = 60.0
 
 
 # How a conversation becomes prompts (producers.datasets): its first turn, every
@@ -207,28 +477,122 @@ Turns = Literal["first", "all", "regenerate"]
 
 
 class DatasetConfig(_Sampling, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    name: str
-    path: str
-    budget: int | str
-    format: DatasetFormat = "auto"
+    """One `[[datasets]]` entry per dataset (docs/datasets.md). The sampling keys of
+    [inference] may be set here too: the dataset's own win, key by key."""
+
+    name: Annotated[str, doc("letters, digits, `_`, `-`, `.`; unique in the job")]
+    path: Annotated[
+        str,
+        doc(
+            "`.jsonl`, `.json`, `.ndjson`, `.parquet` or `.pq` (relative to the config), or "
+            "a folder written by `datasets`' `save_to_disk`"
+        ),
+    ]
+    budget: Annotated[
+        int | str,
+        doc(
+            'an integer, or a string such as `"10M"`, `"250k"`, `"1.5M"`, `"1_000_000"` '
+            "(suffixes k, M, G or B), in `budget.unit`"
+        ),
+    ]
+    format: Annotated[
+        DatasetFormat,
+        doc(
+            "`prompt`, `openai` (`messages`), `sharegpt` (`conversations` of `{from, value}`), "
+            "`hf` (a folder written by `save_to_disk`), or `auto` (per row; a folder is `hf`)"
+        ),
+    ] = "auto"
     # Where the prompt is when not in prompt/messages/conversations (one of the
     # three), and the id's field: tokenbudget.columns.
-    prompt_field: str = ""
-    prompt_template: str = ""
-    messages_field: str = ""
-    id_field: str = "id"
-    max_new_tokens: int | None = None
-    limit: int | None = None
-    template: bool = False  # apply the tokenizer's chat template here, send input_ids
-    turns: Turns = "first"
-    shuffle_seed: int | None = None
+    prompt_field: Annotated[
+        str, doc('the field holding the prompt text, when it is not `prompt` (e.g. `"question"`)')
+    ] = ""
+    prompt_template: Annotated[
+        str,
+        doc(
+            'the prompt built from several fields, e.g. `"{instruction}\\n\\n{input?}"` '
+            "(`{name?}`: optional)"
+        ),
+    ] = ""
+    messages_field: Annotated[
+        str,
+        doc(
+            "the field holding chat messages or ShareGPT turns, when it is not `messages` or "
+            "`conversations`"
+        ),
+    ] = ""
+    id_field: Annotated[
+        str, doc("the field holding the row's id, from which its `prompt_id` is made")
+    ] = "id"
+    max_new_tokens: Annotated[
+        int | None, doc("per request (unset: `inference.max_new_tokens`)")
+    ] = None
+    limit: Annotated[int | None, doc("publish at most this many prompts")] = None
+    template: Annotated[
+        bool,
+        doc(
+            "apply the tokenizer's chat template here and send `input_ids`; needs "
+            "`inference.tokenizer` and `api` `sglang` or `openai-completions` (chat datasets "
+            "need it with those)"
+        ),
+    ] = False
+    turns: Annotated[
+        Turns,
+        doc(
+            "conversations: `first` sends the turns up to the first user turn; `all` "
+            "regenerates every assistant turn on the dataset's history; `regenerate` every "
+            'turn on the model\'s own earlier answers (`api = "openai-chat"`, `n = 1`)'
+        ),
+    ] = "first"
+    shuffle_seed: Annotated[
+        int | None,
+        doc(
+            "shuffle the prompts with this seed (the same seed, the same order, and with "
+            '`limit` the same sample); also seeds `order = "stratified"` (0 when unset)'
+        ),
+    ] = None
     # unset: "shuffled" with a shuffle_seed, else "file"; the seed also seeds "stratified"
-    order: DatasetOrder | None = None
-    stratify_by: str = ""  # order "stratified": prompt_length (default) or a field
-    split: str = ""  # format "hf": the split of a saved DatasetDict
-    n: int | None = None  # answers per prompt ([inference] n when unset)
-    keep_columns: list[str] = []  # input columns copied into every output row
-    reasoning: ReasoningMode | None = None
+    order: Annotated[
+        DatasetOrder | None,
+        doc(
+            "the order prompts are sent in, so the prefix a budget keeps: `file`, `shuffled` "
+            "or `stratified` (every prefix holds each part of the source in proportion); "
+            "unset: `shuffled` with a `shuffle_seed`, else `file`"
+        ),
+    ] = None
+    stratify_by: Annotated[
+        str,
+        doc(
+            '`order = "stratified"`: `prompt_length` (in characters, the default) or a field '
+            "of the rows"
+        ),
+    ] = ""
+    split: Annotated[
+        str,
+        doc(
+            '`format = "hf"`: the split of a saved `DatasetDict` (default `train`, or its only one)'
+        ),
+    ] = ""
+    n: Annotated[
+        int | None,
+        doc(
+            "answers per prompt (unset: `inference.n`): each its own prompt (`sample_index`), "
+            "request and count, so the budget stays exact"
+        ),
+    ] = None
+    keep_columns: Annotated[
+        list[str],
+        doc("input columns copied into every output row (`input_columns`, JSON; missing: null)"),
+    ] = []
+    reasoning: Annotated[
+        ReasoningMode | None,
+        doc(
+            "a thinking model's reasoning: `save` (kept, warned about when a chat answer "
+            "has none, raw text checked for `inference.reasoning_end`) or `disable` "
+            "(`chat_template_kwargs` gets `enable_thinking = false` and `thinking = false`, "
+            "unless the dataset sets its own); unset: as the server does, its reasoning kept"
+        ),
+    ] = None
 
 
 class _RawConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -261,9 +625,6 @@ class Dataset(msgspec.Struct, frozen=True, kw_only=True):
     keep_columns: tuple[str, ...] = ()
     columns: Columns = DEFAULT_COLUMNS  # where the rows hold the prompt
     reasoning: ReasoningMode | None = None  # see ReasoningMode
-
-
-SAMPLING_KEYS = _Sampling.__struct_fields__
 
 
 def _sampling(inference: InferenceConfig, dataset: DatasetConfig) -> dict[str, Any]:
@@ -473,6 +834,8 @@ def _is_text_key(section: str, key: str) -> bool:
             for key_field in section_field.type.fields:
                 if key_field.name == key:
                     kind = key_field.type
+                    if isinstance(kind, msgspec.inspect.Metadata):  # its description
+                        kind = kind.type
                     return isinstance(kind, msgspec.inspect.StrType) or (
                         isinstance(kind, msgspec.inspect.LiteralType)
                         and all(isinstance(v, str) for v in kind.values)

@@ -3,6 +3,11 @@
     TokenBudgetError
     ├── ConfigError            a config key is missing, unknown or has a bad value
     ├── DatasetError           a dataset file or row cannot be read
+    │   └── SplitError              a saved Hugging Face dataset has no such split,
+    │                               or needs one chosen (producers.datasets)
+    ├── TokenizerError         a tokenizer folder is missing or holds no tokenizer
+    ├── MissingExtraError      a feature needs a package that is not installed
+    │                          (tokenbudget.extras)
     ├── EventDecodeError       bytes on a topic are not a known event of a known version
     ├── BrokerError            the local Kafka broker cannot be fetched, started or reached
     ├── KafkaAuthError         a Kafka broker refused our credentials, or TLS failed
@@ -10,14 +15,26 @@
     ├── FaustVersionError      faust-streaming, mode or aiokafka is not the pinned version
     ├── InferenceError         the inference server failed a request
     │   ├── InferenceTransportError   connection refused/reset, timeout (server away)
+    │   │   └── ServerUnreachableError   the check before a run could not reach the
+    │   │                                server (producers.inference)
     │   ├── InferenceUnavailableError HTTP 429, 408, 502, 503, 504 (server away)
     │   ├── InferenceServerError      another HTTP 5xx (retried)
     │   ├── InferenceRequestError     another HTTP 4xx: the request is wrong (not retried)
+    │   │   └── WrongModelError          the server serves another model than
+    │   │                                [inference] model (producers.inference)
     │   └── InferenceProtocolError    the body is not the wire format we expect (retried)
+    │       └── InferenceCountError      neither usage nor token ids, and no tokenizer
+    │                                    to count with (not retried; producers.inference)
     ├── ServerOutageError      every inference server stayed away longer than allowed
     ├── WorkerFailedError      a worker process of ``run`` kept exiting on its own
     ├── ExportError            kept rows cannot be exported as asked (and what to fix)
     └── JobChangedError        a rerun is not the job its namespace recorded (and the ways on)
+
+Each is declared here unless a module is named (then it is declared there). Two
+``ValueError`` subclasses never reach the user: ``tokenbudget.columns``'
+``TemplateError`` and ``FieldError`` become a ConfigError or a DatasetError where
+they are caught. ``tokenbudget.app.interrupts.Interrupted`` is no error: ``run``
+stopped in order by a signal, which ends as its exit code.
 
 "Server away" errors say nothing about the request: they are retried for as long as
 some server of the fleet may answer (the server away gets nothing meanwhile) and
@@ -75,6 +92,17 @@ class DatasetError(TokenBudgetError):
     def where(self) -> str:
         """``path:line``, or the path of an error about the whole file."""
         return f"{self.path}:{self.line}" if self.line is not None else self.path
+
+
+class TokenizerError(TokenBudgetError):
+    """A tokenizer folder is missing or holds no tokenizer. ``origin`` is the config
+    key or command flag that named the folder."""
+
+    def __init__(self, origin: str, folder: object, reason: str) -> None:
+        self.origin = origin
+        self.folder = folder
+        self.reason = reason
+        super().__init__(f"{origin} {folder}: {reason}")
 
 
 class EventDecodeError(TokenBudgetError):

@@ -10,11 +10,10 @@ the application's business (:mod:`tokenbudget.app.bootstrap`); creating topics i
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 from aiokafka import AIOKafkaConsumer
 from aiokafka import TopicPartition as AIOTopicPartition
@@ -22,6 +21,7 @@ from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
 
 from tokenbudget import security, sizes
 from tokenbudget.errors import BrokerError
+from tokenbudget.retry import retry_until, retry_until_async
 
 log = logging.getLogger(__name__)
 
@@ -120,49 +120,51 @@ class GroupLag:
 # with the caller's ``missing`` message (what that means for the caller).
 
 
+class PartitionWait(TypedDict, total=False):
+    """How a wait for a topic's partitions asks (every key optional)."""
+
+    interval: float  # seconds between looks (default 0.2)
+    missing: str  # the error when it has none (default: "topic ... does not exist")
+
+
+def _sorted_or_missing(topic: str, found: set[int] | None, wait: PartitionWait) -> list[int]:
+    if not found:
+        raise BrokerError(wait.get("missing") or f"topic {topic} does not exist")
+    return sorted(found)
+
+
 def wait_for_partitions(
-    consumer: KafkaConsumer,
-    topic: str,
-    *,
-    timeout: float,
-    interval: float = 0.2,
-    missing: str = "",
+    consumer: KafkaConsumer, topic: str, *, timeout: float, **wait: Unpack[PartitionWait]
 ) -> list[TopicPartition]:
     """The partitions of ``topic``, sorted, once the kafka-python ``consumer`` has
     metadata for it; it asks every ``interval`` seconds. Raises
     :class:`BrokerError` (``missing``, by default "topic ... does not exist") if it
     has none after ``timeout`` seconds. Blocking."""
-    deadline = time.monotonic() + timeout
-    while True:
-        found = consumer.partitions_for_topic(topic)
-        if found:
-            return [TopicPartition(topic, p) for p in sorted(found)]
-        if time.monotonic() > deadline:
-            raise BrokerError(missing or f"topic {topic} does not exist")
-        time.sleep(interval)
+
+    def partitions() -> list[TopicPartition]:
+        found = _sorted_or_missing(topic, consumer.partitions_for_topic(topic), wait)
+        return [TopicPartition(topic, p) for p in found]
+
+    interval = wait.get("interval", 0.2)
+    return retry_until(partitions, timeout=timeout, retry_on=BrokerError, interval=interval)
 
 
 async def wait_for_partitions_aio(
-    consumer: AIOKafkaConsumer,
-    topic: str,
-    *,
-    timeout: float,
-    interval: float = 0.2,
-    missing: str = "",
+    consumer: AIOKafkaConsumer, topic: str, *, timeout: float, **wait: Unpack[PartitionWait]
 ) -> list[AIOTopicPartition]:
     """:func:`wait_for_partitions` for a started aiokafka ``AIOKafkaConsumer``: the
     same contract, without blocking the event loop."""
-    deadline = time.monotonic() + timeout
-    while True:
+
+    async def partitions() -> list[AIOTopicPartition]:
         # aiokafka refreshes the metadata of topics it is not subscribed to only
         # every few minutes (metadata_max_age_ms): ask for it now.
         await consumer._client.force_metadata_update()
-        found = consumer.partitions_for_topic(topic)
-        if found:
-            return [AIOTopicPartition(topic, p) for p in sorted(found)]
-        if time.monotonic() > deadline:
-            raise BrokerError(missing or f"topic {topic} does not exist")
-        await asyncio.sleep(interval)
+        found = _sorted_or_missing(topic, consumer.partitions_for_topic(topic), wait)
+        return [AIOTopicPartition(topic, p) for p in found]
+
+    return await retry_until_async(
+        partitions, timeout=timeout, retry_on=BrokerError, interval=wait.get("interval", 0.2)
+    )
 
 
 # ----------------------------------------------------------------- reading a topic

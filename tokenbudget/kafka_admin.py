@@ -8,9 +8,9 @@ their data; the error writes the ``kafka-reassign-partitions.sh`` plan). An exis
 topic whose ``max.message.bytes`` is below what the spec asks (a namespace made by an
 older version: the broker's 1 MB) is raised with an incremental alter-config, and a
 cluster that refuses it, or whose requests are capped below a message, is a
-:class:`KafkaLimitsError` naming the setting and the fix. ``probe``
-and ``warm_up_groups`` tell whether a cluster answers and make its group
-coordinator ready.
+:class:`KafkaLimitsError` naming the setting and the fix. ``check_ready``
+is the one test of a cluster being ready (``wait_ready`` waits for it), and
+``warm_up_groups`` makes its group coordinator ready.
 
 kafka-python's blocking admin client does this work: it runs before any event loop
 (the CLI, the runner's start-up), and aiokafka's admin client lacks DescribeConfigs
@@ -20,6 +20,7 @@ filters and ``wait_for_topics``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -37,6 +38,7 @@ from tokenbudget import security, sizes
 from tokenbudget.errors import BrokerError, KafkaAuthError, KafkaLimitsError
 from tokenbudget.files import write_atomic
 from tokenbudget.kafka import client_options
+from tokenbudget.retry import retry_until
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +75,13 @@ class _Admin(KafkaAdminClient):  # type: ignore[misc]
                         stop()
             raise
 
+    def bootstrap_brokers(self) -> int:
+        """How many brokers the metadata the client bootstrapped with lists, asking no
+        request more: kafka-python logs an ERROR (into a run's output) when a close
+        cancels a metadata refresh in flight, which was seen when a request of ours
+        came just before the close."""
+        return len(self._client.cluster.brokers())
+
 
 def admin_client(bootstrap: str, timeout_ms: int = 10_000) -> Any:
     """A kafka-python admin client of ``bootstrap`` (every admin call here goes
@@ -91,15 +100,43 @@ def connect_error(bootstrap: str, exc: BaseException) -> BrokerError | KafkaAuth
     return BrokerError(f"cannot reach Kafka at {bootstrap}: {exc!r}")
 
 
-def probe(bootstrap: str, timeout: float) -> None:
-    """Raise unless a metadata request to ``bootstrap`` succeeds and lists a broker."""
-    admin = admin_client(bootstrap, timeout_ms=max(500, int(timeout * 1000)))
+def check_ready(bootstrap: str, timeout: float, *, brokers: int = 1) -> None:
+    """Raise unless Kafka at ``bootstrap`` is ready: a metadata request succeeds and
+    lists at least ``brokers`` brokers. The one meaning of "ready" (a port that
+    accepts connections is not: a broker opens it before it can answer). Raises
+    :class:`BrokerError`, or :class:`KafkaAuthError` when the broker refuses us."""
     try:
-        cluster = admin.describe_cluster()
+        admin = admin_client(bootstrap, timeout_ms=max(500, int(timeout * 1000)))
+    except (KafkaError, OSError) as exc:
+        raise connect_error(bootstrap, exc) from exc
+    try:
+        listed = admin.bootstrap_brokers()
     finally:
         admin.close()
-    if not cluster.get("brokers"):
-        raise BrokerError(f"metadata from {bootstrap} lists no brokers yet")
+    if listed < brokers:
+        raise BrokerError(f"metadata from {bootstrap} lists {listed} of {brokers} brokers yet")
+
+
+def wait_ready(
+    bootstrap: str, timeout: float = STARTUP_WAIT_S, *, brokers: int = 1, interval: float = 2.0
+) -> None:
+    """Return once Kafka at ``bootstrap`` is ready (:func:`check_ready`), asking again
+    every ``interval`` seconds; raise its last :class:`BrokerError` if it is not
+    within ``timeout`` seconds."""
+
+    def warn(exc: BaseException) -> None:
+        log.warning("Kafka at %s is not ready (%s); trying again", bootstrap, exc)
+
+    # One look takes at most as long as the whole wait may (kafka-python's own
+    # timeout otherwise: 30 s).
+    look = min(_CLIENT_DEFAULT_TIMEOUT_MS / 1000, timeout)
+    retry_until(
+        functools.partial(check_ready, bootstrap, look, brokers=brokers),
+        timeout=timeout,
+        retry_on=BrokerError,
+        interval=interval,
+        on_retry=warn,
+    )
 
 
 # A broker refuses a request larger than this (a static broker setting), whatever
@@ -370,40 +407,21 @@ def warm_up_groups(bootstrap: str, timeout: float = 20) -> None:
     Otherwise the first consumer group (a Faust worker) gets
     GroupCoordinatorNotAvailableError while the topic is being created. Best effort.
     """
-
-    deadline = time.monotonic() + timeout
     try:
         admin = admin_client(bootstrap, timeout_ms=int(timeout * 1000))
     except KafkaError as exc:
         log.warning("cannot reach %s to warm up the group coordinator: %r", bootstrap, exc)
         return
     try:
-        while True:
-            try:
-                admin.describe_groups(["tokenbudget-broker-warmup"])
-                return
-            except KafkaError as exc:
-                if time.monotonic() > deadline:
-                    log.warning("group coordinator of %s not available yet: %r", bootstrap, exc)
-                    return
-                time.sleep(0.2)
+        retry_until(
+            lambda: admin.describe_groups(["tokenbudget-broker-warmup"]),
+            timeout=timeout,
+            retry_on=KafkaError,
+        )
+    except KafkaError as exc:
+        log.warning("group coordinator of %s not available yet: %r", bootstrap, exc)
     finally:
         admin.close()
-
-
-def wait_reachable(bootstrap: str, timeout: float = STARTUP_WAIT_S) -> None:
-    """Return once Kafka at ``bootstrap`` answers a metadata request; raise
-    :class:`BrokerError` if it has not within ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            admin_client(bootstrap, timeout_ms=_CLIENT_DEFAULT_TIMEOUT_MS).close()
-            return
-        except KafkaError as exc:
-            if time.monotonic() > deadline:
-                raise BrokerError(f"cannot reach Kafka at {bootstrap}: {exc!r}") from exc
-            log.warning("Kafka at %s does not answer (%r); trying again", bootstrap, exc)
-            time.sleep(2.0)
 
 
 @dataclass(frozen=True)

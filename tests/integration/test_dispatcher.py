@@ -10,7 +10,7 @@ from kafka import KafkaProducer
 
 from producers.dispatcher import Dispatcher
 from streams import events as ev
-from streams.halts import BudgetBoard
+from streams.budget_board import BudgetBoard
 from streams.topics import Topics
 from tests.integration.test_ledger_worker import publish, read_all
 from tokenbudget import config as config_module

@@ -22,7 +22,7 @@ import pytest
 from producers.resume import outcome_records
 from sinks.replay import read_to_end
 from streams import events as ev
-from streams.halts import BudgetBoard
+from streams.budget_board import BudgetBoard
 from streams.topics import Topics
 from tokenbudget import kafka_admin
 from tokenbudget.app.runner import start_ledger_process

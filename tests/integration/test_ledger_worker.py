@@ -13,7 +13,7 @@ import pytest
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
 from streams import events as ev
-from streams.halts import BudgetWatcher
+from streams.budget_board import BudgetWatcher
 from streams.topics import Topics
 from tokenbudget import kafka_admin
 from tokenbudget.app.runner import start_ledger_process, stop_process

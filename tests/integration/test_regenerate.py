@@ -31,7 +31,7 @@ from producers.resume import OutcomeView, outcome_records
 from sinks.export import ExportOptions, export
 from sinks.parquet import read_rows
 from streams import events as ev
-from streams.app import partition_of
+from streams.ledger_worker import partition_of
 from streams.publisher import publish_events
 from streams.topics import Topics
 from tokenbudget import kafka_admin

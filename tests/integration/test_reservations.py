@@ -20,7 +20,7 @@ from aiokafka import AIOKafkaProducer
 
 from producers.admission import Admission, AdmissionSettings
 from streams import events as ev
-from streams.halts import BudgetWatcher
+from streams.budget_board import BudgetWatcher
 from streams.topics import Topics
 from tests.integration.test_ledger_worker import publish, read_all, wait_for_snapshot
 from tokenbudget import config as config_module
@@ -179,7 +179,7 @@ def test_killed_dispatcher_releases_its_lease_by_expiry(
         )
         try:
             from producers.prompts import PromptProducer
-            from streams.halts import BudgetBoard
+            from streams.budget_board import BudgetBoard
 
             board = BudgetBoard()
             produce = asyncio.create_task(PromptProducer(config, kafka_bootstrap, board).run())

@@ -16,7 +16,7 @@ from producers.admission import Admission, AdmissionSettings, Ticket
 from streams import events as ev
 from streams import ledger
 from streams.budget import used
-from streams.halts import BudgetBoard
+from streams.budget_board import BudgetBoard
 from streams.topics import Topics
 
 DS = "ds"

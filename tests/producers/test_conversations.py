@@ -17,7 +17,7 @@ from producers.conversations import calls_match, follow_up, next_messages, splic
 from producers.datasets import PromptRow, check_datasets, read_prompts, turn_prompt_id
 from producers.prompts import PromptProducer
 from streams import events as ev
-from streams.halts import BudgetBoard
+from streams.budget_board import BudgetBoard
 from tests.producers.test_prompts import RecordingProducer
 from tokenbudget import config as config_module
 from tokenbudget.errors import ConfigError

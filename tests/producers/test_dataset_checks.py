@@ -115,7 +115,7 @@ def test_a_mapping_that_finds_nothing_names_its_key_and_what_the_rows_hold(
     assert error.key == "datasets[1].prompt_template"
     assert str(error).endswith(
         'set prompt_template = "{instruction}\\n\\n{input?}" in place of prompt_field'
-        " (README: Column mapping)"
+        " (docs/datasets.md: Column mapping)"
     )
 
 
@@ -123,7 +123,7 @@ def test_a_mapping_that_finds_nothing_names_its_key_and_what_the_rows_hold(
     ("row", "format", "key", "fix"),
     [
         ({"messages": DIALOG["dialog"]}, "sharegpt", "format", 'set format = "auto"'),
-        (GSM, "prompt", "prompt_field", 'set prompt_field = "question" (README'),
+        (GSM, "prompt", "prompt_field", 'set prompt_field = "question" (docs/datasets.md'),
         (DIALOG, "prompt", "messages_field", 'messages_field = "dialog" and format = "auto"'),
         (GSM, "openai", "prompt_field", 'prompt_field = "question" and format = "auto"'),
     ],
@@ -203,7 +203,7 @@ def test_an_id_field_must_be_in_the_rows(tmp_path: Path) -> None:
     assert error.key == "datasets[1].id_field"
     assert "no field 'task_id' in the only row of" in str(error)
     assert "(their fields: prompt, qid, level)" in str(error)
-    # a kept column no row has is kept as null (README), not refused
+    # a kept column no row has is kept as null (docs/datasets.md), not refused
     check_datasets(build(tmp_path, keep_columns=["level", "topic"]))
 
 

@@ -23,7 +23,7 @@ from producers.inference import (
 from producers.server_gate import GateSettings
 from producers.slots import Slot
 from streams import events as ev
-from streams.halts import BudgetBoard
+from streams.budget_board import BudgetBoard
 from tests.producers.test_admission import (
     DS,
     TOPICS,

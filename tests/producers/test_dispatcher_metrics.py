@@ -11,7 +11,7 @@ import time
 from prometheus_client import REGISTRY
 
 from streams import events as ev
-from streams.halts import BudgetBoard
+from streams.budget_board import BudgetBoard
 from tests.producers.test_admission import DS, run, until
 from tests.producers.test_dispatcher_caps import dispatch, make_dispatcher, prompt
 from tests.producers.test_dispatcher_faults import FailingBackend, outcomes, with_retry

@@ -12,7 +12,7 @@ from producers import resume
 from producers.datasets import read_prompts
 from producers.prompts import PromptProducer
 from streams import events as ev
-from streams.halts import BudgetBoard
+from streams.budget_board import BudgetBoard
 from streams.topics import Topics
 from tokenbudget import config as config_module
 from tokenbudget import metrics, sizes

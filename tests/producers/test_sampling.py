@@ -11,8 +11,9 @@ import pytest
 from producers.inference import make_backend
 from streams import events as ev
 from tests.producers.test_inference import FAST, request, with_simulator
-from tokenbudget.config import SAMPLING_KEYS, build
+from tokenbudget.config import build
 from tokenbudget.dev.simulator import RunningSimulator
+from tokenbudget.sampling import SAMPLING_KEYS
 
 SETTINGS: dict[str, Any] = {
     "temperature": 0.6,
@@ -67,7 +68,6 @@ def test_each_setting_reaches_the_server_in_its_api_shape(api: str) -> None:
             request(
                 f"{api}-sampling",
                 max_new_tokens=50,
-                temperature=SETTINGS["temperature"],
                 sampling=SETTINGS,
                 **kwargs,
             )

@@ -18,7 +18,7 @@ from producers.slots import Slot
 from producers.step import DispatchReport
 from producers.tries import UNEXPECTED_ERRORS, Tries, prompt_token_estimate
 from streams import events as ev
-from streams.halts import BudgetBoard
+from streams.budget_board import BudgetBoard
 from tests.producers.test_admission import DS, TOPICS, run
 from tests.producers.test_dispatcher_caps import Recorder, prompt
 

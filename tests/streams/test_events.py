@@ -94,6 +94,8 @@ EVENT_TYPES: list[type[Any]] = list(ev.Event.__args__)  # type: ignore[attr-defi
 def _sample(kind: msgspec.inspect.Type, name: str) -> Any:
     """A value of ``kind`` that differs from the field's default."""
     match kind:
+        case msgspec.inspect.Metadata():  # a setting's description for the docs
+            return _sample(kind.type, name)
         case msgspec.inspect.StrType():
             return f"{name}-value"
         case msgspec.inspect.BoolType():

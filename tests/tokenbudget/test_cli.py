@@ -3,8 +3,12 @@ when prompts failed, --version, log levels in any case, a quiet terminal."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
+import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -146,3 +150,84 @@ def test_run_exits_3_when_prompts_failed_and_json_has_what_the_table_shows(
 
     monkeypatch.setattr("tokenbudget.app.runner.run", lambda *a, **k: report(failed=0))
     assert cli.main(["run", "--config", str(config)]) == 0
+
+
+def every_parser(
+    parser: argparse.ArgumentParser, path: tuple[str, ...] = ()
+) -> Iterator[tuple[tuple[str, ...], argparse.ArgumentParser]]:
+    """The whole command line: each parser with the words that reach it."""
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from every_parser(sub, (*path, name))
+
+
+def test_every_option_of_every_command_has_a_help_line_and_every_command_an_example() -> None:
+    missing, without_example = [], []
+    walked = list(every_parser(cli.build_parser()))
+    for path, parser in walked:
+        parser.format_help()  # every help line expands (a bare % would raise)
+        for action in parser._actions:
+            name = " ".join(
+                [*path, action.dest if not action.option_strings else action.option_strings[-1]]
+            )
+            if isinstance(action, argparse._SubParsersAction):
+                for choice in action._choices_actions:  # the subcommands' one-line help
+                    if not choice.help:
+                        missing.append(f"{' '.join(path)} {choice.dest}")
+                continue
+            if not action.help or action.help == argparse.SUPPRESS:
+                missing.append(name)
+        if f"tokenbudget {' '.join(path)}".strip() not in (parser.epilog or ""):
+            without_example.append(" ".join(path) or "tokenbudget")
+    assert missing == [], f"options without a help line: {missing}"
+    assert without_example == [], f"commands whose help ends without an example: {without_example}"
+    commands = {path for path, _ in walked}
+    assert {("budget", "set"), ("broker", "status"), ("run",), ("demo",)} <= commands
+
+
+def test_help_lists_the_users_commands_apart_from_the_roles_and_the_tools(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    out = capsys.readouterr().out
+    sections = out.split("\n\n")
+    for group, title in cli.GROUPS.items():
+        section = next(s for s in sections if s.startswith(f"{title}:"))
+        listed = [line.split()[0] for line in section.splitlines()[1:]]
+        assert listed == [name for name, c in cli.COMMANDS.items() if c.group == group]
+    assert [c.group for c in cli.COMMANDS.values()][:7] == ["job"] * 7
+    assert out.startswith("usage: tokenbudget [-h] [--version] COMMAND ...\n")
+
+
+def test_a_commands_help_imports_only_its_own_module(capsys: pytest.CaptureFixture[str]) -> None:
+    """bench/cli_startup.py: the others' modules (Faust, pyarrow, the simulator) are not
+    imported for one command's help."""
+    code = (
+        "import sys\nfrom tokenbudget import cli\n"
+        "cli.build_parser(['status', '--help'])\n"
+        "print(sorted(m for m in ('tokenbudget.dev.simulator', 'sinks.export', "
+        "'tokenbudget.app.commands.replay') if m in sys.modules))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert done.stdout.strip() == "[]"
+
+
+def test_the_simulators_profiles_are_listed_from_its_own_table() -> None:
+    from tokenbudget.dev import simulator
+
+    parser = cli.build_parser(["simulate"])
+    simulate = next(
+        sub
+        for action in parser._actions
+        if isinstance(action, argparse._SubParsersAction)
+        for name, sub in action.choices.items()
+        if name == "simulate"
+    )
+    text = simulate.format_help()
+    for name in simulator.PROFILES:
+        assert f"{name}:" in text.replace("\n", " ")

@@ -13,7 +13,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from faust.transport.drivers.aiokafka import server_list
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
-from streams.app import LedgerSettings, build_app
+from streams.ledger_worker import LedgerSettings, build_app
 from streams.topics import Topics, TopicSpec
 from tokenbudget import kafka_admin, sizes
 from tokenbudget.kafka import (

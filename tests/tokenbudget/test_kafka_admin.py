@@ -4,6 +4,9 @@ producer of ours sends, and a cluster that refuses it named with the fix."""
 from __future__ import annotations
 
 import asyncio
+import re
+import socket
+import time
 import uuid
 from typing import Any
 
@@ -12,7 +15,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
 from streams.topics import Topics
 from tokenbudget import kafka_admin, sizes
-from tokenbudget.errors import KafkaLimitsError
+from tokenbudget.errors import BrokerError, KafkaLimitsError
 from tokenbudget.kafka import aiokafka_producer_options, consumer_options
 from tokenbudget.kafka_admin import TopicSpec
 
@@ -103,3 +106,40 @@ def test_an_older_namespace_is_raised_to_the_message_size_and_then_takes_a_large
         return bytes(record.value)
 
     assert asyncio.run(round_trip()) == big
+
+
+# -- ready: a metadata request that lists the brokers (an open port is not) ---------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_nothing_listening_is_not_ready() -> None:
+    with pytest.raises(BrokerError, match=r"cannot reach Kafka at 127\.0\.0\.1"):
+        kafka_admin.check_ready(f"127.0.0.1:{_free_port()}", 1.0)
+
+
+def test_a_port_that_accepts_but_never_answers_is_not_ready() -> None:
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        bootstrap = f"127.0.0.1:{silent.getsockname()[1]}"
+        with pytest.raises(BrokerError, match=f"cannot reach Kafka at {re.escape(bootstrap)}"):
+            kafka_admin.check_ready(bootstrap, 1.0)
+
+
+def test_wait_ready_asks_again_until_its_timeout_then_says_why() -> None:
+    started = time.monotonic()
+    with pytest.raises(BrokerError, match="cannot reach Kafka"):
+        kafka_admin.wait_ready(f"127.0.0.1:{_free_port()}", 1.5, interval=0.2)
+    assert 1.5 <= time.monotonic() - started < 30
+
+
+def test_a_broker_that_answers_is_ready_and_counts_as_one(kafka_bootstrap: str) -> None:
+    kafka_admin.check_ready(kafka_bootstrap, 10)
+    kafka_admin.wait_ready(kafka_bootstrap, 10)
+    with pytest.raises(BrokerError, match="lists 1 of 2 brokers"):
+        kafka_admin.check_ready(kafka_bootstrap, 10, brokers=2)

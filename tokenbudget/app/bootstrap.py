@@ -7,16 +7,19 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 
 from streams.topics import Topics
 from tokenbudget import security
 from tokenbudget.config import Config
 from tokenbudget.errors import BrokerError
-from tokenbudget.kafka_admin import STARTUP_WAIT_S, TopicSpec, ensure_topics
+from tokenbudget.kafka_admin import STARTUP_WAIT_S, TopicSpec, check_ready, ensure_topics
 from tokenbudget.localkafka import broker
+from tokenbudget.retry import retry_until
 
 log = logging.getLogger(__name__)
+
+# How long one look at a cluster that does not answer may take.
+_ATTEMPT_S = 10.0
 
 
 def local_broker_settings(config: Config) -> broker.BrokerSettings:
@@ -53,17 +56,21 @@ def resolve_bootstrap(config: Config, *, create_topics: bool = True) -> str:
     specs = topic_specs(config) if create_topics else []
     if config.kafka.bootstrap == "local":
         return broker.up(local_broker_settings(config), specs)
-    security.register(config.kafka.bootstrap, security.KafkaSecurity.from_config(config))
+    bootstrap = config.kafka.bootstrap
+    security.register(bootstrap, security.KafkaSecurity.from_config(config))
+
+    def ready() -> None:
+        security.check_credentials(bootstrap)
+        if create_topics:
+            check_ready(bootstrap, _ATTEMPT_S)
+            ensure_topics(bootstrap, specs)
+
     # A broker restarting as a job (re)starts is waited out; wrong credentials are not.
-    deadline = time.monotonic() + STARTUP_WAIT_S
-    while True:
-        try:
-            security.check_credentials(config.kafka.bootstrap)
-            if create_topics:
-                ensure_topics(config.kafka.bootstrap, specs)
-            return config.kafka.bootstrap
-        except BrokerError as exc:
-            if time.monotonic() > deadline:
-                raise
-            log.warning("%s; trying again for up to %.0f s", exc, STARTUP_WAIT_S)
-            time.sleep(2.0)
+    retry_until(
+        ready,
+        timeout=STARTUP_WAIT_S,
+        retry_on=BrokerError,
+        interval=2.0,
+        on_retry=lambda exc: log.warning("%s; trying again for up to %.0f s", exc, STARTUP_WAIT_S),
+    )
+    return bootstrap

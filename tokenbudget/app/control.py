@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import functools
 import json
 import signal
@@ -17,7 +16,7 @@ from producers.prompts import PromptProducer
 from sinks.parquet import stored_prompt_ids
 from sinks.replay import kept_completions, read_to_end
 from streams import events as ev
-from streams.halts import BudgetBoard, BudgetWatcher
+from streams.budget_board import BudgetBoard, BudgetWatcher
 from streams.publisher import publish_events
 from streams.topics import Topics
 from tokenbudget import config as config_module
@@ -28,6 +27,8 @@ from tokenbudget.app.runner import publish_budgets
 from tokenbudget.app.tables import format_table
 from tokenbudget.config import parse_budget
 from tokenbudget.errors import ConfigError
+from tokenbudget.files import write_atomic
+from tokenbudget.tasks import cancel_and_wait
 
 
 async def dispatch_until_stopped(
@@ -57,16 +58,15 @@ async def dispatch_until_stopped(
     try:
         await dispatcher.run(stop)
     finally:
-        watch_task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await watch_task
+        await cancel_and_wait(watch_task, ignore_errors=True)
         await watcher.stop()
     if report_path is not None:
         refused = dict(dispatcher.refused_at)
         for name, view in watcher.board.views.items():
             if view.halted_at is not None:
                 refused[name] = min(refused.get(name, view.halted_at), view.halted_at)
-        report_path.write_text(
+        write_atomic(
+            report_path,
             json.dumps(
                 {
                     "holder": dispatcher.holder,
@@ -75,7 +75,7 @@ async def dispatch_until_stopped(
                     "skipped": dispatcher.report.skipped,
                     "failed": dispatcher.report.failed,
                 }
-            )
+            ),
         )
 
 
@@ -120,9 +120,7 @@ async def produce_until_done(
         )
         reports = await producer.run(interrupt=interrupt)
     finally:
-        watch_task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await watch_task
+        await cancel_and_wait(watch_task, ignore_errors=True)
         await watcher.stop()
     for name, report in reports.items():
         line = f"{name}: {report.produced} prompts produced ({report.reason})"

@@ -46,7 +46,7 @@ from sinks.parquet import output_files
 from sinks.replay import ReplayOptions, live_snapshots, replay
 from streams import events as ev
 from streams.topics import Topics
-from tokenbudget.config import SAMPLING_KEYS, Config, Dataset
+from tokenbudget.config import Config, Dataset
 from tokenbudget.errors import DatasetError, EventDecodeError, JobChangedError
 from tokenbudget.kafka import (
     aiokafka_producer_options,
@@ -54,6 +54,7 @@ from tokenbudget.kafka import (
     read_to_ends,
     wait_for_partitions,
 )
+from tokenbudget.sampling import SAMPLING_KEYS
 from tokenbudget.sizes import Compression
 
 Command = Literal["run", "produce"]

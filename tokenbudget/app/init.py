@@ -160,7 +160,7 @@ def config_text(
         "# the budgets buy before spending them, and run:",
         "#   tokenbudget plan --config <this file> --pilot 20",
         "#   tokenbudget run --config <this file>",
-        "# Every key is in the README's Configuration table.",
+        "# Every key is in docs/reference/config.md (`tokenbudget --help`: the commands).",
         "",
         "[kafka]",
         'bootstrap = "local"  # the project\'s own broker, started when needed; or "HOST:PORT"',

@@ -1,7 +1,7 @@
 """What ``run`` and ``demo`` show while a job runs: one bar per dataset on a
 terminal, progress lines elsewhere.
 
-Both are driven by the ledger snapshots a run's :class:`~streams.halts.BudgetBoard`
+Both are driven by the ledger snapshots a run's :class:`~streams.budget_board.BudgetBoard`
 already receives, through the same :class:`~tokenbudget.app.status.Tracker` that
 ``tokenbudget status`` uses, and show the same fields (:func:`fields`): kept/budget,
 % used, tokens/s, ETA, state.
@@ -23,7 +23,6 @@ dispatchers report on the budgets topic (:class:`~tokenbudget.app.servers.FleetT
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import sys
 import time
@@ -31,10 +30,11 @@ from typing import Literal, Protocol
 
 from rich.progress import BarColumn, Progress, TaskID, TaskProgressColumn, TextColumn
 
-from streams.halts import BudgetBoard
+from streams.budget_board import BudgetBoard
 from tokenbudget.app import servers as fleet
 from tokenbudget.app.status import StatusRow, Tracker, format_eta
 from tokenbudget.config import Config
+from tokenbudget.tasks import cancel_and_wait
 
 # Shown whatever TOKENBUDGET_LOG says (its level is set when lines are asked for):
 # a run's progress is its output, not a diagnostic.
@@ -204,10 +204,7 @@ class BudgetProgress:
         self._task = asyncio.create_task(self._loop())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)
         self.update()
         self.progress.stop()
 
@@ -287,10 +284,7 @@ class ProgressLines:
         self._task = asyncio.create_task(self._loop())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)
         _emit([*self.changes(), *self.lines()])
 
 

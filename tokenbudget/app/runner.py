@@ -39,7 +39,7 @@ from producers.step import DispatchReport
 from sinks.parquet import ParquetSink, SinkSettings, stored_prompt_ids
 from sinks.replay import kept_completions
 from streams import budget
-from streams.halts import BudgetBoard, BudgetWatcher
+from streams.budget_board import BudgetBoard, BudgetWatcher
 from streams.publisher import publish_events
 from streams.topics import Topics
 from tokenbudget import lifetime, metrics, sizes
@@ -50,7 +50,9 @@ from tokenbudget.app.progress import Display, ProgressMode, choose_mode, display
 from tokenbudget.config import ENV_PREFIX, Config, Unit, servers_environment
 from tokenbudget.errors import ConfigError, WorkerFailedError
 from tokenbudget.kafka import GroupLag
+from tokenbudget.retry import retry_until_async
 from tokenbudget.security import subprocess_env
+from tokenbudget.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -127,12 +129,6 @@ class RunReport:
     def failed(self) -> int:
         """Prompts that failed for good, over every dataset (``run`` then exits 3)."""
         return sum(r.failed for r in self.datasets.values())
-
-
-def dispatcher_instance(namespace: str, index: int) -> str:
-    """The static group member name of ``run``'s dispatcher ``index`` (0: its own):
-    a rerun's dispatchers take the prompts of a killed run's straight back."""
-    return f"{namespace}-dispatch-{index}"
 
 
 def cli_command(*args: str) -> list[str]:
@@ -325,7 +321,7 @@ class ExtraDispatchers(SupervisedGroup):
                 "--report",
                 str(report),
                 "--instance",
-                dispatcher_instance(namespace, i + 1),
+                Topics(namespace).dispatcher_instance(i + 1),
             )
             if self.config.metrics.port:
                 port = self.config.metrics.port + dispatcher_port_offset(i)
@@ -375,14 +371,16 @@ async def publish_budgets(config: Config, bootstrap: str) -> list[precedence.Bud
 
 async def _group_lag(bootstrap: str) -> GroupLag:
     """A lag reader, once Kafka answers (a broker restarting is waited out)."""
-    delay = 0.5
-    while True:
-        try:
-            return await asyncio.to_thread(GroupLag, bootstrap)
-        except KafkaError as exc:
-            log.warning("Kafka at %s does not answer (%r); trying again", bootstrap, exc)
-            await asyncio.sleep(delay)
-            delay = min(5.0, delay * 2)
+    return await retry_until_async(
+        functools.partial(asyncio.to_thread, GroupLag, bootstrap),
+        timeout=None,
+        retry_on=KafkaError,
+        interval=0.5,
+        max_interval=5.0,
+        on_retry=lambda exc: log.warning(
+            "Kafka at %s does not answer (%r); trying again", bootstrap, exc
+        ),
+    )
 
 
 async def _lag(lag: GroupLag, group: str, topics: list[str]) -> int | None:
@@ -400,7 +398,7 @@ async def _wait_drained(
     topics = Topics(config.kafka.namespace)
     lag = await _group_lag(bootstrap)
     checks = [
-        (f"{topics.namespace}-dispatch", [topics.prompts]),
+        (topics.dispatch_group, [topics.prompts]),
         (topics.ledger_app_id, [topics.completions, topics.outcomes]),
     ]
     names = [d.name for d in config.datasets]
@@ -510,9 +508,9 @@ async def run_async(
     lag_sampler = metrics.LagSampler(
         bootstrap,
         {
-            f"{topics.namespace}-dispatch": [topics.prompts],
+            topics.dispatch_group: [topics.prompts],
             topics.ledger_app_id: [topics.completions, topics.outcomes],
-            f"{topics.namespace}-sink": [topics.completions],
+            topics.sink_group: [topics.completions],
         },
     )
     if config.metrics.port:
@@ -695,7 +693,7 @@ async def _start_in_process(
         bootstrap,
         watcher.board,
         keep_log=keep_dispatch_log,
-        instance=dispatcher_instance(topics.namespace, 0),
+        instance=topics.dispatcher_instance(0),
     )
     dispatch_stop = asyncio.Event()
     dispatch_task = asyncio.create_task(dispatcher.run(dispatch_stop))
@@ -801,9 +799,7 @@ async def _stop_in_process(
     await asyncio.to_thread(running.sink_thread.join, 120)
     if running.bars is not None:
         await running.bars.stop()
-    running.watch_task.cancel()
-    with contextlib.suppress(asyncio.CancelledError, Exception):
-        await running.watch_task
+    await cancel_and_wait(running.watch_task, ignore_errors=True)
     await running.watcher.stop()
     return refused
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenbudget.config import Config
+from tokenbudget.files import write_atomic
 
 PLAN_FILE = ".tokenbudget-plan.json"
 
@@ -17,8 +18,7 @@ def save(config: Config, plan: dict[str, Any]) -> Path | None:
     path; None when it cannot be written (the plan was printed all the same)."""
     path = config.sink_path / PLAN_FILE
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(plan, indent=1))
+        write_atomic(path, json.dumps(plan, indent=1))
     except OSError:
         return None
     return path

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from sinks.replay import read_to_end
 from streams import events as ev
-from streams.halts import BudgetBoard
+from streams.budget_board import BudgetBoard
 from streams.publisher import publish_events
 from streams.topics import Topics
 from tokenbudget.app.tables import format_table

@@ -10,7 +10,6 @@ of them (:func:`rate_and_eta`, pure). ``--watch`` keeps following the topic.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
 from collections import deque
@@ -25,10 +24,11 @@ from rich.text import Text
 
 from streams import budget as policy
 from streams import events as ev
-from streams.halts import BudgetBoard, BudgetWatcher
+from streams.budget_board import BudgetBoard, BudgetWatcher
 from streams.topics import Topics
 from tokenbudget.app import servers as fleet
 from tokenbudget.app.tables import format_table
+from tokenbudget.tasks import cancel_and_wait
 
 #: seconds of snapshots that tokens/s is measured over
 RATE_WINDOW_S = 30.0
@@ -311,7 +311,5 @@ async def follow(
                 await asyncio.sleep(interval)
                 live.update(view(), refresh=True)
     finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await task
+        await cancel_and_wait(task, ignore_errors=True)
         await watcher.stop()

@@ -25,9 +25,8 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from kafka.admin import KafkaAdminClient
-
 from tokenbudget.errors import BrokerError
+from tokenbudget.kafka_admin import wait_ready
 from tokenbudget.localkafka import broker
 
 # Three JVMs share two cores here: a small heap each starts faster.
@@ -89,21 +88,13 @@ class LocalCluster:
                 pid=pids[node.node_id],
                 log_path=node.home / "broker.log",
             )
-        self._wait_all_listed(deadline)
+        wait_ready(
+            self.bootstrap,
+            max(1.0, deadline - time.monotonic()),
+            brokers=len(self.nodes),
+            interval=0.5,
+        )
         return self.bootstrap
-
-    def _wait_all_listed(self, deadline: float) -> None:
-        while True:
-            with contextlib.suppress(Exception):
-                admin = KafkaAdminClient(bootstrap_servers=self.bootstrap)
-                try:
-                    if len(admin.describe_cluster()["brokers"]) == len(self.nodes):
-                        return
-                finally:
-                    admin.close()
-            if time.monotonic() > deadline:
-                raise BrokerError(f"the cluster at {self.bootstrap} never listed every node")
-            time.sleep(0.5)
 
     def pid(self, node_id: int) -> int | None:
         return broker.running_pid(self.nodes[node_id - 1])

@@ -26,8 +26,9 @@ import httpx
 
 from tokenbudget import config as config_module
 from tokenbudget import lifetime
+from tokenbudget.app.report import Column, run_table
 from tokenbudget.app.runner import RunReport, cli_command, run
-from tokenbudget.app.tables import format_table, percent
+from tokenbudget.app.tables import percent
 from tokenbudget.dev import tiny_tokenizer
 from tokenbudget.errors import TokenBudgetError
 
@@ -169,32 +170,22 @@ def write_config(
     return config_path
 
 
-def comparison_rows(report: RunReport) -> tuple[int, list[list[object]]]:
-    """The sample cap a user would pick from the pooled average answer length,
-    and what it would have kept per dataset at that dataset's own average."""
+def comparison_columns(report: RunReport) -> tuple[int, list[Column]]:
+    """The sample cap a user would pick from the pooled average answer length, and
+    the run table's columns of what it would have kept per dataset at that
+    dataset's own average."""
     samples = sum(r.samples for r in report.datasets.values())
     tokens = sum(r.completion_tokens for r in report.datasets.values())
     budget = max(r.budget for r in report.datasets.values())
     cap = max(1, round(budget / (tokens / samples))) if samples else 0
-    rows: list[list[object]] = []
+    means, kept, overshoot = {}, {}, {}
     for name, r in report.datasets.items():
         mean = r.completion_tokens / r.samples if r.samples else 0.0
         capped = round(cap * mean)
-        rows.append(
-            [
-                name,
-                f"{r.budget:,}",
-                f"{r.completion_tokens:,}",
-                percent(r.overshoot, r.budget),
-                r.samples,
-                r.skipped,
-                r.status,
-                f"{mean:,.0f}",
-                f"{capped:,}",
-                percent(capped - r.budget, r.budget),
-            ]
-        )
-    return cap, rows
+        means[name] = f"{mean:,.0f}"
+        kept[name] = f"{capped:,}"
+        overshoot[name] = percent(capped - r.budget, r.budget)
+    return cap, [("avg_answer", means), (f"cap_{cap}_tokens", kept), ("cap_overshoot", overshoot)]
 
 
 def run_demo(workdir: Path, *, json_output: bool = False, budget: int = DEMO_BUDGET) -> int:
@@ -214,20 +205,8 @@ def run_demo(workdir: Path, *, json_output: bool = False, budget: int = DEMO_BUD
     if json_output:
         print(json.dumps(report.to_json(), indent=2))
         return 0
-    cap, rows = comparison_rows(report)
-    headers = [
-        "dataset",
-        "budget",
-        "completion_tokens",
-        "overshoot",
-        "samples",
-        "skipped",
-        "status",
-        "avg_answer",
-        f"cap_{cap}_tokens",
-        "cap_overshoot",
-    ]
-    print(format_table(headers, rows))
+    cap, columns = comparison_columns(report)
+    print(run_table(report, columns))
     halt_bound = CONCURRENCY * MAX_NEW_TOKENS
     worst = max(r.overshoot for r in report.datasets.values())
     print(

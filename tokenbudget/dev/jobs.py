@@ -24,7 +24,7 @@ import httpx
 from producers.datasets import first_chat_row
 from sinks.replay import read_to_end
 from streams import events as ev
-from streams.halts import BudgetBoard, BudgetWatcher
+from streams.budget_board import BudgetBoard, BudgetWatcher
 from streams.topics import Topics
 from tokenbudget import lifetime
 from tokenbudget.app.runner import cli_command

@@ -63,6 +63,7 @@ from aiohttp import web
 
 from producers.tokenizers import load_tokenizer
 from tokenbudget.errors import ConfigError
+from tokenbudget.sampling import SAMPLING_KEYS, VERBATIM_KEY
 
 if TYPE_CHECKING:
     from producers.tokenizers import LocalTokenizer
@@ -465,12 +466,9 @@ _OPENAI_FIELDS = frozenset(
         "stream_options", "return_token_ids", "request_id", "rid", "n", "user",
     }
 )  # fmt: skip
-_OPENAI_SAMPLING = frozenset(
-    {
-        "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty",
-        "presence_penalty", "stop", "seed", "chat_template_kwargs",
-    }
-)  # fmt: skip
+# The OpenAI APIs take the settings at the top of the body, where extra_body's own
+# keys go too: those are not settings.
+_OPENAI_SAMPLING = frozenset(SAMPLING_KEYS) - {VERBATIM_KEY}
 
 
 def requested_settings(api: str, payload: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

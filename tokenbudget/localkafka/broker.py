@@ -57,9 +57,10 @@ from streams.topics import Topics
 from tokenbudget import security
 from tokenbudget.errors import BrokerError, ConfigError
 from tokenbudget.files import locked, write_atomic
-from tokenbudget.kafka_admin import TopicSpec, ensure_topics, probe, warm_up_groups
+from tokenbudget.kafka_admin import TopicSpec, check_ready, ensure_topics, warm_up_groups
 from tokenbudget.localkafka import jars as kafka_jars
 from tokenbudget.localkafka.java import find_java
+from tokenbudget.retry import retry_until
 
 log = logging.getLogger(__name__)
 
@@ -638,39 +639,40 @@ def wait_ready(
     pid: int | None = None,
     log_path: Path | None = None,
 ) -> None:
-    """Block until a metadata request to ``bootstrap`` succeeds.
+    """Block until Kafka at ``bootstrap`` is ready (:func:`check_ready`).
 
     With ``pid``, fail as soon as that process dies; ``log_path`` (the broker log) is
     quoted in the error.
     """
     host, port = _split_bootstrap(bootstrap)
     deadline = time.monotonic() + timeout
-    last: Exception | None = None
-    while True:
+
+    def quoted_log() -> str:
+        tail = _tail(log_path) if log_path else ""
+        return f"; last lines of {log_path}:\n{tail}" if log_path else ""
+
+    def attempt() -> None:
+        # Only talk Kafka once something listens: keeps kafka-python's connection
+        # errors out of the logs while the JVM boots.
+        if not _port_open(host, port):
+            raise ConnectionRefusedError(f"nothing listens on {host}:{port}")
+        check_ready(bootstrap, min(max(0.0, deadline - time.monotonic()), 5.0))
+
+    def exited(_: BaseException) -> None:
         if pid is not None and not _alive(pid):
-            tail = _tail(log_path) if log_path else ""
             raise BrokerError(
                 f"the Kafka broker (pid {pid}) exited before it was ready at {bootstrap}"
-                + (f"; last lines of {log_path}:\n{tail}" if log_path else "")
+                + quoted_log()
             )
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            tail = _tail(log_path) if log_path else ""
-            raise BrokerError(
-                f"Kafka at {bootstrap} not ready after {timeout:.0f}s (last error: {last!r})"
-                + (f"; last lines of {log_path}:\n{tail}" if log_path else "")
-            )
-        # Only talk Kafka once something listens: keeps kafka-python's connection
-        # errors out of the logs while the JVM boots. The port alone is not readiness.
-        if _port_open(host, port):
-            try:
-                probe(bootstrap, min(remaining, 5.0))
-                return
-            except Exception as exc:
-                last = exc
-        else:
-            last = ConnectionRefusedError(f"nothing listens on {host}:{port}")
-        time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+
+    def not_ready(last: BaseException) -> BrokerError:
+        exited(last)
+        return BrokerError(
+            f"Kafka at {bootstrap} not ready after {timeout:.0f}s (last error: {last!r})"
+            + quoted_log()
+        )
+
+    retry_until(attempt, timeout=timeout, on_retry=exited, give_up=not_ready)
 
 
 # --------------------------------------------------------------------------- lifecycle
@@ -904,7 +906,7 @@ def status(settings: BrokerSettings) -> BrokerStatus:
         version = _read_state(settings).get("kafka_version", version)
         java = _read_state(settings).get("java", java)
         try:
-            probe(settings.bootstrap, 3.0)
+            check_ready(settings.bootstrap, 3.0)
             ready = True
         except Exception:
             ready = False

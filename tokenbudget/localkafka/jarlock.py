@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import os
 import shutil
 import subprocess
 import sys
@@ -24,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tokenbudget.errors import BrokerError
+from tokenbudget.files import write_atomic
 from tokenbudget.localkafka.jars import LOCK_DIR, Jar, format_lock
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -119,9 +119,7 @@ def write_lock(pom: Path, kafka_version: str, out_dir: Path) -> Path:
         "pom-sha256": hashlib.sha256(pom.read_bytes()).hexdigest(),
     }
     path = out_dir / f"jars-{kafka_version}.lock"
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(format_lock(jars, meta))
-    os.replace(tmp, path)
+    write_atomic(path, format_lock(jars, meta))
     return path
 
 

@@ -46,7 +46,7 @@ from urllib.request import url2pathname
 import httpx
 
 from tokenbudget.errors import BrokerError
-from tokenbudget.files import locked, write_atomic
+from tokenbudget.files import fsync_dir, locked, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -360,7 +360,8 @@ class _Fetch:
                         self._install(jar, self._get(c, jar))
         finally:
             self.progress.end()
-        _fsync_dir(self.libs)
+        # The renames are durable only once the folder itself is on disk.
+        fsync_dir(self.libs)
 
     def _copy(self, jar: Jar) -> Path:
         """Copy ``jar`` from a file:// repository into its ``.part``."""
@@ -459,12 +460,3 @@ class _Fetch:
                 "mirror (or unset it for Maven Central)"
             )
         os.replace(part, self.libs / jar.name)
-
-
-def _fsync_dir(path: Path) -> None:
-    # The renames are durable only once the directory itself is on disk.
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

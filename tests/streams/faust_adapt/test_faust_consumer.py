@@ -18,7 +18,6 @@ from faust.transport.consumer import Consumer
 from faust.transport.drivers.aiokafka import AIOKafkaConsumerThread
 from faust.transport.drivers.aiokafka import Consumer as AIOKafkaConsumer
 
-from streams.app import LedgerSettings, build_app
 from streams.faust_adapt import HotPath
 from streams.faust_adapt.consumer import (
     FastDeliveryConsumer,
@@ -27,6 +26,7 @@ from streams.faust_adapt.consumer import (
     position_known,
     wait_first_fast,
 )
+from streams.ledger_worker import LedgerSettings, build_app
 from streams.topics import Topics
 
 

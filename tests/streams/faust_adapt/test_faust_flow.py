@@ -8,8 +8,8 @@ import inspect
 from faust.tables.recovery import Recovery
 from mode.utils.queues import FlowControlEvent, FlowControlQueue
 
-from streams.app import LedgerSettings, build_app
 from streams.faust_adapt.flow import ResumeKeepsQueued
+from streams.ledger_worker import LedgerSettings, build_app
 from streams.topics import Topics
 
 

@@ -8,8 +8,8 @@ import asyncio
 import pytest
 from faust.types import Message
 
-from streams.app import LedgerSettings, build_app
 from streams.faust_adapt import HotPath
+from streams.ledger_worker import LedgerSettings, build_app
 from streams.topics import Topics
 
 

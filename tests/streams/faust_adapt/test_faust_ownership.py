@@ -16,8 +16,8 @@ from aiokafka.errors import KafkaConnectionError
 from faust.transport.drivers.aiokafka import AIOKafkaConsumerThread
 from faust.types import TP
 
-from streams.app import LedgerSettings, build_app
 from streams.faust_adapt import Ownership
+from streams.ledger_worker import LedgerSettings, build_app
 from streams.topics import Topics
 
 SOURCE, CHANGELOG = "unit.completions", "unit-ledger-ledger-changelog"

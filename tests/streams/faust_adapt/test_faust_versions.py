@@ -14,8 +14,8 @@ import pytest
 from faust.transport.producer import ProducerBuffer
 
 from streams import faust_adapt
-from streams.app import LedgerSettings, build_app
 from streams.faust_adapt.versions import NOT_INSTALLED, REQUIRED, check_versions
+from streams.ledger_worker import LedgerSettings, build_app
 from streams.topics import Topics
 from tokenbudget.errors import FaustVersionError, TokenBudgetError
 
@@ -73,7 +73,7 @@ def test_importing_changes_nothing_and_install_sets_the_producer_buffer() -> Non
     code = """
 from faust.transport.producer import ProducerBuffer
 default = ProducerBuffer.max_messages
-import streams.app
+import streams.ledger_worker
 import streams.faust_adapt
 from streams import faust_adapt
 print(ProducerBuffer.max_messages == default, default)

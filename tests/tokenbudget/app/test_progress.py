@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from streams import events as ev
-from streams.halts import BudgetBoard
+from streams.budget_board import BudgetBoard
 from tokenbudget import config as config_module
 from tokenbudget.app.progress import (
     BudgetProgress,

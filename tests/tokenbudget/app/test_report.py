@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 
 from producers.prompts import ProduceReport
-from tokenbudget.app.report import print_table
+from tokenbudget.app.report import print_table, run_table
 from tokenbudget.app.runner import DatasetResult, RunReport
+from tokenbudget.dev.demo import comparison_columns
 
 
 def report() -> RunReport:
@@ -57,3 +58,20 @@ def test_answers_cut_by_the_budget_are_in_the_json_and_a_column_of_the_table(
     header, _, row_a = capsys.readouterr().out.splitlines()[:3]
     at = header.index("cut by budget") + len("cut by budget")
     assert row_a[:at].rstrip().endswith("1")
+
+
+def test_more_columns_follow_the_run_tables_own_per_dataset() -> None:
+    table = run_table(report(), [("avg_answer", {"a": "100", "b": "90"})])
+    header, _, row_a, row_b = table.splitlines()
+    assert header.split()[-2:] == ["status", "avg_answer"]
+    assert row_a.split()[-2:] == ["exhausted", "100"]
+    assert row_b.split()[-2:] == ["exhausted", "90"]
+
+
+def test_the_demo_prints_the_run_table_with_what_a_sample_cap_would_keep() -> None:
+    cap, columns = comparison_columns(report())
+    assert cap == 10  # a budget of 1,000 over answers of 100 tokens on average
+    header = run_table(report(), columns).splitlines()[0]
+    assert header.split()[:3] == ["dataset", "budget", "completion_tokens"]
+    assert header.split()[-3:] == ["avg_answer", "cap_10_tokens", "cap_overshoot"]
+    assert dict(columns)["cap_10_tokens"] == {"a": "1,000", "b": "1,000"}

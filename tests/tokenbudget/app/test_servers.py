@@ -9,7 +9,7 @@ import pytest
 
 from producers.inference import ServerCheck
 from streams import events as ev
-from streams.halts import BudgetBoard
+from streams.budget_board import BudgetBoard
 from tokenbudget.app import servers
 from tokenbudget.app.progress import ProgressLines
 from tokenbudget.cli import build_parser

@@ -12,25 +12,58 @@ from pathlib import Path
 from typing import Any
 
 from sinks.export import FORMATS, Decode, ExportOptions, ExportSummary, export
-from sinks.replay import ReplayOptions, load_tokenizer_folder, replay
+from sinks.replay import ReplayOptions, replay
 from streams.topics import Topics
 from tokenbudget import config as config_module
 from tokenbudget.app.bootstrap import resolve_bootstrap
+from tokenbudget.app.commands import add_config, examples
 from tokenbudget.errors import ExportError
+from tokenbudget.tokenizer import load_pretrained
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--format", required=True, choices=FORMATS)
+    parser.description = (
+        "The kept answers as training data, each loadable with datasets.load_dataset: "
+        "conversations or messages (JSONL, one record per answer, or per conversation "
+        "regenerated turn by turn) or parquet (every column). Rows come from the sink's "
+        "folder, or the completions topic replayed with the sink's rules."
+    )
+    parser.epilog = examples(
+        "tokenbudget export --config job.toml --format conversations --to train.jsonl",
+        "tokenbudget export --config job.toml --format parquet --to train/ --with-ids",
+    )
+    parser.add_argument(
+        "--format",
+        required=True,
+        choices=FORMATS,
+        help="conversations and messages: JSONL chat records (turns under "
+        '"conversations" or "messages"); parquet: a folder of every column',
+    )
     parser.add_argument("--to", required=True, metavar="PATH", help="a .jsonl file, or a folder")
-    parser.add_argument("--config", help="the job's config: its sink folder and tokenizer")
+    add_config(
+        parser, required=False, help="the job's config: its sink folder, tokenizer and broker"
+    )
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--from", dest="source", metavar="DIR", help="the sink's output folder")
+    source.add_argument(
+        "--from",
+        dest="source",
+        metavar="DIR",
+        help="the sink's output folder (default: the config's sink.path)",
+    )
     source.add_argument(
         "--from-topic", action="store_true", help="replay the completion topic (needs --config)"
     )
-    parser.add_argument("--dataset", action="append", default=[], metavar="NAME", help="repeatable")
     parser.add_argument(
-        "--with-ids", action="store_true", help="add input_ids and loss_mask columns"
+        "--dataset",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="only this dataset (repeatable; default: all)",
+    )
+    parser.add_argument(
+        "--with-ids",
+        action="store_true",
+        help="add input_ids (prompt then answer) and loss_mask (1 over the answer) columns",
     )
     parser.add_argument(
         "--drop-unfinished",
@@ -43,7 +76,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help='leave out conversations regenerated turn by turn (turns = "regenerate") that '
         "are not whole: a turn not generated, cut, or a tool call that differs",
     )
-    parser.add_argument("--tokenizer", metavar="DIR", help="decodes answers cut to token ids")
+    parser.add_argument(
+        "--tokenizer",
+        metavar="DIR",
+        help="a local tokenizer folder that decodes answers cut at the budget's line, kept as "
+        "ids only (default: [inference] tokenizer)",
+    )
     parser.add_argument("--json", action="store_true", help="print a JSON summary")
 
 
@@ -58,7 +96,7 @@ def main(args: argparse.Namespace) -> int:
     )
     decode: Decode | None = None
     if tokenizer_path:
-        tokenizer = load_tokenizer_folder(Path(tokenizer_path), "export --tokenizer")
+        tokenizer = load_pretrained(Path(tokenizer_path), "export --tokenizer")
         decode = functools.partial(tokenizer.decode, skip_special_tokens=False)
     options = ExportOptions(
         format=args.format,

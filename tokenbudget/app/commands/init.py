@@ -9,15 +9,38 @@ from pathlib import Path
 
 from producers.inference import probe_server
 from tokenbudget.app import init
+from tokenbudget.app.commands import examples
 from tokenbudget.config import parse_budget
 
 API_KEY_ENV = "TOKENBUDGET_API_KEY"  # [inference] api_key_env's default
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("datasets", nargs="+", metavar="DATASET", help=".jsonl, .parquet, ...")
-    parser.add_argument("--server", required=True, metavar="URL", help="the inference server")
-    parser.add_argument("-o", "--output", default="job.toml", help="the config to write")
+    parser.description = (
+        "Write a job's config from its datasets and its server: the server is asked what "
+        "it is, each dataset's first rows are read as `run` reads them (with the column "
+        "mapping their fields need), and a commented config that `run` takes as it is "
+        "comes out, every budget to set. Never over an existing file."
+    )
+    parser.epilog = examples(
+        "tokenbudget init --server http://gpu-box:30000 data/a.jsonl data/b.parquet -o job.toml"
+    )
+    parser.add_argument(
+        "datasets",
+        nargs="+",
+        metavar="DATASET",
+        help="a dataset file (.jsonl, .json, .ndjson, .parquet, .pq) or a saved Hugging Face "
+        "dataset folder",
+    )
+    parser.add_argument(
+        "--server",
+        required=True,
+        metavar="URL",
+        help="the inference server, e.g. http://gpu-box:30000",
+    )
+    parser.add_argument(
+        "-o", "--output", default="job.toml", metavar="FILE", help="the config to write"
+    )
     parser.add_argument(
         "--budget", help=f"every dataset's budget (default {init.PLACEHOLDER_BUDGET}, to set)"
     )

@@ -6,30 +6,65 @@ import argparse
 import sys
 import typing
 
-from streams.app import LedgerSettings, run_worker
 from streams.faust_adapt import HotPath
 from streams.ledger_gauges import LedgerGauges
+from streams.ledger_worker import LedgerSettings, run_worker
 from streams.topics import Topics
 from tokenbudget import config as config_module
 from tokenbudget import metrics, sizes
 from tokenbudget.app.bootstrap import resolve_bootstrap
+from tokenbudget.app.commands import add_config, examples
 from tokenbudget.errors import TokenBudgetError
-from tokenbudget.kafka_admin import ensure_topics, topic_layout, wait_reachable
+from tokenbudget.kafka_admin import ensure_topics, topic_layout, wait_ready
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config")
-    parser.add_argument("--bootstrap")
-    parser.add_argument("--namespace", default="tokenbudget")
-    parser.add_argument("--snapshot-interval", type=float, default=0.5)
+    parser.description = (
+        "One Faust budget ledger worker, until SIGTERM or SIGINT: the single writer of "
+        "each dataset's budget state (grants leases, counts completions, halts). `run` "
+        "starts its own (N with --ledgers N); workers started N times, on any hosts, share "
+        "the datasets as one group. It exits 75 to be restarted from what is durable: run "
+        "it alone under a supervisor that restarts it."
+    )
+    parser.epilog = examples(
+        "tokenbudget ledger --config job.toml --metrics-port 9465",
+        "tokenbudget ledger --bootstrap kafka-1:9092 --namespace regen-2026-12",
+    )
+    add_config(
+        parser,
+        required=False,
+        help="the job's config: its broker, namespace, snapshot interval and compression",
+    )
+    parser.add_argument(
+        "--bootstrap",
+        metavar="HOST:PORT",
+        help="the broker, without a config (instead of --config)",
+    )
+    parser.add_argument(
+        "--namespace",
+        default="tokenbudget",
+        metavar="NAME",
+        help="with --bootstrap: the job's [kafka] namespace",
+    )
+    parser.add_argument(
+        "--snapshot-interval",
+        type=float,
+        default=0.5,
+        metavar="S",
+        help="with --bootstrap: seconds between snapshots of changed datasets",
+    )
     parser.add_argument(
         "--compression",
         choices=typing.get_args(sizes.Compression),
         default=sizes.DEFAULT_COMPRESSION,
         help="of what it produces (with --bootstrap; a config's [kafka] compression)",
     )
-    parser.add_argument("--metrics-host", default="127.0.0.1")
-    parser.add_argument("--metrics-port", type=int, default=0, help="0: no /metrics")
+    parser.add_argument(
+        "--metrics-host", default="127.0.0.1", metavar="HOST", help="the address /metrics binds to"
+    )
+    parser.add_argument(
+        "--metrics-port", type=int, default=0, metavar="PORT", help="serve /metrics (0: off)"
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -42,7 +77,7 @@ def main(args: argparse.Namespace) -> int:
     elif args.bootstrap:
         bootstrap, namespace, interval = args.bootstrap, args.namespace, args.snapshot_interval
         compression = args.compression
-        wait_reachable(bootstrap)  # Faust gives up at once on a broker restarting
+        wait_ready(bootstrap)  # Faust gives up at once on a broker restarting
     else:
         raise TokenBudgetError("ledger needs --config FILE, or --bootstrap HOST:PORT")
     if args.metrics_port:

@@ -8,11 +8,20 @@ import json
 
 from tokenbudget import config as config_module
 from tokenbudget.app import plan, saved_plan
+from tokenbudget.app.commands import add_config, examples
 from tokenbudget.errors import ConfigError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", required=True)
+    parser.description = (
+        "What each dataset's budget will buy, before it is spent: prompts available, their "
+        "tokens, answer lengths, the prompts the budget needs, whether it fills or runs out "
+        "first, and the time. Answer lengths come from rows an earlier run kept, else from a "
+        "pilot (--pilot N); without either they are unknown. Without --pilot it touches no "
+        "broker and no server."
+    )
+    parser.epilog = examples("tokenbudget plan --config job.toml --pilot 20")
+    add_config(parser)
     parser.add_argument(
         "--pilot",
         type=int,
@@ -21,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="send N requests of each dataset without earlier rows first (kept, and "
         "counted against its budget) to measure its answers",
     )
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import argparse
 
+from tokenbudget.app.commands import add_config, examples
 from tokenbudget.app.commands.run import add_resume_changed
 from tokenbudget.app.control import run_produce_cli
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", required=True)
+    parser.description = (
+        "The prompt producer on its own: it publishes the config's budgets, then every "
+        "dataset's prompts, paced by the ledger, until each is read to its end or halted. "
+        "`run` starts one itself."
+    )
+    parser.epilog = examples("tokenbudget produce --config job.toml")
+    add_config(parser)
     add_resume_changed(parser)
 
 

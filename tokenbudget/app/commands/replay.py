@@ -16,34 +16,132 @@ from streams.topics import Topics
 from tokenbudget import config as config_module
 from tokenbudget import sizes
 from tokenbudget.app.bootstrap import resolve_bootstrap
+from tokenbudget.app.commands import add_config, examples
 from tokenbudget.errors import TokenBudgetError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help="bootstrap and namespace from this config")
-    parser.add_argument("--bootstrap", help="HOST:PORT (instead of --config)")
-    parser.add_argument("--namespace", default="tokenbudget")
-    parser.add_argument("--topic", help="default: the namespace's completions topic")
+    parser.description = (
+        "Read a completions topic again, from its beginning to its end as of the start, "
+        "without a consumer group, with the sink's rules (the first completion of a prompt "
+        "kept), and feed any of its targets in one pass: Parquet, an audit of the live "
+        "ledger, another topic, a recount with another tokenizer. Exit 0; 1 for a ledger "
+        "mismatch; 2 on an error."
+    )
+    parser.epilog = examples(
+        "tokenbudget replay --config job.toml --to-parquet rebuilt/",
+        "tokenbudget replay --config job.toml --ledger",
+        "tokenbudget replay --config job.toml --to-topic other.completions",
+        "tokenbudget replay --config job.toml --recount-with ./tokenizer",
+    )
+    add_config(parser, required=False, help="bootstrap and namespace from this config")
+    parser.add_argument("--bootstrap", metavar="HOST:PORT", help="the broker (instead of --config)")
+    parser.add_argument(
+        "--namespace",
+        default="tokenbudget",
+        metavar="NAME",
+        help="with --bootstrap: the job's [kafka] namespace",
+    )
+    parser.add_argument(
+        "--topic", metavar="NAME", help="default: the namespace's completions topic"
+    )
+    _add_range(parser)
+    _add_targets(parser)
+    _add_sizes(parser)
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print a JSON summary: events, MB, rates, kept, duplicates, per-dataset totals, "
+        "per-target results, busy seconds per stage",
+    )
+    parser.add_argument(
+        "--quiet",
+        action="store_true",
+        help="no progress on stderr (else a bar on a terminal, a line every 5 s elsewhere)",
+    )
+
+
+def _add_range(parser: argparse.ArgumentParser) -> None:
+    """Which records: where to start, a time range, which datasets."""
     start = parser.add_mutually_exclusive_group()
     start.add_argument(
         "--from-beginning", action="store_true", help="start at the beginning (default)"
     )
-    start.add_argument("--from-offset", metavar="N|P:N,...", help="start offset(s)")
-    parser.add_argument("--since", metavar="TIME", help="epoch seconds or ISO 8601")
-    parser.add_argument("--until", metavar="TIME", help="epoch seconds or ISO 8601")
-    parser.add_argument("--dataset", action="append", default=[], metavar="NAME", help="repeatable")
-    parser.add_argument("--to-parquet", metavar="DIR", help="write the sink's layout here")
-    parser.add_argument("--ledger", action="store_true", help="compare with the live ledger")
-    parser.add_argument("--to-topic", metavar="NAME", help="re-emit the completions here")
-    parser.add_argument(
-        "--recount-with", metavar="TOKENIZER_PATH", help="a local transformers tokenizer"
+    start.add_argument(
+        "--from-offset",
+        metavar="N|P:N,...",
+        help="start at offset N of every partition, or at N of partition P, per partition",
     )
-    parser.add_argument("--rotate-rows", type=int, default=20_000)
-    parser.add_argument("--rotate-bytes", type=int, default=256 * 1024 * 1024)
-    parser.add_argument("--row-group-rows", type=int, default=None)
-    parser.add_argument("--row-group-bytes", type=int, default=32 * 1024 * 1024)
-    parser.add_argument("--json", action="store_true", help="print a JSON summary")
-    parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    parser.add_argument(
+        "--since",
+        metavar="TIME",
+        help="records from this time: epoch seconds or ISO 8601 (2026-12-02T10:00:00Z)",
+    )
+    parser.add_argument(
+        "--until", metavar="TIME", help="records up to this time: epoch seconds or ISO 8601"
+    )
+    parser.add_argument(
+        "--dataset",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="only this dataset (repeatable; default: all)",
+    )
+
+
+def _add_targets(parser: argparse.ArgumentParser) -> None:
+    """Where the kept completions go, any of them in one pass."""
+    parser.add_argument(
+        "--to-parquet",
+        metavar="DIR",
+        help="write the live sink's layout and rows here (prompts already in DIR are skipped, "
+        "so an interrupted replay resumes)",
+    )
+    parser.add_argument(
+        "--ledger",
+        action="store_true",
+        help="recount each dataset with the ledger's rules and compare with the live ledger's "
+        "latest snapshot; exit 1 on a mismatch (needs the whole topic)",
+    )
+    parser.add_argument(
+        "--to-topic",
+        metavar="NAME",
+        help="re-emit the kept completions here, byte for byte (created if missing)",
+    )
+    parser.add_argument(
+        "--recount-with",
+        metavar="TOKENIZER_PATH",
+        help="count each kept answer's text with this local transformers tokenizer folder",
+    )
+
+
+def _add_sizes(parser: argparse.ArgumentParser) -> None:
+    """--to-parquet's files and row groups."""
+    parser.add_argument(
+        "--rotate-rows", type=int, default=20_000, metavar="N", help="--to-parquet: rows per file"
+    )
+    parser.add_argument(
+        "--rotate-bytes",
+        type=int,
+        default=256 * 1024 * 1024,
+        metavar="N",
+        help="--to-parquet: about this many bytes per file",
+    )
+    parser.add_argument(
+        "--row-group-rows",
+        type=int,
+        default=None,
+        metavar="N",
+        help="--to-parquet: rows per row group (default: the config's sink.row_group_rows, "
+        "else 1000)",
+    )
+    parser.add_argument(
+        "--row-group-bytes",
+        type=int,
+        default=32 * 1024 * 1024,
+        metavar="N",
+        help="--to-parquet: about this many bytes per row group",
+    )
 
 
 def options_from_args(args: argparse.Namespace) -> ReplayOptions:

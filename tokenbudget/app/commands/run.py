@@ -7,24 +7,42 @@ import functools
 import json
 import sys
 
-from streams.topics import Topics
+from producers.datasets import check_datasets
 from tokenbudget import config as config_module
-from tokenbudget.app import plan, runner
-from tokenbudget.app.commands.dispatch import add_server
-from tokenbudget.app.interrupts import Interrupted
-from tokenbudget.app.report import print_table
+from tokenbudget.app.commands import add_config, add_server, examples
 
 EXIT_PROMPTS_FAILED = 3  # the job ended, but some prompts failed for good
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", required=True)
-    parser.add_argument("--json", action="store_true")
+    parser.description = (
+        "Run a job until every dataset is exhausted (all its prompts have an outcome) or "
+        "halted (its budget is reached), then print its table. It starts the broker for "
+        'bootstrap = "local", and the producer, dispatchers, ledger workers and sink. '
+        "Run it again to resume after any stop. Exit 0; 3 when some prompts failed for "
+        "good; 2 on an error; 130 or 143 when interrupted."
+    )
+    parser.epilog = examples(
+        "tokenbudget run --config job.toml",
+        "nohup tokenbudget run --config job.toml --dispatchers 2 > run.log 2>&1 &",
+    )
+    add_config(parser)
     parser.add_argument(
-        "--dispatchers", type=int, default=1, help="dispatcher processes sharing the budgets"
+        "--json", action="store_true", help="print the report as JSON instead of the tables"
     )
     parser.add_argument(
-        "--ledgers", type=int, default=1, help="ledger worker processes sharing the datasets"
+        "--dispatchers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="dispatcher processes sharing the budgets",
+    )
+    parser.add_argument(
+        "--ledgers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="ledger worker processes sharing the datasets",
     )
     add_server(parser)
     add_resume_changed(parser)
@@ -43,6 +61,16 @@ def main(args: argparse.Namespace) -> int:
     config = config_module.load(args.config)
     if args.server:
         config = config_module.with_servers(config, args.server)
+    check_datasets(config)
+    # Imported once the job is known to be sound: the pipeline's modules (Faust,
+    # aiokafka, the runner) take most of a second to import, and a config that
+    # cannot run should say so before that, not after (the runner checks again for
+    # callers of the library, from the first rows only).
+    from streams.topics import Topics
+    from tokenbudget.app import plan, runner
+    from tokenbudget.app.interrupts import Interrupted
+    from tokenbudget.app.report import print_table
+
     try:
         report = runner.run(
             config,

@@ -13,11 +13,21 @@ from streams.topics import Topics
 from tokenbudget import config as config_module
 from tokenbudget import metrics
 from tokenbudget.app.bootstrap import resolve_bootstrap
+from tokenbudget.app.commands import add_config, examples
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", required=True)
-    parser.add_argument("--metrics-port", type=int, default=0, help="serve /metrics (0: off)")
+    parser.description = (
+        "The Parquet sink on its own: the kept completions into <sink.path>/dataset=<name>/, "
+        "each file whole or not at all, offsets committed after. SIGTERM or SIGINT: it "
+        "reads to the end of the topic, writes its files, commits and exits. `run` runs "
+        "one in a thread of its own."
+    )
+    parser.epilog = examples("tokenbudget sink --config job.toml --metrics-port 9471")
+    add_config(parser)
+    parser.add_argument(
+        "--metrics-port", type=int, default=0, metavar="PORT", help="serve /metrics (0: off)"
+    )
 
 
 def main(args: argparse.Namespace) -> int:

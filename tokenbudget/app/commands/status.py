@@ -12,6 +12,7 @@ import time
 from streams.topics import Topics
 from tokenbudget import config as config_module
 from tokenbudget.app.bootstrap import local_broker_settings, resolve_bootstrap
+from tokenbudget.app.commands import add_config, examples
 from tokenbudget.app.saved_plan import planned
 from tokenbudget.app.status import Tracker, follow, to_json
 from tokenbudget.errors import TokenBudgetError
@@ -20,9 +21,15 @@ from tokenbudget.localkafka import broker
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", required=True)
+    parser.description = (
+        "Per dataset: budget, kept, reserved, remaining, % used, tokens/s, ETA and state, "
+        "read from the ledger's snapshots, and the samples kept beside those the last plan "
+        "said the budget needs. Read-only: it never starts a broker."
+    )
+    parser.epilog = examples("tokenbudget status --config job.toml --watch")
+    add_config(parser)
     parser.add_argument("--watch", action="store_true", help="refresh until interrupted")
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--interval", type=float, default=1.0, help="--watch refresh, seconds")
 
 

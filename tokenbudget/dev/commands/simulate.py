@@ -5,16 +5,72 @@ from __future__ import annotations
 import argparse
 import os
 
+from tokenbudget.app.commands import examples
 from tokenbudget.dev import simulator
+
+# Each fault's option: what a request it hits gets.
+FAULTS = {
+    "500": "an HTTP 500",
+    "timeout": "no answer (the client times out)",
+    "reset": "the connection dropped",
+    "malformed": "a 200 whose body breaks off mid-JSON",
+    "busy": "a 429 with Retry-After",
+    "unavailable": "a 503 with Retry-After",
+    "reset-mid-stream": "part of a streamed answer, then the connection dropped",
+}
+
+
+def profiles_help() -> str:
+    """``--profile``'s help, from the simulator's own table of profiles."""
+
+    def rule(r: simulator.LengthRule) -> str:
+        return f"{r.mean:,.0f} ({r.sigma:g})"
+
+    described = []
+    for name, rules in simulator.PROFILES.items():
+        if len(rules) == 1:
+            described.append(f"{name}: {rule(rules[0])}")
+            continue
+        markers = ", ".join(f"{r.marker} {rule(r)}" for r in rules if r.marker)
+        described.append(f"{name}: by a marker in the prompt, {markers}, else {rule(rules[-1])}")
+    return (
+        "answer lengths in tokens, lognormal, mean (sigma): "
+        + "; ".join(described)
+        + " (default: %(default)s)"
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=30000)
-    parser.add_argument("--profile", default="demo")
-    parser.add_argument("--tokens-per-second", type=float, default=4000.0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--model", default="tokenbudget-sim")
+    parser.description = (
+        "A simulated inference server that speaks SGLang's /generate and the OpenAI "
+        "completions and chat APIs (whole and streamed), with answer lengths drawn from a "
+        "profile, faults on request, and a log of every request to grade a run from outside."
+    )
+    parser.epilog = examples(
+        "tokenbudget simulate --port 30000 --profile thinking --reasoning-style reasoning_content",
+        "tokenbudget simulate --fail-busy 0.05 --fail-reset-mid-stream 0.05 --log-file sim.jsonl",
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="the address to listen on")
+    parser.add_argument("--port", type=int, default=30000, help="the port to listen on")
+    parser.add_argument(
+        "--profile", default="demo", choices=tuple(simulator.PROFILES), help=profiles_help()
+    )
+    parser.add_argument(
+        "--tokens-per-second",
+        type=float,
+        default=4000.0,
+        metavar="N",
+        help="decode speed of each request",
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seeds the answer lengths (the same seed, the same lengths)",
+    )
+    parser.add_argument(
+        "--model", default="tokenbudget-sim", help="the model name it serves and reports"
+    )
     parser.add_argument(
         "--incremental-streaming-output",
         action="store_true",
@@ -25,8 +81,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--api-key-env", default="", metavar="VAR", help="require the key in $VAR as a Bearer token"
     )
-    for kind in ("500", "timeout", "reset", "malformed", "busy", "unavailable", "reset-mid-stream"):
-        parser.add_argument(f"--fail-{kind}", type=float, default=0.0, metavar="SHARE")
+    for kind, what in FAULTS.items():
+        parser.add_argument(
+            f"--fail-{kind}",
+            type=float,
+            default=0.0,
+            metavar="SHARE",
+            help=f"this share of requests (0..1) get {what}",
+        )
     parser.add_argument(
         "--retry-after",
         type=float,

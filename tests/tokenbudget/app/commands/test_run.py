@@ -45,7 +45,7 @@ CASES = {
         [{"name": "alpaca", "path": "alpaca.jsonl", "budget": "10M"}],
         "datasets[0].prompt_template",
         'their fields: instruction, input, output: set prompt_template = "{instruction}\\n\\n'
-        '{input?}" (README: Column mapping)',
+        '{input?}" (docs/datasets.md: Column mapping)',
     ),
 }
 

@@ -10,7 +10,7 @@ from aiokafka import TopicPartition
 from aiokafka.errors import KafkaError
 
 from streams import events as ev
-from streams.halts import BudgetBoard, BudgetWatcher
+from streams.budget_board import BudgetBoard, BudgetWatcher
 from streams.topics import Topics
 from tests.producers.test_admission import open_snapshot
 

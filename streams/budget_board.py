@@ -31,6 +31,7 @@ from streams.topics import Topics
 from tokenbudget import metrics
 from tokenbudget.errors import BrokerError, EventDecodeError
 from tokenbudget.kafka import consumer_options, wait_for_partitions_aio
+from tokenbudget.retry import retry_until_async
 
 log = logging.getLogger(__name__)
 
@@ -182,25 +183,33 @@ class BudgetWatcher:
         self._sync_waiters: list[asyncio.Future[None]] = []
         self._sync_task: asyncio.Task[None] | None = None
 
+    async def _started_consumer(self) -> AIOKafkaConsumer:
+        consumer = AIOKafkaConsumer(
+            **consumer_options(self.bootstrap),
+            group_id=None,
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+            fetch_max_wait_ms=50,
+        )
+        try:
+            await consumer.start()
+        except KafkaError:
+            with contextlib.suppress(Exception):
+                await consumer.stop()
+            raise
+        return consumer
+
     async def start(self) -> None:
-        delay = 0.5
-        while True:  # a broker restarting as we start is waited out
-            consumer = AIOKafkaConsumer(
-                **consumer_options(self.bootstrap),
-                group_id=None,
-                enable_auto_commit=False,
-                auto_offset_reset="earliest",
-                fetch_max_wait_ms=50,
-            )
-            try:
-                await consumer.start()
-                break
-            except KafkaError as exc:
-                log.warning("budgets reader: Kafka does not answer (%r); trying again", exc)
-                with contextlib.suppress(Exception):
-                    await consumer.stop()
-                await asyncio.sleep(delay)
-                delay = min(5.0, delay * 2)
+        consumer = await retry_until_async(  # a broker restarting as we start is waited out
+            self._started_consumer,
+            timeout=None,
+            retry_on=KafkaError,
+            interval=0.5,
+            max_interval=5.0,
+            on_retry=lambda exc: log.warning(
+                "budgets reader: Kafka does not answer (%r); trying again", exc
+            ),
+        )
         try:
             tps = await wait_for_partitions_aio(
                 consumer,

@@ -1,5 +1,6 @@
-"""The ledger worker's guard on its table writes and its batch step (the rest of streams/app.py runs
-against the real broker in tests/integration/test_ledger_worker.py)."""
+"""The ledger worker's guard on its table writes and its batch step (the rest of
+streams/ledger_worker.py runs against the real broker in
+tests/integration/test_ledger_worker.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ from typing import Any
 import pytest
 from faust.types import Message
 
-from streams import app, ledger
 from streams import events as ev
+from streams import ledger, ledger_worker
 from streams.topics import Topics
 
 
@@ -26,7 +27,7 @@ def exits(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         codes.append(code)
         raise Exited
 
-    monkeypatch.setattr(app.os, "_exit", fake_exit)
+    monkeypatch.setattr(ledger_worker.os, "_exit", fake_exit)
     return codes
 
 
@@ -38,7 +39,7 @@ def test_a_failed_changelog_write_ends_the_worker(exits: list[int]) -> None:
     future = _future()
     future.set_exception(ConnectionError("broker gone"))
     with pytest.raises(Exited):
-        app._exit_unless_written(future)
+        ledger_worker._exit_unless_written(future)
     assert exits == [75]
 
 
@@ -46,19 +47,19 @@ def test_a_cancelled_changelog_write_ends_the_worker(exits: list[int]) -> None:
     future = _future()
     future.cancel()
     with pytest.raises(Exited):
-        app._exit_unless_written(future)
+        ledger_worker._exit_unless_written(future)
     assert exits == [75]
 
 
 def test_a_written_change_lets_it_go_on(exits: list[int]) -> None:
     future = _future()
     future.set_result(object())
-    app._exit_unless_written(future)
+    ledger_worker._exit_unless_written(future)
     assert exits == []
 
 
 def test_received_offsets_report_what_was_never_delivered() -> None:
-    received = app.ReceivedOffsets()
+    received = ledger_worker.ReceivedOffsets()
     assert received.record(1, "completions:2", 25) is None
     assert received.record(1, "completions:2", 26) is None
     assert received.record(1, "budgets:0", 7) is None  # partitions are tracked apart
@@ -66,7 +67,7 @@ def test_received_offsets_report_what_was_never_delivered() -> None:
 
 
 def test_received_offsets_accept_a_jump_or_a_reread_after_a_rebalance() -> None:
-    received = app.ReceivedOffsets()
+    received = ledger_worker.ReceivedOffsets()
     received.record(1, "completions:2", 25)
     assert received.record(2, "completions:2", 99) is None  # sought after a rebalance
     assert received.record(2, "completions:2", 40) is None  # read again from a commit
@@ -76,19 +77,19 @@ def test_received_offsets_accept_a_jump_or_a_reread_after_a_rebalance() -> None:
 
 def test_a_skipped_delivery_ends_the_worker(exits: list[int]) -> None:
     with pytest.raises(Exited):
-        app._exit_after_skipped_delivery("completions", 2, (27, 98))
+        ledger_worker._exit_after_skipped_delivery("completions", 2, (27, 98))
     assert exits == [75]
 
 
 # -- LedgerWorker's steps, one by one, on a real Faust app without a broker ------------
 
 
-def _worker() -> app.LedgerWorker:
-    settings = app.LedgerSettings("127.0.0.1:9", Topics("unit"))
-    return app.LedgerWorker(app.new_app(settings), settings)
+def _worker() -> ledger_worker.LedgerWorker:
+    settings = ledger_worker.LedgerSettings("127.0.0.1:9", Topics("unit"))
+    return ledger_worker.LedgerWorker(ledger_worker.new_app(settings), settings)
 
 
-def _delivered(worker: app.LedgerWorker, topic: str, offset: int, event: ev.Event) -> Any:
+def _delivered(worker: ledger_worker.LedgerWorker, topic: str, offset: int, event: ev.Event) -> Any:
     """A Faust event as the ledger's source topic hands it over."""
     value = ev.encode(event)
     message = Message(topic, 1, offset, 0.0, 0, [], b"d0", value, None)

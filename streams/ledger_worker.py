@@ -183,7 +183,7 @@ class LedgerWorker:
         self.received = ReceivedOffsets()
         # No snapshot leaves between a state's write and its announcements: a
         # dispatcher takes a snapshot showing a lowered budget as the end of that
-        # lowering's revocations (streams/halts.py).
+        # lowering's revocations (streams/budget_board.py).
         self.announcing = asyncio.Lock()
         self.ticks = 0
         self.full_every = max(1, round(5.0 / settings.snapshot_interval))
