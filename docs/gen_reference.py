@@ -65,14 +65,23 @@ says what each exit code of `run` means.
 
 
 def sections() -> Iterator[tuple[str, type[msgspec.Struct]]]:
-    """Each table of the config file: its name as written in TOML, and its struct."""
+    """Each table of the config file: its name as written in TOML, and its struct;
+    a section's arrays of tables (``[[inference.servers]]``) right after it."""
     hints = typing.get_type_hints(config._RawConfig)
     for name in config._RawConfig.__struct_fields__:
         kind = hints[name]
         if typing.get_origin(kind) is list:
             yield f"[{name}]", typing.get_args(kind)[0]
-        else:
-            yield name, kind
+            continue
+        yield name, kind
+        inner = typing.get_type_hints(kind)
+        for key in kind.__struct_fields__:
+            if typing.get_origin(inner[key]) is list and _is_struct(typing.get_args(inner[key])[0]):
+                yield f"[{name}.{key}]", typing.get_args(inner[key])[0]
+
+
+def _is_struct(kind: Any) -> bool:
+    return isinstance(kind, type) and issubclass(kind, msgspec.Struct)
 
 
 def key_name(section: str, key: str) -> str:
@@ -96,6 +105,8 @@ def type_name(kind: Any) -> str:
         return " or ".join(shown)
     if origin is Literal:
         return "one of " + ", ".join(toml_value(v) for v in typing.get_args(kind))
+    if origin is list and _is_struct(typing.get_args(kind)[0]):
+        return "list of tables"
     if origin is list:
         return f"list of {type_name(typing.get_args(kind)[0])}s"
     if origin is dict:

@@ -17,12 +17,13 @@ The path itself is composed in one place, :meth:`Dispatcher.compose`:
 
     ConversationTurns (producers/turns.py)    what follows a conversation's turn
       -> Tries (producers/tries.py)           admit, attempt, retry, or fail
-        -> Attempt (producers/attempt.py)     generate, fit, publish; tickets settled
+        -> Route (producers/route.py)         each attempt to a server of the fleet
+          -> Attempt (producers/attempt.py)   generate, fit, publish; tickets settled
 
 with the parts they share: :class:`~producers.admission.Admission` (budget leases),
-:class:`~producers.caps.InFlight` (requests at the server, caps of revoked leases),
+:class:`~producers.caps.InFlight` (requests at the servers, caps of revoked leases),
 :class:`~producers.publisher.Publisher` (outcomes to Kafka),
-:class:`~producers.server_gate.ServerGate` (the server's health) and
+:class:`~producers.fleet.Fleet` (the servers: their places, health and pace) and
 :class:`~producers.slots.Places` (how many at once). Each step's contract is in
 :mod:`producers.step` and its own module.
 """
@@ -47,18 +48,13 @@ from producers import conversations
 from producers.admission import Admission, AdmissionSettings
 from producers.attempt import Attempt
 from producers.caps import InFlight
-from producers.inference import (
-    InferenceBackend,
-    RetryPolicy,
-    Timeouts,
-    backend_for_config,
-    http_client,
-)
+from producers.fleet import Fleet
+from producers.inference import InferenceBackend, RetryPolicy
 from producers.offsets import OffsetTracker
 from producers.publisher import Publisher
 from producers.reasoning import ReasoningRows
 from producers.resume import OutcomeView
-from producers.server_gate import GateSettings, ServerGate
+from producers.route import Route
 from producers.slots import Places, Slot
 from producers.step import DispatchReport
 from producers.tries import Tries
@@ -68,7 +64,7 @@ from streams import events as ev
 from streams.budget_board import BudgetBoard
 from streams.topics import Topics
 from tokenbudget import metrics
-from tokenbudget.config import Config
+from tokenbudget.config import Config, Server
 from tokenbudget.errors import EventDecodeError
 from tokenbudget.kafka import aiokafka_producer_options, consumer_options
 from tokenbudget.retry import retry_until_async
@@ -77,6 +73,8 @@ from tokenbudget.tasks import cancel_and_wait
 log = logging.getLogger(__name__)
 
 PRODUCER_BATCH_BYTES = 512 * 1024
+# How often each dispatcher publishes what it sees of the fleet (status, servers list).
+FLEET_REPORT_S = 2.0
 # Handing back: how long answers already in get to be published before they too are
 # given up (one waiting for budget on an expired lease could wait for long).
 HAND_BACK_GRACE_S = 10.0
@@ -101,9 +99,9 @@ class _CommitOnRevoke(ConsumerRebalanceListener):  # type: ignore[misc]
 class Dispatcher:
     """One dispatcher process's consumer of prompts (``holder`` names it to the ledger;
     ``instance``, when given, is its static group membership). ``board`` is the
-    budget board the process reads; ``backend_factory`` makes the inference backend
-    from the HTTP client (default: the config's); ``keep_log`` keeps every request
-    sent in the report.
+    budget board the process reads; ``backend_factory`` makes each server's inference
+    backend from its HTTP client and its entry (default: the config's); ``keep_log``
+    keeps every request sent in the report.
 
     Public contract: :meth:`run` (called once, by ``run``'s in-process dispatcher and
     by ``tokenbudget dispatch``), :meth:`hand_back` (from a signal handler),
@@ -116,7 +114,7 @@ class Dispatcher:
         bootstrap: str,
         board: BudgetBoard,
         *,
-        backend_factory: Callable[[httpx.AsyncClient], InferenceBackend] | None = None,
+        backend_factory: Callable[[httpx.AsyncClient, Server], InferenceBackend] | None = None,
         keep_log: bool = False,
         holder: str | None = None,
         instance: str | None = None,
@@ -129,13 +127,9 @@ class Dispatcher:
         self.report = DispatchReport()
         self.keep_log = keep_log
         self.reasoning = ReasoningRows.for_config(config)
-        inference = config.inference
-        self.timeouts = Timeouts(inference.connect_timeout_s, inference.read_timeout_s)
-        self._backend_factory = backend_factory or (
-            lambda client: backend_for_config(config, client)
-        )
+        self._backend_factory = backend_factory
         self._consumer: AIOKafkaConsumer | None = None
-        self.places = Places(inference.concurrency)
+        self.places = Places(config.concurrency)
         self.holder = holder or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         # Static group membership (Kafka's group.instance.id), when named.
         self.instance = instance
@@ -143,6 +137,8 @@ class Dispatcher:
         self.outcomes = OutcomeView(bootstrap, self.topics)
         self.refused_at: dict[str, float] = {}  # first refusal per dataset, this process
         self._handing_back = asyncio.Event()
+        # No prompt is started any more: handing back, or every server is gone.
+        self._no_more = asyncio.Event()
 
     @property
     def group_id(self) -> str:
@@ -177,7 +173,7 @@ class Dispatcher:
             group_instance_id=self.instance,
             enable_auto_commit=False,
             auto_offset_reset="earliest",
-            max_poll_records=self.config.inference.concurrency,
+            max_poll_records=self.config.concurrency,
             fetch_max_wait_ms=100,
             # A dispatcher that stops heartbeating (frozen, cut off, killed) keeps its
             # prompts this long: back within it, it claims the answers it holds
@@ -215,7 +211,7 @@ class Dispatcher:
                 lease_size=budget.lease_size(
                     settings.unit,
                     settings.lease_tokens,
-                    inference.concurrency,
+                    self.config.concurrency,
                     inference.max_new_tokens,
                 ),
                 lease_ttl_s=settings.lease_ttl_s,
@@ -223,26 +219,30 @@ class Dispatcher:
         )
 
     def compose(
-        self,
-        producer: AIOKafkaProducer,
-        admission: Admission | None,
-        gate: ServerGate | None = None,
+        self, producer: AIOKafkaProducer, admission: Admission | None, fleet: Fleet
     ) -> None:
         """Wire the steps of a prompt's path and the parts they share, in the one
         place they are wired: ``producer`` publishes the outcomes, ``admission`` (None
         when budgets are not reserved) admits, and hears its revocations through the
-        register of requests in flight; ``gate`` (None: not watched) pauses dispatch
-        while the server is away. Sets ``steps`` (the path's first step) and the
-        parts a test may reach: ``publisher``, ``in_flight``, ``tries``, ``admission``.
-        Called by :meth:`run` once its clients are up; raises nothing."""
+        register of requests in flight; ``fleet`` is the servers each attempt is
+        routed to; the dispatcher's places follow its capacity, and its leases go
+        back while none of its servers is up. Sets ``steps`` (the path's first step)
+        and the parts a test may reach: ``publisher``, ``in_flight``, ``tries``,
+        ``admission``, ``fleet``. Called by :meth:`run` once its clients are up;
+        raises nothing."""
         inference = self.config.inference
         unit = self.config.budget.unit
         turns = conversations.Outcomes()  # what each conversation turn led to
         self.admission = admission
+        self.fleet = fleet
+        fleet.on_capacity = self.places.resize
+        fleet.on_outage = self._no_more.set
+        self.places.resize(fleet.capacity())
         self.publisher = Publisher(producer, self.topics, self.report, seen=turns.saw)
         self.in_flight = InFlight(admission, unit, inference.stream)
         if admission is not None:
             admission.on_revoke = self.in_flight.on_revoke
+            fleet.on_idle = admission.hand_back_idle
         attempt = Attempt(
             self.publisher,
             self.in_flight,
@@ -254,7 +254,7 @@ class Dispatcher:
             keep_log=self.keep_log,
         )
         self.tries = Tries(
-            attempt,
+            Route(attempt, fleet),
             self.publisher,
             self.board,
             admission,
@@ -263,7 +263,6 @@ class Dispatcher:
             max_new_tokens=inference.max_new_tokens,
             report=self.report,
             refused_at=self.refused_at,
-            gate=gate,
         )
         self.steps = ConversationTurns(
             self.tries,
@@ -305,32 +304,35 @@ class Dispatcher:
     async def run(self, stop: asyncio.Event) -> DispatchReport:
         """Dispatch until ``stop`` is set (finishing what was started) or
         :meth:`hand_back` is called, then hand the leases back, commit and return
-        the report. Raises :class:`~tokenbudget.errors.ServerOutageError` when the
-        server stays away past ``[inference] outage_timeout_s`` (after the same
-        orderly stop); Kafka away at the start is waited out."""
+        the report. Raises :class:`~tokenbudget.errors.ServerOutageError` when every
+        server of the fleet stays away past ``[inference] outage_timeout_s`` (after
+        the same orderly stop); Kafka away at the start is waited out."""
         consumer, producer = await self._started_clients()
         self._consumer = consumer
-        maintenance: asyncio.Task[None] | None = None
+        tasks: list[asyncio.Task[None]] = []
         admission = None
         if budget.reserves(self.config.budget.admission):
             admission = self.admission = self._admission(producer)
-            maintenance = asyncio.create_task(admission.maintain())
-        committer = asyncio.create_task(self._commit_every(0.5))
-        gate: ServerGate | None = None
+            tasks.append(asyncio.create_task(admission.maintain()))
+        tasks.append(asyncio.create_task(self._commit_every(0.5)))
+        fleet = Fleet.for_config(self.config, backend_factory=self._backend_factory)
+        # The fleet's changes read so far, then each as it is read.
+        changes = self.board.fleet
+        changes.listeners.append(fleet.apply)
         try:
-            async with http_client(self.config.inference.concurrency, self.timeouts) as client:
-                backend = self._backend_factory(client)
-                gate = self._gate(backend, admission)
-                self.compose(producer, admission, gate)
-                await self._consume(consumer, backend, gate, stop)
-                if gate.outage is not None:
-                    raise gate.outage
+            for change in list(changes.changes):
+                fleet.apply(change)
+            await fleet.start()
+            self.compose(producer, admission, fleet)
+            tasks.append(asyncio.create_task(self._report_fleet(fleet)))
+            await self._consume(consumer, stop)
+            if fleet.outage is not None:
+                raise fleet.outage
         finally:
-            if gate is not None:
-                await gate.close()
-            await cancel_and_wait(committer)
-            if maintenance is not None:
-                await cancel_and_wait(maintenance)
+            changes.listeners.remove(fleet.apply)
+            for task in tasks:
+                await cancel_and_wait(task)
+            await fleet.close()
             if admission is not None:
                 with contextlib.suppress(Exception):
                     await admission.close()
@@ -343,18 +345,12 @@ class Dispatcher:
             self._consumer = None
         return self.report
 
-    async def _consume(
-        self,
-        consumer: AIOKafkaConsumer,
-        backend: InferenceBackend,
-        gate: ServerGate,
-        stop: asyncio.Event,
-    ) -> None:
-        """Start each prompt consumed, once it has a place at the server, until a stop,
-        a hand-back or the server's outage; then wind down what was started."""
+    async def _consume(self, consumer: AIOKafkaConsumer, stop: asyncio.Event) -> None:
+        """Start each prompt consumed, once it has a place at the fleet, until a stop,
+        a hand-back or the fleet's outage; then wind down what was started."""
         tasks: dict[asyncio.Task[None], Slot] = {}  # the prompts started, with their slots
-        concurrency = self.config.inference.concurrency
-        while not (stop.is_set() or self._handing_back.is_set() or gate.outage is not None):
+        concurrency = self.config.concurrency
+        while not (stop.is_set() or self._no_more.is_set()):
             batches = await consumer.getmany(timeout_ms=200, max_records=concurrency)
             for tp, records in batches.items():
                 metrics.consumed(tp.topic, "dispatcher", len(records))
@@ -362,10 +358,10 @@ class Dispatcher:
                     # Started but not sent, a prompt handed back stays pending: the
                     # commit stops before it.
                     self.tracker.started(tp.topic, tp.partition, record.offset)
-                    slot = await self.places.take(self._handing_back)
+                    slot = await self.places.take(self._no_more)
                     if slot is None:
                         break
-                    task = asyncio.create_task(self._handle(backend, record, slot))
+                    task = asyncio.create_task(self._handle(record, slot))
                     tasks[task] = slot
                     task.add_done_callback(lambda done: tasks.pop(done, None))
         # Graceful stop: finish what was started (handing back, only what the server
@@ -380,6 +376,7 @@ class Dispatcher:
         are published; then :meth:`run` commits and returns. Called from a signal
         handler (``run`` interrupted, or SIGINT to ``tokenbudget dispatch``)."""
         self._handing_back.set()
+        self._no_more.set()
 
     async def _wind_down(self, tasks: dict[asyncio.Task[None], Slot]) -> None:
         """Wait for the prompts started; once handing back, cancel those the server has
@@ -401,29 +398,25 @@ class Dispatcher:
                 task.cancel()
         await finished
 
-    def _gate(self, backend: InferenceBackend, admission: Admission | None) -> ServerGate:
-        """The server's gate; while it is closed, leases not in use are handed back."""
-        inference = self.config.inference
-        return ServerGate(
-            backend.health,
-            GateSettings(
-                pause_after=inference.pause_after_failures,
-                health_interval_s=inference.health_interval_s,
-                outage_timeout_s=inference.outage_timeout_s,
-            ),
-            url=inference.url,
-            on_pause=admission.hand_back_idle if admission is not None else None,
-        )
+    async def _report_fleet(self, fleet: Fleet) -> None:
+        """What this dispatcher sees of the fleet, on the budgets topic every
+        :data:`FLEET_REPORT_S` (``tokenbudget status`` and ``servers list`` read it)."""
+
+        async def publish(report: ev.FleetReport) -> None:
+            key = ev.FLEET_KEY.decode()
+            await self.publisher.publish(self.topics.budgets, key, report)
+
+        await fleet.report_every(publish, self.holder, FLEET_REPORT_S)
 
     async def _commit_every(self, interval: float) -> None:
         while True:
             await asyncio.sleep(interval)
             await self.commit()
 
-    async def _handle(self, backend: InferenceBackend, record: Any, slot: Slot) -> None:
+    async def _handle(self, record: Any, slot: Slot) -> None:
         """Give the prompt at ``record`` its outcome (through :attr:`steps`; a record
         that is not a prompt is dead-lettered), then let its offset be committed.
-        Nothing but a stop (cancellation) or the server's outage leaves a prompt
+        Nothing but a stop (cancellation) or the fleet's outage leaves a prompt
         without an outcome (:meth:`producers.tries.Tries.submit`)."""
         try:
             try:
@@ -433,7 +426,7 @@ class Dispatcher:
             except EventDecodeError as exc:
                 await self.publisher.dead_letter(str(exc), record)
             else:
-                await self.steps.submit(backend, prompt, slot)
+                await self.steps.submit(prompt, slot)
         finally:
             slot.release()
         self.tracker.finished(record.topic, record.partition, record.offset)

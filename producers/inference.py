@@ -65,10 +65,12 @@ from tokenbudget.sampling import VERBATIM_KEY
 
 if TYPE_CHECKING:
     from producers.tokenizers import LocalTokenizer
-    from tokenbudget.config import Config
+    from tokenbudget.config import Config, Server
 
 # Statuses that say the server is busy or away, not that the request is wrong.
 AWAY_STATUSES = frozenset({408, 429, 502, 503, 504})
+# Of those, the server's own word that it takes no more now (not a proxy's).
+BUSY_STATUSES = frozenset({429, 503})
 # A Retry-After beyond this is taken as this: a job waits, it does not sleep for days.
 RETRY_AFTER_MAX_S = 600.0
 
@@ -310,6 +312,8 @@ class InferenceBackend(ABC):
     api: str
     # Defaults as class attributes, so subclasses that skip __init__ (test doubles)
     # still have them.
+    base_url: str = "http://server"
+    model: str = ""
     stream: bool = False
     headers: dict[str, str] = {}  # noqa: RUF012 - replaced per instance, never mutated
     tokenizer: LocalTokenizer | None = None
@@ -354,7 +358,9 @@ class InferenceBackend(ABC):
         message = f"{method} {url}: HTTP {status}: {text[:200]}"
         if status in AWAY_STATUSES:
             retry_after = parse_retry_after(response.headers.get("Retry-After"))
-            raise InferenceUnavailableError(message, retry_after=retry_after)
+            raise InferenceUnavailableError(
+                message, retry_after=retry_after, busy=status in BUSY_STATUSES
+            )
         if status >= 500:
             raise InferenceServerError(message)
         raise InferenceRequestError(message)
@@ -962,16 +968,27 @@ def make_backend(
     return BACKENDS[api](client, url, model, **options)
 
 
-def api_key_from_env(config: Config) -> str | None:
-    name = config.inference.api_key_env
+def api_key_of(server: Server) -> str | None:
+    """The API key of ``server``, from the environment variable it names."""
+    name = server.api_key_env
     return os.environ.get(name) or None if name else None
 
 
-def backend_for_config(
-    config: Config, client: httpx.AsyncClient, *, on_progress: ProgressCallback | None = None
+def api_key_from_env(config: Config) -> str | None:
+    """The API key of the config's first server."""
+    return api_key_of(config.servers[0])
+
+
+def backend_for_server(
+    config: Config,
+    client: httpx.AsyncClient,
+    server: Server,
+    *,
+    on_progress: ProgressCallback | None = None,
 ) -> InferenceBackend:
-    """The backend ``[inference]`` describes: api, stream, key from the environment,
-    and the tokenizer for servers that return no counts."""
+    """The backend of one server of the fleet: ``[inference]``'s api, model and
+    stream, the server's URL and key, and the tokenizer for servers that return no
+    counts."""
     inference = config.inference
     tokenizer = None
     if config.tokenizer_path is not None:
@@ -979,25 +996,44 @@ def backend_for_config(
     return make_backend(
         inference.api,
         client,
-        inference.url,
+        server.url,
         inference.model,
         stream=inference.stream,
-        api_key=api_key_from_env(config),
+        api_key=api_key_of(server),
         tokenizer=tokenizer,
         on_progress=on_progress,
     )
 
 
-# ---- before a run: is the server there, and is it the model we expect? ---------------
+def backend_for_config(
+    config: Config, client: httpx.AsyncClient, *, on_progress: ProgressCallback | None = None
+) -> InferenceBackend:
+    """The backend of the config's first server (the whole fleet of a one-server job)."""
+    return backend_for_server(config, client, config.servers[0], on_progress=on_progress)
 
 
-async def prepare(config: Config) -> None:
+# ---- before a run: are the servers there, and do they serve the model we expect? -----
+
+
+@dataclass(frozen=True)
+class ServerCheck:
+    """One server as probed before a run: up (with the models it named) or why not."""
+
+    url: str
+    up: bool
+    models: tuple[str, ...] = ()
+    problem: str = ""  # why it is not up
+
+
+async def prepare(config: Config) -> list[ServerCheck]:
     """Before a run: load the tokenizer (off the event loop, once per process) and,
-    unless ``[inference] check_server = false``, check the server."""
+    unless ``[inference] check_server = false``, probe every server of the fleet
+    (:func:`check_servers`); [] when they are not checked."""
     if config.tokenizer_path is not None:
         await asyncio.to_thread(load_tokenizer, config.tokenizer_path)
     if config.inference.check_server:
-        await check_server(config)
+        return await check_servers(config)
+    return []
 
 
 def _same_model(configured: str, served: str) -> bool:
@@ -1007,14 +1043,43 @@ def _same_model(configured: str, served: str) -> bool:
     return configured.rstrip("/").rsplit("/", 1)[-1] == served.rstrip("/").rsplit("/", 1)[-1]
 
 
-async def check_server(config: Config, *, timeout: float = 10.0) -> list[str]:
-    """GET ``/health`` (SGLang) or ``/v1/models`` (OpenAI-compatible) and, with
-    ``[inference] model`` set, check the server serves it. Returns the model names
-    the server reported. Raises :class:`ServerUnreachableError` or
-    :class:`WrongModelError` (both :class:`InferenceError`) with what to fix."""
+async def check_servers(config: Config, *, timeout: float = 10.0) -> list[ServerCheck]:
+    """Probe every server of the fleet at once (:func:`check_server`): those that do
+    not answer are reported down. Raises :class:`ServerUnreachableError` when none is
+    up (naming each and why), and what :func:`check_server` raises for a server that
+    answers wrongly (another model, a key refused): a mistake to fix, not an outage."""
+
+    async def probe(server: Server) -> ServerCheck:
+        try:
+            models = await check_server(config, server=server, timeout=timeout)
+        except ServerUnreachableError as exc:
+            return ServerCheck(server.url, False, problem=str(exc))
+        return ServerCheck(server.url, True, tuple(models))
+
+    checks = list(await asyncio.gather(*(probe(s) for s in config.servers)))
+    if not any(check.up for check in checks):
+        if len(checks) == 1:
+            raise ServerUnreachableError(checks[0].problem)
+        raise ServerUnreachableError(
+            f"none of the {len(checks)} inference servers answers: "
+            + "; ".join(check.problem for check in checks)
+        )
+    return checks
+
+
+async def check_server(
+    config: Config, *, server: Server | None = None, timeout: float = 10.0
+) -> list[str]:
+    """GET ``/health`` (SGLang) or ``/v1/models`` (OpenAI-compatible) of ``server``
+    (default: the config's first) and, with ``[inference] model`` set, check the
+    server serves it; a server without that route (404: a proxy, a router) is sent a
+    one-token request instead. Returns the model names the server reported. Raises
+    :class:`ServerUnreachableError` or :class:`WrongModelError` (both
+    :class:`InferenceError`) with what to fix."""
     inference = config.inference
-    url = inference.url.rstrip("/")
-    key = api_key_from_env(config)
+    server = server or config.servers[0]
+    url = server.url
+    key = api_key_of(server)
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     async with httpx.AsyncClient(
         timeout=httpx.Timeout(timeout, connect=inference.connect_timeout_s), headers=headers
@@ -1031,41 +1096,36 @@ async def check_server(config: Config, *, timeout: float = 10.0) -> list[str]:
             if response.status_code in (401, 403):
                 raise InferenceRequestError(
                     f"the inference server at {url} refused GET {path} with HTTP "
-                    f"{response.status_code}: set the API key in ${inference.api_key_env}"
+                    f"{response.status_code}: set the API key in ${server.api_key_env}"
                 )
             return response
 
         served: list[str] = []
-        if inference.api == "sglang":
-            health = await get("/health")
-            if health.status_code >= 400:
-                raise ServerUnreachableError(
-                    f"the inference server at {url} is not healthy: GET /health answered "
-                    f"HTTP {health.status_code}: {health.text[:200]}"
-                )
-            if inference.model:
-                info = await get("/get_model_info")
-                if info.status_code < 400:
-                    with_path = _json_or_none(info)
-                    if isinstance(with_path, dict) and isinstance(with_path.get("model_path"), str):
-                        served.append(with_path["model_path"])
+        health_path = "/health" if inference.api == "sglang" else "/v1/models"
+        health = await get(health_path)
+        if health.status_code == 404:
+            await _one_token(config, client, url)
+        elif health.status_code >= 400 and inference.api == "sglang":
+            raise ServerUnreachableError(
+                f"the inference server at {url} is not healthy: GET /health answered "
+                f"HTTP {health.status_code}: {health.text[:200]}"
+            )
+        elif health.status_code >= 400:
+            raise ServerUnreachableError(
+                f"the server at {url} does not answer GET /v1/models (HTTP "
+                f"{health.status_code}): is it an OpenAI-compatible server "
+                f"(api = {inference.api!r})?"
+            )
+        elif inference.api != "sglang":
+            served += _model_ids(health)
         if inference.api == "sglang" and inference.model:
+            info = await get("/get_model_info")
+            with_path = _json_or_none(info) if info.status_code < 400 else None
+            if isinstance(with_path, dict) and isinstance(with_path.get("model_path"), str):
+                served.append(with_path["model_path"])
             # --served-model-name shows only here; a failure here is not fatal
             models = await get("/v1/models")
-            listing = _json_or_none(models) if models.status_code < 400 else None
-            data = listing.get("data") if isinstance(listing, dict) else None
-            served += [m["id"] for m in data or () if isinstance(m, dict) and "id" in m]
-        if inference.api != "sglang":
-            models = await get("/v1/models")
-            if models.status_code >= 400:
-                raise ServerUnreachableError(
-                    f"the server at {url} does not answer GET /v1/models (HTTP "
-                    f"{models.status_code}): is it an OpenAI-compatible server "
-                    f"(api = {inference.api!r})?"
-                )
-            listing = _json_or_none(models)
-            data = listing.get("data") if isinstance(listing, dict) else None
-            served += [m["id"] for m in data or () if isinstance(m, dict) and "id" in m]
+            served += _model_ids(models) if models.status_code < 400 else []
         served = list(dict.fromkeys(served))
         if inference.model and served and not any(_same_model(inference.model, s) for s in served):
             raise WrongModelError(
@@ -1073,6 +1133,30 @@ async def check_server(config: Config, *, timeout: float = 10.0) -> list[str]:
                 f"but [inference] model is {inference.model!r}"
             )
         return served
+
+
+def _model_ids(response: httpx.Response) -> list[str]:
+    listing = _json_or_none(response)
+    data = listing.get("data") if isinstance(listing, dict) else None
+    return [m["id"] for m in data or () if isinstance(m, dict) and "id" in m]
+
+
+async def _one_token(config: Config, client: httpx.AsyncClient, url: str) -> None:
+    """A server without a health route is asked for one token instead."""
+    backend = make_backend(config.inference.api, client, url, config.inference.model)
+    request = GenerationRequest(
+        rid=f"tokenbudget-probe-{random.getrandbits(48):012x}",
+        max_new_tokens=1,
+        text="ping",
+        messages=(ChatMessage(role="user", content="ping"),),
+    )
+    try:
+        await backend.generate(request)
+    except InferenceError as exc:
+        raise ServerUnreachableError(
+            f"the inference server at {url} has no health route and did not answer a "
+            f"one-token request: {exc}"
+        ) from exc
 
 
 def _json_or_none(response: httpx.Response) -> Any:

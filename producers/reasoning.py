@@ -89,7 +89,8 @@ class ReasoningRows:
     def for_config(cls, config: Config) -> ReasoningRows:
         inference = config.inference
         modes = {d.name: d.reasoning for d in config.datasets}
-        return cls(modes, inference.reasoning_end, inference.api, inference.url)
+        urls = ", ".join(server.url for server in config.servers)
+        return cls(modes, inference.reasoning_end, inference.api, urls)
 
     def unfinished(
         self,

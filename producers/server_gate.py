@@ -1,10 +1,11 @@
-"""The server gate: dispatch pauses while the inference server is away.
+"""The server gate: a server of the fleet gets no requests while it is away.
 
-One gate per dispatcher, shared by all its requests. Contract:
+One gate per server (:class:`producers.fleet.Server`), shared by all its requests.
+Contract:
 
-* :meth:`ServerGate.wait_open` returns at once while the server answers; while it is
-  away, every new request waits here (nothing is sent, no budget is held) and a
-  single prober polls the server's health;
+* :attr:`ServerGate.is_open` while the server answers; while it is away the fleet
+  sends it nothing and a single prober polls its health (:meth:`ServerGate.wait_open`
+  returns once it is open again);
 * :meth:`ServerGate.failed` with a "server away" error (connection refused, reset or
   timed out; HTTP 429/408/502/503/504) counts towards ``pause_after`` such errors in
   a row, which close the gate; :meth:`ServerGate.succeeded` resets the count;
@@ -12,9 +13,12 @@ One gate per dispatcher, shared by all its requests. Contract:
   its health check passes; each pause that ends in new failures doubles the next
   wait (up to :data:`MAX_PAUSE_S`), so a server that says "healthy" but cannot take
   the load is not flooded again at once;
-* ``on_pause`` runs once per pause (the dispatcher hands back its idle leases), and a
-  server away for longer than ``outage_timeout_s`` (0: for ever) makes every waiter
-  raise :class:`~tokenbudget.errors.ServerOutageError`.
+* :meth:`ServerGate.down` closes it at once (the server did not answer its probe
+  when the dispatcher started);
+* ``on_change`` runs whenever the gate closes, opens or gives up, and a server away
+  for longer than ``outage_timeout_s`` (0: for ever) is given up: :attr:`outage` is
+  set, probing stops, and every waiter raises
+  :class:`~tokenbudget.errors.ServerOutageError`.
 """
 
 from __future__ import annotations
@@ -48,12 +52,12 @@ class ServerGate:
         settings: GateSettings,
         *,
         url: str = "",
-        on_pause: Callable[[], Awaitable[None]] | None = None,
+        on_change: Callable[[], None] | None = None,
     ) -> None:
         self._health = health
         self.settings = settings
         self.url = url
-        self._on_pause = on_pause
+        self._on_change = on_change
         self._open = asyncio.Event()
         self._open.set()
         self._failures = 0
@@ -104,26 +108,35 @@ class ServerGate:
         if self._failures >= self.settings.pause_after and self._open.is_set():
             self._pause(error)
 
+    def down(self, error: InferenceError) -> None:
+        """The server is away already (it did not answer when probed): close the gate
+        now, and poll it like any server away. Called by the fleet as it starts."""
+        if self._away_since is None:
+            self._away_since = time.monotonic()
+        self._failures = max(self._failures, self.settings.pause_after)
+        if self._open.is_set() and self._outage is None:
+            self._pause(error)
+
     def _pause(self, error: InferenceError) -> None:
         self._open.clear()
         self._pauses += 1
         self.paused_total += 1
         metrics.SERVER_PAUSES.inc()
         log.warning(
-            "the inference server %s is away (%d failures in a row, last: %s): dispatch "
-            "pauses until it answers its health check",
+            "the inference server %s is away (%d failures in a row, last: %s): it gets no "
+            "requests until it answers its health check",
             self.url,
             self._failures,
             error,
         )
         self._prober = asyncio.get_running_loop().create_task(self._probe())
+        self._changed()
+
+    def _changed(self) -> None:
+        if self._on_change is not None:
+            self._on_change()
 
     async def _probe(self) -> None:
-        if self._on_pause is not None:
-            try:
-                await self._on_pause()
-            except Exception as exc:  # handing back leases is best effort
-                log.warning("on pause: %r", exc)
         wait = min(MAX_PAUSE_S, self.settings.health_interval_s * 2 ** (self._pauses - 1))
         await asyncio.sleep(max(wait, self._retry_after))
         self._retry_after = 0.0
@@ -140,16 +153,18 @@ class ServerGate:
                     "check it, then run the same command again to resume"
                 )
                 self._open.set()  # the waiters raise it
+                self._changed()
                 return
             await asyncio.sleep(self.settings.health_interval_s)
         self._failures = 0
         away = time.monotonic() - self._away_since if self._away_since is not None else 0.0
         log.warning(
-            "the inference server %s answers again after %.0f s away: dispatch resumes",
+            "the inference server %s answers again after %.0f s away: it gets requests again",
             self.url,
             away,
         )
         self._open.set()
+        self._changed()
 
     def _outage_exceeded(self) -> bool:
         limit = self.settings.outage_timeout_s

@@ -1,5 +1,6 @@
-"""A dispatcher's places: how many requests are at the server, answers being
-published and prompts waiting aside for budget, each at most ``concurrency``.
+"""A dispatcher's places: how many prompts are at the fleet's servers, answers being
+published and prompts waiting aside for budget, each at most what the fleet can
+take at once (its servers' windows, which change: :class:`Capacity`).
 
 :class:`Places` hands each prompt a :class:`Slot` (:meth:`Places.take`, called by the
 dispatcher's consume loop before it starts a prompt); the slot goes down the
@@ -20,7 +21,64 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import deque
 from collections.abc import AsyncIterator
+from typing import Protocol
+
+
+class Pool(Protocol):
+    """What a slot takes places from: an :class:`asyncio.Semaphore` or a
+    :class:`Capacity`."""
+
+    async def acquire(self) -> object: ...
+
+    def release(self) -> None: ...
+
+    def locked(self) -> bool: ...
+
+
+class Capacity:
+    """A semaphore whose number of places can change while places are taken (the
+    fleet's, as servers come and go and their windows move): a release or a larger
+    size lets waiters in, first come first served; a smaller one lets none in until
+    enough are released."""
+
+    def __init__(self, places: int) -> None:
+        self.places = places
+        self.taken = 0
+        self._waiters: deque[asyncio.Future[None]] = deque()
+
+    def locked(self) -> bool:
+        return self.taken >= self.places or bool(self._waiters)
+
+    async def acquire(self) -> bool:
+        if not self.locked():
+            self.taken += 1
+            return True
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():
+                self.release()  # let in, then cancelled before it went on
+            raise
+        return True
+
+    def release(self) -> None:
+        self.taken -= 1
+        self._let_in()
+
+    def resize(self, places: int) -> None:
+        self.places = places
+        self._let_in()
+
+    def _let_in(self) -> None:
+        while self._waiters and self.taken < self.places:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                self.taken += 1
+                waiter.set_result(None)
 
 
 class Slot:
@@ -33,14 +91,14 @@ class Slot:
 
     def __init__(
         self,
-        server: asyncio.Semaphore,
-        publishing: asyncio.Semaphore,
-        waiting: asyncio.Semaphore | None = None,
+        server: Pool,
+        publishing: Pool,
+        waiting: Pool | None = None,
     ) -> None:
-        self._server: asyncio.Semaphore | None = server
+        self._server: Pool | None = server
         self._publishing = publishing
         self._waiting = waiting
-        self._held: asyncio.Semaphore | None = None
+        self._held: Pool | None = None
         self.answered = False  # the server has answered this prompt
 
     @contextlib.asynccontextmanager
@@ -106,14 +164,22 @@ class Slot:
 
 
 class Places:
-    """The places of one dispatcher (of one server, when there are several): at
-    the server, among the answers being published and among the prompts waiting
-    aside, ``concurrency`` of each."""
+    """The places of one dispatcher: at the fleet's servers, among the answers being
+    published and among the prompts waiting aside, ``concurrency`` of each to start
+    with (the fleet's concurrency), then as :meth:`resize` says."""
 
     def __init__(self, concurrency: int) -> None:
-        self._server = asyncio.Semaphore(concurrency)
-        self._publishing = asyncio.Semaphore(concurrency)
-        self._waiting = asyncio.Semaphore(concurrency)
+        self._server = Capacity(concurrency)
+        self._publishing = Capacity(concurrency)
+        self._waiting = Capacity(concurrency)
+
+    def resize(self, places: int) -> None:
+        """The fleet can take ``places`` requests at once now. Called by the fleet
+        (its ``on_capacity``); answers being published and prompts waiting aside
+        keep the room they had, and grow with it."""
+        self._server.resize(places)
+        for other in (self._publishing, self._waiting):
+            other.resize(max(other.places, places))
 
     async def take(self, handing_back: asyncio.Event) -> Slot | None:
         """A slot holding a place at the server, once one is free; None (and no

@@ -6,11 +6,12 @@ The path, composed in one place (:meth:`producers.dispatcher.Dispatcher.compose`
     Dispatcher (consume a prompt, give it a Slot, commit once it has an outcome)
       -> ConversationTurns   what follows a turn of a conversation (producers/turns.py)
       -> Tries               admit, attempt, retry, or record it failed (producers/tries.py)
+      -> Route               each attempt to a server of the fleet (producers/route.py)
       -> Attempt             one request: generate, fit, publish (producers/attempt.py)
 
 beside the parts they use: Admission (budget leases), InFlight (requests at the
-server, caps of revoked leases), Publisher (outcomes to Kafka), ServerGate (the
-server's health), Places (how many at once).
+servers, caps of revoked leases), Publisher (outcomes to Kafka), Fleet (the servers:
+their places, health and pace), Places (how many at once).
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from producers.inference import InferenceBackend
 from producers.slots import Slot
 from streams import events as ev
 
@@ -27,19 +27,18 @@ class Step(Protocol):
     """One step of a prompt's path (arroyo's ``ProcessingStrategy.submit``, for one
     prompt at a time and awaited rather than polled)."""
 
-    async def submit(
-        self, backend: InferenceBackend, prompt: ev.PromptEvent, slot: Slot | None = None
-    ) -> None:
-        """Take ``prompt`` to its outcome through ``backend`` (the server it is sent
-        to), the prompt holding ``slot`` (None: no place is lent or handed over).
+    async def submit(self, prompt: ev.PromptEvent, slot: Slot | None = None) -> None:
+        """Take ``prompt`` to its outcome, the prompt holding ``slot`` (None: no
+        place is lent or handed over); which server answers it is the route step's
+        choice, made anew for each attempt.
 
         Returns once the prompt's outcome (a completion, a skip or a failure) is on
         Kafka, or once it is known to have one already. Raises
         :class:`asyncio.CancelledError` when stopped (the prompt then has no outcome
         and its offset stays uncommitted) and
-        :class:`~tokenbudget.errors.ServerOutageError` when the server stays away
-        past ``[inference] outage_timeout_s``; what else a step may raise, its own
-        contract says."""
+        :class:`~tokenbudget.errors.ServerOutageError` when every server of the fleet
+        stays away past ``[inference] outage_timeout_s``; what else a step may raise,
+        its own contract says."""
         ...
 
 

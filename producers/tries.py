@@ -4,20 +4,24 @@ it failed.
 Two loops, one inside the other (a step of the prompt's path, see
 :mod:`producers.step`):
 
-* :meth:`Tries.dispatch`: wait while the server is away (the :class:`ServerGate`),
-  skip the prompt if its dataset is halted or admission has no budget left for it,
-  else send it (:class:`producers.attempt.Attempt`). A failed request is retried as
-  its error allows: "server away" errors (connection refused or reset, timeouts,
-  429/408/502/503/504) without limit, honouring ``Retry-After``; other retryable
-  ones up to ``[inference] retries`` times; others not at all. Then the prompt is
-  recorded as failed, with a dead letter.
+* :meth:`Tries.dispatch`: wait until a server of the fleet can take a request
+  (:meth:`producers.fleet.Fleet.wait_ready`), skip the prompt if its dataset is
+  halted or admission has no budget left for it, else send it to a server
+  (:class:`producers.route.Route`, then :class:`producers.attempt.Attempt`). A
+  failed request is retried as its error allows: "server away" errors (connection
+  refused or reset, timeouts, 429/408/502/503/504) without limit and without a
+  backoff of its own (the fleet holds a server away, or one that sent
+  ``Retry-After``, out of routing meanwhile, and the retry goes to another server
+  when one can take it); other retryable ones up to ``[inference] retries`` times,
+  after a backoff; others not at all. Then the prompt is recorded as failed, with
+  a dead letter.
 * :meth:`Tries.submit`: around it, an error outside the inference request (a broker
   away, a bug) is retried with backoff, and a prompt it keeps failing
   (:data:`UNEXPECTED_ERRORS` in a row, Kafka's errors apart: those are waited out)
   is recorded as failed, so the partition's commit point never sticks behind it.
 
-Every wait here (for the gate, for budget, a backoff) lends the prompt's server
-place to others (:meth:`producers.slots.Slot.aside`).
+Every wait here for budget or a backoff lends the prompt's place to others
+(:meth:`producers.slots.Slot.aside`).
 """
 
 from __future__ import annotations
@@ -27,17 +31,17 @@ import contextlib
 import logging
 import time
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiokafka.errors import KafkaError
 
 from producers.admission import Admission, Ticket
-from producers.attempt import Attempt
-from producers.inference import InferenceBackend, RetryPolicy
+from producers.fleet import Fleet
+from producers.inference import RetryPolicy
 from producers.publisher import Publisher
 from producers.resume import OutcomeView
-from producers.server_gate import ServerGate
+from producers.route import Route
 from producers.slots import Slot
 from producers.step import DispatchReport, about
 from streams import events as ev
@@ -59,6 +63,7 @@ class _Tries:
     attempts: int = 0
     failures: int = 0  # failures that do not say the server is away
     last_error: InferenceError | None = None
+    failed_at: set[str] = field(default_factory=set)  # the servers that failed it
 
 
 @dataclass(frozen=True)
@@ -83,8 +88,8 @@ def _aside(slot: Slot | None) -> AbstractAsyncContextManager[Any]:
 class Tries:
     """Takes a prompt through admission and its attempts to an outcome.
 
-    ``admission`` is None when budgets are not reserved (every prompt of a dataset
-    not halted is let through); ``gate`` None: the server's health is not watched.
+    ``route`` sends each attempt to a server of ``fleet``; ``admission`` is None when
+    budgets are not reserved (every prompt of a dataset not halted is let through).
     ``outcomes`` says which prompts are done already (handed over again after a
     crash); ``max_new_tokens`` is the limit of a prompt that sets none; refusals
     (a prompt skipped because its dataset is halted) are noted in ``refused_at``,
@@ -92,7 +97,7 @@ class Tries:
 
     def __init__(
         self,
-        attempt: Attempt,
+        route: Route,
         publisher: Publisher,
         board: BudgetBoard,
         admission: Admission | None,
@@ -102,9 +107,9 @@ class Tries:
         max_new_tokens: int,
         report: DispatchReport,
         refused_at: dict[str, float],
-        gate: ServerGate | None = None,
     ) -> None:
-        self.attempt = attempt
+        self.route = route
+        self.fleet: Fleet = route.fleet
         self.publisher = publisher
         self.board = board
         self.admission = admission
@@ -113,11 +118,8 @@ class Tries:
         self.max_new_tokens = max_new_tokens
         self.report = report
         self.refused_at = refused_at
-        self.gate = gate
 
-    async def submit(
-        self, backend: InferenceBackend, prompt: ev.PromptEvent, slot: Slot | None = None
-    ) -> None:
+    async def submit(self, prompt: ev.PromptEvent, slot: Slot | None = None) -> None:
         """:meth:`dispatch`, tried again after any error but a stop and the server's
         outage, and recorded as failed after :data:`UNEXPECTED_ERRORS` of them.
         Raises :class:`asyncio.CancelledError` and
@@ -126,7 +128,7 @@ class Tries:
         errors = 0
         while True:
             try:
-                await self.dispatch(backend, prompt, slot)
+                await self.dispatch(prompt, slot)
                 return
             except (asyncio.CancelledError, ServerOutageError):
                 raise
@@ -145,9 +147,7 @@ class Tries:
                 async with _aside(slot):
                     await asyncio.sleep(self.retry.delay(min(errors, 6)))
 
-    async def dispatch(
-        self, backend: InferenceBackend, prompt: ev.PromptEvent, slot: Slot | None = None
-    ) -> None:
+    async def dispatch(self, prompt: ev.PromptEvent, slot: Slot | None = None) -> None:
         """Admit, then generate, fit and publish (:meth:`Attempt.submit`); retry what
         the server's errors allow, and record the prompt as failed when they do not.
         A prompt done already is left alone (counted as ``already_completed``).
@@ -166,15 +166,13 @@ class Tries:
                 return  # skipped: its dataset has no budget left for it
             tries.attempts += 1
             try:
-                await self.attempt.submit(
-                    backend, prompt, admitted.ticket, max_new, tries.attempts, slot
+                await self.route.submit(
+                    prompt, admitted.ticket, max_new, tries.attempts, slot, tries.failed_at
                 )
             except InferenceError as exc:
                 if await self._retry(prompt, exc, tries, slot):
                     continue
                 break
-            if self.gate is not None:
-                self.gate.succeeded()
             return
         await self.publisher.fail(
             prompt,
@@ -185,10 +183,9 @@ class Tries:
     async def _admit(
         self, prompt: ev.PromptEvent, max_new: int, slot: Slot | None
     ) -> _Admitted | None:
-        """Wait until the server takes requests, then admit the prompt (with a ticket
+        """Wait until a server can take a request, then admit the prompt (with a ticket
         when budgets are reserved); None once it is skipped instead (dataset full)."""
-        if self.gate is not None:
-            await self.gate.wait_open()
+        await self.fleet.wait_ready()
         if self.board.is_halted(prompt.dataset):
             self.refused_at.setdefault(prompt.dataset, time.time())
             await self.publisher.skip(prompt, "budget reached")
@@ -217,17 +214,18 @@ class Tries:
         tries.last_error = exc
         metrics.INFERENCE_ERRORS.labels(kind=type(exc).__name__).inc()
         log.warning("%s: attempt %d failed: %s", about(prompt), tries.attempts, exc)
-        if self.gate is not None:
-            self.gate.failed(exc)
         if not exc.retryable:
             return False
-        if not exc.server_away:
-            tries.failures += 1
-            if tries.failures > self.retry.retries:
-                return False
         reason = type(exc).__name__
+        if exc.server_away:
+            # The fleet paces a server away (paused, held till its Retry-After): the
+            # retry waits in it for a server that can take it, here not at all.
+            metrics.RETRIES.labels(dataset=prompt.dataset, reason=reason).inc()
+            return True
+        tries.failures += 1
+        if tries.failures > self.retry.retries:
+            return False
         metrics.RETRIES.labels(dataset=prompt.dataset, reason=reason).inc()
-        delay = self.retry.delay(min(tries.attempts, 8), exc.retry_after)
         async with _aside(slot):
-            await asyncio.sleep(delay)
+            await asyncio.sleep(self.retry.delay(min(tries.attempts, 8)))
         return True

@@ -19,7 +19,6 @@ from __future__ import annotations
 import time
 
 from producers import conversations
-from producers.inference import InferenceBackend
 from producers.publisher import Publisher
 from producers.slots import Slot
 from producers.step import Step
@@ -45,19 +44,17 @@ class ConversationTurns:
         self.turns = turns
         self.max_prompt_bytes = max_prompt_bytes
 
-    async def submit(
-        self, backend: InferenceBackend, prompt: ev.PromptEvent, slot: Slot | None = None
-    ) -> None:
+    async def submit(self, prompt: ev.PromptEvent, slot: Slot | None = None) -> None:
         """The :class:`~producers.step.Step` contract: ``prompt`` to its outcome
         through the next step, and, for a turn, what follows it, published before
         this returns. Raises what the next step raises (what follows is then not
         published) and what :meth:`Publisher.publish` raises. Called by the
         dispatcher for every prompt it consumes."""
         if not self.turns.expect(prompt):
-            await self.next_step.submit(backend, prompt, slot)
+            await self.next_step.submit(prompt, slot)
             return
         try:
-            await self.next_step.submit(backend, prompt, slot)
+            await self.next_step.submit(prompt, slot)
         except BaseException:
             self.turns.take(prompt.prompt_id)
             raise

@@ -45,6 +45,27 @@ class DatasetView:
 
 
 @dataclass
+class FleetBook:
+    """The fleet's changes made at run time (``tokenbudget servers add|drain``), in
+    the order they were made, and the latest report of each dispatcher; ``listeners``
+    hear each change as it is read (a dispatcher's fleet applies it)."""
+
+    changes: list[ev.ServerAdded | ev.ServerDrained] = field(default_factory=list)
+    reports: dict[str, ev.FleetReport] = field(default_factory=dict)
+    listeners: list[Callable[[ev.ServerAdded | ev.ServerDrained], None]] = field(
+        default_factory=list
+    )
+
+    def apply(self, event: ev.ServerAdded | ev.ServerDrained | ev.FleetReport) -> None:
+        if isinstance(event, ev.FleetReport):
+            self.reports[event.holder] = event
+            return
+        self.changes.append(event)
+        for listener in list(self.listeners):
+            listener(event)
+
+
+@dataclass
 class BudgetBoard:
     """Apply budget-topic events; pure state so it is testable without a broker."""
 
@@ -62,6 +83,7 @@ class BudgetBoard:
     # Set once the board has read the topic's history: halts it applies from then on
     # are news, and how long they took to arrive is the halt latency.
     live: bool = False
+    fleet: FleetBook = field(default_factory=FleetBook)
 
     def view(self, dataset: str) -> DatasetView:
         return self.views.setdefault(dataset, DatasetView())
@@ -105,6 +127,9 @@ class BudgetBoard:
                 self._set_halted(event.dataset, False, seen_at)
             case ev.BudgetSet():
                 self._budget_asked(event)
+                return
+            case ev.ServerAdded() | ev.ServerDrained() | ev.FleetReport():
+                self.fleet.apply(event)
                 return
             case ev.LeaseGranted() | ev.LeaseDenied() | ev.LeaseRevoked():
                 listener = self.lease_listeners.get(event.holder)

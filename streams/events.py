@@ -510,6 +510,58 @@ class JobIdentity(_Event, tag="job_identity", frozen=True):
     recorded_by: str = ""
 
 
+# What the fleet's changes and reports are keyed by on the budgets topic: one key, so
+# they are read in the order they were made.
+FLEET_KEY = b"@servers"
+
+ServerState = Literal["up", "paused", "dropped", "draining", "drained"]
+
+
+class ServerAdded(_Event, tag="server_added", frozen=True):
+    """``tokenbudget servers add``: every dispatcher of the namespace sends to this
+    server from now on (with its own settings where given, else its config's
+    ``[inference]``); one drained or dropped before comes back. No dataset: the
+    ledger passes it by."""
+
+    url: str
+    concurrency: int | None = None
+    weight: float | None = None
+    api_key_env: str | None = None
+    at: float = 0.0
+    by: str = ""
+
+
+class ServerDrained(_Event, tag="server_drained", frozen=True):
+    """``tokenbudget servers drain``: the server gets no new prompts from any
+    dispatcher of the namespace and finishes what it has."""
+
+    url: str
+    at: float = 0.0
+    by: str = ""
+
+
+class ServerReport(msgspec.Struct, frozen=True, kw_only=True):
+    """One server as one dispatcher sees it (its counts are that dispatcher's)."""
+
+    url: str
+    state: ServerState
+    in_flight: int
+    limit: int  # its window now
+    concurrency: int  # its ceiling
+    requests: int  # sent so far
+    tokens: int  # generated so far
+    errors: int  # failed so far
+
+
+class FleetReport(_Event, tag="fleet_report", frozen=True):
+    """What one dispatcher (``holder``) sees of the fleet, published every few seconds
+    while it runs, for ``tokenbudget status`` and ``servers list``."""
+
+    holder: str
+    servers: tuple[ServerReport, ...]
+    at: float = 0.0
+
+
 DatasetStatus = Literal["open", "halted", "exhausted"]
 
 
@@ -597,6 +649,9 @@ Event = (
     | LeaseRevoked
     | LeaseFenced
     | JobIdentity
+    | ServerAdded
+    | ServerDrained
+    | FleetReport
 )
 
 
@@ -685,7 +740,11 @@ def decode(data: bytes) -> Event:
 
 def event_key(event: Event) -> bytes | None:
     dataset = getattr(event, "dataset", None)
-    return dataset.encode() if isinstance(dataset, str) else None
+    if isinstance(dataset, str):
+        return dataset.encode()
+    if isinstance(event, ServerAdded | ServerDrained | FleetReport):
+        return FLEET_KEY
+    return None
 
 
 def dead_letter_for(reason: str, record: Any) -> DeadLetter:

@@ -52,6 +52,11 @@ COMMANDS: dict[str, Command] = {
     "budget": Command(
         "tokenbudget.app.commands.budget", "job", "set or show budgets, while a job runs or not"
     ),
+    "servers": Command(
+        "tokenbudget.app.commands.servers",
+        "job",
+        "add, drain or list the job's inference servers, while it runs or not",
+    ),
     "export": Command(
         "tokenbudget.app.commands.export",
         "job",

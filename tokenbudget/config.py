@@ -11,13 +11,15 @@ the config file's folder.
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import re
 import tomllib
 import types
 import typing
 import urllib.parse
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -41,6 +43,8 @@ Unit = Literal["completion_tokens", "total_tokens", "samples"]
 BoundaryPolicy = Literal["truncate", "finish"]
 AdmissionMode = Literal["reserve", "halt"]
 CutPolicy = Literal["last", "any"]
+# Which server of the fleet a request goes to: producers/routing.py.
+RoutingPolicy = Literal["least_work", "round_robin"]
 DatasetFormat = Literal["auto", "prompt", "openai", "sharegpt", "hf"]
 # The order a dataset's prompts are sent in: producers/order.py says what each keeps.
 DatasetOrder = Literal["file", "shuffled", "stratified"]
@@ -55,6 +59,8 @@ ReasoningMode = Literal["save", "disable"]
 NO_THINKING = {"enable_thinking": False, "thinking": False}
 
 ENV_PREFIX = "TOKENBUDGET__"
+# The server a config that names none is sent to.
+DEFAULT_URL = "http://127.0.0.1:30000"
 
 
 class _Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -177,17 +183,56 @@ class _Sampling(_Section, Sampling, frozen=True, forbid_unknown_fields=True, kw_
     :func:`_sampling`)."""
 
 
+class ServerConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """One inference server of the job's fleet (docs/servers.md, Several inference
+    servers); what it does not set, it takes from [inference]."""
+
+    url: Annotated[str, doc("the server (http or https): its root, or a router's")]
+    concurrency: Annotated[
+        int | None,
+        doc("its requests in flight at once, per dispatcher (unset: [inference]'s)"),
+    ] = None
+    api_key_env: Annotated[
+        str | None,
+        doc("the environment variable holding its key (unset: [inference]'s)"),
+    ] = None
+    weight: Annotated[
+        float,
+        doc(
+            "its share of the work against the others' (2.0: twice as much for as much "
+            "outstanding work); the speed its answers show counts on top"
+        ),
+    ] = 1.0
+
+
 class InferenceConfig(_Sampling, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """The inference server and how it is asked (docs/servers.md). The sampling keys
-    are sent only when set: in SGLang's `sampling_params` or as the OpenAI request's
-    fields; every [[datasets]] entry may set its own, key by key, over these."""
+    """The inference servers and how they are asked (docs/servers.md). The sampling
+    keys are sent only when set: in SGLang's `sampling_params` or as the OpenAI
+    request's fields; every [[datasets]] entry may set its own, key by key, over
+    these."""
 
     url: Annotated[
         str,
         doc(
-            "the inference server (http or https), one URL; for several servers see docs/servers.md"
+            "one inference server (http or https); unset with no `[[inference.servers]]`: "
+            f"`{DEFAULT_URL}`. Several: `[[inference.servers]]` (docs/servers.md)"
         ),
-    ] = "http://127.0.0.1:30000"
+    ] = ""
+    servers: Annotated[
+        list[ServerConfig],
+        doc(
+            "the fleet, one `[[inference.servers]]` table per server (instead of `url`): "
+            "each request goes to the server with the least outstanding work for its speed"
+        ),
+    ] = []
+    routing: Annotated[
+        RoutingPolicy,
+        doc(
+            "`least_work` (the least outstanding work for its speed and weight, a "
+            "conversation back to its server) or `round_robin` (in turn, whatever the "
+            "load: the peers' way, for comparison)"
+        ),
+    ] = "least_work"
     api: Annotated[
         Api,
         doc(
@@ -202,7 +247,13 @@ class InferenceConfig(_Sampling, frozen=True, forbid_unknown_fields=True, kw_onl
             "serves before a run"
         ),
     ] = ""
-    concurrency: Annotated[int, doc("requests in flight at once, per dispatcher")] = 64
+    concurrency: Annotated[
+        int,
+        doc(
+            "requests in flight at once per server and dispatcher, for the servers that do "
+            "not set their own; cut while a server answers 429/503 or slows down"
+        ),
+    ] = 64
     max_new_tokens: Annotated[
         int, doc("per request, unless the dataset sets its own; the budget may lower it")
     ] = 4096
@@ -228,16 +279,19 @@ class InferenceConfig(_Sampling, frozen=True, forbid_unknown_fields=True, kw_onl
     pause_after_failures: Annotated[
         int,
         doc(
-            "busy or away answers in a row (429, 408, 502, 503, 504, refused or reset "
-            "connections, read timeouts) after which dispatch pauses: idle leases go back, "
-            "prompts stay queued, `/health` is polled; those are retried without limit"
+            "busy or away answers in a row from one server (429, 408, 502, 503, 504, "
+            "refused or reset connections, read timeouts) after which it is paused: it gets "
+            "nothing and `/health` is polled (when every server is, idle leases go back); "
+            "those answers are retried without limit, on the other servers"
         ),
     ] = 5
-    health_interval_s: Annotated[
-        float, doc("how often `/health` is asked while dispatch is paused")
-    ] = 2.0
+    health_interval_s: Annotated[float, doc("how often a paused server's `/health` is asked")] = 2.0
     outage_timeout_s: Annotated[
-        float, doc("a server away longer than this ends the run with an error (0: wait for ever)")
+        float,
+        doc(
+            "a server away longer than this is dropped and the job goes on with the others; "
+            "with every server away past it the run ends with an error (0: wait for ever)"
+        ),
     ] = 3600.0
     prompt_hold_s: Annotated[
         float,
@@ -589,9 +643,22 @@ def _sampling(inference: InferenceConfig, dataset: DatasetConfig) -> dict[str, A
     return merged
 
 
+class Server(msgspec.Struct, frozen=True, kw_only=True):
+    """A server of the fleet as the rest of the code sees it: [inference]'s settings
+    filled in where its own entry left them out."""
+
+    url: str
+    concurrency: int
+    api_key_env: str
+    weight: float = 1.0
+
+
 class Config(msgspec.Struct, frozen=True, kw_only=True):
     kafka: KafkaConfig
     inference: InferenceConfig
+    # The inference servers the job starts with: [[inference.servers]], else
+    # [inference] url as a fleet of one (``tokenbudget servers`` changes it at run time).
+    servers: tuple[Server, ...]
     budget: BudgetConfig
     sink: SinkConfig
     producer: ProducerConfig
@@ -611,8 +678,13 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
         return _resolve(self.base_dir, tokenizer) if tokenizer else None
 
     @property
+    def concurrency(self) -> int:
+        """Requests in flight at once over the whole fleet: its servers' concurrency."""
+        return sum(server.concurrency for server in self.servers)
+
+    @property
     def max_queued_per_dataset(self) -> int:
-        return self.producer.max_queued_per_dataset or 2 * self.inference.concurrency
+        return self.producer.max_queued_per_dataset or 2 * self.concurrency
 
     def require_datasets(self) -> None:
         """``run`` and ``produce`` have nothing to do without a dataset (and would wait
@@ -705,6 +777,10 @@ def _from_msgspec(exc: msgspec.ValidationError, source: str) -> ConfigError:
 
 
 def _apply_env(data: dict[str, Any], environ: Mapping[str, str]) -> None:
+    """The environment's overrides over ``data``. A server named there replaces the
+    file's: ``TOKENBUDGET__INFERENCE__URL`` its ``[[inference.servers]]`` and
+    ``TOKENBUDGET__INFERENCE__SERVERS`` its ``url``."""
+    named: list[str] = []  # the inference servers' keys the environment sets
     for name, value in environ.items():
         if not name.startswith(ENV_PREFIX):
             continue
@@ -717,6 +793,32 @@ def _apply_env(data: dict[str, Any], environ: Mapping[str, str]) -> None:
         data.setdefault(section, {})[key] = (
             value if _is_text_key(section, key) else _env_value(value)
         )
+        if section == "inference" and key in _ONE_OR_SEVERAL:
+            named.append(key)
+    if len(named) > 1:
+        raise ConfigError(
+            "inference.url",
+            f"both ${ENV_PREFIX}INFERENCE__URL and ${ENV_PREFIX}INFERENCE__SERVERS are set: "
+            "unset one",
+        )
+    for key in named:
+        data["inference"].pop(_ONE_OR_SEVERAL[key], None)
+
+
+# An inference server named from the environment replaces the config's: url those of
+# [[inference.servers]], servers the url.
+_ONE_OR_SEVERAL = {"url": "servers", "servers": "url"}
+
+
+def servers_environment(config: Config) -> dict[str, str]:
+    """The environment that gives a process loading ``config``'s file the same fleet
+    (``run``'s extra dispatchers, whatever ``--server`` or the environment said)."""
+    tables = ", ".join(
+        f"{{url = {json.dumps(s.url)}, concurrency = {s.concurrency}, "
+        f"api_key_env = {json.dumps(s.api_key_env)}, weight = {s.weight!r}}}"
+        for s in config.servers
+    )
+    return {f"{ENV_PREFIX}INFERENCE__SERVERS": f"[{tables}]"}
 
 
 def _is_text_key(section: str, key: str) -> bool:
@@ -801,6 +903,7 @@ def build(
         )
         _check_dataset(raw, d, key, source)
     _check_ranges(raw, source)
+    servers = _servers(raw.inference, source)
     _check_kafka_security(raw.kafka, source)
     if raw.inference.tokenizer and not _resolve(base, raw.inference.tokenizer).is_dir():
         raise ConfigError(
@@ -813,6 +916,7 @@ def build(
     return Config(
         kafka=msgspec.structs.replace(raw.kafka, bootstrap=bootstrap),
         inference=raw.inference,
+        servers=servers,
         budget=raw.budget,
         sink=raw.sink,
         producer=raw.producer,
@@ -1142,7 +1246,6 @@ def _check_ranges(raw: _RawConfig, source: str) -> None:
             "must be within 6..1800 seconds (the broker's group.min/max.session.timeout.ms)",
             source=source,
         )
-    _check_url(raw.inference.url, source)
     if not re.fullmatch(r"[A-Za-z0-9_\-]+", raw.kafka.namespace):
         raise ConfigError("kafka.namespace", "use letters, digits, '_' and '-'", source=source)
     _check_replication(raw.kafka, source)
@@ -1150,27 +1253,89 @@ def _check_ranges(raw: _RawConfig, source: str) -> None:
 
 
 def one_server_per_url(url: str) -> str:
-    """What to do with several servers: the one place that says it (a fleet of
-    servers behind one job would change it)."""
+    """What to do with several servers in one URL: the one place that says it."""
     return (
-        f"{url!r} names several servers, but it takes one URL: run one `tokenbudget "
-        "dispatch` per server with TOKENBUDGET__INFERENCE__URL set to its URL, or put a "
-        "router in front of them and set its URL here"
+        f"{url!r} names several servers, but it takes one URL: give each server its own "
+        '[[inference.servers]] table (url = "http://..."), or pass --server URL once per '
+        "server to `tokenbudget run`"
     )
 
 
-def _check_url(url: str, source: str) -> None:
+def _servers(inference: InferenceConfig, source: str) -> tuple[Server, ...]:
+    """The fleet the config names: its ``[[inference.servers]]``, each with
+    ``[inference]``'s settings where it sets none, else ``url`` alone (by default
+    :data:`DEFAULT_URL`)."""
+    if inference.servers and inference.url:
+        raise ConfigError(
+            "inference.url",
+            "set either one server (url) or several ([[inference.servers]]), not both: "
+            f'move {inference.url!r} into a [[inference.servers]] table as url = "..."',
+            source=source,
+        )
+    if not inference.servers:
+        url = inference.url or DEFAULT_URL
+        check_url(url, "inference.url", source)
+        return (
+            Server(
+                url=url.rstrip("/"),
+                concurrency=inference.concurrency,
+                api_key_env=inference.api_key_env,
+            ),
+        )
+    servers: list[Server] = []
+    for i, entry in enumerate(inference.servers):
+        key = f"inference.servers[{i}]"
+        check_url(entry.url, f"{key}.url", source)
+        url = entry.url.rstrip("/")
+        twice = [j for j, s in enumerate(servers) if s.url == url]
+        if twice:
+            raise ConfigError(
+                f"{key}.url",
+                f"{entry.url!r} is inference.servers[{twice[0]}] already: list each server once",
+                source=source,
+            )
+        concurrency = inference.concurrency if entry.concurrency is None else entry.concurrency
+        if concurrency <= 0:
+            raise ConfigError(
+                f"{key}.concurrency", f"must be positive, got {concurrency}", source=source
+            )
+        if not (entry.weight > 0 and math.isfinite(entry.weight)):
+            raise ConfigError(
+                f"{key}.weight", f"must be a positive number, got {entry.weight}", source=source
+            )
+        key_env = inference.api_key_env if entry.api_key_env is None else entry.api_key_env
+        servers.append(
+            Server(url=url, concurrency=concurrency, api_key_env=key_env, weight=entry.weight)
+        )
+    return tuple(servers)
+
+
+def with_servers(config: Config, urls: Sequence[str]) -> Config:
+    """``config`` sent to ``urls`` instead of the servers it names (``--server``), each
+    with ``[inference]``'s settings."""
+    for url in urls:
+        check_url(url, "--server", config.source)
+    inference = msgspec.structs.replace(
+        config.inference, url="", servers=[ServerConfig(url=url) for url in urls]
+    )
+    return msgspec.structs.replace(
+        config, inference=inference, servers=_servers(inference, config.source)
+    )
+
+
+def check_url(url: str, key: str, source: str | None = None) -> None:
+    """Raise a ConfigError naming ``key`` unless ``url`` is one http(s) URL of a host."""
     if "," in url or len(url.split()) > 1:
-        raise ConfigError("inference.url", one_server_per_url(url), source=source)
+        raise ConfigError(key, one_server_per_url(url), source=source)
     if not url.startswith(("http://", "https://")):
-        raise ConfigError("inference.url", f"{url!r} is not an http(s) URL", source=source)
+        raise ConfigError(key, f"{url!r} is not an http(s) URL", source=source)
     parts = urllib.parse.urlsplit(url)
     try:
         parts.port  # noqa: B018 - parsing the port is the check
     except ValueError as exc:
-        raise ConfigError("inference.url", f"{url!r}: {exc}", source=source) from None
+        raise ConfigError(key, f"{url!r}: {exc}", source=source) from None
     if not parts.hostname:
-        raise ConfigError("inference.url", f"{url!r} names no host", source=source)
+        raise ConfigError(key, f"{url!r} names no host", source=source)
 
 
 _ADDRESS_RE = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.\-]+):\d{1,5}$")

@@ -25,7 +25,7 @@
     │   └── InferenceProtocolError    the body is not the wire format we expect (retried)
     │       └── InferenceCountError      neither usage nor token ids, and no tokenizer
     │                                    to count with (not retried; producers.inference)
-    ├── ServerOutageError      the inference server stayed away longer than allowed
+    ├── ServerOutageError      every inference server stayed away longer than allowed
     ├── WorkerFailedError      a worker process of ``run`` kept exiting on its own
     ├── ExportError            kept rows cannot be exported as asked (and what to fix)
     └── JobChangedError        a rerun is not the job its namespace recorded (and the ways on)
@@ -37,8 +37,9 @@ they are caught. ``tokenbudget.app.interrupts.Interrupted`` is no error: ``run``
 stopped in order by a signal, which ends as its exit code.
 
 "Server away" errors say nothing about the request: they are retried for as long as
-the server is away (dispatch pauses meanwhile) and never fail a prompt. The other
-retried errors fail a prompt after ``[inference] retries`` of them.
+some server of the fleet may answer (the server away gets nothing meanwhile) and
+never fail a prompt. The other retried errors fail a prompt after ``[inference]
+retries`` of them.
 
 Errors from libraries are translated at one boundary per module with
 ``raise ... from exc`` so the user sees where and what to fix, and the cause stays
@@ -150,6 +151,8 @@ class InferenceError(TokenBudgetError):
     retryable: bool = False
     # The server is busy or unreachable: the request itself is not to blame.
     server_away: bool = False
+    # The server is up but takes no more now (429, 503): it is sent fewer at once.
+    busy: bool = False
     retry_after: float | None = None  # seconds the server asked us to wait
 
 
@@ -167,9 +170,12 @@ class InferenceUnavailableError(InferenceError):
     retryable = True
     server_away = True
 
-    def __init__(self, message: str, *, retry_after: float | None = None) -> None:
+    def __init__(
+        self, message: str, *, retry_after: float | None = None, busy: bool = False
+    ) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+        self.busy = busy
 
 
 class InferenceServerError(InferenceError):
@@ -189,7 +195,8 @@ class InferenceProtocolError(InferenceError):
 
 
 class ServerOutageError(TokenBudgetError):
-    """The inference server stayed away longer than ``[inference] outage_timeout_s``."""
+    """Every inference server of the fleet stayed away longer than ``[inference]
+    outage_timeout_s``."""
 
 
 class WorkerFailedError(TokenBudgetError):

@@ -13,9 +13,11 @@ Who sets what:
   budget, used, remaining, reserved, overshoot, halted and open (gauges). No other
   process touches them, so several processes never report conflicting values;
 * the **run process** sets the dispatcher's metrics (in-flight, latency, TTFT,
-  inference errors, skipped prompts), the sink's (Parquet rows and bytes), events
-  produced/consumed, dead letters, consumer lag (:class:`LagSampler`) and the
-  overshoot allowance;
+  inference errors, skipped prompts, and per server of the fleet, labelled ``server``
+  with its URL: requests, tokens generated, errors, in flight, window, state, TTFT),
+  the sink's (Parquet rows and bytes), events produced/consumed, dead letters,
+  consumer lag (:class:`LagSampler`) and the overshoot allowance; so does each
+  ``tokenbudget dispatch`` process, for its own requests;
 * events consumed and dead letters are also counted by the ledger, labelled
   ``consumer="ledger"``.
 
@@ -216,9 +218,55 @@ CLAIMS = Counter(
     "Answers on an expired lease claimed anew from the ledger, by result",
     ["result"],
 )
-#: counter: times dispatch paused because the inference server was away
+#: counter: times a server of the fleet was paused because it was away
 SERVER_PAUSES = Counter(
-    "tokenbudget_server_pauses_total", "Times dispatch paused because the server was away"
+    "tokenbudget_server_pauses_total", "Times a server was paused because it was away"
+)
+
+# --- per inference server of the fleet (dispatcher), labelled with its URL ---------
+
+#: counter: requests the dispatcher sent to the server (each attempt)
+SERVER_REQUESTS = Counter(
+    "tokenbudget_server_requests_total", "Inference requests sent, per server", ["server"]
+)
+#: counter: completion tokens the server generated, kept or not (its answers as sent)
+SERVER_TOKENS = Counter(
+    "tokenbudget_server_generated_tokens_total",
+    "Completion tokens the server generated, per server",
+    ["server"],
+)
+#: counter: requests to the server that failed, by error class; ``moved``: given up
+#: while the server was away and sent to another server
+SERVER_ERRORS = Counter(
+    "tokenbudget_server_errors_total",
+    "Failed inference requests, per server and kind",
+    ["server", "kind"],
+)
+#: gauge: requests at the server now
+SERVER_IN_FLIGHT = Gauge(
+    "tokenbudget_server_inflight_requests", "Inference requests in flight, per server", ["server"]
+)
+#: gauge: requests the server may have at once now: its window, cut when it answers
+#: 429/503 or slows down, grown back to its concurrency (producers/routing.py)
+SERVER_LIMIT = Gauge(
+    "tokenbudget_server_concurrency_limit",
+    "Requests the server may have at once now (its adaptive window), per server",
+    ["server"],
+)
+#: gauge: 1 for the state the server is in, 0 for the others: ``up``, ``paused``
+#: (away, polled), ``dropped`` (away past outage_timeout_s), ``draining``, ``drained``
+SERVER_STATE = Gauge(
+    "tokenbudget_server_state",
+    "1 for the server's state (up, paused, dropped, ...)",
+    ["server", "state"],
+)
+#: histogram: seconds from sending a request to its first token, per server (streamed
+#: answers only)
+SERVER_TTFT = Histogram(
+    "tokenbudget_server_time_to_first_token_seconds",
+    "Time to first token, per server (streamed answers)",
+    ["server"],
+    buckets=(0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
 )
 
 #: gauge: always 1; its labels say which tokenbudget serves the metrics, and the

@@ -31,6 +31,7 @@ SERVER_ROW = "Inference server"
 SELECTOR = re.compile(r"tokenbudget_[a-z_]+(\{[^}]*\})?")
 FILTERS = ('job=~"$job"', 'namespace=~"$namespace"')
 DATASET = 'dataset=~"$dataset"'
+SERVER = 'server=~"$server"'
 AGGREGATION = re.compile(r"\b(sum|max|min|avg|count)\s*(?:by\s*\(([^)]*)\)\s*)?$")
 QUANTILE = re.compile(r"histogram_quantile\(([0-9.]+),")
 
@@ -204,11 +205,11 @@ def test_import_inputs_and_requires() -> None:
     assert {id_ for type_, id_ in requires if type_ == "panel"} == used
 
 
-def test_variables_datasource_job_namespace_dataset_in_order() -> None:
+def test_variables_datasource_job_namespace_dataset_server_in_order() -> None:
     dashboard = load(DASHBOARD)
     listing = dashboard["templating"]["list"]
     # Each query narrows by the ones before it, so the order is the dependency order.
-    assert [v["name"] for v in listing] == ["datasource", "job", "namespace", "dataset"]
+    assert [v["name"] for v in listing] == ["datasource", "job", "namespace", "dataset", "server"]
     datasource = listing[0]
     assert datasource["type"] == "datasource" and datasource["query"] == "prometheus"
     assert not datasource["multi"] and not datasource["includeAll"]
@@ -217,6 +218,9 @@ def test_variables_datasource_job_namespace_dataset_in_order() -> None:
         "namespace": 'label_values(tokenbudget_build_info{job=~"$job"}, namespace)',
         "dataset": (
             'label_values(tokenbudget_budget_tokens{job=~"$job", namespace=~"$namespace"}, dataset)'
+        ),
+        "server": (
+            'label_values(tokenbudget_server_state{job=~"$job", namespace=~"$namespace"}, server)'
         ),
     }
     for variable in listing[1:]:
@@ -240,6 +244,8 @@ def test_every_tokenbudget_selector_filters_job_and_namespace() -> None:
                 assert wanted in braces, f"{where}: {match.group(0)} lacks {wanted}"
             if "dataset" in names[name][1]:
                 assert DATASET in braces, f"{where}: {match.group(0)} lacks {DATASET}"
+            if "server" in names[name][1]:
+                assert SERVER in braces, f"{where}: {match.group(0)} lacks {SERVER}"
             checked += 1
     assert checked >= 40
 
@@ -313,6 +319,36 @@ def test_panels_for_the_new_signals() -> None:
     # The integration test names panels that may be empty on a healthy run by title.
     assert len(titles) == len(set(titles))
     assert "ETA to budget" in titles
+
+
+def test_a_row_per_server_of_the_fleet() -> None:
+    dashboard = load(DASHBOARD)
+    top = dashboard["panels"]
+    (row,) = [p for p in top if p["type"] == "row" and p.get("repeat") == "server"]
+    # Grafana repeats a row that is not collapsed with the panels below it, up to the
+    # next row: one such row per value of $server.
+    assert not row["collapsed"] and "$server" in row["title"]
+    after = sorted(
+        (p for p in top if p["gridPos"]["y"] > row["gridPos"]["y"]), key=lambda p: p["gridPos"]["y"]
+    )
+    repeated = []
+    for panel in after:
+        if panel["type"] == "row":
+            break
+        repeated.append(panel)
+    shown = " ".join(t["expr"] for p in repeated for t in p["targets"])
+    for metric in (
+        "tokenbudget_server_requests_total",
+        "tokenbudget_server_errors_total",
+        "tokenbudget_server_inflight_requests",
+        "tokenbudget_server_concurrency_limit",
+        "tokenbudget_server_time_to_first_token_seconds_bucket",
+    ):
+        assert metric in shown, metric
+    for panel in repeated:
+        assert all('server=~"$server"' in t["expr"] for t in panel["targets"]), panel["title"]
+    titles = {p["title"] for p in top}
+    assert {"Server state", "Tokens/s generated per server"} <= titles
 
 
 def test_inference_server_row() -> None:

@@ -20,6 +20,7 @@ ALERTS = {
     "TokenBudgetInferenceErrors",
     "TokenBudgetConsumerLag",
     "TokenBudgetLedgerDown",
+    "TokenBudgetServerDown",
 }
 
 

@@ -170,7 +170,7 @@ def test_a_sick_server_delays_the_job_and_fails_no_prompt(
     assert all(r["failed"] == 0 for r in report["datasets"].values()), report
     verdict = judge(tmp_path, kafka_bootstrap, namespace, jobs)
     assert_exact(verdict, jobs)
-    assert "dispatch pauses" in log.read_text()
+    assert "it gets no requests until it answers its health check" in log.read_text()
 
 
 @pytest.mark.timeout(600)

@@ -6,6 +6,8 @@ After the run a rogue producer keeps publishing completions of the halted datase
 ``long`` straight to the completions topic, ignoring the halt: the ledger counts
 them, so its kept tokens keep growing while it is halted (TokenBudgetHaltIgnored)
 and its overshoot passes what requests in flight can explain (TokenBudgetOvershoot).
+The run's fleet has a second server that never answers: it stays paused, polled,
+while the first carries the job (TokenBudgetServerDown, for it alone).
 The rules are the production file with every duration divided by 30
 (``scale_durations``), so ``for: 30s`` is 1 s and the 5-minute grace 10 s.
 """
@@ -53,6 +55,7 @@ GRAFANA_VARS = {
     "$job": ".*",
     "$namespace": ".*",
     "$dataset": ".*",
+    "$server": ".*",
 }
 
 
@@ -65,6 +68,8 @@ class Observed:
     namespace: str
     rogue_events: int
     ledger: Any  # the ledger worker's process
+    server: str  # the simulator's URL
+    dead: str  # the URL of the fleet's server that never answers
 
 
 def rogue_completion(i: int) -> ev.CompletionEvent:
@@ -100,7 +105,7 @@ def observed(tmp_path_factory: pytest.TempPathFactory, kafka_bootstrap: str) -> 
     namespace = f"obs{uuid.uuid4().hex[:8]}"
     topics = Topics(namespace)
     kafka_admin.ensure_topics(kafka_bootstrap, topics.specs())
-    run_port, ledger_port, sim_port = free_port(), free_port(), free_port()
+    run_port, ledger_port, sim_port, dead_port = free_port(), free_port(), free_port(), free_port()
     # The simulator is scraped too, as a user scrapes SGLang: its panels need data.
     targets = [f"127.0.0.1:{p}" for p in (run_port, ledger_port, sim_port)]
     with prometheus_stack(tmp / "stack", targets) as stack:
@@ -116,12 +121,17 @@ def observed(tmp_path_factory: pytest.TempPathFactory, kafka_bootstrap: str) -> 
             assert ledger.poll() is None, f"the ledger worker exited with {ledger.returncode}"
             started = time.time()
             report = asyncio.run(
-                asyncio.wait_for(_run(tmp, kafka_bootstrap, namespace, run_port, sim_port), 120)
+                asyncio.wait_for(
+                    _run(tmp, kafka_bootstrap, namespace, run_port, sim_port, dead_port), 120
+                )
             )
             assert ledger.poll() is None, f"the ledger worker exited with {ledger.returncode}"
             assert report.datasets["long"].status == "halted"
             rogue = _rogue(stack, kafka_bootstrap, topics)
-            yield Observed(stack, report, started, kafka_bootstrap, namespace, rogue, ledger)
+            server, dead = (f"http://127.0.0.1:{port}" for port in (sim_port, dead_port))
+            yield Observed(
+                stack, report, started, kafka_bootstrap, namespace, rogue, ledger, server, dead
+            )
         finally:
             stop_process(ledger)
 
@@ -134,7 +144,7 @@ def _answers(port: int) -> bool:
 
 
 async def _run(
-    tmp: Path, bootstrap: str, namespace: str, metrics_port: int, sim_port: int
+    tmp: Path, bootstrap: str, namespace: str, metrics_port: int, sim_port: int, dead_port: int
 ) -> RunReport:
     # Slow enough that the run spans several scrapes (about 40 long answers of ~1.3 s,
     # 8 at a time), with a few injected server errors for the error panels.
@@ -150,7 +160,8 @@ async def _run(
             {
                 "kafka": {"bootstrap": bootstrap, "namespace": namespace},
                 "inference": {
-                    "url": sim.url,
+                    # The second server never answers: paused from the start.
+                    "servers": [{"url": sim.url}, {"url": f"http://127.0.0.1:{dead_port}"}],
                     "concurrency": CONCURRENCY,
                     "max_new_tokens": MAX_NEW_TOKENS,
                     "backoff_s": 0.05,
@@ -354,6 +365,30 @@ def test_status_reads_the_ledger(observed: Observed, capsys: pytest.CaptureFixtu
     assert small["kept"] == observed.report.datasets["small"].completion_tokens
     assert small["remaining"] == 1_000_000 - small["kept"]
     assert small["eta_s"] is None
+
+
+def test_a_server_that_never_answers_fires_server_down_for_it_alone(observed: Observed) -> None:
+    hook = observed.stack.webhook
+    wait_for(
+        lambda: hook.firing("TokenBudgetServerDown", server=observed.dead),
+        60,
+        "TokenBudgetServerDown at the webhook",
+    )
+    [alert] = hook.firing("TokenBudgetServerDown")  # not for the server that answered
+    assert alert["labels"]["namespace"] == observed.namespace
+    assert alert["annotations"]["summary"] == f"{observed.dead}: the inference server is down"
+    assert alert["annotations"]["runbook_url"] == f"{RUNBOOKS}#tokenbudgetserverdown"
+    state = observed.stack.query(
+        f'tokenbudget_server_state{{namespace="{observed.namespace}", state="up"}} == 1'
+    )
+    assert [s["metric"]["server"] for s in state] == [observed.server]
+    # Probed away at the start, it was sent nothing: the other carried the job.
+    requests = f'tokenbudget_server_requests_total{{namespace="{observed.namespace}"}}'
+    sent = {
+        found["metric"]["server"]: float(found["value"][1])
+        for found in observed.stack.query(f"sum by (server) ({requests})")
+    }
+    assert sent[observed.dead] == 0 and sent[observed.server] > 0
 
 
 def test_a_dead_ledger_fires_ledger_down_at_the_webhook(observed: Observed) -> None:

@@ -13,7 +13,15 @@ from dataclasses import dataclass, field
 
 from producers.admission import Admission, AdmissionSettings
 from producers.dispatcher import Dispatcher
-from producers.inference import GenerationRequest, GenerationResult, InferenceBackend
+from producers.fleet import Fleet
+from producers.inference import (
+    GenerationRequest,
+    GenerationResult,
+    InferenceBackend,
+    RetryPolicy,
+)
+from producers.server_gate import GateSettings
+from producers.slots import Slot
 from streams import events as ev
 from streams.budget_board import BudgetBoard
 from tests.producers.test_admission import (
@@ -25,6 +33,7 @@ from tests.producers.test_admission import (
     until,
 )
 from tokenbudget import config as config_module
+from tokenbudget.errors import InferenceTransportError
 
 
 class Recorder:
@@ -56,10 +65,12 @@ class ScriptedBackend(InferenceBackend):
 
     api = "sglang"
 
-    def __init__(self) -> None:  # no HTTP client: nothing goes on the wire
+    def __init__(self, base_url: str = "http://scripted") -> None:  # nothing on the wire
+        self.base_url = base_url
         self.calls: dict[str, _Call] = {}
         self.aborted: list[str] = []
         self.abort_gate: dict[str, asyncio.Event] = {}  # rid -> released when set
+        self.healthy = True
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         call = self.calls[request.rid] = _Call(request)
@@ -78,6 +89,10 @@ class ScriptedBackend(InferenceBackend):
         gate = self.abort_gate.get(rid)
         if gate is not None:
             await gate.wait()
+
+    async def health(self) -> None:
+        if not self.healthy:
+            raise InferenceTransportError("health: connection refused")
 
     def streamed(self, rid: str, tokens: int) -> None:
         request = self.calls[rid].request
@@ -115,8 +130,33 @@ def make_dispatcher(
         board,
         AdmissionSettings(lease_size=1000),
     )
-    dispatcher.compose(recorder, admission)  # type: ignore[arg-type]
+    dispatcher.compose(recorder, admission, Fleet.of(backend))  # type: ignore[arg-type]
     return dispatcher, backend, fake, board, recorder
+
+
+# Servers of a test's fleet are held back after a failure for their Retry-After only.
+NO_BACKOFF = RetryPolicy(backoff=0.0, backoff_max=0.0)
+
+
+def serve(
+    dispatcher: Dispatcher, *backends: InferenceBackend, gate: GateSettings | None = None
+) -> Fleet:
+    """From now on the dispatcher's fleet is ``backends`` (its steps composed anew,
+    with the retry policy they had)."""
+    fleet = Fleet.of(*backends, gate=gate or GateSettings(), backoff=NO_BACKOFF)
+    retry = dispatcher.tries.retry
+    dispatcher.compose(dispatcher.publisher.producer, dispatcher.admission, fleet)
+    dispatcher.tries.retry = retry
+    return fleet
+
+
+async def dispatch(
+    dispatcher: Dispatcher, backend: InferenceBackend, p: ev.PromptEvent, slot: Slot | None = None
+) -> None:
+    """``p`` dispatched to a fleet of ``backend`` alone."""
+    if [s.backend for s in dispatcher.fleet.servers.values()] != [backend]:
+        serve(dispatcher, backend)
+    await dispatcher.tries.dispatch(p, slot)
 
 
 def prompt(i: int, max_new_tokens: int = 500) -> ev.PromptEvent:
@@ -144,7 +184,7 @@ def test_an_answer_finished_after_a_lowering_waits_for_the_ledger_and_is_cut() -
                 board.apply(ev.BudgetSet(dataset=DS, budget=lowered))
 
         board.syncer = syncer
-        task = asyncio.create_task(dispatcher.tries.dispatch(backend, prompt(0)))
+        task = asyncio.create_task(dispatch(dispatcher, backend, prompt(0)))
         await until(lambda: len(backend.calls) == 1, "the request")
         backend.finish(backend.rid_of(0), 500)
         await until(lambda: syncs == 1, "the sync")
@@ -165,7 +205,7 @@ def test_an_answer_finished_after_a_lowering_waits_for_the_ledger_and_is_cut() -
 def test_an_answer_finished_before_the_lowering_was_published_is_kept_whole() -> None:
     async def main() -> None:
         dispatcher, backend, _, board, recorder = make_dispatcher(stream=False)
-        task = asyncio.create_task(dispatcher.tries.dispatch(backend, prompt(0)))
+        task = asyncio.create_task(dispatch(dispatcher, backend, prompt(0)))
         await until(lambda: len(backend.calls) == 1, "the request")
         backend.finish(backend.rid_of(0), 500)
         await asyncio.wait_for(task, 5)
@@ -179,9 +219,7 @@ def test_an_answer_finished_before_the_lowering_was_published_is_kept_whole() ->
 def test_streams_are_aborted_together_when_what_they_generated_reaches_the_cap() -> None:
     async def main() -> None:
         dispatcher, backend, fake, board, recorder = make_dispatcher(stream=True)
-        tasks = [
-            asyncio.create_task(dispatcher.tries.dispatch(backend, prompt(i))) for i in range(2)
-        ]
+        tasks = [asyncio.create_task(dispatch(dispatcher, backend, prompt(i))) for i in range(2)]
         await until(lambda: len(backend.calls) == 2, "two requests")
         a, b = backend.rid_of(0), backend.rid_of(1)
         backend.streamed(a, 100)
@@ -209,7 +247,7 @@ def test_streams_are_aborted_together_when_what_they_generated_reaches_the_cap()
 def test_a_stream_already_past_its_cap_is_aborted_as_soon_as_the_cap_is_known() -> None:
     async def main() -> None:
         dispatcher, backend, fake, board, recorder = make_dispatcher(stream=True)
-        task = asyncio.create_task(dispatcher.tries.dispatch(backend, prompt(0)))
+        task = asyncio.create_task(dispatch(dispatcher, backend, prompt(0)))
         await until(lambda: len(backend.calls) == 1, "the request")
         rid = backend.rid_of(0)
         backend.streamed(rid, 400)
@@ -230,7 +268,7 @@ def test_answers_the_model_ended_tell_admission_their_length_those_cut_do_not() 
         dispatcher, backend, fake, board, recorder = make_dispatcher(stream=False)
         admission = dispatcher.admission
         assert admission is not None
-        first = asyncio.create_task(dispatcher.tries.dispatch(backend, prompt(0)))
+        first = asyncio.create_task(dispatch(dispatcher, backend, prompt(0)))
         await until(lambda: len(backend.calls) == 1, "the first request")
         backend.finish(backend.rid_of(0), 400)
         await asyncio.wait_for(first, 5)
@@ -246,7 +284,7 @@ def test_answers_the_model_ended_tell_admission_their_length_those_cut_do_not() 
                 board.apply(ev.BudgetSet(dataset=DS, budget=lowered))
 
         board.syncer = syncer
-        second = asyncio.create_task(dispatcher.tries.dispatch(backend, prompt(1)))
+        second = asyncio.create_task(dispatch(dispatcher, backend, prompt(1)))
         await until(lambda: len(backend.calls) == 2, "the second request")
         backend.finish(backend.rid_of(1), 500)
         await until(lambda: syncs == 1, "the sync")

@@ -5,7 +5,10 @@ than it was allowed, an answer whose lease expired while it was generated."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
+import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -14,12 +17,12 @@ from aiokafka.errors import KafkaConnectionError
 
 from producers.admission import Ticket
 from producers.inference import GenerationRequest, GenerationResult, InferenceBackend, RetryPolicy
-from producers.server_gate import GateSettings, ServerGate
+from producers.server_gate import GateSettings
 from streams import events as ev
 from streams import ledger
 from streams.budget import used
 from tests.producers.test_admission import DS, run, until
-from tests.producers.test_dispatcher_caps import Recorder, make_dispatcher, prompt
+from tests.producers.test_dispatcher_caps import Recorder, dispatch, make_dispatcher, prompt, serve
 from tokenbudget import metrics
 from tokenbudget.errors import (
     InferenceRequestError,
@@ -43,8 +46,10 @@ class FailingBackend(InferenceBackend):
         self.requests: list[GenerationRequest] = []
         self.healthy = asyncio.Event()
         self.health_checks = 0
+        self.before: Callable[[], object] = lambda: None  # called as each request comes
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
+        self.before()
         self.requests.append(request)
         if self.errors:
             raise self.errors.pop(0)
@@ -85,17 +90,25 @@ def outcomes(recorder: Recorder) -> list[ev.Event]:
     return [e for e in recorder.sent if not isinstance(e, ev.DeadLetter)]
 
 
-def test_a_busy_server_delays_a_prompt_by_its_retry_after_and_never_fails_it() -> None:
+def test_a_busy_server_is_held_back_by_its_retry_after_and_never_fails_a_prompt() -> None:
     async def main() -> None:
         dispatcher, _, fake, _, recorder = make_dispatcher(stream=False)
-        policy = with_retry(dispatcher, retries=1)
-        busy = [InferenceUnavailableError("HTTP 503", retry_after=2.5) for _ in range(6)]
+        with_retry(dispatcher, retries=1)
+        busy = [InferenceUnavailableError("HTTP 429", retry_after=0.05, busy=True)] * 6
         backend = FailingBackend([*busy, InferenceTransportError("reset")])
-        await dispatcher.tries.dispatch(backend, prompt(0))
+        backend.healthy.set()  # up, only busy: a pause ends at its first health check
+        gate = GateSettings(health_interval_s=0.01)
+        (server,) = serve(dispatcher, backend, gate=gate).servers.values()
+        holds: list[tuple[float, float]] = []  # (sent at, held till then by the last)
+        backend.before = lambda: holds.append((time.monotonic(), server.not_before))
+        await dispatcher.tries.dispatch(prompt(0))
         [completion] = outcomes(recorder)
         assert isinstance(completion, ev.CompletionEvent)
         assert completion.attempts == 8  # seven failures, more than `retries`, spared it
-        assert policy.asked[:6] == [2.5] * 6  # type: ignore[attr-defined]
+        # Each request after a busy answer waited out its Retry-After.
+        assert all(sent >= held for sent, held in holds)
+        assert all(b[1] >= a[0] + 0.05 for a, b in itertools.pairwise(holds[:7]))
+        assert server.window.size < server.window.ceiling  # and it is sent fewer at once
         # Nothing stayed reserved for the failed attempts: the lease holds only what
         # the one published answer cost.
         lease = next(iter(fake.state().leases.values()))
@@ -109,9 +122,9 @@ def test_a_wrong_request_fails_at_once_and_other_server_errors_after_the_retries
         dispatcher, _, _, _, recorder = make_dispatcher(stream=False)
         with_retry(dispatcher, retries=2)
         wrong = FailingBackend([InferenceRequestError("HTTP 400: prompt too long")])
-        await dispatcher.tries.dispatch(wrong, prompt(0))
+        await dispatch(dispatcher, wrong, prompt(0))
         broken = FailingBackend([InferenceServerError("HTTP 500")] * 5)
-        await dispatcher.tries.dispatch(broken, prompt(1))
+        await dispatch(dispatcher, broken, prompt(1))
         failed = [e for e in recorder.sent if isinstance(e, ev.PromptFailed)]
         assert [(f.prompt_id, f.attempts) for f in failed] == [("p0", 1), ("p1", 3)]
         assert len(wrong.requests) == 1 and len(broken.requests) == 3
@@ -126,7 +139,7 @@ def test_warnings_about_a_prompt_name_its_dataset_and_row(
         dispatcher, _, _, _, _ = make_dispatcher(stream=False)
         with_retry(dispatcher, retries=1)
         row = msgspec.structs.replace(prompt(0), source="data/a.jsonl:7")
-        await dispatcher.tries.dispatch(FailingBackend([InferenceServerError("HTTP 500")] * 2), row)
+        await dispatch(dispatcher, FailingBackend([InferenceServerError("HTTP 500")] * 2), row)
 
     # The dispatcher's steps log under their modules' names.
     steps = {"producers.dispatcher", "producers.tries", "producers.publisher"}
@@ -141,18 +154,15 @@ def test_warnings_about_a_prompt_name_its_dataset_and_row(
     ]
 
 
-def test_the_gate_pauses_dispatch_hands_back_idle_leases_and_resumes_on_health() -> None:
+def test_a_server_away_is_paused_its_idle_leases_go_back_and_it_resumes_on_health() -> None:
     async def main() -> None:
         dispatcher, _, fake, _, recorder = make_dispatcher(stream=False)
         with_retry(dispatcher, retries=0)
         backend = FailingBackend([InferenceTransportError("refused")] * 3)
-        gate = dispatcher.tries.gate = ServerGate(
-            backend.health,
-            GateSettings(pause_after=3, health_interval_s=0.01),
-            on_pause=dispatcher.admission.hand_back_idle,  # type: ignore[union-attr]
-        )
-        task = asyncio.create_task(dispatcher.tries.dispatch(backend, prompt(0)))
-        await until(lambda: not gate.is_open, "the pause")
+        fleet = serve(dispatcher, backend, gate=GateSettings(pause_after=3, health_interval_s=0.01))
+        (server,) = fleet.servers.values()
+        task = asyncio.create_task(dispatcher.tries.dispatch(prompt(0)))
+        await until(lambda: server.state == "paused", "the pause")
         await until(lambda: backend.health_checks >= 2, "health checks")
         # While the server is away nothing is sent and no budget is held.
         assert len(backend.requests) == 3
@@ -161,6 +171,7 @@ def test_the_gate_pauses_dispatch_hands_back_idle_leases_and_resumes_on_health()
         backend.healthy.set()
         await asyncio.wait_for(task, 5)
         assert [type(e) for e in outcomes(recorder)] == [ev.CompletionEvent]
+        assert server.state == "up"
 
     run(main())
 
@@ -170,18 +181,16 @@ def test_a_server_away_longer_than_the_outage_timeout_ends_dispatch_with_a_clear
         dispatcher, _, _, _, recorder = make_dispatcher(stream=False)
         with_retry(dispatcher, retries=0)
         backend = FailingBackend([InferenceTransportError("refused")] * 100)
-        dispatcher.tries.gate = ServerGate(
-            backend.health,
-            GateSettings(pause_after=1, health_interval_s=0.01, outage_timeout_s=0.05),
-            url="http://sim",
-        )
+        gate = GateSettings(pause_after=1, health_interval_s=0.01, outage_timeout_s=0.05)
+        fleet = serve(dispatcher, backend, gate=gate)
         try:
-            await asyncio.wait_for(dispatcher.tries.dispatch(backend, prompt(0)), 5)
+            await asyncio.wait_for(dispatcher.tries.dispatch(prompt(0)), 5)
         except ServerOutageError as exc:
             assert "http://sim" in str(exc) and "outage_timeout_s" in str(exc)
         else:
             raise AssertionError("expected ServerOutageError")
         assert outcomes(recorder) == []  # not failed: a rerun resumes it
+        assert fleet.outage is not None
 
     run(main())
 
@@ -206,7 +215,7 @@ def test_a_failed_send_is_retried_and_the_lease_is_handed_back_only_after_it() -
         flaky = FlakyProducer(failures=2)
         dispatcher.publisher.producer = flaky  # type: ignore[assignment]
         backend = FailingBackend([], tokens=40)
-        task = asyncio.create_task(dispatcher.tries.dispatch(backend, prompt(0)))
+        task = asyncio.create_task(dispatch(dispatcher, backend, prompt(0)))
         await asyncio.wait_for(task, 10)
         [completion] = flaky.completions()
         admission = dispatcher.admission
@@ -238,7 +247,8 @@ def test_an_error_outside_the_request_is_retried_and_the_offset_is_finished() ->
         dispatcher.tracker.started(record.topic, record.partition, record.offset)
         slot = await dispatcher.places.take(asyncio.Event())
         assert slot is not None
-        await dispatcher._handle(FailingBackend([]), record, slot)
+        serve(dispatcher, FailingBackend([]))
+        await dispatcher._handle(record, slot)
         assert [type(e) for e in outcomes(recorder)] == [ev.CompletionEvent]
         assert dispatcher.tracker.committable() == {(record.topic, record.partition): 1}
         lease = dispatcher.admission._leases[DS]  # type: ignore[union-attr]
@@ -261,9 +271,7 @@ def test_an_answer_longer_than_asked_is_cut_to_the_request_and_counted() -> None
     async def main() -> None:
         dispatcher, _, _, _, recorder = make_dispatcher(stream=False)
         before = metrics.SERVER_COUNT_CORRECTIONS.labels(kind="over_request")._value.get()
-        await dispatcher.tries.dispatch(
-            FailingBackend([], tokens=900), prompt(0, max_new_tokens=500)
-        )
+        await dispatch(dispatcher, FailingBackend([], tokens=900), prompt(0, max_new_tokens=500))
         [completion] = recorder.completions()
         assert completion.completion_tokens == 500 == len(completion.output_ids)
         assert completion.finish_reason == "length"
@@ -276,7 +284,7 @@ def test_an_answer_longer_than_asked_is_cut_to_the_request_and_counted() -> None
 def test_an_answer_on_a_lease_expired_meanwhile_is_claimed_on_a_fresh_lease() -> None:
     async def main() -> None:
         dispatcher, backend, fake, board, recorder = make_dispatcher(stream=False)
-        task = asyncio.create_task(dispatcher.tries.dispatch(backend, prompt(0)))
+        task = asyncio.create_task(dispatch(dispatcher, backend, prompt(0)))
         await until(lambda: len(backend.calls) == 1, "the request")
         first = dispatcher.admission._leases[DS]  # type: ignore[union-attr]
         # The ledger expired the lease (its holder looked dead): the budget it held
@@ -296,7 +304,7 @@ def test_an_answer_on_a_lease_expired_meanwhile_is_claimed_on_a_fresh_lease() ->
 def test_a_claim_the_budget_has_no_room_for_is_not_kept() -> None:
     async def main() -> None:
         dispatcher, backend, fake, _, recorder = make_dispatcher(stream=False, budget=1000)
-        task = asyncio.create_task(dispatcher.tries.dispatch(backend, prompt(0)))
+        task = asyncio.create_task(dispatch(dispatcher, backend, prompt(0)))
         await until(lambda: len(backend.calls) == 1, "the request")
         first = dispatcher.admission._leases[DS]  # type: ignore[union-attr]
         first.valid_until = 0.0  # frozen past its TTL: no renewal reached the ledger

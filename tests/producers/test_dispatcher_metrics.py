@@ -13,7 +13,7 @@ from prometheus_client import REGISTRY
 from streams import events as ev
 from streams.budget_board import BudgetBoard
 from tests.producers.test_admission import DS, run, until
-from tests.producers.test_dispatcher_caps import make_dispatcher, prompt
+from tests.producers.test_dispatcher_caps import dispatch, make_dispatcher, prompt
 from tests.producers.test_dispatcher_faults import FailingBackend, outcomes, with_retry
 from tokenbudget.errors import InferenceUnavailableError
 
@@ -29,7 +29,7 @@ def test_retries_are_counted_per_dataset_and_reason() -> None:
         labels = {"dataset": DS, "reason": "InferenceUnavailableError"}
         before = sample("tokenbudget_inference_retries_total", **labels)
         busy = [InferenceUnavailableError("HTTP 503") for _ in range(3)]
-        await dispatcher.tries.dispatch(FailingBackend(busy), prompt(0))
+        await dispatch(dispatcher, FailingBackend(busy), prompt(0))
         assert isinstance(outcomes(recorder)[0], ev.CompletionEvent)
         assert sample("tokenbudget_inference_retries_total", **labels) == before + 3
 
@@ -42,7 +42,7 @@ def test_latency_budget_wait_and_finish_reason_are_observed_per_dataset() -> Non
         latency = sample("tokenbudget_request_latency_seconds_count", dataset=DS)
         waits = sample("tokenbudget_budget_wait_seconds_count", dataset=DS)
         stops = sample("tokenbudget_completions_total", dataset=DS, finish_reason="stop")
-        await dispatcher.tries.dispatch(FailingBackend([], tokens=40), prompt(0))
+        await dispatch(dispatcher, FailingBackend([], tokens=40), prompt(0))
         assert sample("tokenbudget_request_latency_seconds_count", dataset=DS) == latency + 1
         assert sample("tokenbudget_budget_wait_seconds_count", dataset=DS) == waits + 1
         assert (
@@ -57,9 +57,7 @@ def test_tokens_beyond_the_request_are_waste() -> None:
         dispatcher, _, _, _, _ = make_dispatcher(stream=False)
         labels = {"dataset": DS, "reason": "over_request"}
         before = sample("tokenbudget_wasted_tokens_total", **labels)
-        await dispatcher.tries.dispatch(
-            FailingBackend([], tokens=900), prompt(0, max_new_tokens=500)
-        )
+        await dispatch(dispatcher, FailingBackend([], tokens=900), prompt(0, max_new_tokens=500))
         assert sample("tokenbudget_wasted_tokens_total", **labels) == before + 400
 
     run(main())
@@ -70,7 +68,7 @@ def test_an_answer_the_budget_has_no_room_for_is_waste() -> None:
         dispatcher, backend, fake, _, recorder = make_dispatcher(stream=False, budget=1000)
         labels = {"dataset": DS, "reason": "refused"}
         before = sample("tokenbudget_wasted_tokens_total", **labels)
-        task = asyncio.create_task(dispatcher.tries.dispatch(backend, prompt(0)))
+        task = asyncio.create_task(dispatch(dispatcher, backend, prompt(0)))
         await until(lambda: len(backend.calls) == 1, "the request")
         dispatcher.admission._leases[DS].valid_until = 0.0  # type: ignore[union-attr]
         fake.states[DS] = fake.state().__class__(

@@ -11,7 +11,7 @@ from producers.slots import Slot
 from streams import events as ev
 from streams import ledger
 from tests.producers.test_admission import DS, TOPICS, run, settle_and_complete, until
-from tests.producers.test_dispatcher_caps import make_dispatcher, prompt
+from tests.producers.test_dispatcher_caps import dispatch, make_dispatcher, prompt
 
 
 def test_a_prompt_waiting_for_budget_frees_its_server_place_until_budget_comes() -> None:
@@ -30,7 +30,7 @@ def test_a_prompt_waiting_for_budget_frees_its_server_place_until_budget_comes()
 
         await server.acquire()  # as the run loop does before it starts a prompt
         slot = Slot(server, publishing, waiting)
-        task = asyncio.create_task(dispatcher.tries.dispatch(backend, prompt(1), slot))
+        task = asyncio.create_task(dispatch(dispatcher, backend, prompt(1), slot))
         await until(
             lambda: any(isinstance(e, ev.LeaseDenied) and e.holder == "d1" for e in fake.replies),
             "a denial for the waiting prompt",
@@ -70,7 +70,7 @@ def test_an_answer_waiting_to_be_claimed_lends_its_place_among_those_being_publi
             await server.acquire()
             slot = Slot(server, publishing, waiting)
             try:
-                await dispatcher.tries.dispatch(backend, prompt(i), slot)
+                await dispatch(dispatcher, backend, prompt(i), slot)
             finally:
                 slot.release()
 

@@ -54,7 +54,7 @@ def test_handing_back_publishes_the_answers_in_and_gives_up_the_requests_at_the_
         for record in records:
             dispatcher.tracker.started(record.topic, record.partition, record.offset)
             slot = await taken(dispatcher)
-            tasks[asyncio.create_task(dispatcher._handle(backend, record, slot))] = slot
+            tasks[asyncio.create_task(dispatcher._handle(record, slot))] = slot
         await until(lambda: len(backend.calls) == 2, "both requests at the server")
         calls = {call.request.text: call for call in backend.calls.values()}
         p0, p1 = calls["q0"], calls["q1"]
@@ -83,7 +83,7 @@ def test_without_hand_back_a_stop_waits_for_every_request() -> None:
         record = Record(0)
         dispatcher.tracker.started(record.topic, record.partition, record.offset)
         slot = await taken(dispatcher)
-        tasks = {asyncio.create_task(dispatcher._handle(backend, record, slot)): slot}
+        tasks = {asyncio.create_task(dispatcher._handle(record, slot)): slot}
         await until(lambda: len(backend.calls) == 1, "the request at the server")
         winding_down = asyncio.create_task(dispatcher._wind_down(tasks))
         await asyncio.sleep(0.05)

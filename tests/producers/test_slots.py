@@ -5,8 +5,9 @@ prompts of other datasets is in ``test_dispatcher_slots``."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
-from producers.slots import Places, Slot
+from producers.slots import Capacity, Places, Slot
 from tests.producers.test_admission import run
 
 
@@ -81,5 +82,43 @@ def test_no_place_is_taken_once_handing_back() -> None:
         first.release()
         assert await places.take(handing_back) is None
         assert await places.take(asyncio.Event()) is not None  # the place was given back
+
+    run(main())
+
+
+def test_places_grow_and_shrink_with_what_the_fleet_can_take() -> None:
+    async def main() -> None:
+        places = Places(2)
+        never = asyncio.Event()
+        first, second = await places.take(never), await places.take(never)
+        assert first is not None and second is not None
+        third = asyncio.create_task(places.take(never))
+        await asyncio.sleep(0)
+        assert not third.done()  # two places, both taken
+        places.resize(3)  # a server joined
+        assert await asyncio.wait_for(third, 1) is not None
+        places.resize(1)  # two servers went away: those taken stay taken
+        first.release()
+        second.release()
+        fourth = asyncio.create_task(places.take(never))
+        await asyncio.sleep(0)
+        assert not fourth.done()  # one place, still held by the third prompt
+        (await asyncio.wait_for(third, 1)).release()  # type: ignore[union-attr]
+        assert await asyncio.wait_for(fourth, 1) is not None
+
+    run(main())
+
+
+def test_a_wait_for_a_place_cancelled_as_it_is_let_in_takes_nothing() -> None:
+    async def main() -> None:
+        capacity = Capacity(1)
+        await capacity.acquire()
+        waiter = asyncio.create_task(capacity.acquire())
+        await asyncio.sleep(0)
+        capacity.release()  # lets the waiter in...
+        waiter.cancel()  # ... which is cancelled before it runs
+        with contextlib.suppress(asyncio.CancelledError):
+            await waiter
+        assert capacity.taken == 0 and not capacity.locked()
 
     run(main())

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from aiokafka.errors import KafkaConnectionError
 
 from producers.admission import Ticket
-from producers.inference import InferenceBackend, RetryPolicy
+from producers.inference import RetryPolicy
 from producers.publisher import Publisher
 from producers.slots import Slot
 from producers.step import DispatchReport
@@ -23,21 +23,30 @@ from tests.producers.test_admission import DS, TOPICS, run
 from tests.producers.test_dispatcher_caps import Recorder, prompt
 
 
+class OpenFleet:
+    """A fleet with a server ready at all times."""
+
+    async def wait_ready(self) -> None:
+        return None
+
+
 @dataclass
 class FailingAttempt:
-    """Raises ``errors`` in turn, then succeeds (publishing nothing itself)."""
+    """The route step's stand-in: raises ``errors`` in turn, then succeeds
+    (publishing nothing itself)."""
 
     errors: list[Exception]
     calls: list[int] = field(default_factory=list)  # the attempts' numbers
+    fleet: OpenFleet = field(default_factory=OpenFleet)
 
     async def submit(
         self,
-        backend: InferenceBackend,
         prompt: ev.PromptEvent,
         ticket: Ticket | None,
         max_new: int,
         attempts: int,
         slot: Slot | None,
+        failed_at: set[str],
     ) -> None:
         self.calls.append(attempts)
         if self.errors:
@@ -74,7 +83,7 @@ def tries(
 def test_a_prompt_an_error_outside_the_request_keeps_failing_is_recorded_as_failed() -> None:
     attempt = FailingAttempt([RuntimeError("a bug")] * UNEXPECTED_ERRORS)
     step, kafka = tries(attempt)
-    run(step.submit(None, prompt(0)))  # type: ignore[arg-type]
+    run(step.submit(prompt(0)))
     assert len(attempt.calls) == UNEXPECTED_ERRORS
     [failed] = [e for e in kafka.sent if isinstance(e, ev.PromptFailed)]
     assert failed.attempts == UNEXPECTED_ERRORS and "a bug" in failed.reason
@@ -83,7 +92,7 @@ def test_a_prompt_an_error_outside_the_request_keeps_failing_is_recorded_as_fail
 def test_kafka_away_never_fails_a_prompt() -> None:
     attempt = FailingAttempt([KafkaConnectionError("broker away")] * (UNEXPECTED_ERRORS + 2))
     step, kafka = tries(attempt)
-    run(step.submit(None, prompt(0)))  # type: ignore[arg-type]
+    run(step.submit(prompt(0)))
     assert len(attempt.calls) == UNEXPECTED_ERRORS + 3  # the last one went through
     assert kafka.sent == [] and step.report.failed == 0
 
@@ -91,7 +100,7 @@ def test_kafka_away_never_fails_a_prompt() -> None:
 def test_a_prompt_done_already_is_not_sent_again() -> None:
     attempt = FailingAttempt([])
     step, kafka = tries(attempt, done=Done({"p0"}))
-    run(step.submit(None, prompt(0)))  # type: ignore[arg-type]
+    run(step.submit(prompt(0)))
     assert attempt.calls == [] and kafka.sent == []
     assert step.report.already_completed == 1
 
@@ -101,7 +110,7 @@ def test_a_halted_datasets_prompt_is_skipped_and_the_refusal_noted() -> None:
     board.apply(ev.BudgetExceeded(dataset=DS, budget=10, used=10))
     attempt = FailingAttempt([])
     step, kafka = tries(attempt, board=board)
-    run(step.submit(None, prompt(0)))  # type: ignore[arg-type]
+    run(step.submit(prompt(0)))
     [skipped] = kafka.sent
     assert isinstance(skipped, ev.PromptSkipped) and skipped.reason == "budget reached"
     assert attempt.calls == [] and DS in step.refused_at

@@ -11,7 +11,6 @@ import msgspec
 import pytest
 
 from producers import conversations
-from producers.inference import InferenceBackend
 from producers.publisher import Publisher
 from producers.slots import Slot
 from producers.step import DispatchReport
@@ -31,9 +30,7 @@ class Publishing:
         self.error = error
         self.submitted: list[str] = []
 
-    async def submit(
-        self, backend: InferenceBackend, prompt: ev.PromptEvent, slot: Slot | None = None
-    ) -> None:
+    async def submit(self, prompt: ev.PromptEvent, slot: Slot | None = None) -> None:
         self.submitted.append(prompt.prompt_id)
         if self.error is not None:
             raise self.error
@@ -51,7 +48,7 @@ def turns_step(error: BaseException | None = None) -> tuple[ConversationTurns, R
 def test_a_turns_outcome_is_followed_by_the_next_turns_prompt(tmp_path: Path) -> None:
     prompt = prompt_of(first_turn(tmp_path, FOUR))
     step, kafka = turns_step()
-    run(step.submit(None, prompt))  # type: ignore[arg-type]
+    run(step.submit(prompt))
     done, following = kafka.sent
     assert isinstance(done, ev.CompletionEvent) and done.prompt_id == prompt.prompt_id
     assert isinstance(following, ev.PromptEvent) and following.turn == 1
@@ -65,7 +62,7 @@ def test_a_turn_stopped_before_its_outcome_leads_to_nothing(tmp_path: Path) -> N
     prompt = prompt_of(first_turn(tmp_path, FOUR))
     step, kafka = turns_step(error=RuntimeError("stopped"))
     with pytest.raises(RuntimeError):
-        run(step.submit(None, prompt))  # type: ignore[arg-type]
+        run(step.submit(prompt))
     assert kafka.sent == []
     assert step.turns.take(prompt.prompt_id) is None  # nothing kept for it either
 
@@ -73,5 +70,5 @@ def test_a_turn_stopped_before_its_outcome_leads_to_nothing(tmp_path: Path) -> N
 def test_a_plain_prompt_passes_straight_through(tmp_path: Path) -> None:
     prompt = msgspec.structs.replace(prompt_of(first_turn(tmp_path, FOUR)), conversation_id=None)
     step, kafka = turns_step()
-    run(step.submit(None, prompt))  # type: ignore[arg-type]
+    run(step.submit(prompt))
     assert [type(e) for e in kafka.sent] == [ev.CompletionEvent]

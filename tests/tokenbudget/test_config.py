@@ -10,7 +10,14 @@ import pytest
 
 from tokenbudget import sizes
 from tokenbudget.columns import Columns, PromptTemplate
-from tokenbudget.config import _RawConfig, build, load, one_server_per_url, parse_budget
+from tokenbudget.config import (
+    _RawConfig,
+    build,
+    load,
+    one_server_per_url,
+    parse_budget,
+    with_servers,
+)
 from tokenbudget.errors import ConfigError
 
 NO_ENV: dict[str, str] = {}
@@ -521,10 +528,111 @@ def test_several_servers_in_inference_url_say_what_to_do_instead(url: str) -> No
     error = config_error({"inference": {"url": url}})
     assert error.key == "inference.url"
     assert str(error).endswith(one_server_per_url(url))
-    assert "run one `tokenbudget dispatch` per server with TOKENBUDGET__INFERENCE__URL" in str(
-        error
+    assert "give each server its own [[inference.servers]] table" in str(error)
+    assert "pass --server URL once per server to `tokenbudget run`" in str(error)
+
+
+# ---- inference.servers -------------------------------------------------------------
+
+
+def test_servers_take_inference_settings_they_do_not_set() -> None:
+    config = build(
+        {
+            "inference": {
+                "concurrency": 32,
+                "api_key_env": "KEY",
+                "servers": [
+                    {"url": "http://gpu1:30000/"},
+                    {"url": "http://gpu2:30000", "concurrency": 128, "weight": 2.5},
+                    {"url": "https://gpu3", "api_key_env": "GPU3_KEY"},
+                ],
+            }
+        },
+        environ=NO_ENV,
     )
-    assert "or put a router in front of them" in str(error)
+    assert [(s.url, s.concurrency, s.api_key_env, s.weight) for s in config.servers] == [
+        ("http://gpu1:30000", 32, "KEY", 1.0),
+        ("http://gpu2:30000", 128, "KEY", 2.5),
+        ("https://gpu3", 32, "GPU3_KEY", 1.0),
+    ]
+    assert config.concurrency == 32 + 128 + 32  # what the fleet takes at once
+
+
+def test_one_url_is_a_fleet_of_one_and_no_url_the_local_default() -> None:
+    one = build({"inference": {"url": "http://router:8000", "concurrency": 8}}, environ=NO_ENV)
+    assert [(s.url, s.concurrency) for s in one.servers] == [("http://router:8000", 8)]
+    assert [s.url for s in build({}, environ=NO_ENV).servers] == ["http://127.0.0.1:30000"]
+
+
+@pytest.mark.parametrize(
+    ("servers", "key", "problem"),
+    [
+        (
+            [{"url": "http://a:1"}, {"url": "http://b:1"}, {"url": "ftp://c"}],
+            "inference.servers[2].url",
+            "is not an http(s) URL",
+        ),
+        (
+            [{"url": "http://a:1"}, {"url": "http://a:1/"}],
+            "inference.servers[1].url",
+            "is inference.servers[0] already",
+        ),
+        (
+            [{"url": "http://a:1,http://b:1"}],
+            "inference.servers[0].url",
+            "give each server its own",
+        ),
+        ([{"concurrency": 4}], "inference.servers[0].url", "missing required field"),
+        (
+            [{"url": "http://a:1", "concurrency": 0}],
+            "inference.servers[0].concurrency",
+            "must be positive",
+        ),
+        (
+            [{"url": "http://a:1", "weight": 0}],
+            "inference.servers[0].weight",
+            "must be a positive number",
+        ),
+        (
+            [{"url": "http://a:1", "api_key": "s3cret"}],
+            "inference.servers[0].api_key",
+            "unknown field",
+        ),
+    ],
+)
+def test_a_bad_server_entry_is_named_by_its_index(
+    servers: list[dict[str, Any]], key: str, problem: str
+) -> None:
+    error = config_error({"inference": {"servers": servers}})
+    assert error.key == key and problem in str(error)
+
+
+def test_url_and_servers_together_are_refused_naming_url() -> None:
+    error = config_error({"inference": {"url": "http://a:1", "servers": [{"url": "http://b:1"}]}})
+    assert error.key == "inference.url" and "not both" in str(error)
+
+
+def test_the_environment_names_the_servers_in_place_of_the_files() -> None:
+    file = {"inference": {"servers": [{"url": "http://a:1"}, {"url": "http://b:1"}]}}
+    one = build(file, environ={"TOKENBUDGET__INFERENCE__URL": "http://c:1"})
+    assert [s.url for s in one.servers] == ["http://c:1"]
+    several = build(
+        {"inference": {"url": "http://a:1"}},
+        environ={"TOKENBUDGET__INFERENCE__SERVERS": '[{url = "http://c:1"}, {url = "http://d:1"}]'},
+    )
+    assert [s.url for s in several.servers] == ["http://c:1", "http://d:1"]
+
+
+def test_servers_given_on_the_command_line_replace_the_configs() -> None:
+    config = build({"inference": {"url": "http://a:1", "concurrency": 16}}, environ=NO_ENV)
+    moved = with_servers(config, ["http://c:1", "http://d:1/"])
+    assert [(s.url, s.concurrency) for s in moved.servers] == [
+        ("http://c:1", 16),
+        ("http://d:1", 16),
+    ]
+    with pytest.raises(ConfigError) as info:
+        with_servers(config, ["gpu1:30000"])
+    assert info.value.key == "--server" and "is not an http(s) URL" in str(info.value)
 
 
 @pytest.mark.parametrize(

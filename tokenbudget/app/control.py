@@ -81,6 +81,8 @@ async def dispatch_until_stopped(
 
 def run_dispatch_cli(args: argparse.Namespace) -> int:
     config = config_module.load(args.config)
+    if args.server:
+        config = config_module.with_servers(config, args.server)
     bootstrap = resolve_bootstrap(config)
     if args.metrics_port:
         metrics.serve(config.metrics.host, args.metrics_port, config.kafka.namespace, "dispatch")

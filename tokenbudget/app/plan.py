@@ -279,7 +279,8 @@ async def make_plan(config: Config, *, pilot: int = 0, count_tokens: bool = True
         return await asyncio.to_thread(known_plan, config, prompts)
     names = [d.name for d in lacking]
     print(
-        f"tokenbudget: pilot: up to {pilot} requests to {config.inference.url} for"
+        f"tokenbudget: pilot: up to {pilot} requests to"
+        f" {', '.join(server.url for server in config.servers)} for"
         f" {', '.join(names)}; their answers are counted against the budgets and kept in"
         f" {config.sink_path}",
         file=sys.stderr,

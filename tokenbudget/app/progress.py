@@ -7,12 +7,17 @@ already receives, through the same :class:`~tokenbudget.app.status.Tracker` that
 % used, tokens/s, ETA, state.
 
 * ``live``: a rich bar per dataset, within 80 columns, when stdout and stderr are a
-  terminal (:class:`BudgetProgress`).
+  terminal (:class:`BudgetProgress`), and one for the fleet (requests in flight
+  against its windows, tokens/s, servers up).
 * ``lines``: when the output goes to a file (``nohup``, a batch scheduler, ``>
   run.log``), nothing redraws; instead one line per dataset every ``[metrics]
   progress_interval_s`` seconds, and one line whenever a dataset changes state
   (halted, open again, exhausted), logged on ``tokenbudget.progress`` at INFO
-  (:class:`ProgressLines`).
+  (:class:`ProgressLines`); and the same per server of the fleet (paused, dropped,
+  up again, drained).
+
+The fleet is shown when it has several servers or one is not up, from what the
+dispatchers report on the budgets topic (:class:`~tokenbudget.app.servers.FleetTracker`).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from typing import Literal, Protocol
 from rich.progress import BarColumn, Progress, TaskID, TaskProgressColumn, TextColumn
 
 from streams.budget_board import BudgetBoard
+from tokenbudget.app import servers as fleet
 from tokenbudget.app.status import StatusRow, Tracker, format_eta
 from tokenbudget.config import Config
 from tokenbudget.tasks import cancel_and_wait
@@ -124,7 +130,7 @@ class BudgetProgress:
             TextColumn("ETA {task.fields[eta]:>6}"),
             TextColumn("{task.fields[state]}"),
         )
-        width = min(24, max((len(d.name) for d in config.datasets), default=0))
+        width = max(7, min(24, max((len(d.name) for d in config.datasets), default=0)))
         self.tasks: dict[str, TaskID] = {
             d.name: self.progress.add_task(
                 d.name[:width].ljust(width),
@@ -137,7 +143,35 @@ class BudgetProgress:
             )
             for d in config.datasets
         }
+        self.urls = [server.url for server in config.servers]
+        self.servers = fleet.FleetTracker()
+        self.fleet_task: TaskID | None = None
+        self._width = width
         self._task: asyncio.Task[None] | None = None
+
+    def update_fleet(self) -> None:
+        """The fleet's bar: requests in flight against its windows."""
+        self.servers.follow(self.board)
+        rows = self.servers.rows(self.urls)
+        if not fleet.shown(rows):
+            return
+        window = sum(row.limit for row in rows)
+        in_flight = sum(row.in_flight for row in rows)
+        if self.fleet_task is None:
+            name = "servers"[: self._width].ljust(self._width)
+            self.fleet_task = self.progress.add_task(
+                name, total=max(1, window), kept="0", budget="0", rate="0", eta="-", state=""
+            )
+        self.progress.update(
+            self.fleet_task,
+            completed=in_flight,
+            total=max(1, window),
+            kept=short(in_flight),
+            budget=short(window),
+            rate=short(sum(row.tokens_per_s for row in rows)),
+            eta="-",
+            state=fleet.summary(rows),
+        )
 
     def update(self) -> None:
         for name, task in self.tasks.items():
@@ -158,6 +192,7 @@ class BudgetProgress:
                 eta=shown["eta"],
                 state=shown["state"],
             )
+        self.update_fleet()
 
     async def _loop(self) -> None:
         while True:
@@ -190,7 +225,15 @@ class ProgressLines:
         self.budgets = {d.name: d.budget for d in config.datasets}
         self.tracker = Tracker()
         self.reported: dict[str, str] = dict.fromkeys(self.names, "unknown")
+        self.urls = [server.url for server in config.servers]
+        self.servers = fleet.FleetTracker()
+        self.reported_servers: dict[str, str] = {}
         self._task: asyncio.Task[None] | None = None
+
+    def _server_rows(self) -> list[fleet.ServerRow]:
+        self.servers.follow(self.board)
+        rows = self.servers.rows(self.urls)
+        return rows if fleet.shown(rows) else []
 
     def _rows(self, now: float) -> list[StatusRow]:
         for name in self.names:
@@ -209,11 +252,20 @@ class ProgressLines:
             self.reported[row.dataset] = row.state
             if line is not None:
                 lines.append(line)
+        for server in self._server_rows():
+            said = fleet.state_line(server, self.reported_servers.get(server.url, "-"))
+            self.reported_servers[server.url] = server.state
+            if said is not None:
+                lines.append(said)
         return lines
 
     def lines(self, now: float | None = None) -> list[str]:
-        """A progress line per dataset, as of ``now``."""
-        return [progress_line(row) for row in self._rows(time.time() if now is None else now)]
+        """A progress line per dataset, as of ``now``, and one per server."""
+        rows = self._rows(time.time() if now is None else now)
+        return [
+            *(progress_line(row) for row in rows),
+            *(fleet.progress_line(row) for row in self._server_rows()),
+        ]
 
     async def _loop(self) -> None:
         due = time.monotonic() + self.interval

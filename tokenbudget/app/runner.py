@@ -15,6 +15,7 @@ import contextlib
 import functools
 import json
 import logging
+import os
 import signal
 import socket
 import subprocess
@@ -42,11 +43,11 @@ from streams.budget_board import BudgetBoard, BudgetWatcher
 from streams.publisher import publish_events
 from streams.topics import Topics
 from tokenbudget import lifetime, metrics, sizes
-from tokenbudget.app import identity, precedence
+from tokenbudget.app import identity, precedence, servers
 from tokenbudget.app.bootstrap import resolve_bootstrap
 from tokenbudget.app.interrupts import Interrupted, StopSignals
 from tokenbudget.app.progress import Display, ProgressMode, choose_mode, display
-from tokenbudget.config import Config, Unit
+from tokenbudget.config import ENV_PREFIX, Config, Unit, servers_environment
 from tokenbudget.errors import ConfigError, WorkerFailedError
 from tokenbudget.kafka import GroupLag
 from tokenbudget.retry import retry_until_async
@@ -325,9 +326,16 @@ class ExtraDispatchers(SupervisedGroup):
             if self.config.metrics.port:
                 port = self.config.metrics.port + dispatcher_port_offset(i)
                 command += ["--metrics-port", str(port)]
-            child = Supervised(f"dispatcher {i + 1}", functools.partial(lifetime.spawn, command))
+            spawn = functools.partial(lifetime.spawn, command, env=self._environment())
+            child = Supervised(f"dispatcher {i + 1}", spawn)
             self.children.append(child)
             self.reports.append(report)
+
+    def _environment(self) -> dict[str, str]:
+        """This process's environment, with its fleet (which ``--server`` or the
+        environment may have changed from the file's)."""
+        environment = {k: v for k, v in os.environ.items() if k != f"{ENV_PREFIX}INFERENCE__URL"}
+        return {**environment, **servers_environment(self.config)}
 
     def finish(self, hand_back: bool = False) -> dict[str, list[float]]:
         """Stop them (with ``hand_back``, SIGINT: requests the server has not answered
@@ -474,7 +482,10 @@ async def run_async(
     # What the config and the datasets' first rows can tell is told before anything
     # starts: no broker, no server touched for a job that cannot run.
     await asyncio.to_thread(check_datasets, config)
-    await prepare(config)  # tokenizer loaded; server and model checked before anything runs
+    # Tokenizer loaded; servers and model checked before anything runs (one up will do).
+    checks = await prepare(config)
+    if len(checks) > 1 or not all(check.up for check in checks):
+        print(servers.start_table(checks), file=sys.stderr)
     if bootstrap is None:
         bootstrap = await asyncio.to_thread(resolve_bootstrap, config)
     # Is this the namespace's job? Settled before anything is published or started.
@@ -489,7 +500,7 @@ async def run_async(
             budget.overshoot_allowance(
                 config.budget.unit,
                 config.budget.admission,
-                config.inference.concurrency,
+                config.concurrency,
                 dataset.max_new_tokens,
                 dispatchers,
             )

@@ -17,14 +17,16 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from rich.console import Console
+from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
+from rich.text import Text
 
 from streams import budget as policy
 from streams import events as ev
 from streams.budget_board import BudgetBoard, BudgetWatcher
 from streams.topics import Topics
+from tokenbudget.app import servers as fleet
 from tokenbudget.app.tables import format_table
 from tokenbudget.tasks import cancel_and_wait
 
@@ -158,11 +160,14 @@ class TrackingBoard(BudgetBoard):
     """A budget board that also keeps each dataset's recent snapshots."""
 
     tracker: Tracker = field(default_factory=Tracker)
+    servers: fleet.FleetTracker = field(default_factory=fleet.FleetTracker)
 
     def apply(self, event: ev.Event, seen_at: float | None = None) -> None:
         super().apply(event, seen_at)
         if isinstance(event, ev.LedgerSnapshot):
             self.tracker.observe(event)
+        else:
+            self.servers.observe(event)
 
 
 def format_eta(seconds: float | None) -> str:
@@ -221,7 +226,7 @@ def plain_table(
     return format_table(headers, body) + "\n" + footer(rows, now)
 
 
-def table(rows: Sequence[StatusRow], width: int = 200) -> object:
+def table(rows: Sequence[StatusRow], width: int = 200) -> Table:
     """A rich table for ``--watch``, fitted to ``width`` columns by shortening the
     dataset names (the numbers and states are never cut)."""
     now = time.time()
@@ -256,8 +261,11 @@ async def follow(
     as_json: bool,
     interval: float = 1.0,
     planned: dict[str, str] | None = None,
+    servers: Sequence[str] = (),
 ) -> int:
-    """Read the budgets topic up to now and print; with ``watch``, keep going."""
+    """Read the budgets topic up to now and print; with ``watch``, keep going. The
+    fleet (``servers``: the config's URLs, and those added) follows the datasets
+    when it has several servers or one is not up."""
     board = TrackingBoard()
     watcher = BudgetWatcher(bootstrap, topics, board)
     await watcher.start()
@@ -269,23 +277,34 @@ async def follow(
         def render() -> list[StatusRow]:
             return board.tracker.rows(names, budgets, time.time())
 
+        def as_dict() -> dict[str, object]:
+            out = to_json(render(), time.time())
+            out["servers"] = [asdict(row) for row in board.servers.rows(servers)]
+            return out
+
         if not watch:
-            rows = render()
             if as_json:
-                out = to_json(rows, time.time())
+                out = as_dict()
                 if planned:
                     out["planned"] = planned
                 print(json.dumps(out, indent=2))
             else:
-                print(plain_table(rows, time.time(), planned))
+                print(plain_table(render(), time.time(), planned))
+                rows = board.servers.rows(servers)
+                if fleet.shown(rows):
+                    print("\n" + fleet.table(rows))
             return 0
         if as_json:
             while True:
-                print(json.dumps(to_json(render(), time.time())), flush=True)
+                print(json.dumps(as_dict()), flush=True)
                 await asyncio.sleep(interval)
 
         def view() -> Any:
-            return table(render(), console.width)
+            rows = board.servers.rows(servers)
+            datasets = table(render(), console.width)
+            if not fleet.shown(rows):
+                return datasets
+            return Group(datasets, Text("\n" + fleet.table(rows)))
 
         with Live(view(), console=console, auto_refresh=False) as live:
             while True:

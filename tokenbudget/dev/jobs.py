@@ -53,13 +53,18 @@ class Simulator:
             self.process.wait(10)
 
 
-def start_simulator(workdir: Path, *args: str, port: int | None = None) -> Simulator:
+def start_simulator(
+    workdir: Path, *args: str, port: int | None = None, name: str = "server"
+) -> Simulator:
+    """A simulator process, its request log ``<name>-requests.jsonl`` in ``workdir``
+    (one per server of a fleet; started again on the same port, it appends to it)."""
     port = port or free_port()
-    log = workdir / "server-requests.jsonl"
+    log = workdir / f"{name}-requests.jsonl"
     command = cli_command(
         "simulate", "--port", str(port), "--profile", "demo", "--log-file", str(log), *args
     )
-    with (workdir / "simulator.out").open("ab") as out:
+    out_file = "simulator.out" if name == "server" else f"{name}.out"
+    with (workdir / out_file).open("ab") as out:
         process = lifetime.spawn(command, stdout=out, stderr=subprocess.STDOUT)
     wait_for_simulator(process, port)
     return Simulator(process, port, log)
@@ -82,18 +87,19 @@ def write_job(
     workdir: Path,
     bootstrap: str,
     namespace: str,
-    url: str,
+    url: str | list[str],
     datasets: dict[str, tuple[Path, int]],
     *,
     dataset_keys: dict[str, dict[str, Any]] | None = None,
     **sections: dict[str, Any],
 ) -> Path:
     """A job config; ``sections`` override keys, e.g. ``budget={"lease_ttl_s": 3}``;
-    ``dataset_keys`` adds keys to the named datasets, e.g. ``{"A": {"turns": "all"}}``."""
+    ``dataset_keys`` adds keys to the named datasets, e.g. ``{"A": {"turns": "all"}}``;
+    ``url``: the server, or a list of them (a ``[[inference.servers]]`` table each)."""
+    fleet = [url] if isinstance(url, str) else url
     settings: dict[str, dict[str, Any]] = {
         "kafka": {"bootstrap": bootstrap, "namespace": namespace},
         "inference": {
-            "url": url,
             "api": "sglang",
             "concurrency": 8,
             "max_new_tokens": 4096,
@@ -113,6 +119,10 @@ def write_job(
     for section, keys in settings.items():
         lines.append(f"[{section}]")
         lines += [f"{key} = {json.dumps(value)}" for key, value in keys.items()]
+        if section == "inference" and len(fleet) == 1 and "servers" not in keys:
+            lines.append(f"url = {json.dumps(fleet[0])}")
+        elif section == "inference" and "servers" not in keys:
+            lines += [f"[[inference.servers]]\nurl = {json.dumps(u)}" for u in fleet]
     for name, (path, budget) in datasets.items():
         lines += ["[[datasets]]", f'name = "{name}"', f'path = "{path}"', f"budget = {budget}"]
         lines += ["template = true"] if name in chats else []

@@ -1,7 +1,8 @@
-"""An independent judge of a job's output: the inference server's own request log
-and the dataset files say what was generated and what should have been; the Parquet
-files say what was kept. Nothing here reads the ledger's books, except the optional
-cross-check that every row has exactly one recorded outcome.
+"""An independent judge of a job's output: the inference servers' own request logs
+(one per server of the fleet) and the dataset files say what was generated and what
+should have been; the Parquet files say what was kept. Nothing here reads the
+ledger's books, except the optional cross-check that every row has exactly one
+recorded outcome.
 
 Used by the fault tests and the chaos harness (developer tools; the product does not
 import it). What it checks, per dataset:
@@ -22,6 +23,7 @@ from __future__ import annotations
 import json
 import zlib
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,13 +46,13 @@ class ServerAnswer:
     finished_at: float
 
 
-def read_server_log(path: Path) -> dict[str, ServerAnswer]:
-    """The simulator's request log (``--log-file``), by request id; a request id the
-    server saw twice (a retry that reused it) keeps its answer, not its fault."""
+def read_server_log(path: Path | Sequence[Path]) -> dict[str, ServerAnswer]:
+    """The simulator's request log (``--log-file``), or several servers' together, by
+    request id; a request id a server saw twice (a retry that reused it) keeps its
+    answer, not its fault."""
     answers: dict[str, ServerAnswer] = {}
-    if not path.exists():
-        return answers
-    for line in path.read_text().splitlines():
+    paths = [path] if isinstance(path, Path) else list(path)
+    for line in (line for p in paths if p.exists() for line in p.read_text().splitlines()):
         if not line.strip():
             continue
         raw = json.loads(line)
@@ -190,14 +192,24 @@ class Verdict:
         return out
 
 
+def kept_request_ids(parquet_root: Path) -> set[str]:
+    """The request ids of every kept row."""
+    return {
+        rid
+        for file in sorted(parquet_root.glob("dataset=*/*.parquet"))
+        for rid in pq.read_table(file, columns=["request_id"]).column("request_id").to_pylist()
+    }
+
+
 def judge(
     parquet_root: Path,
-    server_log: Path,
+    server_log: Path | Sequence[Path],
     datasets: dict[str, tuple[Path, int]],
     outcomes: dict[str, str] | None = None,
 ) -> Verdict:
-    """``datasets``: name -> (file, budget). ``outcomes`` (optional): the ledger's
-    prompt -> outcome records, to check every valid row has exactly one."""
+    """``datasets``: name -> (file, budget); ``server_log``: the server's request log,
+    or every server's of the fleet. ``outcomes`` (optional): the ledger's prompt ->
+    outcome records, to check every valid row has exactly one."""
     answers = read_server_log(server_log)
     verdict = Verdict(generated_tokens=sum(a.completion_tokens for a in answers.values()))
     valid = {name: valid_prompt_ids(name, path) for name, (path, _) in datasets.items()}

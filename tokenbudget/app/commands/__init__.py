@@ -25,3 +25,16 @@ def add_config(
     parser: argparse.ArgumentParser, *, required: bool = True, help: str = CONFIG_HELP
 ) -> None:
     parser.add_argument("--config", required=required, metavar="FILE", help=help)
+
+
+def add_server(parser: argparse.ArgumentParser) -> None:
+    """``--server URL``, once per server: the fleet instead of the config's (``run``
+    and ``dispatch``)."""
+    parser.add_argument(
+        "--server",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="an inference server, once per server of the fleet: these instead of the "
+        "config.s (docs/servers.md)",
+    )

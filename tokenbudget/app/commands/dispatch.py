@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from tokenbudget.app.commands import add_config, examples
+from tokenbudget.app.commands import add_config, add_server, examples
 from tokenbudget.app.control import run_dispatch_cli
 
 
@@ -34,6 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a name unique in the job: restarted under it, the dispatcher takes its "
         "prompts straight back (Kafka static group membership)",
     )
+    add_server(parser)
 
 
 def main(args: argparse.Namespace) -> int:

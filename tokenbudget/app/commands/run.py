@@ -9,7 +9,7 @@ import sys
 
 from producers.datasets import check_datasets
 from tokenbudget import config as config_module
-from tokenbudget.app.commands import add_config, examples
+from tokenbudget.app.commands import add_config, add_server, examples
 
 EXIT_PROMPTS_FAILED = 3  # the job ended, but some prompts failed for good
 
@@ -44,6 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="ledger worker processes sharing the datasets",
     )
+    add_server(parser)
     add_resume_changed(parser)
 
 
@@ -58,6 +59,8 @@ def add_resume_changed(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     config = config_module.load(args.config)
+    if args.server:
+        config = config_module.with_servers(config, args.server)
     check_datasets(config)
     # Imported once the job is known to be sound: the pipeline's modules (Faust,
     # aiokafka, the runner) take most of a second to import, and a config that

@@ -66,6 +66,7 @@ def main(args: argparse.Namespace) -> int:
             as_json=args.json,
             interval=args.interval,
             planned=planned(config),
+            servers=[server.url for server in config.servers],
         )
     )
 

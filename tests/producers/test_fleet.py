@@ -1,0 +1,222 @@
+"""A dispatcher driving a fleet of servers (producers/fleet.py and the route step),
+without a broker: the harness of ``test_dispatcher_caps`` with several scripted
+servers. Requests spread by outstanding work; a conversation returns to its server;
+a server that stops taking connections has its requests in flight moved to the
+others (their reservations with them, each prompt kept once); one away past the
+outage timeout is dropped and the job goes on, until none is left; a drained server
+finishes what it has; one added at run time joins once it answers; the
+dispatcher's places follow what the fleet can take."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import msgspec
+import pytest
+
+from producers.fleet import Fleet, Server
+from producers.server_gate import GateSettings
+from streams import events as ev
+from tests.producers.test_admission import DS, run, until
+from tests.producers.test_dispatcher_caps import (
+    NO_BACKOFF,
+    ScriptedBackend,
+    make_dispatcher,
+    prompt,
+    serve,
+)
+from tokenbudget.config import Server as ServerSpec
+from tokenbudget.errors import (
+    InferenceTransportError,
+    InferenceUnavailableError,
+    ServerOutageError,
+)
+
+QUICK = GateSettings(pause_after=1, health_interval_s=0.01)
+
+
+def on(backend: ScriptedBackend) -> list[str]:
+    """The prompts at ``backend`` now (their texts: q0, q1, ...)."""
+    return [c.request.text or "" for c in backend.calls.values() if not c.answer.done()]
+
+
+def test_requests_spread_by_outstanding_work() -> None:
+    async def main() -> None:
+        dispatcher, _, _, _, recorder = make_dispatcher(stream=False)
+        a, b = ScriptedBackend("http://a"), ScriptedBackend("http://b")
+        serve(dispatcher, a, b)
+        tasks = [asyncio.create_task(dispatcher.tries.dispatch(prompt(i))) for i in range(4)]
+        await until(lambda: len(a.calls) + len(b.calls) == 4, "four requests out")
+        assert len(a.calls) == len(b.calls) == 2
+        for backend in (a, b):
+            for rid in list(backend.calls):
+                backend.finish(rid, 10)
+        await asyncio.gather(*tasks)
+        assert len(recorder.completions()) == 4
+
+    run(main())
+
+
+def test_the_turns_of_a_conversation_go_back_to_the_server_of_the_previous_turn() -> None:
+    async def main() -> None:
+        dispatcher, _, _, _, recorder = make_dispatcher(stream=False)
+        a, b = ScriptedBackend("http://a"), ScriptedBackend("http://b")
+        fleet = serve(dispatcher, a, b)
+        turn = msgspec.structs.replace(prompt(0), conversation_id="c1")
+        first = asyncio.create_task(dispatcher.tries.dispatch(turn))
+        await until(lambda: len(a.calls) + len(b.calls) == 1, "the first turn out")
+        answered, other = (a, b) if a.calls else (b, a)
+        answered.finish(answered.rid_of(0), 10)
+        await first
+        # As if it had long requests in flight: any other prompt goes elsewhere...
+        fleet.servers[answered.base_url].outstanding += 100_000
+        plain = asyncio.create_task(dispatcher.tries.dispatch(prompt(1)))
+        await until(lambda: on(other) == ["q1"], "a plain prompt at the other server")
+        # ... but the conversation's next turn goes back to it.
+        later = msgspec.structs.replace(prompt(2), conversation_id="c1")
+        second = asyncio.create_task(dispatcher.tries.dispatch(later))
+        await until(lambda: on(answered) == ["q2"], "the next turn at the same server")
+        fleet.servers[answered.base_url].outstanding -= 100_000
+        other.finish(other.rid_of(0), 10)
+        answered.finish(answered.rid_of(1), 10)
+        await asyncio.gather(plain, second)
+        assert len(recorder.completions()) == 3
+
+    run(main())
+
+
+def test_a_server_gone_away_has_its_requests_moved_and_each_prompt_kept_once() -> None:
+    async def main() -> None:
+        dispatcher, _, _, _, recorder = make_dispatcher(stream=False)
+        a, b = ScriptedBackend("http://a"), ScriptedBackend("http://b")
+        fleet = serve(dispatcher, a, b, gate=QUICK)
+        b.healthy = False
+        fleet.servers["http://b"].gate.down(InferenceTransportError("not up yet"))
+        tasks = [asyncio.create_task(dispatcher.tries.dispatch(prompt(i))) for i in range(2)]
+        await until(lambda: len(a.calls) == 2, "both requests at a (b is paused)")
+        b.healthy = True
+        await until(lambda: fleet.servers["http://b"].state == "up", "b back")
+        a.healthy = False
+        # a stops taking connections: one request breaks, the other hangs there.
+        a.calls[a.rid_of(1)].answer.set_exception(InferenceTransportError("reset"))
+        await until(lambda: len(b.calls) == 2, "both prompts sent to b")
+        assert fleet.servers["http://a"].state == "paused"
+        assert a.calls[a.rid_of(0)].answer.cancelled()  # given up, not waited for
+        for rid in list(b.calls):
+            b.finish(rid, 30)
+        await asyncio.gather(*tasks)
+        completions = recorder.completions()
+        assert sorted(c.prompt_id for c in completions) == ["p0", "p1"]
+        assert {c.request_id for c in completions} == set(b.calls)  # b's answers only
+        lease = dispatcher.admission._leases[DS]  # type: ignore[union-attr]
+        assert lease.in_flight == 0 and lease.spent == 60  # the moved ones' budget came back
+        assert fleet.servers["http://a"].in_flight == 0
+
+    run(main())
+
+
+def test_a_server_away_past_the_timeout_is_dropped_once_and_the_rest_go_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def main() -> None:
+        dispatcher, _, _, _, recorder = make_dispatcher(stream=False)
+        a, b = ScriptedBackend("http://a"), ScriptedBackend("http://b")
+        gate = GateSettings(pause_after=1, health_interval_s=0.01, outage_timeout_s=0.05)
+        fleet = serve(dispatcher, a, b, gate=gate)
+        a.healthy = False
+        fleet.servers["http://a"].gate.down(InferenceTransportError("refused"))
+        await until(lambda: fleet.servers["http://a"].state == "dropped", "a dropped")
+        task = asyncio.create_task(dispatcher.tries.dispatch(prompt(0)))
+        await until(lambda: len(b.calls) == 1, "the prompt at b")
+        b.finish(b.rid_of(0), 10)
+        await task
+        assert len(recorder.completions()) == 1 and fleet.outage is None
+        # Then b goes too: nothing is left, and dispatch ends naming both.
+        b.healthy = False
+        fleet.servers["http://b"].gate.down(InferenceTransportError("refused"))
+        with pytest.raises(ServerOutageError) as info:
+            await dispatcher.tries.dispatch(prompt(1))
+        assert "every inference server" in str(info.value)
+        assert "http://a" in str(info.value) and "http://b" in str(info.value)
+
+    with caplog.at_level(logging.WARNING, logger="producers.fleet"):
+        run(main())
+    dropped = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
+    assert len(dropped) == 1 and dropped[0].startswith("the inference server http://a")
+
+
+def test_a_drained_server_gets_nothing_new_and_finishes_what_it_has() -> None:
+    async def main() -> None:
+        dispatcher, _, _, _, recorder = make_dispatcher(stream=False)
+        a, b = ScriptedBackend("http://a"), ScriptedBackend("http://b")
+        fleet = serve(dispatcher, a, b)
+        first = asyncio.create_task(dispatcher.tries.dispatch(prompt(0)))
+        await until(lambda: len(a.calls) + len(b.calls) == 1, "the first request")
+        drained, other = (a, b) if a.calls else (b, a)
+        fleet.apply(ev.ServerDrained(url=drained.base_url))
+        assert fleet.servers[drained.base_url].state == "draining"
+        rest = [asyncio.create_task(dispatcher.tries.dispatch(prompt(i))) for i in (1, 2)]
+        await until(lambda: len(other.calls) == 2, "the next ones at the other server")
+        assert len(drained.calls) == 1
+        drained.finish(drained.rid_of(0), 10)
+        await first
+        assert fleet.servers[drained.base_url].state == "drained"
+        for rid in list(other.calls):
+            other.finish(rid, 10)
+        await asyncio.gather(*rest)
+        assert len(recorder.completions()) == 3
+
+    run(main())
+
+
+def test_a_server_added_at_run_time_joins_once_it_answers_its_health_check() -> None:
+    async def main() -> None:
+        added: list[ScriptedBackend] = []
+
+        def open_server(spec: ServerSpec) -> Server:
+            backend = ScriptedBackend(spec.url)
+            added.append(backend)
+            return Server(spec, backend, QUICK, backoff=NO_BACKOFF)
+
+        fleet = Fleet(open_server=open_server)
+        fleet.defaults = (4, "")
+        capacities: list[int] = []
+        fleet.on_capacity = capacities.append
+        fleet.apply(ev.ServerAdded(url="http://a"))  # [inference]'s concurrency: 4
+        fleet.apply(ev.ServerAdded(url="http://c", concurrency=16))
+        assert [b.base_url for b in added] == ["http://a", "http://c"]
+        server = fleet.servers["http://c"]
+        assert server.state == "paused" and server.spec.concurrency == 16  # probed first
+        await until(lambda: fleet.capacity() == 4 + 16, "both up")
+        assert capacities[-1] == 20
+        # Added again with another concurrency, its window follows; drained, it leaves.
+        fleet.apply(ev.ServerAdded(url="http://c", concurrency=2))
+        assert server.window.size == 2 and capacities[-1] == 4 + 2
+        fleet.apply(ev.ServerDrained(url="http://a"))
+        assert fleet.servers["http://a"].state == "drained" and capacities[-1] == 2
+        await fleet.close()
+
+    run(main())
+
+
+def test_the_dispatchers_places_follow_what_the_fleet_can_take() -> None:
+    async def main() -> None:
+        dispatcher, _, _, _, _ = make_dispatcher(stream=False)
+        a, b = ScriptedBackend("http://a"), ScriptedBackend("http://b")
+        fleet = Fleet()
+        for backend, concurrency in ((a, 4), (b, 5)):
+            spec = ServerSpec(url=backend.base_url, concurrency=concurrency, api_key_env="")
+            fleet._join(Server(spec, backend, GateSettings(), backoff=NO_BACKOFF))
+        dispatcher.compose(dispatcher.publisher.producer, dispatcher.admission, fleet)
+        places = dispatcher.places._server  # type: ignore[attr-defined]
+        assert places.places == 9
+        b.healthy = False
+        fleet.servers["http://b"].gate.down(InferenceTransportError("refused"))
+        assert places.places == 4  # b is away
+        busy = InferenceUnavailableError("HTTP 429", busy=True)
+        fleet.servers["http://a"].failed(busy)
+        assert places.places == 2  # a said it is busy: its window halved
+        await fleet.close()
+
+    run(main())
