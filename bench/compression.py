@@ -34,12 +34,12 @@ from pathlib import Path
 
 from aiokafka import AIOKafkaProducer
 
-from producers.dispatcher import PRODUCER_BATCH_BYTES
-from streams import events as ev
-from streams.topics import Topics
-from tokenbudget import kafka_admin, sizes
-from tokenbudget.kafka import aiokafka_producer_options
+from tokenbudget.core import kafka_admin, sizes
+from tokenbudget.core.kafka import aiokafka_producer_options
 from tokenbudget.localkafka import broker
+from tokenbudget.producers.dispatcher import PRODUCER_BATCH_BYTES
+from tokenbudget.streams import events as ev
+from tokenbudget.streams.topics import Topics
 
 PIECES = re.compile(r"\w+|\s+|[^\w\s]")
 SAMPLING = ev.SamplingParams(max_new_tokens=4096, temperature=0.7, top_p=0.9, seed=1)

@@ -184,8 +184,8 @@ def log_tail(path: Path, lines: int = 25) -> str:
 
 
 def run_driver(args: argparse.Namespace) -> int:
-    from streams.topics import TopicSpec
     from tokenbudget.localkafka.broker import ensure_topics
+    from tokenbudget.streams.topics import TopicSpec
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="faust-smoke-"))
     workdir.mkdir(parents=True, exist_ok=True)

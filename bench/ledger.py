@@ -21,7 +21,7 @@ buffer's worth of events, so try ``--output-tokens 4000`` (events the size of lo
 real answers) for its memory.
 
 ``--without`` measures the ledger with some of the cuts of Faust's per-message costs
-(:class:`streams.faust_adapt.HotPath`) turned off, one variant after the other in
+(:class:`tokenbudget.streams.faust_adapt.HotPath`) turned off, one variant after the other in
 the same run: each variant names the cuts turned off, joined by ``+`` (``none``:
 every cut on; ``all``: stock Faust's hot path). The worker then runs from this
 script (``--serve-ledger``) instead of ``tokenbudget ledger``.
@@ -46,17 +46,17 @@ from tempfile import TemporaryDirectory
 
 from kafka import KafkaAdminClient, KafkaProducer
 
-from streams import events as ev
-from streams.budget_board import BudgetWatcher
-from streams.faust_adapt import HotPath
-from streams.topics import Topics
-from tokenbudget import kafka_admin, lifetime, sizes
 from tokenbudget.app.commands import ledger as ledger_command
 from tokenbudget.app.runner import start_ledger_process, stop_process
+from tokenbudget.core import kafka_admin, lifetime, sizes
+from tokenbudget.core.kafka import kafka_python_producer_options
+from tokenbudget.core.security import subprocess_env
 from tokenbudget.dev.cluster import LocalCluster
-from tokenbudget.kafka import kafka_python_producer_options
 from tokenbudget.localkafka import broker
-from tokenbudget.security import subprocess_env
+from tokenbudget.streams import events as ev
+from tokenbudget.streams.budget_board import BudgetWatcher
+from tokenbudget.streams.faust_adapt import HotPath
+from tokenbudget.streams.topics import Topics
 
 SNAPSHOT_INTERVAL_S = 0.25
 ALL_CUTS = "+".join(field.name for field in dataclasses.fields(HotPath))

@@ -4,7 +4,7 @@
                                        [--tokens-per-second 250,2000]
 
 Both send the same prompts, as the same SGLang requests (text, ``max_new_tokens``,
-no streaming), through the same HTTP client (:func:`producers.inference.http_client`)
+no streaming), through the same HTTP client (:func:`tokenbudget.producers.inference.http_client`)
 at the same concurrency, each time to a fresh simulator process started the same
 way: once as a plain asyncio loop with no Kafka at all, once through
 ``tokenbudget run`` (producer, Kafka, dispatcher, ledger, sink). Each throughput is
@@ -37,11 +37,11 @@ from typing import TypeVar
 
 import pyarrow.parquet as pq
 
-from producers.inference import Timeouts, http_client
-from tokenbudget import config as config_module
 from tokenbudget.app.runner import run
+from tokenbudget.core import config as config_module
 from tokenbudget.dev.demo import free_port, start_simulator
 from tokenbudget.localkafka import broker
+from tokenbudget.producers.inference import Timeouts, http_client
 
 T = TypeVar("T")
 

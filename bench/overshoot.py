@@ -40,13 +40,9 @@ import httpx
 import pyarrow.parquet as pq
 from kafka import KafkaProducer
 
-from sinks.replay import read_to_end
-from streams import events as ev
-from streams.budget_board import BudgetWatcher
-from streams.topics import Topics
-from tokenbudget import config as config_module
 from tokenbudget.app.runner import RunReport, run
 from tokenbudget.app.tables import format_table
+from tokenbudget.core import config as config_module
 from tokenbudget.dev.demo import (
     DEMO_DATASETS,
     free_port,
@@ -55,6 +51,10 @@ from tokenbudget.dev.demo import (
     write_tokenizer,
 )
 from tokenbudget.localkafka import broker
+from tokenbudget.sinks.replay import read_to_end
+from tokenbudget.streams import events as ev
+from tokenbudget.streams.budget_board import BudgetWatcher
+from tokenbudget.streams.topics import Topics
 
 STRATEGIES = ("sample-cap", "halt", "reserve-truncate", "reserve-finish", "reserve-stream-lowered")
 LOWERED = 0.5  # reserve-stream-lowered: share of the in-flight reservation left to keep

@@ -37,11 +37,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kafka import KafkaAdminClient, KafkaProducer
 
-from sinks.parquet import write_parquet
-from sinks.replay import ReplayOptions, replay
-from streams import events as ev
-from streams.topics import Topics
-from tokenbudget import kafka_admin
+from tokenbudget.core import kafka_admin
+from tokenbudget.sinks.parquet import write_parquet
+from tokenbudget.sinks.replay import ReplayOptions, replay
+from tokenbudget.streams import events as ev
+from tokenbudget.streams.topics import Topics
 
 VOCAB = 151_643
 DATASETS = [f"B{i}_bench" for i in range(1, 9)]

@@ -29,9 +29,9 @@ import shutil
 import time
 from pathlib import Path
 
-from tokenbudget import config as config_module
 from tokenbudget.app.runner import RunReport, run
 from tokenbudget.app.tables import format_table
+from tokenbudget.core import config as config_module
 from tokenbudget.dev import jobs, oracle
 from tokenbudget.localkafka import broker
 

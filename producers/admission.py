@@ -16,7 +16,7 @@ means the dataset is full for good, and the lease is released.
 Once the ledger has no more to give, what the lease still holds is less than a
 whole request; under ``[budget] cut = "last"`` a request waits for the leftovers
 of those in flight rather than go out short, unless the balance likely covers an
-answer of the dataset (:class:`streams.budget.AnswerLengths`, fed by
+answer of the dataset (:class:`tokenbudget.streams.budget.AnswerLengths`, fed by
 :meth:`Admission.answered`) or nothing is in flight any more (the one answer cut at
 the line). The ledger's word that it has no more is taken again after every
 settle, so that one last request is sent only when the ledger still has nothing.
@@ -25,8 +25,8 @@ Leases are renewed while in use and released when idle, so a dispatcher that die
 holds budget only until its lease expires. A revoked lease (budget lowered, or
 expired under a slow holder) stops all spending at once and aborts what is in
 flight through ``on_revoke``; what those requests may still keep between them is a
-:class:`producers.caps.RevokedCap`. From the moment a lower budget is read on the budgets topic
-until the ledger has applied it, nothing is admitted on the dataset.
+:class:`tokenbudget.producers.caps.RevokedCap`. From the moment a lower budget is
+read on the budgets topic until the ledger has applied it, nothing is admitted on the dataset.
 """
 
 from __future__ import annotations
@@ -44,11 +44,11 @@ from typing import Any
 
 from aiokafka import AIOKafkaProducer
 
-from streams import budget
-from streams import events as ev
-from streams.budget_board import BudgetBoard
-from streams.topics import Topics
-from tokenbudget.config import BoundaryPolicy, CutPolicy
+from tokenbudget.core.config import BoundaryPolicy, CutPolicy
+from tokenbudget.streams import budget
+from tokenbudget.streams import events as ev
+from tokenbudget.streams.budget_board import BudgetBoard
+from tokenbudget.streams.topics import Topics
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ class Admission:
     when the ledger revokes a lease of it in use because its budget was lowered; what
     the lease's requests in flight may still keep is then in :attr:`revocations`.
     That is the one call admission makes back into the dispatcher
-    (:meth:`producers.caps.InFlight.on_revoke`, wired by the dispatcher's
+    (:meth:`tokenbudget.producers.caps.InFlight.on_revoke`, wired by the dispatcher's
     ``compose``); every other call goes the other way."""
 
     def __init__(
@@ -280,7 +280,7 @@ class Admission:
 
     def long_answer(self, dataset: str) -> int | None:
         """Tokens a next answer of the dataset rarely exceeds, from the answers seen
-        (:meth:`streams.budget.AnswerLengths.high`); None until enough were."""
+        (:meth:`tokenbudget.streams.budget.AnswerLengths.high`); None until enough were."""
         lengths = self._lengths.get(dataset)
         return None if lengths is None else lengths.high()
 

@@ -4,15 +4,16 @@ The dispatcher keeps an answer as the request allowed it (:func:`within_request`
 ids and count agreeing, never longer than ``max_new_tokens``), then as the budget
 allows it (cut at the line: :func:`cut_answer`), and says why the kept answer ends
 (:func:`finish_label`). Nothing here raises; callers are the request attempt
-(:mod:`producers.attempt`) and the caps of revoked leases (:mod:`producers.caps`).
+(:mod:`tokenbudget.producers.attempt`) and the caps of revoked leases
+(:mod:`tokenbudget.producers.caps`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from producers.inference import GenerationResult
-from streams import events as ev
+from tokenbudget.producers.inference import GenerationResult
+from tokenbudget.streams import events as ev
 
 # What within_request found wrong with an answer, as the log names it.
 PROBLEMS = {

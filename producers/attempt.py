@@ -1,11 +1,12 @@
 """One request of a prompt: generate, fit the answer to what it may keep, publish it.
 
 :meth:`Attempt.submit` is the innermost step of a prompt's path (see
-:mod:`producers.step`), called by :class:`producers.tries.Tries` once the prompt is
-admitted, with the ticket admission gave it:
+:mod:`tokenbudget.producers.step`), called by
+:class:`tokenbudget.producers.tries.Tries` once the prompt is admitted, with the
+ticket admission gave it:
 
     generate   the request goes to the server under a fresh rid, registered in
-               :class:`~producers.caps.InFlight` while the server has it (abortable,
+               :class:`~tokenbudget.producers.caps.InFlight` while the server has it (abortable,
                counted by its lease's cap); its slot is handed over once the server
                has answered
     fit        the answer is cut to the request's limit (:func:`answers.within_request`),
@@ -30,19 +31,19 @@ from dataclasses import dataclass
 
 import msgspec
 
-from producers import conversations
-from producers.admission import Admission, Ticket
-from producers.answers import PROBLEMS, cut_answer, finish_label, within_request
-from producers.caps import InFlight
-from producers.inference import GenerationRequest, GenerationResult, InferenceBackend
-from producers.publisher import Publisher
-from producers.reasoning import ReasoningRows
-from producers.slots import Slot
-from producers.step import Dispatched, DispatchReport
-from streams import budget
-from streams import events as ev
-from streams.budget_board import BudgetBoard
-from tokenbudget import metrics
+from tokenbudget.core import metrics
+from tokenbudget.producers import conversations
+from tokenbudget.producers.admission import Admission, Ticket
+from tokenbudget.producers.answers import PROBLEMS, cut_answer, finish_label, within_request
+from tokenbudget.producers.caps import InFlight
+from tokenbudget.producers.inference import GenerationRequest, GenerationResult, InferenceBackend
+from tokenbudget.producers.publisher import Publisher
+from tokenbudget.producers.reasoning import ReasoningRows
+from tokenbudget.producers.slots import Slot
+from tokenbudget.producers.step import Dispatched, DispatchReport
+from tokenbudget.streams import budget
+from tokenbudget.streams import events as ev
+from tokenbudget.streams.budget_board import BudgetBoard
 
 log = logging.getLogger(__name__)
 
@@ -160,10 +161,10 @@ class Attempt:
         may be lower), its ``attempts``-th: returns once its completion, or a skip
         (aborted in flight, or nothing of the answer fits), is on Kafka.
 
-        Raises :class:`~tokenbudget.errors.InferenceError` when the request fails
+        Raises :class:`~tokenbudget.core.errors.InferenceError` when the request fails
         (whether to try again is the caller's), what :class:`Publisher` raises, and
         :class:`asyncio.CancelledError` when stopped. The ticket is settled on every
-        path. Called by :class:`producers.tries.Tries`."""
+        path. Called by :class:`tokenbudget.producers.tries.Tries`."""
         request = self._request(prompt, ticket, max_new)
         tickets = Tickets(self.admission, ticket)
         try:

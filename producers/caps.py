@@ -1,6 +1,6 @@
 """Requests in flight, and what those on a revoked lease may still keep.
 
-A lowered budget revokes leases (:mod:`producers.admission`); the requests already at
+A lowered budget revokes leases (:mod:`tokenbudget.producers.admission`); the requests already at
 the server on such a lease keep, between them, only the lease's allowance (a
 :class:`RevokedCap`). :class:`InFlight` is the dispatcher's register of its requests
 at the server and enforces that:
@@ -8,7 +8,7 @@ at the server and enforces that:
 * the request attempt registers each request while the server has it
   (:meth:`InFlight.add`, :meth:`InFlight.remove`) and passes
   :meth:`InFlight.on_progress` to the backend as the request's progress callback;
-* :class:`~producers.admission.Admission` calls :meth:`InFlight.on_revoke` (its
+* :class:`~tokenbudget.producers.admission.Admission` calls :meth:`InFlight.on_revoke` (its
   ``on_revoke``) when it reads a revocation of a lease in use: the one way admission
   reaches back, with a dataset's name and nothing else;
 * an answer that comes back on a revoked lease is cut to what the cap still holds
@@ -27,11 +27,11 @@ import logging
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from producers.admission import Admission
-from producers.answers import cut_answer
-from producers.inference import GenerationResult, InferenceBackend
-from streams import budget
-from streams import events as ev
+from tokenbudget.producers.admission import Admission
+from tokenbudget.producers.answers import cut_answer
+from tokenbudget.producers.inference import GenerationResult, InferenceBackend
+from tokenbudget.streams import budget
+from tokenbudget.streams import events as ev
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class RevokedCap:
         return True
 
     def fit(self, rid: str, cost: int, cuttable: bool) -> int | None:
-        """How much of an answer costing ``cost`` is kept (:func:`streams.budget.fit`):
+        """How much of an answer costing ``cost`` is kept (:func:`tokenbudget.streams.budget.fit`):
         all of it, what is left when it can be cut at a token, or None."""
         self.generated.pop(rid, None)
         keep = budget.fit(cost, self.left, cuttable)
@@ -138,7 +138,7 @@ class InFlight:
 
     async def on_revoke(self, dataset: str) -> None:
         """A lease of the dataset was revoked (budget lowered, or lease expired):
-        :class:`~producers.admission.Admission`'s ``on_revoke``, run as a task of its
+        :class:`~tokenbudget.producers.admission.Admission`'s ``on_revoke``, run as a task of its
         own. Its requests in flight may keep its allowance between them; streamed,
         they run on while what they generated fits (:meth:`on_progress`), else they
         are aborted now. Either way their answers are then cut to what fits

@@ -14,7 +14,7 @@ As events (the completions topic stays the source of truth):
   the model's answer, then the recorded turns up to the next answer), or, when the
   conversation ends early, a skip for each later turn, so every turn of every
   conversation still gets exactly one outcome and the dataset is counted out.
-* Every turn's prompt id is stable (:func:`producers.datasets.turn_prompt_id`): a
+* Every turn's prompt id is stable (:func:`tokenbudget.producers.datasets.turn_prompt_id`): a
   rerun recognises a turn done, or queued, whoever built it. :func:`resume` rebuilds
   the next prompt of a conversation from its last finished turn's completion, as
   the completions topic holds it.
@@ -47,9 +47,9 @@ from typing import Any, Protocol
 
 import msgspec
 
-from producers.datasets import PromptRow, prompt_text, turn_positions, turn_prompt_id
-from streams import events as ev
-from tokenbudget import sizes
+from tokenbudget.core import sizes
+from tokenbudget.producers.datasets import PromptRow, prompt_text, turn_positions, turn_prompt_id
+from tokenbudget.streams import events as ev
 
 
 def answer_turn(text: str, tool_calls: Sequence[ev.ToolCall] | None) -> ev.ChatMessage:

@@ -12,7 +12,7 @@ Formats (``[[datasets]] format``):
 
 Every row may carry an ``id``. JSONL, Parquet and Hugging Face datasets take the
 same columns. Rows that hold the prompt elsewhere are read through the dataset's
-column mapping (:mod:`tokenbudget.columns`: ``prompt_field``, ``prompt_template``,
+column mapping (:mod:`tokenbudget.core.columns`: ``prompt_field``, ``prompt_template``,
 ``messages_field``, ``id_field``).
 
 Conversations give one prompt (``turns = "first"``: the turns up to and including
@@ -20,7 +20,7 @@ the first user turn) or one per assistant turn (``turns = "all"``: the history
 before each assistant turn, which is regenerated; plus a trailing user turn that
 has no answer yet). With ``turns = "regenerate"`` a conversation gives the prompt
 of its first turn only, carrying the whole conversation as recorded: each later
-turn's prompt is made from the answers the model gave (:mod:`producers.conversations`).
+turn's prompt is made from the answers the model gave (:mod:`tokenbudget.producers.conversations`).
 
 Chat rows may hold tool use as OpenAI's chat format writes it: assistant turns with
 ``tool_calls`` (their ``content`` may then be null), ``tool`` turns with
@@ -30,7 +30,7 @@ Chat rows may hold tool use as OpenAI's chat format writes it: assistant turns w
 it has one, else its content (with an occurrence number, so two identical rows stay
 two prompts), plus the turn for ``turns = "all"``. The same file therefore yields
 the same ids on every run, in any order (``order``, ``shuffle_seed``:
-:mod:`producers.order`), which is what lets a resumed run recognise work already done.
+:mod:`tokenbudget.producers.order`), which is what lets a resumed run recognise work already done.
 
 Bad rows raise :class:`DatasetError` naming file and line, with an excerpt of the
 row for its dead letter; :func:`read_prompts` either skips them (reporting each
@@ -56,11 +56,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import pyarrow.parquet as pq
 from msgspec.structs import replace as msgspec_replace
 
-from producers.order import prompt_length, stratified
-from producers.tokenizers import load_tokenizer
-from streams.events import ChatMessage, ToolCall
-from tokenbudget import sizes
-from tokenbudget.columns import (
+from tokenbudget.core import sizes
+from tokenbudget.core.columns import (
     CONFLICTING_FORMATS,
     DEFAULT_COLUMNS,
     Columns,
@@ -68,7 +65,7 @@ from tokenbudget.columns import (
     PromptTemplate,
     field_text,
 )
-from tokenbudget.config import (
+from tokenbudget.core.config import (
     PROMPT_LENGTH,
     RAW_TEXT_APIS,
     Dataset,
@@ -76,11 +73,14 @@ from tokenbudget.config import (
     resolve_order,
     untemplated_chat,
 )
-from tokenbudget.errors import ConfigError, DatasetError
-from tokenbudget.extras import require
+from tokenbudget.core.errors import ConfigError, DatasetError
+from tokenbudget.core.extras import require
+from tokenbudget.producers.order import prompt_length, stratified
+from tokenbudget.producers.tokenizers import load_tokenizer
+from tokenbudget.streams.events import ChatMessage, ToolCall
 
 if TYPE_CHECKING:
-    from tokenbudget.config import Config
+    from tokenbudget.core.config import Config
 
 Format = Literal["auto", "prompt", "openai", "sharegpt", "hf"]
 Turns = Literal["first", "all", "regenerate"]
@@ -697,7 +697,7 @@ def read_prompts(
     max_prompt_bytes: int | None = None,
     max_prompt_tokens: int | None = None,
 ) -> Iterator[PromptRow]:
-    """Yield the dataset's prompts in ``order`` (:mod:`producers.order`): the file's,
+    """Yield the dataset's prompts in ``order`` (:mod:`tokenbudget.producers.order`): the file's,
     shuffled, or stratified by ``stratify_by``, both seeded by ``shuffle_seed`` (0
     when unset); ``order`` unset: shuffled when there is a seed, else the file's.
 

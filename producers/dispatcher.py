@@ -10,7 +10,7 @@ Its offset is committed only after that outcome is acknowledged by Kafka, so a
 crash re-dispatches unfinished prompts and never loses one.
 
 :class:`Dispatcher` is the spine: it consumes prompts, gives each a place at the
-server (a :class:`~producers.slots.Slot`), hands it to the steps of its path and
+server (a :class:`~tokenbudget.producers.slots.Slot`), hands it to the steps of its path and
 commits its offset once it has its outcome; it stops by finishing what it started,
 or by handing back what the server has not answered (:meth:`Dispatcher.hand_back`).
 The path itself is composed in one place, :meth:`Dispatcher.compose`:
@@ -20,12 +20,12 @@ The path itself is composed in one place, :meth:`Dispatcher.compose`:
         -> Route (producers/route.py)         each attempt to a server of the fleet
           -> Attempt (producers/attempt.py)   generate, fit, publish; tickets settled
 
-with the parts they share: :class:`~producers.admission.Admission` (budget leases),
-:class:`~producers.caps.InFlight` (requests at the servers, caps of revoked leases),
-:class:`~producers.publisher.Publisher` (outcomes to Kafka),
-:class:`~producers.fleet.Fleet` (the servers: their places, health and pace) and
-:class:`~producers.slots.Places` (how many at once). Each step's contract is in
-:mod:`producers.step` and its own module.
+with the parts they share: :class:`~tokenbudget.producers.admission.Admission` (budget leases),
+:class:`~tokenbudget.producers.caps.InFlight` (requests at the servers, caps of revoked leases),
+:class:`~tokenbudget.producers.publisher.Publisher` (outcomes to Kafka),
+:class:`~tokenbudget.producers.fleet.Fleet` (the servers: their places, health and pace) and
+:class:`~tokenbudget.producers.slots.Places` (how many at once). Each step's contract is in
+:mod:`tokenbudget.producers.step` and its own module.
 """
 
 from __future__ import annotations
@@ -44,31 +44,31 @@ import kafka.errors
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import KafkaError
 
-from producers import conversations
-from producers.admission import Admission, AdmissionSettings
-from producers.attempt import Attempt
-from producers.caps import InFlight
-from producers.fleet import Fleet
-from producers.inference import InferenceBackend, RetryPolicy
-from producers.offsets import OffsetTracker
-from producers.publisher import Publisher
-from producers.reasoning import ReasoningRows
-from producers.resume import OutcomeView
-from producers.route import Route
-from producers.slots import Places, Slot
-from producers.step import DispatchReport
-from producers.tries import Tries
-from producers.turns import ConversationTurns
-from streams import budget
-from streams import events as ev
-from streams.budget_board import BudgetBoard
-from streams.topics import Topics
-from tokenbudget import metrics
-from tokenbudget.config import Config, Server
-from tokenbudget.errors import EventDecodeError
-from tokenbudget.kafka import aiokafka_producer_options, consumer_options
-from tokenbudget.retry import retry_until_async
-from tokenbudget.tasks import cancel_and_wait
+from tokenbudget.core import metrics
+from tokenbudget.core.config import Config, Server
+from tokenbudget.core.errors import EventDecodeError
+from tokenbudget.core.kafka import aiokafka_producer_options, consumer_options
+from tokenbudget.core.retry import retry_until_async
+from tokenbudget.core.tasks import cancel_and_wait
+from tokenbudget.producers import conversations
+from tokenbudget.producers.admission import Admission, AdmissionSettings
+from tokenbudget.producers.attempt import Attempt
+from tokenbudget.producers.caps import InFlight
+from tokenbudget.producers.fleet import Fleet
+from tokenbudget.producers.inference import InferenceBackend, RetryPolicy
+from tokenbudget.producers.offsets import OffsetTracker
+from tokenbudget.producers.publisher import Publisher
+from tokenbudget.producers.reasoning import ReasoningRows
+from tokenbudget.producers.resume import OutcomeView
+from tokenbudget.producers.route import Route
+from tokenbudget.producers.slots import Places, Slot
+from tokenbudget.producers.step import DispatchReport
+from tokenbudget.producers.tries import Tries
+from tokenbudget.producers.turns import ConversationTurns
+from tokenbudget.streams import budget
+from tokenbudget.streams import events as ev
+from tokenbudget.streams.budget_board import BudgetBoard
+from tokenbudget.streams.topics import Topics
 
 log = logging.getLogger(__name__)
 
@@ -304,7 +304,7 @@ class Dispatcher:
     async def run(self, stop: asyncio.Event) -> DispatchReport:
         """Dispatch until ``stop`` is set (finishing what was started) or
         :meth:`hand_back` is called, then hand the leases back, commit and return
-        the report. Raises :class:`~tokenbudget.errors.ServerOutageError` when every
+        the report. Raises :class:`~tokenbudget.core.errors.ServerOutageError` when every
         server of the fleet stays away past ``[inference] outage_timeout_s`` (after
         the same orderly stop); Kafka away at the start is waited out."""
         consumer, producer = await self._started_clients()
@@ -417,7 +417,7 @@ class Dispatcher:
         """Give the prompt at ``record`` its outcome (through :attr:`steps`; a record
         that is not a prompt is dead-lettered), then let its offset be committed.
         Nothing but a stop (cancellation) or the fleet's outage leaves a prompt
-        without an outcome (:meth:`producers.tries.Tries.submit`)."""
+        without an outcome (:meth:`tokenbudget.producers.tries.Tries.submit`)."""
         try:
             try:
                 prompt = ev.decode(record.value)

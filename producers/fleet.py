@@ -26,7 +26,7 @@ Contract, for the steps of a prompt's path:
 
 * :meth:`Fleet.wait_ready` returns once some server can take a request (called by
   the tries before admission, so no budget is held while none can); it raises
-  :class:`~tokenbudget.errors.ServerOutageError` once the fleet is out;
+  :class:`~tokenbudget.core.errors.ServerOutageError` once the fleet is out;
 * :meth:`Fleet.visit` gives a place at the server the policy picks (a turn of a
   conversation goes back to the server that answered its previous turn), waiting
   while none has room; it raises as :meth:`Fleet.wait_ready` does. The route step
@@ -53,8 +53,12 @@ from typing import Protocol
 
 import httpx
 
-from producers import routing
-from producers.inference import (
+from tokenbudget.core import metrics
+from tokenbudget.core.config import Config, RoutingPolicy
+from tokenbudget.core.config import Server as ServerSpec
+from tokenbudget.core.errors import InferenceError, InferenceTransportError, ServerOutageError
+from tokenbudget.producers import routing
+from tokenbudget.producers.inference import (
     GenerationRequest,
     GenerationResult,
     InferenceBackend,
@@ -63,12 +67,8 @@ from producers.inference import (
     backend_for_server,
     http_client,
 )
-from producers.server_gate import GateSettings, ServerGate
-from streams import events as ev
-from tokenbudget import metrics
-from tokenbudget.config import Config, RoutingPolicy
-from tokenbudget.config import Server as ServerSpec
-from tokenbudget.errors import InferenceError, InferenceTransportError, ServerOutageError
+from tokenbudget.producers.server_gate import GateSettings, ServerGate
+from tokenbudget.streams import events as ev
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ model's tokenizer (``[inference] tokenizer``), and the result says so in
 ``count_source``.
 
 httpx errors, HTTP status codes and malformed bodies are translated here, and only
-here, into the :class:`~tokenbudget.errors.InferenceError` tree; callers retry on
+here, into the :class:`~tokenbudget.core.errors.InferenceError` tree; callers retry on
 ``error.retryable``.
 """
 
@@ -51,9 +51,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import msgspec
 
-from producers.tokenizers import load_tokenizer
-from streams.events import ChatMessage, CountSource, FinishReason, ToolCall
-from tokenbudget.errors import (
+from tokenbudget.core.errors import (
     InferenceError,
     InferenceProtocolError,
     InferenceRequestError,
@@ -61,11 +59,13 @@ from tokenbudget.errors import (
     InferenceTransportError,
     InferenceUnavailableError,
 )
-from tokenbudget.sampling import VERBATIM_KEY
+from tokenbudget.core.sampling import VERBATIM_KEY
+from tokenbudget.producers.tokenizers import load_tokenizer
+from tokenbudget.streams.events import ChatMessage, CountSource, FinishReason, ToolCall
 
 if TYPE_CHECKING:
-    from producers.tokenizers import LocalTokenizer
-    from tokenbudget.config import Config, Server
+    from tokenbudget.core.config import Config, Server
+    from tokenbudget.producers.tokenizers import LocalTokenizer
 
 # Statuses that say the server is busy or away, not that the request is wrong.
 AWAY_STATUSES = frozenset({408, 429, 502, 503, 504})
@@ -222,7 +222,7 @@ class GenerationRequest:
     text: str | None = None
     messages: tuple[ChatMessage, ...] | None = None
     input_ids: tuple[int, ...] | None = None
-    # Every sampling setting configured (tokenbudget.sampling), by its config name:
+    # Every sampling setting configured (tokenbudget.core.sampling), by its config name:
     # each backend maps them to its wire format.
     sampling: Mapping[str, Any] = field(default_factory=dict)
     tools: list[dict[str, Any]] | None = None  # chat: the function definitions offered
@@ -240,7 +240,7 @@ class GenerationResult:
     text: str
     finish_reason: FinishReason
     first_token_at: float | None = None  # streaming: when the first content chunk came
-    count_source: CountSource = "server"  # see streams.events.CountSource
+    count_source: CountSource = "server"  # see tokenbudget.streams.events.CountSource
     model: str = ""  # as the server reported it
     prompt_ids: list[int] | None = None  # as the server returned them
     # The thinking the server split off the answer (None: it sent none), and how many

@@ -22,7 +22,7 @@ A field's values are ordered as None (a row without it), then numbers, then text
 anything else by its JSON; a categorical field (a source name) is thereby grouped, and
 each group is represented in proportion in every prefix.
 
-Order never changes a prompt id: :mod:`producers.datasets` fixes ids in file order
+Order never changes a prompt id: :mod:`tokenbudget.producers.datasets` fixes ids in file order
 before it orders the prompts.
 """
 
@@ -34,7 +34,7 @@ import random
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from streams.events import ChatMessage
+from tokenbudget.streams.events import ChatMessage
 
 T = TypeVar("T")
 

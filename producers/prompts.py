@@ -29,15 +29,21 @@ from dataclasses import dataclass, field
 
 from aiokafka import AIOKafkaProducer
 
-from producers import conversations, resume
-from producers.datasets import PromptRow, read_options, read_prompts, row_error, turn_prompt_id
-from streams import events as ev
-from streams.budget_board import BudgetBoard
-from streams.topics import Topics
-from tokenbudget import metrics, sizes
-from tokenbudget.config import Config, Dataset
-from tokenbudget.errors import DatasetError
-from tokenbudget.kafka import aiokafka_producer_options
+from tokenbudget.core import metrics, sizes
+from tokenbudget.core.config import Config, Dataset
+from tokenbudget.core.errors import DatasetError
+from tokenbudget.core.kafka import aiokafka_producer_options
+from tokenbudget.producers import conversations, resume
+from tokenbudget.producers.datasets import (
+    PromptRow,
+    read_options,
+    read_prompts,
+    row_error,
+    turn_prompt_id,
+)
+from tokenbudget.streams import events as ev
+from tokenbudget.streams.budget_board import BudgetBoard
+from tokenbudget.streams.topics import Topics
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +85,7 @@ class _Cursor:
     baseline_outcomes: int
     done: bool = False
     letters: list[ev.DeadLetter] = field(default_factory=list)  # bad rows, to publish
-    # conversations' turns that will never be sent (producers.conversations), to publish
+    # conversations' turns that will never be sent (tokenbudget.producers.conversations), to publish
     skips: list[ev.PromptSkipped] = field(default_factory=list)
     # prompts produced and the turns they lead to: what the outcomes are paced against
     ahead: int = 0
@@ -110,7 +116,7 @@ class PromptProducer:
         self.board = board
         self._producer = producer
         self.reports: dict[str, ProduceReport] = {}
-        self._done: set[str] = set()  # completed by earlier runs (producers.resume)
+        self._done: set[str] = set()  # completed by earlier runs (tokenbudget.producers.resume)
         self._queued: set[str] = set()  # on the prompts topic, not yet dispatched
         self._cursors: list[_Cursor] = []
 
@@ -308,7 +314,7 @@ class PromptProducer:
             dataset=cursor.dataset.name,
             # prompts completed by earlier runs count (the ledger has their outcomes),
             # and so do those still queued from them (they get theirs when dispatched);
-            # a conversation counts every turn (producers.conversations)
+            # a conversation counts every turn (tokenbudget.producers.conversations)
             produced=report.turns
             if cursor.dataset.turns == "regenerate"
             else report.produced + report.already_done + report.already_queued + report.not_sent,

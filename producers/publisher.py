@@ -10,7 +10,7 @@ goes out through :meth:`Publisher.publish`.
 
 An outcome is never given up on: a send Kafka refuses is tried again until it takes
 it (a broker away is waited out). The one error that gets out is
-:class:`~tokenbudget.errors.KafkaLimitsError`, for an event larger than a Kafka
+:class:`~tokenbudget.core.errors.KafkaLimitsError`, for an event larger than a Kafka
 message, which no retry can send. The same event sent twice is harmless: readers
 keep the first outcome of a prompt, and a repeated request id is recognised.
 """
@@ -25,13 +25,13 @@ from typing import Any
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError, MessageSizeTooLargeError
 
-from producers.reasoning import ReasoningRows
-from producers.step import DispatchReport, about
-from streams import events as ev
-from streams.topics import Topics
-from tokenbudget import metrics, sizes
-from tokenbudget.errors import KafkaLimitsError
-from tokenbudget.retry import retry_until_async
+from tokenbudget.core import metrics, sizes
+from tokenbudget.core.errors import KafkaLimitsError
+from tokenbudget.core.retry import retry_until_async
+from tokenbudget.producers.reasoning import ReasoningRows
+from tokenbudget.producers.step import DispatchReport, about
+from tokenbudget.streams import events as ev
+from tokenbudget.streams.topics import Topics
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class Publisher:
 
     async def publish(self, topic: str, dataset: str, event: ev.Event) -> None:
         """Send ``event`` to ``topic`` under the dataset's key until Kafka has it.
-        Raises :class:`~tokenbudget.errors.KafkaLimitsError` when it is larger than a
+        Raises :class:`~tokenbudget.core.errors.KafkaLimitsError` when it is larger than a
         Kafka message; a cancellation stops the retries."""
         value = ev.encode(event)
         if self._seen is not None:
@@ -68,7 +68,7 @@ class Publisher:
                 await self.producer.send_and_wait(topic, key=dataset.encode(), value=value)
             except MessageSizeTooLargeError as exc:
                 # Sending it again cannot help. Prompts take at most half a message
-                # (tokenbudget.sizes), so only an answer of hundreds of thousands of
+                # (tokenbudget.core.sizes), so only an answer of hundreds of thousands of
                 # tokens gets here.
                 raise KafkaLimitsError(
                     f"a {type(event).__name__} of dataset {dataset} is {len(value):,} bytes, "

@@ -23,12 +23,12 @@ import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from tokenbudget import metrics
+from tokenbudget.core import metrics
 
 if TYPE_CHECKING:
-    from producers.inference import GenerationResult
-    from streams.events import CompletionEvent, StopReason
-    from tokenbudget.config import Config, ReasoningMode
+    from tokenbudget.core.config import Config, ReasoningMode
+    from tokenbudget.producers.inference import GenerationResult
+    from tokenbudget.streams.events import CompletionEvent, StopReason
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Resumable runs: which prompts of a namespace already have a completion.
 
-The ledger's outcome table (``streams.ledger_worker``, table ``outcomes``) records, per
+The ledger's outcome table (``tokenbudget.streams.ledger_worker``, table ``outcomes``) records, per
 ``prompt_id``, whether the prompt was completed, skipped or failed. Its changelog is
 a compacted topic keyed by ``prompt_id``, so reading it from the beginning to its end
 offsets gives the record of every earlier run of the namespace. The producer skips
@@ -26,11 +26,11 @@ from typing import Any, Protocol
 import msgspec
 from kafka import KafkaConsumer
 
-from producers.datasets import PromptRow
-from streams.ledger import FENCE_KEY, is_prompt_key, load_outcome
-from streams.topics import OUTCOME_TABLE, Topics
-from tokenbudget.errors import BrokerError
-from tokenbudget.kafka import consumer_options, read_to_ends, read_topic, wait_for_partitions
+from tokenbudget.core.errors import BrokerError
+from tokenbudget.core.kafka import consumer_options, read_to_ends, read_topic, wait_for_partitions
+from tokenbudget.producers.datasets import PromptRow
+from tokenbudget.streams.ledger import FENCE_KEY, is_prompt_key, load_outcome
+from tokenbudget.streams.topics import OUTCOME_TABLE, Topics
 
 log = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
 """The route step: each attempt of a prompt goes to a server of the fleet.
 
-A step of the prompt's path (see :mod:`producers.step`), between the tries and the
+A step of the prompt's path (see :mod:`tokenbudget.producers.step`), between the tries and the
 request attempt: for every attempt the tries make, it takes a place at the server
-the fleet's policy picks (:meth:`producers.fleet.Fleet.visit`: the least
+the fleet's policy picks (:meth:`tokenbudget.producers.fleet.Fleet.visit`: the least
 outstanding work for its speed, a conversation's turn back to the server of its
 previous turn, a server that failed this prompt only when no other can take it),
 sends the attempt through it, and tells the server how it went: an answer, or the
@@ -12,12 +12,12 @@ error (which may pause the server, cut its window or hold it till its
 
 from __future__ import annotations
 
-from producers.admission import Ticket
-from producers.attempt import Attempt
-from producers.fleet import Fleet
-from producers.slots import Slot
-from streams import events as ev
-from tokenbudget.errors import InferenceError
+from tokenbudget.core.errors import InferenceError
+from tokenbudget.producers.admission import Ticket
+from tokenbudget.producers.attempt import Attempt
+from tokenbudget.producers.fleet import Fleet
+from tokenbudget.producers.slots import Slot
+from tokenbudget.streams import events as ev
 
 
 class Route:
@@ -36,11 +36,11 @@ class Route:
         slot: Slot | None,
         failed_at: set[str],
     ) -> None:
-        """:meth:`producers.attempt.Attempt.submit` at a server of the fleet, avoiding
+        """:meth:`tokenbudget.producers.attempt.Attempt.submit` at a server of the fleet, avoiding
         those in ``failed_at`` (the servers that failed this prompt: one more is added
         when this attempt fails). Raises what the attempt raises, and
-        :class:`~tokenbudget.errors.ServerOutageError` once every server is gone.
-        Called by :class:`producers.tries.Tries`."""
+        :class:`~tokenbudget.core.errors.ServerOutageError` once every server is gone.
+        Called by :class:`tokenbudget.producers.tries.Tries`."""
         tokens = ticket.max_new_tokens if ticket is not None else max_new
         visit = await self.fleet.visit(prompt, tokens, failed_at)
         try:

@@ -1,5 +1,5 @@
 """Which server of the fleet a request goes to, and how many each may have at once:
-the policy, as pure functions (:mod:`producers.fleet` applies them).
+the policy, as pure functions (:mod:`tokenbudget.producers.fleet` applies them).
 
 * :func:`pick`: among the servers that may take a request now (up, under their
   window, past any ``Retry-After``), a conversation's turn goes back to the server

@@ -1,6 +1,6 @@
 """The server gate: a server of the fleet gets no requests while it is away.
 
-One gate per server (:class:`producers.fleet.Server`), shared by all its requests.
+One gate per server (:class:`tokenbudget.producers.fleet.Server`), shared by all its requests.
 Contract:
 
 * :attr:`ServerGate.is_open` while the server answers; while it is away the fleet
@@ -18,7 +18,7 @@ Contract:
 * ``on_change`` runs whenever the gate closes, opens or gives up, and a server away
   for longer than ``outage_timeout_s`` (0: for ever) is given up: :attr:`outage` is
   set, probing stops, and every waiter raises
-  :class:`~tokenbudget.errors.ServerOutageError`.
+  :class:`~tokenbudget.core.errors.ServerOutageError`.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from tokenbudget import metrics
-from tokenbudget.errors import InferenceError, ServerOutageError
-from tokenbudget.tasks import cancel_and_wait
+from tokenbudget.core import metrics
+from tokenbudget.core.errors import InferenceError, ServerOutageError
+from tokenbudget.core.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class ServerGate:
 
     async def wait_open(self) -> None:
         """Return once the gate is open (at once while the server answers). Raises
-        :class:`~tokenbudget.errors.ServerOutageError` once the server has been away
+        :class:`~tokenbudget.core.errors.ServerOutageError` once the server has been away
         too long. Called by the dispatcher's tries before each admission."""
         while not self._open.is_set():
             if self._outage is not None:

@@ -1,7 +1,7 @@
 """What the steps of a prompt's path through the dispatcher share: their contract,
 the report they count into, and how log lines name a prompt.
 
-The path, composed in one place (:meth:`producers.dispatcher.Dispatcher.compose`)::
+The path, composed in one place (:meth:`tokenbudget.producers.dispatcher.Dispatcher.compose`)::
 
     Dispatcher (consume a prompt, give it a Slot, commit once it has an outcome)
       -> ConversationTurns   what follows a turn of a conversation (producers/turns.py)
@@ -19,8 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from producers.slots import Slot
-from streams import events as ev
+from tokenbudget.producers.slots import Slot
+from tokenbudget.streams import events as ev
 
 
 class Step(Protocol):
@@ -36,7 +36,7 @@ class Step(Protocol):
         Kafka, or once it is known to have one already. Raises
         :class:`asyncio.CancelledError` when stopped (the prompt then has no outcome
         and its offset stays uncommitted) and
-        :class:`~tokenbudget.errors.ServerOutageError` when every server of the fleet
+        :class:`~tokenbudget.core.errors.ServerOutageError` when every server of the fleet
         stays away past ``[inference] outage_timeout_s``; what else a step may raise,
         its own contract says."""
         ...

@@ -7,7 +7,7 @@ Two uses, both optional (``[inference] tokenizer``):
 * servers that return neither usage nor token ids: completions and prompts are
   counted with the tokenizer, and the completion says so (``count_source``).
 
-The folder is loaded by :func:`tokenbudget.tokenizer.load_pretrained` (nothing is
+The folder is loaded by :func:`tokenbudget.core.tokenizer.load_pretrained` (nothing is
 downloaded, ``transformers`` is imported only then).
 """
 
@@ -19,10 +19,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from streams.events import ChatMessage
-from tokenbudget.errors import ConfigError, TokenizerError
-from tokenbudget.extras import require
-from tokenbudget.tokenizer import load_pretrained
+from tokenbudget.core.errors import ConfigError, TokenizerError
+from tokenbudget.core.extras import require
+from tokenbudget.core.tokenizer import load_pretrained
+from tokenbudget.streams.events import ChatMessage
 
 
 class LocalTokenizer:

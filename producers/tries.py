@@ -2,12 +2,13 @@
 it failed.
 
 Two loops, one inside the other (a step of the prompt's path, see
-:mod:`producers.step`):
+:mod:`tokenbudget.producers.step`):
 
 * :meth:`Tries.dispatch`: wait until a server of the fleet can take a request
-  (:meth:`producers.fleet.Fleet.wait_ready`), skip the prompt if its dataset is
+  (:meth:`tokenbudget.producers.fleet.Fleet.wait_ready`), skip the prompt if its dataset is
   halted or admission has no budget left for it, else send it to a server
-  (:class:`producers.route.Route`, then :class:`producers.attempt.Attempt`). A
+  (:class:`tokenbudget.producers.route.Route`, then
+  :class:`tokenbudget.producers.attempt.Attempt`). A
   failed request is retried as its error allows: "server away" errors (connection
   refused or reset, timeouts, 429/408/502/503/504) without limit and without a
   backoff of its own (the fleet holds a server away, or one that sent
@@ -21,7 +22,7 @@ Two loops, one inside the other (a step of the prompt's path, see
   is recorded as failed, so the partition's commit point never sticks behind it.
 
 Every wait here for budget or a backoff lends the prompt's place to others
-(:meth:`producers.slots.Slot.aside`).
+(:meth:`tokenbudget.producers.slots.Slot.aside`).
 """
 
 from __future__ import annotations
@@ -36,18 +37,18 @@ from typing import Any
 
 from aiokafka.errors import KafkaError
 
-from producers.admission import Admission, Ticket
-from producers.fleet import Fleet
-from producers.inference import RetryPolicy
-from producers.publisher import Publisher
-from producers.resume import OutcomeView
-from producers.route import Route
-from producers.slots import Slot
-from producers.step import DispatchReport, about
-from streams import events as ev
-from streams.budget_board import BudgetBoard
-from tokenbudget import metrics
-from tokenbudget.errors import InferenceError, ServerOutageError
+from tokenbudget.core import metrics
+from tokenbudget.core.errors import InferenceError, ServerOutageError
+from tokenbudget.producers.admission import Admission, Ticket
+from tokenbudget.producers.fleet import Fleet
+from tokenbudget.producers.inference import RetryPolicy
+from tokenbudget.producers.publisher import Publisher
+from tokenbudget.producers.resume import OutcomeView
+from tokenbudget.producers.route import Route
+from tokenbudget.producers.slots import Slot
+from tokenbudget.producers.step import DispatchReport, about
+from tokenbudget.streams import events as ev
+from tokenbudget.streams.budget_board import BudgetBoard
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +124,7 @@ class Tries:
         """:meth:`dispatch`, tried again after any error but a stop and the server's
         outage, and recorded as failed after :data:`UNEXPECTED_ERRORS` of them.
         Raises :class:`asyncio.CancelledError` and
-        :class:`~tokenbudget.errors.ServerOutageError` only (the :class:`Step`
+        :class:`~tokenbudget.core.errors.ServerOutageError` only (the :class:`Step`
         contract). Called by the conversation turn step."""
         errors = 0
         while True:
@@ -153,8 +154,8 @@ class Tries:
         A prompt done already is left alone (counted as ``already_completed``).
 
         Raises what happens outside the inference request (a Kafka error, a bug), a
-        cancellation and :class:`~tokenbudget.errors.ServerOutageError`; an
-        :class:`~tokenbudget.errors.InferenceError` never gets out."""
+        cancellation and :class:`~tokenbudget.core.errors.ServerOutageError`; an
+        :class:`~tokenbudget.core.errors.InferenceError` never gets out."""
         if prompt.prompt_id in self.outcomes.completed:
             self.report.already_completed += 1  # its outcome is recorded already
             return

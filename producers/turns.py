@@ -1,29 +1,29 @@
 """The conversation turn step: what follows a turn of a conversation regenerated turn
 by turn (``turns = "regenerate"``), published by whoever published the turn's outcome.
 
-A step of the prompt's path (see :mod:`producers.step`), first after the dispatcher:
+A step of the prompt's path (see :mod:`tokenbudget.producers.step`), first after the dispatcher:
 for a turn, once the next step has published its outcome, it publishes what follows
 (the next turn's prompt, or skips of the turns that will not be sent:
-:func:`producers.conversations.follow_up`) before the dispatcher may commit the
+:func:`tokenbudget.producers.conversations.follow_up`) before the dispatcher may commit the
 turn's offset. A stop before then leaves that to the prompt's redelivery, or to a
-rerun's producer (:func:`producers.conversations.resume`). Any other prompt passes
+rerun's producer (:func:`tokenbudget.producers.conversations.resume`). Any other prompt passes
 straight through.
 
 What a turn led to is learnt from the outcomes themselves: the
-:class:`~producers.conversations.Outcomes` given here is the one the
-:class:`~producers.publisher.Publisher` shows every event it publishes.
+:class:`~tokenbudget.producers.conversations.Outcomes` given here is the one the
+:class:`~tokenbudget.producers.publisher.Publisher` shows every event it publishes.
 """
 
 from __future__ import annotations
 
 import time
 
-from producers import conversations
-from producers.publisher import Publisher
-from producers.slots import Slot
-from producers.step import Step
-from streams import events as ev
-from tokenbudget import metrics
+from tokenbudget.core import metrics
+from tokenbudget.producers import conversations
+from tokenbudget.producers.publisher import Publisher
+from tokenbudget.producers.slots import Slot
+from tokenbudget.producers.step import Step
+from tokenbudget.streams import events as ev
 
 
 class ConversationTurns:
@@ -45,7 +45,7 @@ class ConversationTurns:
         self.max_prompt_bytes = max_prompt_bytes
 
     async def submit(self, prompt: ev.PromptEvent, slot: Slot | None = None) -> None:
-        """The :class:`~producers.step.Step` contract: ``prompt`` to its outcome
+        """The :class:`~tokenbudget.producers.step.Step` contract: ``prompt`` to its outcome
         through the next step, and, for a turn, what follows it, published before
         this returns. Raises what the next step raises (what follows is then not
         published) and what :meth:`Publisher.publish` raises. Called by the

@@ -39,13 +39,13 @@ them). Their ids are per turn: ``with_ids`` takes the ``parquet`` format, one ro
 per turn.
 
 The rows come from the sink's Parquet output, any version's files
-(:func:`sinks.parquet.read_rows`); ``tokenbudget export --from-topic`` first
-replays the completion topic with the sink's rules (:mod:`sinks.replay`).
+(:func:`tokenbudget.sinks.parquet.read_rows`); ``tokenbudget export --from-topic`` first
+replays the completion topic with the sink's rules (:mod:`tokenbudget.sinks.replay`).
 
 Contract: an answer is exported whole or the export stops with what to fix. An
 answer cut at the budget's line keeps its token ids but no text (the text cannot
 be cut without the tokenizer): it is decoded with ``tokenizer`` when one is
-given; otherwise it is a :class:`~tokenbudget.errors.ExportError`, unless
+given; otherwise it is a :class:`~tokenbudget.core.errors.ExportError`, unless
 ``with_ids`` (the ids are the training data). A ``with_ids`` export of a row
 without prompt or answer ids is an error too. Files are written whole (temporary
 name, then rename), so a failed export leaves no half file behind.
@@ -64,9 +64,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from sinks.parquet import conform, output_files
-from tokenbudget.errors import ExportError
-from tokenbudget.files import atomic_file
+from tokenbudget.core.errors import ExportError
+from tokenbudget.core.files import atomic_file
+from tokenbudget.sinks.parquet import conform, output_files
 
 Format = Literal["conversations", "messages", "parquet"]
 FORMATS: tuple[Format, ...] = ("conversations", "messages", "parquet")

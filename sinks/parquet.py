@@ -8,7 +8,7 @@ Face ``datasets`` read the whole tree as one table (docs/output.md).
 Contract:
   * A file appears whole or not at all: written under a hidden temporary name in
     the same folder, fsynced, then renamed and the folder fsynced
-    (:func:`tokenbudget.files.atomic_file`). Temporaries left by a crash are removed
+    (:func:`tokenbudget.core.files.atomic_file`). Temporaries left by a crash are removed
     at start.
   * Offsets are committed only after every row read before them is in a renamed
     file, so a crash at any point re-reads, and never skips, completions.
@@ -18,7 +18,7 @@ Contract:
   * Undecodable events go to the dead-letter topic.
 
 The decoding, the first-completion rule and the file writing are shared with
-``tokenbudget replay`` (:mod:`sinks.replay`), so a replay of the topic gives the
+``tokenbudget replay`` (:mod:`tokenbudget.sinks.replay`), so a replay of the topic gives the
 same rows as the live sink, whatever duplicates the topic holds.
 
 Speed: no Python object is made per token id. A completion (v2) carries its
@@ -52,19 +52,19 @@ import pyarrow.parquet as pq
 from kafka import KafkaConsumer, KafkaProducer, OffsetAndMetadata
 from kafka.errors import KafkaError
 
-from streams import events as ev
-from streams.ledger import Outcome, outcome_change
-from streams.topics import Topics
-from tokenbudget import metrics, sizes
-from tokenbudget.config import Config
-from tokenbudget.errors import EventDecodeError, expected_kafka_error
-from tokenbudget.files import atomic_file
-from tokenbudget.kafka import (
+from tokenbudget.core import metrics, sizes
+from tokenbudget.core.config import Config
+from tokenbudget.core.errors import EventDecodeError, expected_kafka_error
+from tokenbudget.core.files import atomic_file
+from tokenbudget.core.kafka import (
     consumer_options,
     kafka_python_producer_options,
     wait_for_partitions,
 )
-from tokenbudget.retry import retry_until
+from tokenbudget.core.retry import retry_until
+from tokenbudget.streams import events as ev
+from tokenbudget.streams.ledger import Outcome, outcome_change
+from tokenbudget.streams.topics import Topics
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ MESSAGES_TYPE = pa.list_(
         ]
     )
 )
-# How a sampling setting (tokenbudget.sampling) is stored, by its Python type; the
+# How a sampling setting (tokenbudget.core.sampling) is stored, by its Python type; the
 # free-form tables (dict) as JSON text.
 _SAMPLING_ARROW = {float: pa.float64(), int: pa.int64(), str: pa.string()}
 
@@ -171,7 +171,7 @@ def _check_columns() -> None:
     columns = {name for name, _ in COLUMNS}
     if fields != columns:  # pragma: no cover - a development error, caught by any test
         raise TypeError(
-            f"sinks.parquet.COLUMNS and CompletionEvent disagree: "
+            f"tokenbudget.sinks.parquet.COLUMNS and CompletionEvent disagree: "
             f"only in the event {sorted(fields - columns)}, only here {sorted(columns - fields)}"
         )
 
@@ -179,7 +179,7 @@ def _check_columns() -> None:
 _check_columns()
 
 TEMPORARY_GLOB = "dataset=*/.part-*.tmp"
-# Fetch sizes are every consumer's (tokenbudget.sizes: a whole message per partition,
+# Fetch sizes are every consumer's (tokenbudget.core.sizes: a whole message per partition,
 # four per response); measured on the local broker with ~20 KB events, larger fetches
 # are slower with kafka-python (it assembles each response in Python), smaller ones
 # cost round trips. A larger socket buffer takes a response in fewer reads.
@@ -230,7 +230,7 @@ def decode_completion(value: bytes) -> Record:
     """Decode one completions-topic value, or raise EventDecodeError saying why.
 
     The lean decoders only take what is certainly valid; anything else goes through
-    the full decoder (:func:`streams.events.decode`), which says what is wrong.
+    the full decoder (:func:`tokenbudget.streams.events.decode`), which says what is wrong.
     """
     record: Record | None
     try:
@@ -272,7 +272,7 @@ class FirstCompletion:
     """The rule shared by the sink, the replay and the ledger: of the completions of
     one prompt, the first in topic order is kept (all events of a dataset share one
     partition, so "first" is well defined), except a completion of a lease fenced
-    before it in that order (:class:`streams.events.LeaseFenced`): no one keeps that.
+    before it in that order (:class:`tokenbudget.streams.events.LeaseFenced`): no one keeps that.
     """
 
     def __init__(self, seen: Iterable[str] = (), fenced: Iterable[str] = ()) -> None:

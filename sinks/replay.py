@@ -5,7 +5,7 @@ as of the start, so it always terminates) without a consumer group, and feeds th
 kept completions to any of its targets in one pass:
 
 * ``--to-parquet DIR``: the live sink's layout and schema; rows are kept with the
-  sink's own rule (:class:`sinks.parquet.FirstCompletion`, the first completion of
+  sink's own rule (:class:`tokenbudget.sinks.parquet.FirstCompletion`, the first completion of
   each prompt in partition order) and built by the same code, so the result equals
   the live sink's output whatever duplicates the topic holds. Prompts already in
   ``DIR`` are skipped, so an interrupted replay into the same folder resumes;
@@ -26,7 +26,7 @@ One Kafka client library per job. The range is read with aiokafka, in async code
 it parses record batches in C, for about half kafka-python's CPU time per GB
 (:func:`_read_range`). kafka-python serves the two jobs that need a blocking client:
 :func:`read_to_end` (the small budgets and outcomes topics, through
-:func:`tokenbudget.kafka.read_topic`), which runs after the event loop has ended
+:func:`tokenbudget.core.kafka.read_topic`), which runs after the event loop has ended
 and is called from plain code elsewhere, and ``--to-topic``'s producer, which sends
 from the processor thread, where no event loop runs.
 """
@@ -57,7 +57,17 @@ from rich.console import Console
 from rich.progress import BarColumn, TextColumn
 from rich.progress import Progress as RichProgress
 
-from sinks.parquet import (
+from tokenbudget.core import sizes
+from tokenbudget.core.errors import BrokerError, EventDecodeError, TokenBudgetError
+from tokenbudget.core.kafka import (
+    consumer_options,
+    kafka_python_producer_options,
+    read_topic,
+    wait_for_partitions_aio,
+)
+from tokenbudget.core.kafka_admin import TopicSpec, ensure_topics
+from tokenbudget.core.tokenizer import load_pretrained
+from tokenbudget.sinks.parquet import (
     RECEIVE_BUFFER,
     Decoded,
     FirstCompletion,
@@ -70,20 +80,10 @@ from sinks.parquet import (
     remove_stale_temporaries,
     save_fenced_leases,
 )
-from streams import events as ev
-from streams.budget_board import BudgetBoard
-from streams.ledger import Outcome, outcome_change
-from streams.topics import Topics, completion_topic_configs
-from tokenbudget import sizes
-from tokenbudget.errors import BrokerError, EventDecodeError, TokenBudgetError
-from tokenbudget.kafka import (
-    consumer_options,
-    kafka_python_producer_options,
-    read_topic,
-    wait_for_partitions_aio,
-)
-from tokenbudget.kafka_admin import TopicSpec, ensure_topics
-from tokenbudget.tokenizer import load_pretrained
+from tokenbudget.streams import events as ev
+from tokenbudget.streams.budget_board import BudgetBoard
+from tokenbudget.streams.ledger import Outcome, outcome_change
+from tokenbudget.streams.topics import Topics, completion_topic_configs
 
 REPLAY_WRITER = WriterSettings(rotate_rows=20_000, rotate_bytes=256 * 1024 * 1024)
 LEDGER_FIELDS = ("samples", "completion_tokens", "prompt_tokens", "skipped", "failed")
@@ -288,7 +288,7 @@ def read_to_end(
     """Decode every event of a (small) topic, from the beginning to its current end,
     and ``apply`` it; an event that does not decode is passed over. Raises
     :class:`BrokerError` if the topic is missing or not read within ``timeout``
-    seconds (:func:`tokenbudget.kafka.read_topic`). Blocking."""
+    seconds (:func:`tokenbudget.core.kafka.read_topic`). Blocking."""
 
     def decode(record: Any) -> None:
         with contextlib.suppress(EventDecodeError):

@@ -1,10 +1,10 @@
 """The budget policy, in one place: pure arithmetic and small tables, no I/O.
 
-The ledger (:mod:`streams.ledger`), the admission and the dispatcher
+The ledger (:mod:`tokenbudget.streams.ledger`), the admission and the dispatcher
 (:mod:`producers`), ``tokenbudget status``, the run report and the metrics call
 these, so what a budget means is written once. The choices are named in the
-config (:data:`tokenbudget.config.Unit`, :data:`~tokenbudget.config.BoundaryPolicy`,
-:data:`~tokenbudget.config.CutPolicy`, :data:`~tokenbudget.config.AdmissionMode`);
+config (:data:`tokenbudget.core.config.Unit`, :data:`~tokenbudget.core.config.BoundaryPolicy`,
+:data:`~tokenbudget.core.config.CutPolicy`, :data:`~tokenbudget.core.config.AdmissionMode`);
 what each does is a row of a table here. Adding a unit, a policy or a mode means a
 row here and a name there.
 
@@ -49,7 +49,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from tokenbudget.config import AdmissionMode, BoundaryPolicy, CutPolicy, Unit
+from tokenbudget.core.config import AdmissionMode, BoundaryPolicy, CutPolicy, Unit
 
 
 class Counts(Protocol):

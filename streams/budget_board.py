@@ -26,12 +26,12 @@ from dataclasses import dataclass, field
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.errors import KafkaError
 
-from streams import events as ev
-from streams.topics import Topics
-from tokenbudget import metrics
-from tokenbudget.errors import BrokerError, EventDecodeError
-from tokenbudget.kafka import consumer_options, wait_for_partitions_aio
-from tokenbudget.retry import retry_until_async
+from tokenbudget.core import metrics
+from tokenbudget.core.errors import BrokerError, EventDecodeError
+from tokenbudget.core.kafka import consumer_options, wait_for_partitions_aio
+from tokenbudget.core.retry import retry_until_async
+from tokenbudget.streams import events as ev
+from tokenbudget.streams.topics import Topics
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 Wire format: JSON (msgspec) with a ``type`` tag and a schema version ``v``. A reader
 accepts the versions in ``SUPPORTED_VERSIONS`` (``COMPLETION_VERSIONS`` for
-completions); anything else is an :class:`~tokenbudget.errors.EventDecodeError`,
+completions); anything else is an :class:`~tokenbudget.core.errors.EventDecodeError`,
 which workers turn into a dead-letter event instead of crashing.
 
 Completions are at version 6: ``output_ids`` (and ``prompt_ids``) are the
@@ -34,9 +34,9 @@ from typing import Any, Literal, overload
 import msgspec
 import numpy as np
 
-from tokenbudget.config import Unit as BudgetUnit
-from tokenbudget.errors import DatasetError, EventDecodeError
-from tokenbudget.sampling import SAMPLING_KEYS, Sampling
+from tokenbudget.core.config import Unit as BudgetUnit
+from tokenbudget.core.errors import DatasetError, EventDecodeError
+from tokenbudget.core.sampling import SAMPLING_KEYS, Sampling
 
 SCHEMA_VERSION = 1
 SUPPORTED_VERSIONS = frozenset({1})
@@ -85,7 +85,7 @@ class ChatMessage(msgspec.Struct, frozen=True, omit_defaults=True):
 
 class SamplingParams(Sampling, frozen=True, omit_defaults=True, kw_only=True):
     """What the request asks of the sampler, as configured (``[inference]`` and
-    ``[[datasets]]``, :class:`~tokenbudget.sampling.Sampling`) and the length the
+    ``[[datasets]]``, :class:`~tokenbudget.core.sampling.Sampling`) and the length the
     budget allows; unset ones are left to the server and take no room here."""
 
     max_new_tokens: int | None = None

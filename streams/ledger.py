@@ -1,6 +1,7 @@
 """Budget ledger arithmetic: pure functions over immutable state, no I/O.
 
-The Faust agent in :mod:`streams.ledger_worker` is a thin loop around these functions. Each
+The Faust agent in :mod:`tokenbudget.streams.ledger_worker` is a thin loop around
+these functions. Each
 function takes the current state and one event and returns the new state plus the
 events to publish, so every rule here is unit-tested without a broker.
 
@@ -29,8 +30,8 @@ from typing import Literal
 
 import msgspec
 
-from streams import budget
-from streams.events import (
+from tokenbudget.streams import budget
+from tokenbudget.streams.events import (
     BudgetExceeded,
     BudgetRaised,
     BudgetSet,
@@ -68,7 +69,7 @@ class Lease(msgspec.Struct, frozen=True, kw_only=True):
 
     A lease the ledger can no longer hear from (expired) or whose completions are
     still on their way at release is *closing*: it stays reserved until the ledger
-    reads back the :class:`~streams.events.LeaseFenced` it wrote after it in the
+    reads back the :class:`~tokenbudget.streams.events.LeaseFenced` it wrote after it in the
     completions partition. Only then is everything the lease could have published
     counted, and its budget free.
     """
@@ -111,7 +112,7 @@ class DatasetLedger(msgspec.Struct, frozen=True, kw_only=True):
     # The last offset applied from each source "topic:partition": events Faust hands over again
     # after a restart are recognised by it.
     applied: dict[str, int] = {}
-    # The epoch of the worker that wrote this state (streams.events.ledger_epoch): at
+    # The epoch of the worker that wrote this state (tokenbudget.streams.events.ledger_epoch): at
     # recovery a state written by a worker that had lost the partition is not taken.
     epoch: int = 0
 
@@ -244,7 +245,8 @@ def outcome_change(previous: Outcome | None, new: Outcome) -> bool:
     first outcome wins, except that a completion replaces a skip or a failure.
 
     The one rule of which outcome a prompt keeps: the ledger counts by it, and the
-    sink and the replay (:mod:`sinks.parquet`, :mod:`sinks.replay`) keep rows and
+    sink and the replay (:mod:`tokenbudget.sinks.parquet`,
+    :mod:`tokenbudget.sinks.replay`) keep rows and
     recount by it, so their totals agree with the ledger's."""
     if previous is None:
         return True

@@ -1,10 +1,10 @@
 """The ledger worker's state, mirrored into the Prometheus metrics of
-:mod:`tokenbudget.metrics`."""
+:mod:`tokenbudget.core.metrics`."""
 
 from __future__ import annotations
 
-from streams import budget, ledger
-from tokenbudget import metrics
+from tokenbudget.core import metrics
+from tokenbudget.streams import budget, ledger
 
 
 class LedgerGauges:

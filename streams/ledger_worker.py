@@ -1,14 +1,14 @@
 """The Faust ledger worker: the single writer of per-dataset budget state.
 
 It reads completions, prompt outcomes and budget commands (all keyed by dataset,
-co-partitioned with its tables), applies :mod:`streams.ledger`, and publishes
+co-partitioned with its tables), applies :mod:`tokenbudget.streams.ledger`, and publishes
 ``BudgetExceeded`` / ``BudgetRaised`` the moment a dataset crosses its line, plus a
 ``LedgerSnapshot`` of every dataset that changed, a few times a second.
 
 Undecodable events go to the dead-letter topic; the worker never stops for them.
 
 :class:`LedgerWorker` holds the worker's state and steps; :func:`build_app` puts it
-on a Faust app adapted by :mod:`streams.faust_adapt` (read that for what differs
+on a Faust app adapted by :mod:`tokenbudget.streams.faust_adapt` (read that for what differs
 from stock Faust).
 """
 
@@ -27,13 +27,13 @@ import faust
 import msgspec
 from aiokafka.partitioner import DefaultPartitioner
 
-from streams import events as ev
-from streams import faust_adapt, ledger
-from streams.faust_adapt import HotPath
-from streams.topics import LEDGER_TABLE, OUTCOME_TABLE, Topics
-from tokenbudget import metrics, sizes
-from tokenbudget.errors import EventDecodeError
-from tokenbudget.security import faust_brokers, faust_credentials
+from tokenbudget.core import metrics, sizes
+from tokenbudget.core.errors import EventDecodeError
+from tokenbudget.core.security import faust_brokers, faust_credentials
+from tokenbudget.streams import events as ev
+from tokenbudget.streams import faust_adapt, ledger
+from tokenbudget.streams.faust_adapt import HotPath
+from tokenbudget.streams.topics import LEDGER_TABLE, OUTCOME_TABLE, Topics
 
 log = logging.getLogger(__name__)
 

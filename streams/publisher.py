@@ -8,9 +8,9 @@ from typing import Any
 
 from aiokafka import AIOKafkaProducer
 
-from streams import events as ev
-from tokenbudget import sizes
-from tokenbudget.kafka import aiokafka_producer_options
+from tokenbudget.core import sizes
+from tokenbudget.core.kafka import aiokafka_producer_options
+from tokenbudget.streams import events as ev
 
 
 async def publish_events(

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tokenbudget import sizes
-from tokenbudget.kafka_admin import DEFAULT_PARTITIONS, TopicSpec
+from tokenbudget.core import sizes
+from tokenbudget.core.kafka_admin import DEFAULT_PARTITIONS, TopicSpec
 
 PARTITIONS = DEFAULT_PARTITIONS
 DEFAULT_NAMESPACE = "tokenbudget"
@@ -111,7 +111,7 @@ class Topics:
         (``tokenbudget replay``); -1 means forever. Prompts can be regenerated from
         the datasets, so they expire. ``replication_factor`` and
         ``min_insync_replicas`` of -1 leave them to the cluster's defaults. Every
-        topic accepts the message size every producer may send (:mod:`tokenbudget.sizes`).
+        topic accepts the message size every producer may send (:mod:`tokenbudget.core.sizes`).
         """
         keyed = {
             self.prompts: {"retention.ms": str(prompt_retention_ms)},

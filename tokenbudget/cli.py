@@ -16,8 +16,9 @@ from collections.abc import Mapping, Sequence
 from types import ModuleType
 from typing import Any, NamedTuple
 
-from tokenbudget import lifetime, version
-from tokenbudget.errors import EXPECTED_KAFKA_ERRORS, TokenBudgetError, expected_kafka_error
+from tokenbudget import version
+from tokenbudget.core import lifetime
+from tokenbudget.core.errors import EXPECTED_KAFKA_ERRORS, TokenBudgetError, expected_kafka_error
 
 DESCRIPTION = "Exact per-dataset token budgets for synthetic data generation, over Kafka."
 

@@ -30,18 +30,18 @@ from collections.abc import Callable
 import faust
 from faust.transport.producer import ProducerBuffer
 
-from streams.faust_adapt.consumer import FastDeliveryConsumer, LedgerConsumer
-from streams.faust_adapt.flow import LedgerApp
-from streams.faust_adapt.hot_path import HotPath
-from streams.faust_adapt.ownership import Ownership
-from streams.faust_adapt.producer import (
+from tokenbudget.streams.faust_adapt.consumer import FastDeliveryConsumer, LedgerConsumer
+from tokenbudget.streams.faust_adapt.flow import LedgerApp
+from tokenbudget.streams.faust_adapt.hot_path import HotPath
+from tokenbudget.streams.faust_adapt.ownership import Ownership
+from tokenbudget.streams.faust_adapt.producer import (
     LedgerProducer,
     changelog_key_encoder,
     kafka_producer,
     write_changelog,
 )
-from streams.faust_adapt.recovery import recover_preferring
-from streams.faust_adapt.versions import check_versions, installed_version
+from tokenbudget.streams.faust_adapt.recovery import recover_preferring
+from tokenbudget.streams.faust_adapt.versions import check_versions, installed_version
 
 __all__ = [
     "PRODUCER_BUFFER_MESSAGES",

@@ -4,8 +4,8 @@ On a slow 2-core box one ledger worker spent about 250 us of Faust's own time pe
 consumed message and about 300 us per table write, capping it near 1,800 completion
 events/s (bench/ledger.py; py-spy profiles). Two cuts remove most of it, each
 keeping Faust's guarantees: delivery without four asyncio tasks per message
-(:class:`streams.faust_adapt.consumer.FastDeliveryConsumer`) and table changes
-written as record batches (:func:`streams.faust_adapt.producer.write_changelog`).
+(:class:`tokenbudget.streams.faust_adapt.consumer.FastDeliveryConsumer`) and table changes
+written as record batches (:func:`tokenbudget.streams.faust_adapt.producer.write_changelog`).
 ``bench/ledger.py --without`` turns them off to measure each against stock Faust;
 a cut that stops showing a benefit there goes.
 """

@@ -17,12 +17,12 @@ here:
   counts as owner only while the last heartbeat that succeeded was *sent* less than
   the session timeout (less a margin) ago; past that it must wait for the next one.
 
-Each ownership of a partition has an epoch (:func:`streams.events.ledger_epoch`),
+Each ownership of a partition has an epoch (:func:`tokenbudget.streams.events.ledger_epoch`),
 stamped on everything the worker publishes for datasets of that partition, so that
 readers drop what a stale worker published anyway.
 
 This module reaches into aiokafka's group coordinator (``_do_heartbeat``) through
-Faust's consumer thread (versions pinned in :mod:`streams.faust_adapt.versions`).
+Faust's consumer thread (versions pinned in :mod:`tokenbudget.streams.faust_adapt.versions`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from typing import Any
 
 from faust.types import TP
 
-from streams import events as ev
+from tokenbudget.streams import events as ev
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The library versions the adaptations in :mod:`streams.faust_adapt` were written
+"""The library versions the adaptations in :mod:`tokenbudget.streams.faust_adapt` were written
 and contract-tested against, and the start-up check that refuses any other.
 
 Every adaptation reaches into private code of these three libraries (overridden
@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib.metadata
 from collections.abc import Callable
 
-from tokenbudget.errors import FaustVersionError
+from tokenbudget.core.errors import FaustVersionError
 
 # Keep equal to the `==` pins in pyproject.toml; tests/streams/faust_adapt checks both.
 REQUIRED = {

@@ -1,7 +1,7 @@
 """Grafana files: every file parses, the dashboard imports into any Grafana 10+ (no
 datasource uid of ours, an ``__inputs`` entry for the Prometheus it needs), every
 tokenbudget selector follows the job/namespace/dataset variables, every metric
-tokenbudget/metrics.py declares is on a panel, and no alert rule lives in Grafana (they
+tokenbudget/core/metrics.py declares is on a panel, and no alert rule lives in Grafana (they
 live once, in Prometheus).
 
 That every panel returns data is checked against a real run in
@@ -20,7 +20,7 @@ import yaml
 from prometheus_client.metrics import MetricWrapperBase
 
 from tests.promstack import DASHBOARD, ROOT
-from tokenbudget import metrics
+from tokenbudget.core import metrics
 
 GRAFANA = ROOT / "grafana"
 UID = "tokenbudget-prometheus"
@@ -35,7 +35,7 @@ SERVER = 'server=~"$server"'
 AGGREGATION = re.compile(r"\b(sum|max|min|avg|count)\s*(?:by\s*\(([^)]*)\)\s*)?$")
 QUANTILE = re.compile(r"histogram_quantile\(([0-9.]+),")
 
-# tokenbudget/metrics.py: "per dataset, owned by the ledger worker". After a rebalance the
+# tokenbudget/core/metrics.py: "per dataset, owned by the ledger worker". After a rebalance the
 # worker that lost a dataset keeps exporting its last values, so summing workers would
 # count a dataset twice; the owner's values are the highest.
 LEDGER_OWNED = {
@@ -93,7 +93,7 @@ def variables(dashboard: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def declared() -> dict[str, tuple[str, tuple[str, ...]]]:
-    """Every tokenbudget series name tokenbudget/metrics.py exports -> (its metric, its
+    """Every tokenbudget series name tokenbudget/core/metrics.py exports -> (its metric, its
     declared labels); ``namespace`` and ``job`` come on top, from the exporter and from
     Prometheus."""
     names: dict[str, tuple[str, tuple[str, ...]]] = {}
@@ -238,7 +238,7 @@ def test_every_tokenbudget_selector_filters_job_and_namespace() -> None:
     for where, expr in exprs(load(DASHBOARD)):
         for match in SELECTOR.finditer(expr):
             name = match.group(0).split("{")[0]
-            assert name in names, f"{where}: {name} is not in tokenbudget/metrics.py"
+            assert name in names, f"{where}: {name} is not in tokenbudget/core/metrics.py"
             braces = match.group(1) or ""
             for wanted in FILTERS:
                 assert wanted in braces, f"{where}: {match.group(0)} lacks {wanted}"

@@ -13,11 +13,11 @@ from typing import Any
 import pyarrow.parquet as pq
 import pytest
 
-from producers.datasets import read_options, read_prompts
 from tests.producers.tokenizer_fixture import build_tokenizer
-from tokenbudget import config as config_module
 from tokenbudget.app.runner import RunReport, run_async
+from tokenbudget.core import config as config_module
 from tokenbudget.dev import simulator
+from tokenbudget.producers.datasets import read_options, read_prompts
 
 # One worker runs them all (make test's --dist loadgroup): their module fixture is costly.
 pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("backends")]

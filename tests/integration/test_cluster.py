@@ -19,8 +19,7 @@ from typing import Any
 import pytest
 from kafka.admin import KafkaAdminClient
 
-from producers.resume import outcome_records
-from streams.topics import Topics
+from tokenbudget.core.kafka import GroupLag
 from tokenbudget.dev import oracle
 from tokenbudget.dev.cluster import LocalCluster
 from tokenbudget.dev.jobs import (
@@ -34,7 +33,8 @@ from tokenbudget.dev.jobs import (
     wait_until,
     write_job,
 )
-from tokenbudget.kafka import GroupLag
+from tokenbudget.producers.resume import outcome_records
+from tokenbudget.streams.topics import Topics
 
 # One worker runs them all (make test's --dist loadgroup): their module fixture is costly.
 pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("cluster")]

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from tokenbudget import config as config_module
 from tokenbudget.app.runner import RunReport, run_async
+from tokenbudget.core import config as config_module
 from tokenbudget.dev import simulator
 
 pytestmark = pytest.mark.integration

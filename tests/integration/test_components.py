@@ -13,11 +13,11 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from streams.topics import Topics
 from tests.integration.test_ledger_worker import wait_for_snapshot
 from tests.integration.test_reservations import write_config, write_prompts
 from tokenbudget.app.runner import cli_command
 from tokenbudget.dev import simulator
+from tokenbudget.streams.topics import Topics
 
 pytestmark = pytest.mark.integration
 

@@ -8,14 +8,14 @@ import time
 import pytest
 from kafka import KafkaProducer
 
-from producers.dispatcher import Dispatcher
-from streams import events as ev
-from streams.budget_board import BudgetBoard
-from streams.topics import Topics
 from tests.integration.test_ledger_worker import publish, read_all
-from tokenbudget import config as config_module
-from tokenbudget import kafka_admin
+from tokenbudget.core import config as config_module
+from tokenbudget.core import kafka_admin
 from tokenbudget.dev import simulator
+from tokenbudget.producers.dispatcher import Dispatcher
+from tokenbudget.streams import events as ev
+from tokenbudget.streams.budget_board import BudgetBoard
+from tokenbudget.streams.topics import Topics
 
 pytestmark = pytest.mark.integration
 

@@ -19,13 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from producers.resume import outcome_records
-from sinks.replay import read_to_end
-from streams import events as ev
-from streams.budget_board import BudgetBoard
-from streams.topics import Topics
-from tokenbudget import kafka_admin
 from tokenbudget.app.runner import start_ledger_process
+from tokenbudget.core import kafka_admin
 from tokenbudget.dev import oracle
 from tokenbudget.dev.jobs import (
     Watch,
@@ -40,6 +35,11 @@ from tokenbudget.dev.jobs import (
     wait_until,
     write_job,
 )
+from tokenbudget.producers.resume import outcome_records
+from tokenbudget.sinks.replay import read_to_end
+from tokenbudget.streams import events as ev
+from tokenbudget.streams.budget_board import BudgetBoard
+from tokenbudget.streams.topics import Topics
 
 pytestmark = pytest.mark.integration
 

@@ -13,8 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from tokenbudget import cli
-from tokenbudget import config as config_module
 from tokenbudget.app.runner import RunReport, run_async
+from tokenbudget.core import config as config_module
 from tokenbudget.dev import demo, simulator
 
 pytestmark = pytest.mark.integration

@@ -16,10 +16,10 @@ import pyarrow.parquet as pq
 import pytest
 from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
 
-from streams.topics import Topics
 from tokenbudget import cli
 from tokenbudget.dev.jobs import Simulator, start_simulator, write_job
 from tokenbudget.dev.oracle import read_server_log, valid_prompt_ids
+from tokenbudget.streams.topics import Topics
 
 pytestmark = pytest.mark.integration
 

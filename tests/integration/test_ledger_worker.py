@@ -12,11 +12,11 @@ from collections.abc import Callable
 import pytest
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
-from streams import events as ev
-from streams.budget_board import BudgetWatcher
-from streams.topics import Topics
-from tokenbudget import kafka_admin
 from tokenbudget.app.runner import start_ledger_process, stop_process
+from tokenbudget.core import kafka_admin
+from tokenbudget.streams import events as ev
+from tokenbudget.streams.budget_board import BudgetWatcher
+from tokenbudget.streams.topics import Topics
 
 pytestmark = pytest.mark.integration
 

@@ -29,15 +29,15 @@ import httpx
 import pytest
 from kafka import KafkaProducer
 
-from streams import events as ev
-from streams.topics import Topics
 from tests.integration.test_pipeline import write_jsonl
 from tests.promstack import DASHBOARD, RUNBOOKS, Stack, binary, free_port, prometheus_stack
-from tokenbudget import config as config_module
-from tokenbudget import kafka_admin
 from tokenbudget.app.runner import RunReport, run_async, start_ledger_process, stop_process
 from tokenbudget.app.status import follow
+from tokenbudget.core import config as config_module
+from tokenbudget.core import kafka_admin
 from tokenbudget.dev import simulator
+from tokenbudget.streams import events as ev
+from tokenbudget.streams.topics import Topics
 
 # One worker runs them all (make test's --dist loadgroup): their module fixture is costly.
 pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("observability")]

@@ -17,9 +17,9 @@ from typing import Any
 import pyarrow.parquet as pq
 import pytest
 
-from tokenbudget import config as config_module
 from tokenbudget.app.plan import Plan, make_plan
 from tokenbudget.app.runner import RunReport, run_async
+from tokenbudget.core import config as config_module
 from tokenbudget.dev import simulator
 
 pytestmark = pytest.mark.integration

@@ -19,15 +19,15 @@ from typing import Any
 import pytest
 from prometheus_client import REGISTRY
 
-from producers.tokenizers import load_tokenizer
-from sinks.export import ExportOptions, export
-from sinks.parquet import read_rows
-from streams.events import ChatMessage
 from tests.integration.test_backends import make_config, run_with_simulator
 from tests.producers.tokenizer_fixture import build_tokenizer
 from tokenbudget.app.commands.export import export_from_topic
 from tokenbudget.dev import simulator
 from tokenbudget.dev.simulator import ids_crc
+from tokenbudget.producers.tokenizers import load_tokenizer
+from tokenbudget.sinks.export import ExportOptions, export
+from tokenbudget.sinks.parquet import read_rows
+from tokenbudget.streams.events import ChatMessage
 
 pytestmark = pytest.mark.integration
 

@@ -26,15 +26,8 @@ from typing import Any
 import pytest
 from kafka import KafkaConsumer, OffsetAndMetadata, TopicPartition
 
-from producers.datasets import read_prompts, turn_prompt_id
-from producers.resume import OutcomeView, outcome_records
-from sinks.export import ExportOptions, export
-from sinks.parquet import read_rows
-from streams import events as ev
-from streams.ledger_worker import partition_of
-from streams.publisher import publish_events
-from streams.topics import Topics
-from tokenbudget import kafka_admin
+from tokenbudget.core import kafka_admin
+from tokenbudget.core.kafka import consumer_options
 from tokenbudget.dev.jobs import (
     Watch,
     end_run,
@@ -47,7 +40,14 @@ from tokenbudget.dev.jobs import (
     wait_until,
     write_job,
 )
-from tokenbudget.kafka import consumer_options
+from tokenbudget.producers.datasets import read_prompts, turn_prompt_id
+from tokenbudget.producers.resume import OutcomeView, outcome_records
+from tokenbudget.sinks.export import ExportOptions, export
+from tokenbudget.sinks.parquet import read_rows
+from tokenbudget.streams import events as ev
+from tokenbudget.streams.ledger_worker import partition_of
+from tokenbudget.streams.publisher import publish_events
+from tokenbudget.streams.topics import Topics
 
 pytestmark = pytest.mark.integration
 

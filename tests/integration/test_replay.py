@@ -17,13 +17,13 @@ import pyarrow.parquet as pq
 import pytest
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
-from sinks.parquet import ParquetSink, SinkSettings
-from sinks.replay import read_to_end
-from streams import events as ev
-from streams.topics import Topics
-from tokenbudget import kafka_admin
 from tokenbudget.app.runner import start_ledger_process, stop_process
 from tokenbudget.cli import main as cli_main
+from tokenbudget.core import kafka_admin
+from tokenbudget.sinks.parquet import ParquetSink, SinkSettings
+from tokenbudget.sinks.replay import read_to_end
+from tokenbudget.streams import events as ev
+from tokenbudget.streams.topics import Topics
 
 pytestmark = pytest.mark.integration
 

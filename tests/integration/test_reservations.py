@@ -18,15 +18,15 @@ import pyarrow.parquet as pq
 import pytest
 from aiokafka import AIOKafkaProducer
 
-from producers.admission import Admission, AdmissionSettings
-from streams import events as ev
-from streams.budget_board import BudgetWatcher
-from streams.topics import Topics
 from tests.integration.test_ledger_worker import publish, read_all, wait_for_snapshot
-from tokenbudget import config as config_module
-from tokenbudget import kafka_admin
 from tokenbudget.app.runner import cli_command, run_async, start_ledger_process, stop_process
+from tokenbudget.core import config as config_module
+from tokenbudget.core import kafka_admin
 from tokenbudget.dev import jobs, oracle, simulator
+from tokenbudget.producers.admission import Admission, AdmissionSettings
+from tokenbudget.streams import events as ev
+from tokenbudget.streams.budget_board import BudgetWatcher
+from tokenbudget.streams.topics import Topics
 
 pytestmark = pytest.mark.integration
 
@@ -178,8 +178,8 @@ def test_killed_dispatcher_releases_its_lease_by_expiry(
             start_new_session=True,
         )
         try:
-            from producers.prompts import PromptProducer
-            from streams.budget_board import BudgetBoard
+            from tokenbudget.producers.prompts import PromptProducer
+            from tokenbudget.streams.budget_board import BudgetBoard
 
             board = BudgetBoard()
             produce = asyncio.create_task(PromptProducer(config, kafka_bootstrap, board).run())

@@ -20,11 +20,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from tokenbudget import cli
-from tokenbudget import config as config_module
 from tokenbudget.app.bootstrap import resolve_bootstrap
 from tokenbudget.app.runner import run_async
+from tokenbudget.core import config as config_module
+from tokenbudget.core.errors import KafkaAuthError
 from tokenbudget.dev import simulator
-from tokenbudget.errors import KafkaAuthError
 from tokenbudget.localkafka import broker
 from tokenbudget.localkafka.java import find_java
 

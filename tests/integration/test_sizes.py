@@ -16,13 +16,13 @@ from typing import Any
 import pyarrow as pa
 import pytest
 
-from sinks.parquet import read_rows
-from sinks.replay import ReplayOptions, read_to_end, replay
-from streams import events as ev
-from streams.topics import Topics
 from tokenbudget.app.runner import cli_command
 from tokenbudget.dev import oracle
 from tokenbudget.dev.jobs import start_simulator, write_job
+from tokenbudget.sinks.parquet import read_rows
+from tokenbudget.sinks.replay import ReplayOptions, read_to_end, replay
+from tokenbudget.streams import events as ev
+from tokenbudget.streams.topics import Topics
 
 pytestmark = pytest.mark.integration
 

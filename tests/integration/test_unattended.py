@@ -22,12 +22,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from producers.resume import outcome_records
-from sinks.replay import read_to_end
-from streams import events as ev
-from streams.topics import Topics
-from tokenbudget import kafka_admin, lifetime
 from tokenbudget.app.runner import cli_command
+from tokenbudget.core import kafka_admin, lifetime
 from tokenbudget.dev import oracle
 from tokenbudget.dev.jobs import (
     Watch,
@@ -41,6 +37,10 @@ from tokenbudget.dev.jobs import (
     wait_until,
     write_job,
 )
+from tokenbudget.producers.resume import outcome_records
+from tokenbudget.sinks.replay import read_to_end
+from tokenbudget.streams import events as ev
+from tokenbudget.streams.topics import Topics
 
 pytestmark = pytest.mark.integration
 

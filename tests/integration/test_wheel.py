@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import venv
+import zipfile
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -40,6 +41,10 @@ def test_the_wheel_runs_the_demo_with_only_python(tmp_path: Path) -> None:
     run([sys.executable, "-m", "pip", "wheel", "--no-deps",
          "-w", str(wheels), str(ROOT)])  # fmt: skip
     [wheel] = wheels.glob("tokenbudget-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        tops = {name.split("/")[0] for name in archive.namelist()}
+    # One import name: streams, producers and sinks are tokenbudget's subpackages.
+    assert {top for top in tops if not top.endswith(".dist-info")} == {"tokenbudget"}
     env_dir = tmp_path / "venv"
     venv.EnvBuilder(with_pip=True).create(env_dir)
     python = env_dir / "bin" / "python"

@@ -10,8 +10,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from producers.inference import GenerationRequest, GenerationResult, InferenceBackend, RetryPolicy
-from tokenbudget.errors import InferenceError
+from tokenbudget.core.errors import InferenceError
+from tokenbudget.producers.inference import (
+    GenerationRequest,
+    GenerationResult,
+    InferenceBackend,
+    RetryPolicy,
+)
 
 
 async def generate_with_retries(

@@ -1,7 +1,7 @@
 """Admission against an in-memory ledger: leases spent locally, never beyond the budget.
 
 The fake producer decodes what Admission publishes, applies it to a pure
-:class:`streams.ledger.DatasetLedger` and delivers the ledger's replies back through
+:class:`tokenbudget.streams.ledger.DatasetLedger` and delivers the ledger's replies back through
 a :class:`BudgetBoard` on a later loop turn, like the real round trip over Kafka.
 """
 
@@ -12,12 +12,12 @@ import random
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-from producers.admission import Admission, AdmissionSettings, Ticket
-from streams import events as ev
-from streams import ledger
-from streams.budget import used
-from streams.budget_board import BudgetBoard
-from streams.topics import Topics
+from tokenbudget.producers.admission import Admission, AdmissionSettings, Ticket
+from tokenbudget.streams import events as ev
+from tokenbudget.streams import ledger
+from tokenbudget.streams.budget import used
+from tokenbudget.streams.budget_board import BudgetBoard
+from tokenbudget.streams.topics import Topics
 
 DS = "ds"
 TOPICS = Topics(namespace="t")

@@ -3,8 +3,8 @@ and cut to the request, and why the kept answer ends."""
 
 from __future__ import annotations
 
-from producers.answers import cut_answer, finish_label, within_request
-from producers.inference import GenerationResult
+from tokenbudget.producers.answers import cut_answer, finish_label, within_request
+from tokenbudget.producers.inference import GenerationResult
 
 
 def answer(tokens: int, finish: str = "stop") -> GenerationResult:

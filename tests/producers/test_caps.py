@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from producers.caps import RevokedCap
+from tokenbudget.producers.caps import RevokedCap
 
 
 def test_revoked_cap_aborts_all_once_what_they_generated_reaches_it() -> None:

@@ -14,10 +14,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from producers.datasets import PromptRow, read_options, read_prompts, stable_prompt_id
-from streams.events import ChatMessage
-from tokenbudget import config as config_module
-from tokenbudget.errors import DatasetError
+from tokenbudget.core import config as config_module
+from tokenbudget.core.errors import DatasetError
+from tokenbudget.producers.datasets import PromptRow, read_options, read_prompts, stable_prompt_id
+from tokenbudget.streams.events import ChatMessage
 
 ALPACA = [
     {"instruction": "Write a haiku", "input": "", "output": "..."},

@@ -12,15 +12,15 @@ from typing import Any
 import msgspec
 import pytest
 
-from producers import conversations, resume
-from producers.conversations import calls_match, follow_up, next_messages, spliced
-from producers.datasets import PromptRow, check_datasets, read_prompts, turn_prompt_id
-from producers.prompts import PromptProducer
-from streams import events as ev
-from streams.budget_board import BudgetBoard
 from tests.producers.test_prompts import RecordingProducer
-from tokenbudget import config as config_module
-from tokenbudget.errors import ConfigError
+from tokenbudget.core import config as config_module
+from tokenbudget.core.errors import ConfigError
+from tokenbudget.producers import conversations, resume
+from tokenbudget.producers.conversations import calls_match, follow_up, next_messages, spliced
+from tokenbudget.producers.datasets import PromptRow, check_datasets, read_prompts, turn_prompt_id
+from tokenbudget.producers.prompts import PromptProducer
+from tokenbudget.streams import events as ev
+from tokenbudget.streams.budget_board import BudgetBoard
 
 M = ev.ChatMessage
 

@@ -14,10 +14,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from producers import datasets
-from producers.datasets import check_datasets, read_options, read_prompts
-from tokenbudget import config as config_module
-from tokenbudget.errors import ConfigError
+from tokenbudget.core import config as config_module
+from tokenbudget.core.errors import ConfigError
+from tokenbudget.producers import datasets
+from tokenbudget.producers.datasets import check_datasets, read_options, read_prompts
 
 ALPACA = {"instruction": "Add the numbers", "input": "1 2 3", "output": "6"}
 METAMATH = {"query": "What is 2+2?", "response": "4", "type": "GSM_AnsAug"}

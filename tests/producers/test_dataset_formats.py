@@ -9,13 +9,13 @@ from typing import Any
 
 import pytest
 
-from producers.datasets import PromptRow, read_options, read_prompts, reader_for
-from producers.resume import skip_done
-from producers.tokenizers import load_tokenizer
-from streams.events import ChatMessage
 from tests.producers.tokenizer_fixture import build_tokenizer
-from tokenbudget import config as config_module
-from tokenbudget.errors import ConfigError, DatasetError
+from tokenbudget.core import config as config_module
+from tokenbudget.core.errors import ConfigError, DatasetError
+from tokenbudget.producers.datasets import PromptRow, read_options, read_prompts, reader_for
+from tokenbudget.producers.resume import skip_done
+from tokenbudget.producers.tokenizers import load_tokenizer
+from tokenbudget.streams.events import ChatMessage
 
 
 def write_jsonl(path: Path, rows: list[Any]) -> Path:

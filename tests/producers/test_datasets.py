@@ -12,10 +12,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from producers.datasets import PromptRow, read_prompts, reader_for, stable_prompt_id
-from streams.events import ChatMessage
-from tokenbudget import sizes
-from tokenbudget.errors import DatasetError
+from tokenbudget.core import sizes
+from tokenbudget.core.errors import DatasetError
+from tokenbudget.producers.datasets import PromptRow, read_prompts, reader_for, stable_prompt_id
+from tokenbudget.streams.events import ChatMessage
 
 ROWS: list[dict[str, Any]] = [
     {"prompt": "Write a haiku #short"},

@@ -11,19 +11,6 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from producers.admission import Admission, AdmissionSettings
-from producers.dispatcher import Dispatcher
-from producers.fleet import Fleet
-from producers.inference import (
-    GenerationRequest,
-    GenerationResult,
-    InferenceBackend,
-    RetryPolicy,
-)
-from producers.server_gate import GateSettings
-from producers.slots import Slot
-from streams import events as ev
-from streams.budget_board import BudgetBoard
 from tests.producers.test_admission import (
     DS,
     TOPICS,
@@ -32,8 +19,21 @@ from tests.producers.test_admission import (
     run,
     until,
 )
-from tokenbudget import config as config_module
-from tokenbudget.errors import InferenceTransportError
+from tokenbudget.core import config as config_module
+from tokenbudget.core.errors import InferenceTransportError
+from tokenbudget.producers.admission import Admission, AdmissionSettings
+from tokenbudget.producers.dispatcher import Dispatcher
+from tokenbudget.producers.fleet import Fleet
+from tokenbudget.producers.inference import (
+    GenerationRequest,
+    GenerationResult,
+    InferenceBackend,
+    RetryPolicy,
+)
+from tokenbudget.producers.server_gate import GateSettings
+from tokenbudget.producers.slots import Slot
+from tokenbudget.streams import events as ev
+from tokenbudget.streams.budget_board import BudgetBoard
 
 
 class Recorder:

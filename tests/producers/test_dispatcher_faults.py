@@ -15,22 +15,27 @@ import msgspec
 import pytest
 from aiokafka.errors import KafkaConnectionError
 
-from producers.admission import Ticket
-from producers.inference import GenerationRequest, GenerationResult, InferenceBackend, RetryPolicy
-from producers.server_gate import GateSettings
-from streams import events as ev
-from streams import ledger
-from streams.budget import used
 from tests.producers.test_admission import DS, run, until
 from tests.producers.test_dispatcher_caps import Recorder, dispatch, make_dispatcher, prompt, serve
-from tokenbudget import metrics
-from tokenbudget.errors import (
+from tokenbudget.core import metrics
+from tokenbudget.core.errors import (
     InferenceRequestError,
     InferenceServerError,
     InferenceTransportError,
     InferenceUnavailableError,
     ServerOutageError,
 )
+from tokenbudget.producers.admission import Ticket
+from tokenbudget.producers.inference import (
+    GenerationRequest,
+    GenerationResult,
+    InferenceBackend,
+    RetryPolicy,
+)
+from tokenbudget.producers.server_gate import GateSettings
+from tokenbudget.streams import events as ev
+from tokenbudget.streams import ledger
+from tokenbudget.streams.budget import used
 
 
 class FailingBackend(InferenceBackend):
@@ -142,8 +147,12 @@ def test_warnings_about_a_prompt_name_its_dataset_and_row(
         await dispatch(dispatcher, FailingBackend([InferenceServerError("HTTP 500")] * 2), row)
 
     # The dispatcher's steps log under their modules' names.
-    steps = {"producers.dispatcher", "producers.tries", "producers.publisher"}
-    with caplog.at_level(logging.WARNING, logger="producers"):
+    steps = {
+        "tokenbudget.producers.dispatcher",
+        "tokenbudget.producers.tries",
+        "tokenbudget.producers.publisher",
+    }
+    with caplog.at_level(logging.WARNING, logger="tokenbudget.producers"):
         run(main())
     about = f"{DS}, data/a.jsonl:7 (prompt p0)"
     assert [r.getMessage() for r in caplog.records if r.name in steps] == [

@@ -10,12 +10,12 @@ import time
 
 from prometheus_client import REGISTRY
 
-from streams import events as ev
-from streams.budget_board import BudgetBoard
 from tests.producers.test_admission import DS, run, until
 from tests.producers.test_dispatcher_caps import dispatch, make_dispatcher, prompt
 from tests.producers.test_dispatcher_faults import FailingBackend, outcomes, with_retry
-from tokenbudget.errors import InferenceUnavailableError
+from tokenbudget.core.errors import InferenceUnavailableError
+from tokenbudget.streams import events as ev
+from tokenbudget.streams.budget_board import BudgetBoard
 
 
 def sample(name: str, **labels: str) -> float:

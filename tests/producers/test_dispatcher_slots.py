@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import asyncio
 
-from producers.admission import Admission, AdmissionSettings
-from producers.slots import Slot
-from streams import events as ev
-from streams import ledger
 from tests.producers.test_admission import DS, TOPICS, run, settle_and_complete, until
 from tests.producers.test_dispatcher_caps import dispatch, make_dispatcher, prompt
+from tokenbudget.producers.admission import Admission, AdmissionSettings
+from tokenbudget.producers.slots import Slot
+from tokenbudget.streams import events as ev
+from tokenbudget.streams import ledger
 
 
 def test_a_prompt_waiting_for_budget_frees_its_server_place_until_budget_comes() -> None:

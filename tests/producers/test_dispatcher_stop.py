@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import asyncio
 
-from producers.dispatcher import Dispatcher
-from producers.slots import Slot
-from streams import events as ev
 from tests.producers.test_admission import DS, run, until
 from tests.producers.test_dispatcher_caps import Recorder, make_dispatcher, prompt
+from tokenbudget.producers.dispatcher import Dispatcher
+from tokenbudget.producers.slots import Slot
+from tokenbudget.streams import events as ev
 
 
 class HeldRecorder(Recorder):

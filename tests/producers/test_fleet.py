@@ -15,9 +15,6 @@ import logging
 import msgspec
 import pytest
 
-from producers.fleet import Fleet, Server
-from producers.server_gate import GateSettings
-from streams import events as ev
 from tests.producers.test_admission import DS, run, until
 from tests.producers.test_dispatcher_caps import (
     NO_BACKOFF,
@@ -26,12 +23,15 @@ from tests.producers.test_dispatcher_caps import (
     prompt,
     serve,
 )
-from tokenbudget.config import Server as ServerSpec
-from tokenbudget.errors import (
+from tokenbudget.core.config import Server as ServerSpec
+from tokenbudget.core.errors import (
     InferenceTransportError,
     InferenceUnavailableError,
     ServerOutageError,
 )
+from tokenbudget.producers.fleet import Fleet, Server
+from tokenbudget.producers.server_gate import GateSettings
+from tokenbudget.streams import events as ev
 
 QUICK = GateSettings(pause_after=1, health_interval_s=0.01)
 
@@ -140,7 +140,7 @@ def test_a_server_away_past_the_timeout_is_dropped_once_and_the_rest_go_on(
         assert "every inference server" in str(info.value)
         assert "http://a" in str(info.value) and "http://b" in str(info.value)
 
-    with caplog.at_level(logging.WARNING, logger="producers.fleet"):
+    with caplog.at_level(logging.WARNING, logger="tokenbudget.producers.fleet"):
         run(main())
     dropped = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
     assert len(dropped) == 1 and dropped[0].startswith("the inference server http://a")

@@ -13,8 +13,19 @@ from typing import Any
 import httpx
 import pytest
 
-from producers import inference
-from producers.inference import (
+from tests.producers.retries import generate_with_retries
+from tokenbudget.core.errors import (
+    InferenceError,
+    InferenceProtocolError,
+    InferenceRequestError,
+    InferenceServerError,
+    InferenceTransportError,
+    InferenceUnavailableError,
+)
+from tokenbudget.dev import simulator
+from tokenbudget.dev.simulator import Faults, RunningSimulator, SimulatorConfig
+from tokenbudget.producers import inference
+from tokenbudget.producers.inference import (
     RETRY_AFTER_MAX_S,
     GenerationRequest,
     GenerationResult,
@@ -26,18 +37,7 @@ from producers.inference import (
     make_backend,
     parse_retry_after,
 )
-from streams.events import ChatMessage, ToolCall
-from tests.producers.retries import generate_with_retries
-from tokenbudget.dev import simulator
-from tokenbudget.dev.simulator import Faults, RunningSimulator, SimulatorConfig
-from tokenbudget.errors import (
-    InferenceError,
-    InferenceProtocolError,
-    InferenceRequestError,
-    InferenceServerError,
-    InferenceTransportError,
-    InferenceUnavailableError,
-)
+from tokenbudget.streams.events import ChatMessage, ToolCall
 
 FAST = SimulatorConfig(port=0, tokens_per_second=1e6, seed=3)
 APIS = ["sglang", "openai-completions", "openai-chat"]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from producers.offsets import OffsetTracker, PartitionProgress
+from tokenbudget.producers.offsets import OffsetTracker, PartitionProgress
 
 T = "ns.prompts"
 

@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 
-from producers.datasets import PromptRow, check_datasets, read_prompts
-from producers.order import stratified
-from tokenbudget import config as config_module
 from tokenbudget.app.estimate import ks_distance
-from tokenbudget.errors import ConfigError
+from tokenbudget.core import config as config_module
+from tokenbudget.core.errors import ConfigError
+from tokenbudget.producers.datasets import PromptRow, check_datasets, read_prompts
+from tokenbudget.producers.order import stratified
 
 ROWS = 2000
 

@@ -8,15 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from producers import resume
-from producers.datasets import read_prompts
-from producers.prompts import PromptProducer
-from streams import events as ev
-from streams.budget_board import BudgetBoard
-from streams.topics import Topics
-from tokenbudget import config as config_module
-from tokenbudget import metrics, sizes
-from tokenbudget.errors import DatasetError
+from tokenbudget.core import config as config_module
+from tokenbudget.core import metrics, sizes
+from tokenbudget.core.errors import DatasetError
+from tokenbudget.producers import resume
+from tokenbudget.producers.datasets import read_prompts
+from tokenbudget.producers.prompts import PromptProducer
+from tokenbudget.streams import events as ev
+from tokenbudget.streams.budget_board import BudgetBoard
+from tokenbudget.streams.topics import Topics
 
 
 class RecordingProducer:

@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 from aiokafka.errors import KafkaConnectionError, MessageSizeTooLargeError
 
-from producers.publisher import Publisher
-from producers.step import DispatchReport
-from streams import events as ev
 from tests.producers.test_admission import DS, TOPICS, run
 from tests.producers.test_dispatcher_caps import Recorder, prompt
-from tokenbudget.errors import KafkaLimitsError
+from tokenbudget.core.errors import KafkaLimitsError
+from tokenbudget.producers.publisher import Publisher
+from tokenbudget.producers.step import DispatchReport
+from tokenbudget.streams import events as ev
 
 
 class Refusing(Recorder):

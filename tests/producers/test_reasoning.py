@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 from prometheus_client import REGISTRY
 
-from producers.answers import cut_answer
-from producers.inference import GenerationResult
-from producers.reasoning import ReasoningRows, unfinished
-from streams import events as ev
-from tokenbudget.config import ReasoningMode
+from tokenbudget.core.config import ReasoningMode
+from tokenbudget.producers.answers import cut_answer
+from tokenbudget.producers.inference import GenerationResult
+from tokenbudget.producers.reasoning import ReasoningRows, unfinished
+from tokenbudget.streams import events as ev
 
 
 def answer(tokens: int = 10, text: str = "", **fields: Any) -> GenerationResult:
@@ -90,7 +90,7 @@ def test_save_warns_once_per_dataset_when_the_chat_server_splits_nothing(
     modes: dict[str, ReasoningMode | None] = {"saved": "save", "unset": None}
     rows = ReasoningRows(modes, "</think>", "openai-chat", "http://gpu:8000")
     bare = answer(text="<think> hmm </think> 42")
-    with caplog.at_level(logging.WARNING, logger="producers.reasoning"):
+    with caplog.at_level(logging.WARNING, logger="tokenbudget.producers.reasoning"):
         for dataset in ("saved", "saved", "unset"):
             rows.unfinished(dataset, bare, bare, "stop")
         rows.unfinished("saved", answer(reasoning="hmm"), answer(reasoning="hmm"), "stop")
@@ -99,7 +99,7 @@ def test_save_warns_once_per_dataset_when_the_chat_server_splits_nothing(
     assert "http://gpu:8000" in record.getMessage() and "--reasoning-parser" in record.getMessage()
     # raw APIs hold the thinking inline by design: nothing to warn about
     raw = ReasoningRows(modes, "</think>", "sglang", "http://gpu:30000")
-    with caplog.at_level(logging.WARNING, logger="producers.reasoning"):
+    with caplog.at_level(logging.WARNING, logger="tokenbudget.producers.reasoning"):
         raw.unfinished("saved", bare, bare, "stop")
     assert len(caplog.records) == 1
 

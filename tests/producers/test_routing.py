@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 from collections import Counter
 
-from producers.routing import (
+from tokenbudget.producers.routing import (
     CUT_HOLD_S,
     PACE_SAMPLES,
     Candidate,

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from producers.datasets import read_options, read_prompts
-from producers.prompts import sampling_for
-from tokenbudget.config import build
-from tokenbudget.errors import ConfigError
+from tokenbudget.core.config import build
+from tokenbudget.core.errors import ConfigError
+from tokenbudget.producers.datasets import read_options, read_prompts
+from tokenbudget.producers.prompts import sampling_for
 
 
 def write(path: Path, rows: list[dict[str, object]]) -> Path:

@@ -8,12 +8,12 @@ from typing import Any
 import httpx
 import pytest
 
-from producers.inference import make_backend
-from streams import events as ev
 from tests.producers.test_inference import FAST, request, with_simulator
-from tokenbudget.config import build
+from tokenbudget.core.config import build
+from tokenbudget.core.sampling import SAMPLING_KEYS
 from tokenbudget.dev.simulator import RunningSimulator
-from tokenbudget.sampling import SAMPLING_KEYS
+from tokenbudget.producers.inference import make_backend
+from tokenbudget.streams import events as ev
 
 SETTINGS: dict[str, Any] = {
     "temperature": 0.6,

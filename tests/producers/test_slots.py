@@ -7,8 +7,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from producers.slots import Capacity, Places, Slot
 from tests.producers.test_admission import run
+from tokenbudget.producers.slots import Capacity, Places, Slot
 
 
 def test_with_as_many_prompts_aside_as_places_the_next_waits_in_place() -> None:

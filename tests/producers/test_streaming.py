@@ -12,7 +12,16 @@ from typing import Any
 import httpx
 import pytest
 
-from producers.inference import (
+from tests.producers.tokenizer_fixture import build_tokenizer
+from tokenbudget.core import config as config_module
+from tokenbudget.core.errors import (
+    InferenceProtocolError,
+    InferenceRequestError,
+    InferenceServerError,
+)
+from tokenbudget.dev import simulator
+from tokenbudget.dev.simulator import Faults, RunningSimulator, SimulatorConfig
+from tokenbudget.producers.inference import (
     GenerationRequest,
     InferenceCountError,
     ServerUnreachableError,
@@ -21,17 +30,8 @@ from producers.inference import (
     check_server,
     make_backend,
 )
-from producers.tokenizers import load_tokenizer
-from streams.events import ChatMessage
-from tests.producers.tokenizer_fixture import build_tokenizer
-from tokenbudget import config as config_module
-from tokenbudget.dev import simulator
-from tokenbudget.dev.simulator import Faults, RunningSimulator, SimulatorConfig
-from tokenbudget.errors import (
-    InferenceProtocolError,
-    InferenceRequestError,
-    InferenceServerError,
-)
+from tokenbudget.producers.tokenizers import load_tokenizer
+from tokenbudget.streams.events import ChatMessage
 
 APIS = ["sglang", "openai-completions", "openai-chat"]
 FAST = SimulatorConfig(port=0, tokens_per_second=200_000, seed=5)

@@ -11,16 +11,16 @@ from dataclasses import dataclass, field
 
 from aiokafka.errors import KafkaConnectionError
 
-from producers.admission import Ticket
-from producers.inference import RetryPolicy
-from producers.publisher import Publisher
-from producers.slots import Slot
-from producers.step import DispatchReport
-from producers.tries import UNEXPECTED_ERRORS, Tries, prompt_token_estimate
-from streams import events as ev
-from streams.budget_board import BudgetBoard
 from tests.producers.test_admission import DS, TOPICS, run
 from tests.producers.test_dispatcher_caps import Recorder, prompt
+from tokenbudget.producers.admission import Ticket
+from tokenbudget.producers.inference import RetryPolicy
+from tokenbudget.producers.publisher import Publisher
+from tokenbudget.producers.slots import Slot
+from tokenbudget.producers.step import DispatchReport
+from tokenbudget.producers.tries import UNEXPECTED_ERRORS, Tries, prompt_token_estimate
+from tokenbudget.streams import events as ev
+from tokenbudget.streams.budget_board import BudgetBoard
 
 
 class OpenFleet:

@@ -10,15 +10,15 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from producers import conversations
-from producers.publisher import Publisher
-from producers.slots import Slot
-from producers.step import DispatchReport
-from producers.turns import ConversationTurns
-from streams import events as ev
 from tests.producers.test_admission import TOPICS, run
 from tests.producers.test_conversations import FOUR, completion, first_turn, prompt_of
 from tests.producers.test_dispatcher_caps import Recorder
+from tokenbudget.producers import conversations
+from tokenbudget.producers.publisher import Publisher
+from tokenbudget.producers.slots import Slot
+from tokenbudget.producers.step import DispatchReport
+from tokenbudget.producers.turns import ConversationTurns
+from tokenbudget.streams import events as ev
 
 
 class Publishing:

@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
-from producers.datasets import check_datasets, first_chat_row
 from tests.producers.tokenizer_fixture import build_tokenizer
 from tokenbudget import cli
-from tokenbudget import config as config_module
-from tokenbudget.errors import ConfigError
+from tokenbudget.core import config as config_module
+from tokenbudget.core.errors import ConfigError
+from tokenbudget.producers.datasets import check_datasets, first_chat_row
 
 RAW_TEXT = ["sglang", "openai-completions"]
 CHAT = {"messages": [{"role": "user", "content": "hello how are you"}]}
@@ -126,7 +126,7 @@ def test_the_command_stops_with_one_line_and_exit_2_before_anything_runs(
         raise AssertionError("started before the dataset check")
 
     for started in (
-        "producers.inference.prepare",
+        "tokenbudget.producers.inference.prepare",
         "tokenbudget.app.runner.resolve_bootstrap",
         "tokenbudget.app.control.resolve_bootstrap",
     ):

@@ -1,7 +1,7 @@
 """Parquet tables built from whole events, for tests to compare the sink against.
 
-The sink decodes lean records (:func:`sinks.parquet.decode_records`); this builds the
-same table from fully decoded :class:`~streams.events.CompletionEvent` objects, by the
+The sink decodes lean records (:func:`tokenbudget.sinks.parquet.decode_records`); this builds the
+same table from fully decoded :class:`~tokenbudget.streams.events.CompletionEvent` objects, by the
 column code the sink uses, so a test sees where the two decoding paths differ.
 """
 
@@ -11,12 +11,12 @@ from collections.abc import Sequence
 
 import pyarrow as pa
 
-from sinks.parquet import SCHEMA, _column_arrays, _id_bytes, _ids_from_bytes
-from streams import events as ev
+from tokenbudget.sinks.parquet import SCHEMA, _column_arrays, _id_bytes, _ids_from_bytes
+from tokenbudget.streams import events as ev
 
 
 def completions_to_table(rows: Sequence[ev.CompletionEvent]) -> pa.Table:
-    """The rows of fully decoded events (the table :func:`sinks.parquet.keep_first`
+    """The rows of fully decoded events (the table :func:`tokenbudget.sinks.parquet.keep_first`
     builds for the same completions)."""
     ids = _ids_from_bytes([_id_bytes(r.output_ids) for r in rows])
     return pa.Table.from_arrays(_column_arrays(rows, ids), schema=SCHEMA)

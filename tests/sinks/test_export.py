@@ -12,11 +12,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from sinks.export import ExportOptions, export
-from sinks.parquet import COLUMNS, dataset_dir, write_atomically
-from streams import events as ev
 from tests.sinks.tables import completions_to_table
-from tokenbudget.errors import ExportError
+from tokenbudget.core.errors import ExportError
+from tokenbudget.sinks.export import ExportOptions, export
+from tokenbudget.sinks.parquet import COLUMNS, dataset_dir, write_atomically
+from tokenbudget.streams import events as ev
 
 
 def completion(i: int, dataset: str = "chat", **changes: Any) -> ev.CompletionEvent:
@@ -229,7 +229,7 @@ def test_no_rows_is_an_error_naming_the_folder(tmp_path: Path) -> None:
 
 
 def test_read_rows_table_has_the_declared_schema(tmp_path: Path) -> None:
-    from sinks.parquet import SCHEMA, read_rows
+    from tokenbudget.sinks.parquet import SCHEMA, read_rows
 
     write_rows(tmp_path, [completion(0)], old=True)
     table = read_rows(tmp_path)

@@ -8,14 +8,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from sinks.parquet import (
+from tests.sinks.tables import completions_to_table
+from tokenbudget.sinks.parquet import (
     SCHEMA,
     dataset_dir,
     existing_prompt_ids,
     write_atomically,
 )
-from streams.events import CompletionEvent
-from tests.sinks.tables import completions_to_table
+from tokenbudget.streams.events import CompletionEvent
 
 
 def completion(i: int, *, dataset: str = "ds", n_ids: int | None = None) -> CompletionEvent:

@@ -9,8 +9,9 @@ from typing import Any
 import pytest
 from aiokafka import TopicPartition
 
-from sinks.parquet import Decoded
-from sinks.replay import (
+from tokenbudget.core.errors import TokenBudgetError
+from tokenbudget.sinks.parquet import Decoded
+from tokenbudget.sinks.replay import (
     ReplayOptions,
     ReplaySummary,
     _Batches,
@@ -18,8 +19,7 @@ from sinks.replay import (
     _RecordFilter,
     _start_offsets,
 )
-from streams.topics import Topics
-from tokenbudget.errors import TokenBudgetError
+from tokenbudget.streams.topics import Topics
 
 P0, P1, P2 = (TopicPartition("c", p) for p in range(3))
 BEGINS = {P0: 0, P1: 10, P2: 5}

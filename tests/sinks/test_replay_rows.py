@@ -14,8 +14,10 @@ import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 import pytest
 
-from sinks import replay
-from sinks.parquet import (
+from tests.sinks.tables import completions_to_table
+from tokenbudget.core.errors import EventDecodeError
+from tokenbudget.sinks import replay
+from tokenbudget.sinks.parquet import (
     CompletionRecord,
     FirstCompletion,
     LegacyCompletionRecord,
@@ -28,10 +30,8 @@ from sinks.parquet import (
     row_group_size,
     save_fenced_leases,
 )
-from streams import events as ev
-from streams.topics import Topics
-from tests.sinks.tables import completions_to_table
-from tokenbudget.errors import EventDecodeError
+from tokenbudget.streams import events as ev
+from tokenbudget.streams.topics import Topics
 
 
 def completion(

@@ -3,9 +3,9 @@ keeps everything by default; prompts expire."""
 
 from __future__ import annotations
 
-from streams.topics import Topics, completion_topic_configs
-from tokenbudget import config as config_module
 from tokenbudget.app.bootstrap import topic_specs
+from tokenbudget.core import config as config_module
+from tokenbudget.streams.topics import Topics, completion_topic_configs
 
 
 def configs(specs: list, name: str) -> dict[str, str]:

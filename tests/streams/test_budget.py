@@ -6,11 +6,11 @@ from typing import get_args
 
 import pytest
 
-from streams import budget
-from streams.budget import ask, unit_cost, used
-from streams.events import BudgetUnit, LedgerSnapshot
-from streams.ledger import DatasetLedger
-from tokenbudget.config import AdmissionMode, BoundaryPolicy, CutPolicy, Unit
+from tokenbudget.core.config import AdmissionMode, BoundaryPolicy, CutPolicy, Unit
+from tokenbudget.streams import budget
+from tokenbudget.streams.budget import ask, unit_cost, used
+from tokenbudget.streams.events import BudgetUnit, LedgerSnapshot
+from tokenbudget.streams.ledger import DatasetLedger
 
 # ---- every name the config accepts has its row -------------------------------------
 

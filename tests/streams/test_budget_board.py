@@ -9,10 +9,10 @@ import msgspec
 from aiokafka import TopicPartition
 from aiokafka.errors import KafkaError
 
-from streams import events as ev
-from streams.budget_board import BudgetBoard, BudgetWatcher
-from streams.topics import Topics
 from tests.producers.test_admission import open_snapshot
+from tokenbudget.streams import events as ev
+from tokenbudget.streams.budget_board import BudgetBoard, BudgetWatcher
+from tokenbudget.streams.topics import Topics
 
 
 def snapshot(dataset: str, *, halted: bool, at: float, samples: int = 0) -> ev.LedgerSnapshot:

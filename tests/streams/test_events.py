@@ -10,8 +10,8 @@ import msgspec
 import numpy as np
 import pytest
 
-from streams import events as ev
-from tokenbudget.errors import DatasetError, EventDecodeError
+from tokenbudget.core.errors import DatasetError, EventDecodeError
+from tokenbudget.streams import events as ev
 
 ALL_EVENTS: list[ev.Event] = [
     ev.PromptEvent(

@@ -5,9 +5,9 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from streams import ledger
-from streams.budget import used
-from streams.events import (
+from tokenbudget.streams import ledger
+from tokenbudget.streams.budget import used
+from tokenbudget.streams.events import (
     BudgetExceeded,
     BudgetRaised,
     BudgetSet,
@@ -16,7 +16,7 @@ from streams.events import (
     PromptFailed,
     PromptSkipped,
 )
-from streams.ledger import DatasetLedger, apply_budget_set, apply_outcome
+from tokenbudget.streams.ledger import DatasetLedger, apply_budget_set, apply_outcome
 
 DS = "ds"
 AT = 1000.0

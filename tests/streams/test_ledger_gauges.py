@@ -2,8 +2,8 @@ from __future__ import annotations
 
 from prometheus_client import REGISTRY
 
-from streams.ledger import DatasetLedger
-from streams.ledger_gauges import LedgerGauges
+from tokenbudget.streams.ledger import DatasetLedger
+from tokenbudget.streams.ledger_gauges import LedgerGauges
 
 
 def value(name: str, dataset: str) -> float | None:
@@ -25,7 +25,7 @@ def test_ledger_gauges_follow_the_ledger_state() -> None:
 
 
 def test_ledger_gauges_export_used_open_and_reserved() -> None:
-    from streams.ledger import DatasetLedger as Ledger
+    from tokenbudget.streams.ledger import DatasetLedger as Ledger
 
     gauges = LedgerGauges()
     gauges.observe(Ledger(dataset="fresh", budget=500))
@@ -52,8 +52,8 @@ def test_ledger_gauges_export_used_open_and_reserved() -> None:
 
 
 def test_reserved_and_open_leases_come_from_the_ledgers_leases() -> None:
-    from streams.ledger import DatasetLedger as Ledger
-    from streams.ledger import Lease
+    from tokenbudget.streams.ledger import DatasetLedger as Ledger
+    from tokenbudget.streams.ledger import Lease
 
     gauges = LedgerGauges()
     gauges.observe(Ledger(dataset="reserving", budget=10_000))

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from streams.budget import used
-from streams.events import (
+from tokenbudget.streams.budget import used
+from tokenbudget.streams.events import (
     BudgetSet,
     CompletionEvent,
     LeaseExpired,
@@ -28,7 +28,7 @@ from streams.events import (
     LeaseRequested,
     LeaseRevoked,
 )
-from streams.ledger import (
+from tokenbudget.streams.ledger import (
     FENCE_RESEND_S,
     DatasetLedger,
     Transition,

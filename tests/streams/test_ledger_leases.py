@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from streams import ledger
-from streams.budget import unit_cost, used
-from streams.events import (
+from tokenbudget.streams import ledger
+from tokenbudget.streams.budget import unit_cost, used
+from tokenbudget.streams.events import (
     BudgetExceeded,
     BudgetRaised,
     BudgetSet,
@@ -24,7 +24,7 @@ from streams.events import (
     LeaseRequested,
     LeaseRevoked,
 )
-from streams.ledger import (
+from tokenbudget.streams.ledger import (
     DatasetLedger,
     Lease,
     Outcome,

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 from faust.types import Message
 
-from streams import events as ev
-from streams import ledger, ledger_worker
-from streams.topics import Topics
+from tokenbudget.streams import events as ev
+from tokenbudget.streams import ledger, ledger_worker
+from tokenbudget.streams.topics import Topics
 
 
 class Exited(Exception):

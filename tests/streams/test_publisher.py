@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from streams import events as ev
-from streams import publisher
-from tokenbudget.kafka import aiokafka_producer_options
+from tokenbudget.core.kafka import aiokafka_producer_options
+from tokenbudget.streams import events as ev
+from tokenbudget.streams import publisher
 
 
 class FakeProducer:

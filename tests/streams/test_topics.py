@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from streams.topics import Topics
-from tokenbudget.metrics import group_role
+from tokenbudget.core.metrics import group_role
+from tokenbudget.streams.topics import Topics
 
 
 def test_each_role_has_its_group_in_the_namespace() -> None:

@@ -80,7 +80,7 @@ def test_libraries_warnings_stay_off_the_terminal_unless_asked() -> None:
         assert not quiet.filter(record(library, logging.WARNING)), library
         assert quiet.filter(record(library, logging.ERROR)), library
     assert quiet.filter(record("tokenbudget.app.runner", logging.WARNING))
-    assert quiet.filter(record("producers.dispatcher", logging.INFO))
+    assert quiet.filter(record("tokenbudget.producers.dispatcher", logging.INFO))
     # TOKENBUDGET_LOG set: everything at that level, the libraries' too
     assert cli.log_handler("info").filter(record("kafka.coordinator", logging.WARNING))
 
@@ -208,7 +208,7 @@ def test_a_commands_help_imports_only_its_own_module(capsys: pytest.CaptureFixtu
     code = (
         "import sys\nfrom tokenbudget import cli\n"
         "cli.build_parser(['status', '--help'])\n"
-        "print(sorted(m for m in ('tokenbudget.dev.simulator', 'sinks.export', "
+        "print(sorted(m for m in ('tokenbudget.dev.simulator', 'tokenbudget.sinks.export', "
         "'tokenbudget.app.commands.replay') if m in sys.modules))"
     )
     done = subprocess.run(

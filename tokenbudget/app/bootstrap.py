@@ -8,13 +8,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from streams.topics import Topics
-from tokenbudget import security
-from tokenbudget.config import Config
-from tokenbudget.errors import BrokerError
-from tokenbudget.kafka_admin import STARTUP_WAIT_S, TopicSpec, check_ready, ensure_topics
+from tokenbudget.core import security
+from tokenbudget.core.config import Config
+from tokenbudget.core.errors import BrokerError
+from tokenbudget.core.kafka_admin import STARTUP_WAIT_S, TopicSpec, check_ready, ensure_topics
+from tokenbudget.core.retry import retry_until
 from tokenbudget.localkafka import broker
-from tokenbudget.retry import retry_until
+from tokenbudget.streams.topics import Topics
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ def resolve_bootstrap(config: Config, *, create_topics: bool = True) -> str:
 
     For an existing cluster this also registers ``[kafka]``'s security for the address
     and connects once, so wrong credentials fail here, as
-    :class:`~tokenbudget.errors.KafkaAuthError`, before any worker starts.
+    :class:`~tokenbudget.core.errors.KafkaAuthError`, before any worker starts.
     """
     specs = topic_specs(config) if create_topics else []
     if config.kafka.bootstrap == "local":

@@ -10,25 +10,25 @@ import signal
 import time
 from pathlib import Path
 
-from producers.datasets import check_datasets
-from producers.dispatcher import Dispatcher
-from producers.prompts import PromptProducer
-from sinks.parquet import stored_prompt_ids
-from sinks.replay import kept_completions, read_to_end
-from streams import events as ev
-from streams.budget_board import BudgetBoard, BudgetWatcher
-from streams.publisher import publish_events
-from streams.topics import Topics
-from tokenbudget import config as config_module
-from tokenbudget import metrics
 from tokenbudget.app import identity, precedence
 from tokenbudget.app.bootstrap import resolve_bootstrap
 from tokenbudget.app.runner import publish_budgets
 from tokenbudget.app.tables import format_table
-from tokenbudget.config import parse_budget
-from tokenbudget.errors import ConfigError
-from tokenbudget.files import write_atomic
-from tokenbudget.tasks import cancel_and_wait
+from tokenbudget.core import config as config_module
+from tokenbudget.core import metrics
+from tokenbudget.core.config import parse_budget
+from tokenbudget.core.errors import ConfigError
+from tokenbudget.core.files import write_atomic
+from tokenbudget.core.tasks import cancel_and_wait
+from tokenbudget.producers.datasets import check_datasets
+from tokenbudget.producers.dispatcher import Dispatcher
+from tokenbudget.producers.prompts import PromptProducer
+from tokenbudget.sinks.parquet import stored_prompt_ids
+from tokenbudget.sinks.replay import kept_completions, read_to_end
+from tokenbudget.streams import events as ev
+from tokenbudget.streams.budget_board import BudgetBoard, BudgetWatcher
+from tokenbudget.streams.publisher import publish_events
+from tokenbudget.streams.topics import Topics
 
 
 async def dispatch_until_stopped(

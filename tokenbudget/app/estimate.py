@@ -9,7 +9,7 @@ time are None, shown as "unknown".
 The method, per dataset, with B the budget, and d rows already kept costing S in the
 budget's unit (the job resumes past them: they count against B):
 
-* **Cost of an answer**, in the budget's unit (:func:`streams.budget.unit_cost`: its
+* **Cost of an answer**, in the budget's unit (:func:`tokenbudget.streams.budget.unit_cost`: its
   completion tokens, prompt + completion tokens, or 1), from the answers that ended
   on their own: one cut at a budget's line or aborted tells only that it was longer.
   k answers, mean μ, standard deviation σ.
@@ -42,8 +42,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from streams import budget as policy
-from tokenbudget.config import Unit
+from tokenbudget.core.config import Unit
+from tokenbudget.streams import budget as policy
 
 # The normal distribution's 90th percentile: m ± Z90·sd spans 10% to 90%.
 Z90 = 1.2815515655446004

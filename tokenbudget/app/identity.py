@@ -3,7 +3,7 @@
 A rerun resumes by ``prompt_id`` (the dataset's name and the row's id), so a second
 job that shares a namespace and those names, with another file, model or output
 folder, would skip every prompt and write nothing where its user looks. So ``run``
-and ``produce`` record the job's identity (:class:`streams.events.JobIdentity`, on
+and ``produce`` record the job's identity (:class:`tokenbudget.streams.events.JobIdentity`, on
 the namespace's budgets topic, kept forever) and compare each rerun with it before
 anything is produced; NeMo Automodel's regeneration pins the same in a manifest.
 
@@ -20,7 +20,7 @@ A dataset added to a job has no history: it is recorded. One removed keeps its
 record, so putting it back later is compared with what it was.
 
 A rerun that matches resumes. One that differs stops before producing anything
-(:class:`~tokenbudget.errors.JobChangedError`, naming what changed and the ways on),
+(:class:`~tokenbudget.core.errors.JobChangedError`, naming what changed and the ways on),
 unless resumed anyway (``--resume-changed``), which records the new identity. When
 ``sink.path`` moved, ``run`` first writes the rows earlier runs kept into the new
 folder, replayed from the completions topic (the record of what was generated), so
@@ -42,20 +42,20 @@ import xxhash
 from aiokafka import AIOKafkaProducer
 from kafka import KafkaConsumer
 
-from sinks.parquet import output_files
-from sinks.replay import ReplayOptions, live_snapshots, replay
-from streams import events as ev
-from streams.topics import Topics
-from tokenbudget.config import Config, Dataset
-from tokenbudget.errors import DatasetError, EventDecodeError, JobChangedError
-from tokenbudget.kafka import (
+from tokenbudget.core.config import Config, Dataset
+from tokenbudget.core.errors import DatasetError, EventDecodeError, JobChangedError
+from tokenbudget.core.kafka import (
     aiokafka_producer_options,
     client_options,
     read_to_ends,
     wait_for_partitions,
 )
-from tokenbudget.sampling import SAMPLING_KEYS
-from tokenbudget.sizes import Compression
+from tokenbudget.core.sampling import SAMPLING_KEYS
+from tokenbudget.core.sizes import Compression
+from tokenbudget.sinks.parquet import output_files
+from tokenbudget.sinks.replay import ReplayOptions, live_snapshots, replay
+from tokenbudget.streams import events as ev
+from tokenbudget.streams.topics import Topics
 
 Command = Literal["run", "produce"]
 

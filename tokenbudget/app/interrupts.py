@@ -11,7 +11,7 @@ Contract:
   files and commits, the ledger stops. ``run`` then ends with :class:`Interrupted`:
   exit code 128 + the signal's number (130 for SIGINT, 143 for SIGTERM).
 * A second signal ends ``run`` at once (``os._exit``). Its children get SIGTERM from
-  the kernel as it ends (:mod:`tokenbudget.lifetime`); what was not committed is taken
+  the kernel as it ends (:mod:`tokenbudget.core.lifetime`); what was not committed is taken
   over by the rerun, as after a SIGKILL.
 * A signal ignored when ``run`` started stays ignored (``cmd &`` in a script: the
   shell asks that Ctrl-C in its terminal not reach it).

@@ -29,19 +29,19 @@ import msgspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from producers.datasets import check_datasets, read_options, read_prompts
-from producers.order import prompt_length
-from producers.tokenizers import load_tokenizer
-from sinks.parquet import output_files
-from streams import budget as policy
 from tokenbudget.app import estimate
 from tokenbudget.app.estimate import DatasetPlan, Known, Spread
 from tokenbudget.app.runner import run_async
 from tokenbudget.app.saved_plan import needed_text, save
 from tokenbudget.app.status import format_eta
 from tokenbudget.app.tables import format_table
-from tokenbudget.config import Config, Dataset
-from tokenbudget.errors import DatasetError
+from tokenbudget.core.config import Config, Dataset
+from tokenbudget.core.errors import DatasetError
+from tokenbudget.producers.datasets import check_datasets, read_options, read_prompts
+from tokenbudget.producers.order import prompt_length
+from tokenbudget.producers.tokenizers import load_tokenizer
+from tokenbudget.sinks.parquet import output_files
+from tokenbudget.streams import budget as policy
 
 ROW_COLUMNS = (
     "prompt_id",

@@ -24,10 +24,10 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
-from sinks.replay import read_to_end
-from streams import events as ev
-from streams.topics import Topics
-from tokenbudget.config import Config
+from tokenbudget.core.config import Config
+from tokenbudget.sinks.replay import read_to_end
+from tokenbudget.streams import events as ev
+from tokenbudget.streams.topics import Topics
 
 SET_BY_COMMAND = "tokenbudget budget set"
 

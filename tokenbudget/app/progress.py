@@ -1,10 +1,10 @@
 """What ``run`` and ``demo`` show while a job runs: one bar per dataset on a
 terminal, progress lines elsewhere.
 
-Both are driven by the ledger snapshots a run's :class:`~streams.budget_board.BudgetBoard`
-already receives, through the same :class:`~tokenbudget.app.status.Tracker` that
-``tokenbudget status`` uses, and show the same fields (:func:`fields`): kept/budget,
-% used, tokens/s, ETA, state.
+Both are driven by the ledger snapshots a run's
+:class:`~tokenbudget.streams.budget_board.BudgetBoard` already receives, through the
+same :class:`~tokenbudget.app.status.Tracker` that ``tokenbudget status`` uses, and
+show the same fields (:func:`fields`): kept/budget, % used, tokens/s, ETA, state.
 
 * ``live``: a rich bar per dataset, within 80 columns, when stdout and stderr are a
   terminal (:class:`BudgetProgress`), and one for the fleet (requests in flight
@@ -30,11 +30,11 @@ from typing import Literal, Protocol
 
 from rich.progress import BarColumn, Progress, TaskID, TaskProgressColumn, TextColumn
 
-from streams.budget_board import BudgetBoard
 from tokenbudget.app import servers as fleet
 from tokenbudget.app.status import StatusRow, Tracker, format_eta
-from tokenbudget.config import Config
-from tokenbudget.tasks import cancel_and_wait
+from tokenbudget.core.config import Config
+from tokenbudget.core.tasks import cancel_and_wait
+from tokenbudget.streams.budget_board import BudgetBoard
 
 # Shown whatever TOKENBUDGET_LOG says (its level is set when lines are asked for):
 # a run's progress is its output, not a diagnostic.

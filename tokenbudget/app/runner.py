@@ -31,28 +31,28 @@ from typing import Any, Protocol
 import msgspec
 from kafka.errors import KafkaError
 
-from producers.datasets import check_datasets
-from producers.dispatcher import Dispatcher
-from producers.inference import prepare
-from producers.prompts import ProduceReport, PromptProducer
-from producers.step import DispatchReport
-from sinks.parquet import ParquetSink, SinkSettings, stored_prompt_ids
-from sinks.replay import kept_completions
-from streams import budget
-from streams.budget_board import BudgetBoard, BudgetWatcher
-from streams.publisher import publish_events
-from streams.topics import Topics
-from tokenbudget import lifetime, metrics, sizes
 from tokenbudget.app import identity, precedence, servers
 from tokenbudget.app.bootstrap import resolve_bootstrap
 from tokenbudget.app.interrupts import Interrupted, StopSignals
 from tokenbudget.app.progress import Display, ProgressMode, choose_mode, display
-from tokenbudget.config import ENV_PREFIX, Config, Unit, servers_environment
-from tokenbudget.errors import ConfigError, WorkerFailedError
-from tokenbudget.kafka import GroupLag
-from tokenbudget.retry import retry_until_async
-from tokenbudget.security import subprocess_env
-from tokenbudget.tasks import cancel_and_wait
+from tokenbudget.core import lifetime, metrics, sizes
+from tokenbudget.core.config import ENV_PREFIX, Config, Unit, servers_environment
+from tokenbudget.core.errors import ConfigError, WorkerFailedError
+from tokenbudget.core.kafka import GroupLag
+from tokenbudget.core.retry import retry_until_async
+from tokenbudget.core.security import subprocess_env
+from tokenbudget.core.tasks import cancel_and_wait
+from tokenbudget.producers.datasets import check_datasets
+from tokenbudget.producers.dispatcher import Dispatcher
+from tokenbudget.producers.inference import prepare
+from tokenbudget.producers.prompts import ProduceReport, PromptProducer
+from tokenbudget.producers.step import DispatchReport
+from tokenbudget.sinks.parquet import ParquetSink, SinkSettings, stored_prompt_ids
+from tokenbudget.sinks.replay import kept_completions
+from tokenbudget.streams import budget
+from tokenbudget.streams.budget_board import BudgetBoard, BudgetWatcher
+from tokenbudget.streams.publisher import publish_events
+from tokenbudget.streams.topics import Topics
 
 log = logging.getLogger(__name__)
 

@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tokenbudget.config import Config
-from tokenbudget.files import write_atomic
+from tokenbudget.core.config import Config
+from tokenbudget.core.files import write_atomic
 
 PLAN_FILE = ".tokenbudget-plan.json"
 

@@ -4,7 +4,7 @@ run's progress.
 
 A change (``servers add URL``, ``servers drain URL``) is an event on the
 namespace's budgets topic, like a budget set by hand: every dispatcher of the job
-reads it and applies it at once (:meth:`producers.fleet.Fleet.apply`), and later
+reads it and applies it at once (:meth:`tokenbudget.producers.fleet.Fleet.apply`), and later
 runs of the namespace start from the config's servers with every change made so far
 applied (a server drained stays drained until added again). What each dispatcher
 sees of its servers comes the same way, every few seconds (``fleet_report``):
@@ -21,17 +21,17 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
-from sinks.replay import read_to_end
-from streams import events as ev
-from streams.budget_board import BudgetBoard
-from streams.publisher import publish_events
-from streams.topics import Topics
 from tokenbudget.app.tables import format_table
-from tokenbudget.config import Config, check_url
-from tokenbudget.errors import ConfigError
+from tokenbudget.core.config import Config, check_url
+from tokenbudget.core.errors import ConfigError
+from tokenbudget.sinks.replay import read_to_end
+from tokenbudget.streams import events as ev
+from tokenbudget.streams.budget_board import BudgetBoard
+from tokenbudget.streams.publisher import publish_events
+from tokenbudget.streams.topics import Topics
 
 if TYPE_CHECKING:
-    from producers.inference import ServerCheck
+    from tokenbudget.producers.inference import ServerCheck
 
 # A dispatcher whose latest report is this much older than the newest one has stopped.
 STALE_S = 30.0

@@ -22,13 +22,13 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from streams import budget as policy
-from streams import events as ev
-from streams.budget_board import BudgetBoard, BudgetWatcher
-from streams.topics import Topics
 from tokenbudget.app import servers as fleet
 from tokenbudget.app.tables import format_table
-from tokenbudget.tasks import cancel_and_wait
+from tokenbudget.core.tasks import cancel_and_wait
+from tokenbudget.streams import budget as policy
+from tokenbudget.streams import events as ev
+from tokenbudget.streams.budget_board import BudgetBoard, BudgetWatcher
+from tokenbudget.streams.topics import Topics
 
 #: seconds of snapshots that tokens/s is measured over
 RATE_WINDOW_S = 30.0

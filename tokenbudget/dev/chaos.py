@@ -38,9 +38,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from producers.resume import outcome_records
-from streams.topics import Topics
-from tokenbudget import kafka_admin
+from tokenbudget.core import kafka_admin
 from tokenbudget.dev import oracle
 from tokenbudget.dev.demo import free_port
 from tokenbudget.dev.jobs import (
@@ -56,6 +54,8 @@ from tokenbudget.dev.jobs import (
     write_job,
 )
 from tokenbudget.localkafka import broker
+from tokenbudget.producers.resume import outcome_records
+from tokenbudget.streams.topics import Topics
 
 log = logging.getLogger(__name__)
 

@@ -25,8 +25,8 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from tokenbudget.errors import BrokerError
-from tokenbudget.kafka_admin import wait_ready
+from tokenbudget.core.errors import BrokerError
+from tokenbudget.core.kafka_admin import wait_ready
 from tokenbudget.localkafka import broker
 
 # Three JVMs share two cores here: a small heap each starts faster.

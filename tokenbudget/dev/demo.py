@@ -24,13 +24,13 @@ from pathlib import Path
 
 import httpx
 
-from tokenbudget import config as config_module
-from tokenbudget import lifetime
 from tokenbudget.app.report import Column, run_table
 from tokenbudget.app.runner import RunReport, cli_command, run
 from tokenbudget.app.tables import percent
+from tokenbudget.core import config as config_module
+from tokenbudget.core import lifetime
+from tokenbudget.core.errors import TokenBudgetError
 from tokenbudget.dev import tiny_tokenizer
-from tokenbudget.errors import TokenBudgetError
 
 
 @dataclass(frozen=True)

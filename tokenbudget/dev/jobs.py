@@ -21,17 +21,17 @@ from typing import Any
 
 import httpx
 
-from producers.datasets import first_chat_row
-from sinks.replay import read_to_end
-from streams import events as ev
-from streams.budget_board import BudgetBoard, BudgetWatcher
-from streams.topics import Topics
-from tokenbudget import lifetime
 from tokenbudget.app.runner import cli_command
-from tokenbudget.config import RAW_TEXT_APIS
+from tokenbudget.core import lifetime
+from tokenbudget.core.config import RAW_TEXT_APIS
+from tokenbudget.core.lifetime import PARENT_ENV
 from tokenbudget.dev import tiny_tokenizer
 from tokenbudget.dev.demo import free_port, wait_for_simulator
-from tokenbudget.lifetime import PARENT_ENV
+from tokenbudget.producers.datasets import first_chat_row
+from tokenbudget.sinks.replay import read_to_end
+from tokenbudget.streams import events as ev
+from tokenbudget.streams.budget_board import BudgetBoard, BudgetWatcher
+from tokenbudget.streams.topics import Topics
 
 
 @dataclass

@@ -31,8 +31,8 @@ from typing import Any
 import numpy as np
 import pyarrow.parquet as pq
 
-from producers.datasets import read_prompts
-from tokenbudget.errors import DatasetError
+from tokenbudget.core.errors import DatasetError
+from tokenbudget.producers.datasets import read_prompts
 
 
 @dataclass(frozen=True)

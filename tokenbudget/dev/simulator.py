@@ -61,12 +61,12 @@ import msgspec
 import numpy as np
 from aiohttp import web
 
-from producers.tokenizers import load_tokenizer
-from tokenbudget.errors import ConfigError
-from tokenbudget.sampling import SAMPLING_KEYS, VERBATIM_KEY
+from tokenbudget.core.errors import ConfigError
+from tokenbudget.core.sampling import SAMPLING_KEYS, VERBATIM_KEY
+from tokenbudget.producers.tokenizers import load_tokenizer
 
 if TYPE_CHECKING:
-    from producers.tokenizers import LocalTokenizer
+    from tokenbudget.producers.tokenizers import LocalTokenizer
 
 __all__ = [
     "PROFILES",

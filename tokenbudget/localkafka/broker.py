@@ -53,14 +53,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from streams.topics import Topics
-from tokenbudget import security
-from tokenbudget.errors import BrokerError, ConfigError
-from tokenbudget.files import locked, write_atomic
-from tokenbudget.kafka_admin import TopicSpec, check_ready, ensure_topics, warm_up_groups
+from tokenbudget.core import security
+from tokenbudget.core.errors import BrokerError, ConfigError
+from tokenbudget.core.files import locked, write_atomic
+from tokenbudget.core.kafka_admin import TopicSpec, check_ready, ensure_topics, warm_up_groups
+from tokenbudget.core.retry import retry_until
 from tokenbudget.localkafka import jars as kafka_jars
 from tokenbudget.localkafka.java import find_java
-from tokenbudget.retry import retry_until
+from tokenbudget.streams.topics import Topics
 
 log = logging.getLogger(__name__)
 

@@ -22,8 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokenbudget.errors import BrokerError
-from tokenbudget.files import write_atomic
+from tokenbudget.core.errors import BrokerError
+from tokenbudget.core.files import write_atomic
 from tokenbudget.localkafka.jars import LOCK_DIR, Jar, format_lock
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -45,8 +45,8 @@ from urllib.request import url2pathname
 
 import httpx
 
-from tokenbudget.errors import BrokerError
-from tokenbudget.files import fsync_dir, locked, write_atomic
+from tokenbudget.core.errors import BrokerError
+from tokenbudget.core.files import fsync_dir, locked, write_atomic
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 
-from tokenbudget.errors import BrokerError
+from tokenbudget.core.errors import BrokerError
 
 MIN_VERSION = 17
 

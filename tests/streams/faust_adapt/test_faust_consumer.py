@@ -18,16 +18,16 @@ from faust.transport.consumer import Consumer
 from faust.transport.drivers.aiokafka import AIOKafkaConsumerThread
 from faust.transport.drivers.aiokafka import Consumer as AIOKafkaConsumer
 
-from streams.faust_adapt import HotPath
-from streams.faust_adapt.consumer import (
+from tokenbudget.streams.faust_adapt import HotPath
+from tokenbudget.streams.faust_adapt.consumer import (
     FastDeliveryConsumer,
     LedgerConsumer,
     never_committed,
     position_known,
     wait_first_fast,
 )
-from streams.ledger_worker import LedgerSettings, build_app
-from streams.topics import Topics
+from tokenbudget.streams.ledger_worker import LedgerSettings, build_app
+from tokenbudget.streams.topics import Topics
 
 
 class Fallback:

@@ -8,9 +8,9 @@ import inspect
 from faust.tables.recovery import Recovery
 from mode.utils.queues import FlowControlEvent, FlowControlQueue
 
-from streams.faust_adapt.flow import ResumeKeepsQueued
-from streams.ledger_worker import LedgerSettings, build_app
-from streams.topics import Topics
+from tokenbudget.streams.faust_adapt.flow import ResumeKeepsQueued
+from tokenbudget.streams.ledger_worker import LedgerSettings, build_app
+from tokenbudget.streams.topics import Topics
 
 
 def queue_after(flow: FlowControlEvent, step: str) -> list[str]:

@@ -8,9 +8,9 @@ import asyncio
 import pytest
 from faust.types import Message
 
-from streams.faust_adapt import HotPath
-from streams.ledger_worker import LedgerSettings, build_app
-from streams.topics import Topics
+from tokenbudget.streams.faust_adapt import HotPath
+from tokenbudget.streams.ledger_worker import LedgerSettings, build_app
+from tokenbudget.streams.topics import Topics
 
 
 def test_faust_hands_the_ledger_its_source_events_as_the_bytes_they_arrived_as() -> None:

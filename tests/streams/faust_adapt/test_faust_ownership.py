@@ -16,9 +16,9 @@ from aiokafka.errors import KafkaConnectionError
 from faust.transport.drivers.aiokafka import AIOKafkaConsumerThread
 from faust.types import TP
 
-from streams.faust_adapt import Ownership
-from streams.ledger_worker import LedgerSettings, build_app
-from streams.topics import Topics
+from tokenbudget.streams.faust_adapt import Ownership
+from tokenbudget.streams.ledger_worker import LedgerSettings, build_app
+from tokenbudget.streams.topics import Topics
 
 SOURCE, CHANGELOG = "unit.completions", "unit-ledger-ledger-changelog"
 

@@ -13,14 +13,14 @@ from faust.transport.consumer import Consumer
 from faust.transport.drivers.aiokafka import Producer as FaustProducer
 from faust.types import Message
 
-from streams.faust_adapt.producer import (
+from tokenbudget.streams.faust_adapt.producer import (
     LedgerProducer,
     changelog_key_encoder,
     kafka_producer,
     write_changelog,
 )
-from streams.ledger_worker import LedgerSettings, build_app
-from streams.topics import Topics
+from tokenbudget.streams.ledger_worker import LedgerSettings, build_app
+from tokenbudget.streams.topics import Topics
 
 
 class RecordingProducer:

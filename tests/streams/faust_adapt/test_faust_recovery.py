@@ -11,7 +11,7 @@ import faust
 from faust.tables.recovery import Recovery
 from faust.types import TP, Message
 
-from streams.faust_adapt import recover_preferring
+from tokenbudget.streams.faust_adapt import recover_preferring
 
 CHANGELOG = "unit-recovery-t-changelog"
 

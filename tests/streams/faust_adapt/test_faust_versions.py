@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 from faust.transport.producer import ProducerBuffer
 
-from streams import faust_adapt
-from streams.faust_adapt.versions import NOT_INSTALLED, REQUIRED, check_versions
-from streams.ledger_worker import LedgerSettings, build_app
-from streams.topics import Topics
-from tokenbudget.errors import FaustVersionError, TokenBudgetError
+from tokenbudget.core.errors import FaustVersionError, TokenBudgetError
+from tokenbudget.streams import faust_adapt
+from tokenbudget.streams.faust_adapt.versions import NOT_INSTALLED, REQUIRED, check_versions
+from tokenbudget.streams.ledger_worker import LedgerSettings, build_app
+from tokenbudget.streams.topics import Topics
 
 PYPROJECT = Path(__file__).resolve().parents[3] / "pyproject.toml"
 
@@ -57,8 +57,8 @@ def test_install_refuses_another_version_before_changing_anything() -> None:
     # In a child: this test must not depend on whether another one called install().
     code = """
 from faust.transport.producer import ProducerBuffer
-from streams import faust_adapt
-from tokenbudget.errors import FaustVersionError
+from tokenbudget.streams import faust_adapt
+from tokenbudget.core.errors import FaustVersionError
 default = ProducerBuffer.max_messages
 try:
     faust_adapt.install({"faust-streaming": "0.16.0"}.get)
@@ -73,9 +73,9 @@ def test_importing_changes_nothing_and_install_sets_the_producer_buffer() -> Non
     code = """
 from faust.transport.producer import ProducerBuffer
 default = ProducerBuffer.max_messages
-import streams.ledger_worker
-import streams.faust_adapt
-from streams import faust_adapt
+import tokenbudget.streams.ledger_worker
+import tokenbudget.streams.faust_adapt
+from tokenbudget.streams import faust_adapt
 print(ProducerBuffer.max_messages == default, default)
 faust_adapt.install()
 print(ProducerBuffer.max_messages)

@@ -10,10 +10,10 @@ from typing import Any
 import msgspec
 import pytest
 
-from streams import events as ev
-from tokenbudget import config as config_module
 from tokenbudget.app import identity
-from tokenbudget.errors import DatasetError
+from tokenbudget.core import config as config_module
+from tokenbudget.core.errors import DatasetError
+from tokenbudget.streams import events as ev
 
 
 def write(path: Path, rows: int = 3, marker: str = "a") -> Path:

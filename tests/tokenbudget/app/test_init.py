@@ -17,14 +17,14 @@ import pyarrow.parquet as pq
 import pytest
 from aiohttp import web
 
-from producers.datasets import describe_dataset
-from producers.inference import ServerInfo, ServerUnreachableError, probe_server
 from tokenbudget import cli
-from tokenbudget import config as config_module
 from tokenbudget.app import init
+from tokenbudget.core import config as config_module
+from tokenbudget.core.errors import ConfigError, InferenceRequestError, TokenBudgetError
 from tokenbudget.dev import simulator
 from tokenbudget.dev.tiny_tokenizer import build_tokenizer
-from tokenbudget.errors import ConfigError, InferenceRequestError, TokenBudgetError
+from tokenbudget.producers.datasets import describe_dataset
+from tokenbudget.producers.inference import ServerInfo, ServerUnreachableError, probe_server
 
 
 def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:

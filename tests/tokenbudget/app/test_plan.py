@@ -16,9 +16,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from tokenbudget import cli
-from tokenbudget import config as config_module
 from tokenbudget.app import plan, saved_plan
 from tokenbudget.app.status import StatusRow, plain_table
+from tokenbudget.core import config as config_module
 
 MAX_NEW_TOKENS = 4000
 

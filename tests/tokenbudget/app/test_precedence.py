@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from streams import events as ev
-from tokenbudget import config as config_module
 from tokenbudget.app.precedence import SET_BY_COMMAND, choices, choose, config_budget_set
+from tokenbudget.core import config as config_module
+from tokenbudget.streams import events as ev
 
 UNIT = "completion_tokens"
 

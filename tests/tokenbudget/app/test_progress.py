@@ -5,9 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from streams import events as ev
-from streams.budget_board import BudgetBoard
-from tokenbudget import config as config_module
 from tokenbudget.app.progress import (
     BudgetProgress,
     ProgressLines,
@@ -18,6 +15,9 @@ from tokenbudget.app.progress import (
     state_line,
 )
 from tokenbudget.app.status import StatusRow, Tracker
+from tokenbudget.core import config as config_module
+from tokenbudget.streams import events as ev
+from tokenbudget.streams.budget_board import BudgetBoard
 
 
 def snap(dataset: str, at: float, tokens: int, **kw: object) -> ev.LedgerSnapshot:

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from producers.prompts import ProduceReport
 from tokenbudget.app.report import print_table, run_table
 from tokenbudget.app.runner import DatasetResult, RunReport
 from tokenbudget.dev.demo import comparison_columns
+from tokenbudget.producers.prompts import ProduceReport
 
 
 def report() -> RunReport:

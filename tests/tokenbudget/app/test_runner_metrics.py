@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from tokenbudget.app.runner import ledger_port_offset, serve_metrics
-from tokenbudget.config import build
+from tokenbudget.core.config import build
 
 
 def free_block(size: int) -> int:

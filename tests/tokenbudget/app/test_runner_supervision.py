@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from tokenbudget.app.runner import Supervised, supervise
-from tokenbudget.errors import WorkerFailedError
+from tokenbudget.core.errors import WorkerFailedError
 
 
 def starter(*codes: int | None) -> tuple[list[subprocess.Popen[bytes]], object]:

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import pytest
 
-from producers.inference import ServerCheck
-from streams import events as ev
-from streams.budget_board import BudgetBoard
 from tokenbudget.app import servers
 from tokenbudget.app.progress import ProgressLines
 from tokenbudget.cli import build_parser
-from tokenbudget.config import build
-from tokenbudget.errors import ConfigError
+from tokenbudget.core.config import build
+from tokenbudget.core.errors import ConfigError
+from tokenbudget.producers.inference import ServerCheck
+from tokenbudget.streams import events as ev
+from tokenbudget.streams.budget_board import BudgetBoard
 
 
 def report(holder: str, at: float, *entries: tuple[str, str, int, int]) -> ev.FleetReport:

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from streams import events as ev
 from tokenbudget import cli
 from tokenbudget.app.status import (
     Tracker,
@@ -19,6 +18,7 @@ from tokenbudget.app.status import (
     to_json,
 )
 from tokenbudget.cli import build_parser
+from tokenbudget.streams import events as ev
 
 
 def snap(dataset: str, at: float, tokens: int, **kw: object) -> ev.LedgerSnapshot:
@@ -165,8 +165,11 @@ def test_watch_table_fits_the_terminal_by_shortening_names_only() -> None:
     from tokenbudget.app.status import table
 
     tracker = Tracker()
-    tracker.observe(snap("a_rather_long_dataset_name", 1.0, 400_000, budget=400_000,
-                         status="halted", halted=True))
+    tracker.observe(
+        snap(
+            "a_rather_long_dataset_name", 1.0, 400_000, budget=400_000, status="halted", halted=True
+        )
+    )
     tracker.observe(snap("small", 1.0, 51_543, budget=400_000, status="exhausted"))
     out = io.StringIO()
     console = Console(file=out, width=80, force_terminal=False)

@@ -14,8 +14,8 @@ from typing import Any
 import httpx
 import pytest
 
-from producers.tokenizers import load_tokenizer
 from tests.producers.tokenizer_fixture import build_tokenizer
+from tokenbudget.core.errors import ConfigError
 from tokenbudget.dev.simulator import (
     PROFILES,
     Faults,
@@ -25,7 +25,7 @@ from tokenbudget.dev.simulator import (
     ids_crc,
     start,
 )
-from tokenbudget.errors import ConfigError
+from tokenbudget.producers.tokenizers import load_tokenizer
 
 FAST = SimulatorConfig(port=0, tokens_per_second=1e6, seed=7)
 
@@ -154,9 +154,9 @@ def test_generate_non_stream_shape_and_cap() -> None:
 def test_templated_ids_find_their_marker_through_the_tokenizer(tmp_path: Path) -> None:
     """A chat templated by the client arrives as ids; decoded with --tokenizer, its
     marker picks the same length rule the text would."""
-    from producers.tokenizers import load_tokenizer
-    from streams.events import ChatMessage
     from tokenbudget.dev.tiny_tokenizer import CORPUS, build_tokenizer
+    from tokenbudget.producers.tokenizers import load_tokenizer
+    from tokenbudget.streams.events import ChatMessage
 
     texts = [f"#chat story {i}" for i in range(40)]
     folder = build_tokenizer(tmp_path / "tok", [*CORPUS, *texts], whole_words=["#chat"])

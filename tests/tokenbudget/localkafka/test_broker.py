@@ -14,11 +14,11 @@ from typing import Any
 
 import pytest
 
-from streams.topics import TopicSpec
-from tokenbudget import kafka_admin
-from tokenbudget.errors import BrokerError, ConfigError
+from tokenbudget.core import kafka_admin
+from tokenbudget.core.errors import BrokerError, ConfigError
 from tokenbudget.localkafka import broker, jars
 from tokenbudget.localkafka.broker import BrokerSettings
+from tokenbudget.streams.topics import TopicSpec
 
 
 def _props(text: str) -> dict[str, str]:
@@ -84,7 +84,7 @@ def test_properties_ports_quorum_and_dirs(tmp_path: Path) -> None:
     ):
         assert props[key] == "1"
     assert props["group.initial.rebalance.delay.ms"] == "0"
-    # the topics carry their own (tokenbudget.sizes), as on a cluster of Kafka's defaults
+    # the topics carry their own (tokenbudget.core.sizes), as on a cluster of Kafka's defaults
     assert "message.max.bytes" not in props
     assert not any(key.startswith("log.retention") for key in props)
     assert settings.bootstrap == "127.0.0.1:29092"

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tokenbudget.errors import BrokerError
+from tokenbudget.core.errors import BrokerError
 from tokenbudget.localkafka import jarlock, jars
 from tokenbudget.localkafka.broker import BrokerSettings
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tokenbudget.errors import BrokerError
+from tokenbudget.core.errors import BrokerError
 from tokenbudget.localkafka import java
 
 

@@ -11,14 +11,14 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from sinks.export import FORMATS, Decode, ExportOptions, ExportSummary, export
-from sinks.replay import ReplayOptions, replay
-from streams.topics import Topics
-from tokenbudget import config as config_module
 from tokenbudget.app.bootstrap import resolve_bootstrap
 from tokenbudget.app.commands import add_config, examples
-from tokenbudget.errors import ExportError
-from tokenbudget.tokenizer import load_pretrained
+from tokenbudget.core import config as config_module
+from tokenbudget.core.errors import ExportError
+from tokenbudget.core.tokenizer import load_pretrained
+from tokenbudget.sinks.export import FORMATS, Decode, ExportOptions, ExportSummary, export
+from tokenbudget.sinks.replay import ReplayOptions, replay
+from tokenbudget.streams.topics import Topics
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

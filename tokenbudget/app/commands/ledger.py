@@ -6,16 +6,16 @@ import argparse
 import sys
 import typing
 
-from streams.faust_adapt import HotPath
-from streams.ledger_gauges import LedgerGauges
-from streams.ledger_worker import LedgerSettings, run_worker
-from streams.topics import Topics
-from tokenbudget import config as config_module
-from tokenbudget import metrics, sizes
 from tokenbudget.app.bootstrap import resolve_bootstrap
 from tokenbudget.app.commands import add_config, examples
-from tokenbudget.errors import TokenBudgetError
-from tokenbudget.kafka_admin import ensure_topics, topic_layout, wait_ready
+from tokenbudget.core import config as config_module
+from tokenbudget.core import metrics, sizes
+from tokenbudget.core.errors import TokenBudgetError
+from tokenbudget.core.kafka_admin import ensure_topics, topic_layout, wait_ready
+from tokenbudget.streams.faust_adapt import HotPath
+from tokenbudget.streams.ledger_gauges import LedgerGauges
+from tokenbudget.streams.ledger_worker import LedgerSettings, run_worker
+from tokenbudget.streams.topics import Topics
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -6,10 +6,10 @@ import argparse
 import asyncio
 import json
 
-from tokenbudget import config as config_module
 from tokenbudget.app import plan, saved_plan
 from tokenbudget.app.commands import add_config, examples
-from tokenbudget.errors import ConfigError
+from tokenbudget.core import config as config_module
+from tokenbudget.core.errors import ConfigError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -10,14 +10,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from sinks.parquet import WriterSettings
-from sinks.replay import ReplayOptions, ReplaySummary, parse_offsets, parse_time, replay
-from streams.topics import Topics
-from tokenbudget import config as config_module
-from tokenbudget import sizes
 from tokenbudget.app.bootstrap import resolve_bootstrap
 from tokenbudget.app.commands import add_config, examples
-from tokenbudget.errors import TokenBudgetError
+from tokenbudget.core import config as config_module
+from tokenbudget.core import sizes
+from tokenbudget.core.errors import TokenBudgetError
+from tokenbudget.sinks.parquet import WriterSettings
+from tokenbudget.sinks.replay import ReplayOptions, ReplaySummary, parse_offsets, parse_time, replay
+from tokenbudget.streams.topics import Topics
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -7,9 +7,9 @@ import functools
 import json
 import sys
 
-from producers.datasets import check_datasets
-from tokenbudget import config as config_module
 from tokenbudget.app.commands import add_config, add_server, examples
+from tokenbudget.core import config as config_module
+from tokenbudget.producers.datasets import check_datasets
 
 EXIT_PROMPTS_FAILED = 3  # the job ended, but some prompts failed for good
 
@@ -66,10 +66,10 @@ def main(args: argparse.Namespace) -> int:
     # aiokafka, the runner) take most of a second to import, and a config that
     # cannot run should say so before that, not after (the runner checks again for
     # callers of the library, from the first rows only).
-    from streams.topics import Topics
     from tokenbudget.app import plan, runner
     from tokenbudget.app.interrupts import Interrupted
     from tokenbudget.app.report import print_table
+    from tokenbudget.streams.topics import Topics
 
     try:
         report = runner.run(

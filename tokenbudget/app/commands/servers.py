@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import argparse
 
-from streams import events as ev
-from tokenbudget import config as config_module
 from tokenbudget.app import servers
 from tokenbudget.app.bootstrap import resolve_bootstrap
 from tokenbudget.app.commands import add_config, examples
+from tokenbudget.core import config as config_module
+from tokenbudget.streams import events as ev
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

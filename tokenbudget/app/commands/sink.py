@@ -8,12 +8,12 @@ import sys
 import threading
 from typing import Any
 
-from sinks.parquet import ParquetSink, SinkSettings
-from streams.topics import Topics
-from tokenbudget import config as config_module
-from tokenbudget import metrics
 from tokenbudget.app.bootstrap import resolve_bootstrap
 from tokenbudget.app.commands import add_config, examples
+from tokenbudget.core import config as config_module
+from tokenbudget.core import metrics
+from tokenbudget.sinks.parquet import ParquetSink, SinkSettings
+from tokenbudget.streams.topics import Topics
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

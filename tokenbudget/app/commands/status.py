@@ -9,15 +9,15 @@ import json
 import sys
 import time
 
-from streams.topics import Topics
-from tokenbudget import config as config_module
 from tokenbudget.app.bootstrap import local_broker_settings, resolve_bootstrap
 from tokenbudget.app.commands import add_config, examples
 from tokenbudget.app.saved_plan import planned
 from tokenbudget.app.status import Tracker, follow, to_json
-from tokenbudget.errors import TokenBudgetError
-from tokenbudget.kafka_admin import topic_layout
+from tokenbudget.core import config as config_module
+from tokenbudget.core.errors import TokenBudgetError
+from tokenbudget.core.kafka_admin import topic_layout
 from tokenbudget.localkafka import broker
+from tokenbudget.streams.topics import Topics
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

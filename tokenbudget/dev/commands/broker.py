@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 
-from streams.topics import Topics
 from tokenbudget.app.commands import examples
 from tokenbudget.localkafka import broker
+from tokenbudget.streams.topics import Topics
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from tokenbudget.app.commands import examples
-from tokenbudget.config import parse_budget
+from tokenbudget.core.config import parse_budget
 from tokenbudget.dev.demo import run_demo
 
 

@@ -1,5 +1,5 @@
 """``tokenbudget ledger``: what it does with its arguments. The worker itself
-(streams.ledger_worker) and the broker are faked: a config names the broker, the
+(tokenbudget.streams.ledger_worker) and the broker are faked: a config names the broker, the
 namespace, the interval and the compression; --bootstrap names them on the command
 line and waits for Kafka first (Faust gives up at once on a broker restarting)."""
 
@@ -14,9 +14,9 @@ import pytest
 
 from tests.tokenbudget.app.commands.job import write_job
 from tokenbudget.app.commands import ledger
-from tokenbudget.config import Config
-from tokenbudget.errors import TokenBudgetError
-from tokenbudget.kafka_admin import TopicLayout
+from tokenbudget.core.config import Config
+from tokenbudget.core.errors import TokenBudgetError
+from tokenbudget.core.kafka_admin import TopicLayout
 
 
 def parse(*argv: str) -> argparse.Namespace:

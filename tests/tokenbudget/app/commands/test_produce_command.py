@@ -13,8 +13,8 @@ import pytest
 from tests.tokenbudget.app.commands.job import write_job
 from tokenbudget.app import control
 from tokenbudget.app.commands import produce
-from tokenbudget.config import Config
-from tokenbudget.errors import ConfigError
+from tokenbudget.core.config import Config
+from tokenbudget.core.errors import ConfigError
 
 
 def parse(*argv: str) -> argparse.Namespace:

@@ -16,7 +16,7 @@ import pytest
 
 from tests.tokenbudget.app.commands.job import write_job
 from tokenbudget.app.commands import sink
-from tokenbudget.config import Config
+from tokenbudget.core.config import Config
 
 
 def parse(*argv: str) -> argparse.Namespace:

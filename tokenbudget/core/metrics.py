@@ -8,7 +8,7 @@ worker on the next port, ``tokenbudget ledger --metrics-port P`` on ``P``.
 Who sets what:
 
 * the **ledger worker** (the single owner of budget state) sets every per-dataset
-  ledger metric through :class:`streams.ledger_gauges.LedgerGauges`: kept
+  ledger metric through :class:`tokenbudget.streams.ledger_gauges.LedgerGauges`: kept
   tokens/samples and answers cut by the budget (counters),
   budget, used, remaining, reserved, overshoot, halted and open (gauges). No other
   process touches them, so several processes never report conflicting values;
@@ -46,11 +46,11 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from tokenbudget import version
-from tokenbudget.kafka import GroupLag
+from tokenbudget.core.kafka import GroupLag
 
 log = logging.getLogger(__name__)
 
-# --- per dataset, owned by the ledger worker (streams.ledger_gauges) -------------
+# --- per dataset, owned by the ledger worker (tokenbudget.streams.ledger_gauges) -------------
 
 #: counter: completion tokens kept (counted once per prompt by the ledger)
 COMPLETION_TOKENS = Counter(

@@ -1,7 +1,7 @@
 """The one configuration object: loaded from TOML and the environment, here only.
 
 Every section is a frozen struct. Unknown keys, missing keys and bad values raise
-:class:`~tokenbudget.errors.ConfigError` naming the key (``datasets[1].budget``) and
+:class:`~tokenbudget.core.errors.ConfigError` naming the key (``datasets[1].budget``) and
 the file, before anything runs.
 
 Environment overrides use ``TOKENBUDGET__SECTION__KEY`` (double underscores), e.g.
@@ -25,17 +25,17 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from tokenbudget import sizes
-from tokenbudget.columns import (
+from tokenbudget.core import sizes
+from tokenbudget.core.columns import (
     CONFLICTING_FORMATS,
     DEFAULT_COLUMNS,
     Columns,
     PromptTemplate,
     TemplateError,
 )
-from tokenbudget.errors import ConfigError
-from tokenbudget.keydoc import doc
-from tokenbudget.sampling import SAMPLING_KEYS, Sampling
+from tokenbudget.core.errors import ConfigError
+from tokenbudget.core.keydoc import doc
+from tokenbudget.core.sampling import SAMPLING_KEYS, Sampling
 
 Api = Literal["sglang", "openai-completions", "openai-chat"]
 # The budget's choices, named once here; what each means is streams/budget.py's tables.
@@ -178,7 +178,7 @@ class KafkaConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=Tru
 
 
 class _Sampling(_Section, Sampling, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """The sampling settings (:mod:`tokenbudget.sampling`), all optional: in
+    """The sampling settings (:mod:`tokenbudget.core.sampling`), all optional: in
     [inference], and in each [[datasets]] entry over [inference]'s, key by key (see
     :func:`_sampling`)."""
 
@@ -471,7 +471,7 @@ class MetricsConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=T
     ] = 60.0
 
 
-# How a conversation becomes prompts (producers.datasets): its first turn, every
+# How a conversation becomes prompts (tokenbudget.producers.datasets): its first turn, every
 # assistant turn on the dataset's history, or every turn on the model's own answers.
 Turns = Literal["first", "all", "regenerate"]
 
@@ -503,7 +503,7 @@ class DatasetConfig(_Sampling, frozen=True, forbid_unknown_fields=True, kw_only=
         ),
     ] = "auto"
     # Where the prompt is when not in prompt/messages/conversations (one of the
-    # three), and the id's field: tokenbudget.columns.
+    # three), and the id's field: tokenbudget.core.columns.
     prompt_field: Annotated[
         str, doc('the field holding the prompt text, when it is not `prompt` (e.g. `"question"`)')
     ] = ""
@@ -1092,7 +1092,7 @@ def _check_dataset(raw: _RawConfig, d: DatasetConfig, key: str, source: str) -> 
     if d.reasoning == "disable":
         _check_disable(raw, d, key, source)
     # "auto" and "hf" rows say whether they are chat only when read: run and produce
-    # check those before anything starts (producers.datasets.check_datasets).
+    # check those before anything starts (tokenbudget.producers.datasets.check_datasets).
     if raw.inference.api in RAW_TEXT_APIS and not d.template:
         if d.format in CHAT_FORMATS:
             found = f"format {d.format!r}"
@@ -1148,7 +1148,7 @@ def _check_disable(raw: _RawConfig, d: DatasetConfig, key: str, source: str) -> 
 
 
 def _columns(d: DatasetConfig, key: str, source: str) -> Columns:
-    """The dataset's column mapping (tokenbudget.columns), checked key by key and
+    """The dataset's column mapping (tokenbudget.core.columns), checked key by key and
     against its format."""
     chosen = [name for name in CONFLICTING_FORMATS if getattr(d, name)]
     if len(chosen) > 1:

@@ -1,5 +1,5 @@
 """Waiting for a topic's metadata and reading a topic to its end: the one way every
-module does it (:mod:`tokenbudget.kafka`)."""
+module does it (:mod:`tokenbudget.core.kafka`)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from aiokafka import AIOKafkaConsumer
 from kafka import KafkaAdminClient, KafkaProducer, TopicPartition
 from kafka.admin import NewTopic
 
-from tokenbudget.errors import BrokerError
-from tokenbudget.kafka import (
+from tokenbudget.core.errors import BrokerError
+from tokenbudget.core.kafka import (
     client_options,
     kafka_python_producer_options,
     read_topic,

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from producers.tokenizers import load_tokenizer
-from tokenbudget.extras import MissingExtraError, require
+from tokenbudget.core.extras import MissingExtraError, require
+from tokenbudget.producers.tokenizers import load_tokenizer
 
 
 def test_a_missing_extra_names_the_feature_and_the_install(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -36,7 +36,7 @@ def _names(requirements: list[str]) -> set[str]:
 def test_transformers_is_a_dependency_and_datasets_an_extra() -> None:
     import tomllib
 
-    project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]
+    project = tomllib.loads((Path(__file__).parents[3] / "pyproject.toml").read_text())["project"]
     required = _names(project["dependencies"])
     # chat templates (the demo's too) need no extra
     assert {"transformers", "jinja2"} <= required

@@ -2,10 +2,10 @@
 
 :class:`Sampling` is what a request may ask of the sampler beside its length. The
 config's ``[inference]`` and ``[[datasets]]`` sections take these keys
-(:mod:`tokenbudget.config`), the prompt and completion events carry them
-(``streams.events.SamplingParams``, with the budget's ``max_new_tokens``), the
+(:mod:`tokenbudget.core.config`), the prompt and completion events carry them
+(``tokenbudget.streams.events.SamplingParams``, with the budget's ``max_new_tokens``), the
 Parquet sink stores them in a column whose type is derived from these fields
-(``sinks.parquet.SAMPLING_TYPE``), and the simulator logs them under these names. A
+(``tokenbudget.sinks.parquet.SAMPLING_TYPE``), and the simulator logs them under these names. A
 setting added here reaches all of them.
 """
 
@@ -15,12 +15,12 @@ from typing import Annotated, Any
 
 import msgspec
 
-from tokenbudget.keydoc import doc
+from tokenbudget.core.keydoc import doc
 
 
 class Sampling(msgspec.Struct, frozen=True, kw_only=True):
     """Sampling settings, all optional: unset ones are left to the server. Each
-    says what it is for the config's reference (:func:`tokenbudget.keydoc.doc`)."""
+    says what it is for the config's reference (:func:`tokenbudget.core.keydoc.doc`)."""
 
     temperature: Annotated[float | None, doc("sampling: the temperature")] = None
     top_p: Annotated[float | None, doc("sampling: nucleus sampling's probability mass")] = None

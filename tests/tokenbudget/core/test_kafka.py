@@ -13,16 +13,16 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from faust.transport.drivers.aiokafka import server_list
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
-from streams.ledger_worker import LedgerSettings, build_app
-from streams.topics import Topics, TopicSpec
-from tokenbudget import kafka_admin, sizes
-from tokenbudget.kafka import (
+from tokenbudget.core import kafka_admin, sizes
+from tokenbudget.core.kafka import (
     GroupLag,
     aiokafka_producer_options,
     client_options,
     consumer_options,
     kafka_python_producer_options,
 )
+from tokenbudget.streams.ledger_worker import LedgerSettings, build_app
+from tokenbudget.streams.topics import Topics, TopicSpec
 
 
 def _dead_address() -> str:
@@ -147,7 +147,7 @@ def test_existing_topics_with_fewer_replicas_than_asked_are_refused_with_the_fix
     import re
     from pathlib import Path
 
-    from tokenbudget.errors import BrokerError
+    from tokenbudget.core.errors import BrokerError
 
     name = f"t{uuid.uuid4().hex[:10]}.completions"
     kafka_admin.ensure_topics(kafka_bootstrap, [TopicSpec(name, partitions=2)])  # the broker's 1

@@ -7,7 +7,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-from tokenbudget.errors import TokenBudgetError
+from tokenbudget.core.errors import TokenBudgetError
 
 # module -> the extra that installs it; the others are dependencies of tokenbudget itself
 EXTRAS = {"datasets": "hf"}

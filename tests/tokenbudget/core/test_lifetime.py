@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tokenbudget import lifetime
+from tokenbudget.core import lifetime
 
 
 def python(code: str) -> list[str]:
@@ -66,12 +66,12 @@ def _family(tmp_path: Path, child_code: str) -> Iterator[tuple[subprocess.Popen[
         python(
             f"""
             import sys, time
-            from tokenbudget import lifetime
+            from tokenbudget.core import lifetime
             lifetime.spawn([sys.executable, "-c", {child!r}])
             time.sleep(3600)
             """
         ),
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])},
     )
     child_pid = None
     try:
@@ -92,7 +92,7 @@ def _family(tmp_path: Path, child_code: str) -> Iterator[tuple[subprocess.Popen[
 def test_a_child_ends_when_its_parent_is_killed(tmp_path: Path) -> None:
     code = """
         import os, pathlib, time
-        from tokenbudget import lifetime
+        from tokenbudget.core import lifetime
         lifetime.watch_parent()
         pathlib.Path(READY).write_text(str(os.getpid()))
         time.sleep(3600)
@@ -106,7 +106,7 @@ def test_a_child_ends_when_its_parent_is_killed(tmp_path: Path) -> None:
 def test_a_child_that_ignores_sigterm_ends_after_the_grace_period(tmp_path: Path) -> None:
     code = """
         import os, pathlib, signal, time
-        from tokenbudget import lifetime
+        from tokenbudget.core import lifetime
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         lifetime.watch_parent(grace_s=0.5)
         pathlib.Path(READY).write_text(str(os.getpid()))

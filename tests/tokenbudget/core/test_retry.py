@@ -9,8 +9,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from tokenbudget import retry
-from tokenbudget.retry import retry_until, retry_until_async
+from tokenbudget.core import retry
+from tokenbudget.core.retry import retry_until, retry_until_async
 
 
 class Clock:

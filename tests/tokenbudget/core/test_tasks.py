@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from tokenbudget.tasks import cancel_and_wait
+from tokenbudget.core.tasks import cancel_and_wait
 
 
 def test_the_task_has_ended_and_ran_its_cleanup_when_it_returns() -> None:

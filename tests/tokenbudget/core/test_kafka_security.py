@@ -1,4 +1,4 @@
-"""tokenbudget.security: secrets that never show, client options from the config,
+"""tokenbudget.core.security: secrets that never show, client options from the config,
 the registry children inherit, refusals translated; HTTP endpoints on loopback."""
 
 from __future__ import annotations
@@ -12,11 +12,12 @@ from typing import Any
 
 import pytest
 
-from tokenbudget import cli, kafka, security
-from tokenbudget.config import Config, build
+from tokenbudget import cli
+from tokenbudget.core import kafka, security
+from tokenbudget.core.config import Config, build
+from tokenbudget.core.errors import ConfigError, KafkaAuthError
+from tokenbudget.core.security import KafkaSecurity, SecretSource, SecretStr
 from tokenbudget.dev import simulator
-from tokenbudget.errors import ConfigError, KafkaAuthError
-from tokenbudget.security import KafkaSecurity, SecretSource, SecretStr
 
 SASL_SSL = {
     "bootstrap": "kafka.example:9093",

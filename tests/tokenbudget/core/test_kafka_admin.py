@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
-from streams.topics import Topics
-from tokenbudget import kafka_admin, sizes
-from tokenbudget.errors import BrokerError, KafkaLimitsError
-from tokenbudget.kafka import aiokafka_producer_options, consumer_options
-from tokenbudget.kafka_admin import TopicSpec
+from tokenbudget.core import kafka_admin, sizes
+from tokenbudget.core.errors import BrokerError, KafkaLimitsError
+from tokenbudget.core.kafka import aiokafka_producer_options, consumer_options
+from tokenbudget.core.kafka_admin import TopicSpec
+from tokenbudget.streams.topics import Topics
 
 KAFKA_DEFAULT = 1048588  # a topic's max.message.bytes on a cluster of Kafka's defaults
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tokenbudget import files
-from tokenbudget.files import atomic_file, locked, write_atomic
+from tokenbudget.core import files
+from tokenbudget.core.files import atomic_file, locked, write_atomic
 
 
 def test_write_atomic_replaces_the_file_and_leaves_no_temporary(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""The sampling settings are declared once (tokenbudget.sampling); the config's keys,
+"""The sampling settings are declared once (tokenbudget.core.sampling); the config's keys,
 the event's fields, the Parquet column and the simulator's request log derive from it."""
 
 from __future__ import annotations
@@ -7,11 +7,11 @@ import msgspec
 import pyarrow as pa
 import pytest
 
-from sinks.parquet import SAMPLING_TYPE
-from streams import events as ev
-from tokenbudget.config import DatasetConfig, InferenceConfig
+from tokenbudget.core.config import DatasetConfig, InferenceConfig
+from tokenbudget.core.sampling import SAMPLING_KEYS, VERBATIM_KEY, Sampling
 from tokenbudget.dev.simulator import requested_settings
-from tokenbudget.sampling import SAMPLING_KEYS, VERBATIM_KEY, Sampling
+from tokenbudget.sinks.parquet import SAMPLING_TYPE
+from tokenbudget.streams import events as ev
 
 
 def test_the_config_takes_every_setting_in_both_sections() -> None:

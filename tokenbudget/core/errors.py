@@ -4,10 +4,10 @@
     ├── ConfigError            a config key is missing, unknown or has a bad value
     ├── DatasetError           a dataset file or row cannot be read
     │   └── SplitError              a saved Hugging Face dataset has no such split,
-    │                               or needs one chosen (producers.datasets)
+    │                               or needs one chosen (tokenbudget.producers.datasets)
     ├── TokenizerError         a tokenizer folder is missing or holds no tokenizer
     ├── MissingExtraError      a feature needs a package that is not installed
-    │                          (tokenbudget.extras)
+    │                          (tokenbudget.core.extras)
     ├── EventDecodeError       bytes on a topic are not a known event of a known version
     ├── BrokerError            the local Kafka broker cannot be fetched, started or reached
     ├── KafkaAuthError         a Kafka broker refused our credentials, or TLS failed
@@ -16,22 +16,23 @@
     ├── InferenceError         the inference server failed a request
     │   ├── InferenceTransportError   connection refused/reset, timeout (server away)
     │   │   └── ServerUnreachableError   the check before a run could not reach the
-    │   │                                server (producers.inference)
+    │   │                                server (tokenbudget.producers.inference)
     │   ├── InferenceUnavailableError HTTP 429, 408, 502, 503, 504 (server away)
     │   ├── InferenceServerError      another HTTP 5xx (retried)
     │   ├── InferenceRequestError     another HTTP 4xx: the request is wrong (not retried)
     │   │   └── WrongModelError          the server serves another model than
-    │   │                                [inference] model (producers.inference)
+    │   │                                [inference] model (tokenbudget.producers.inference)
     │   └── InferenceProtocolError    the body is not the wire format we expect (retried)
     │       └── InferenceCountError      neither usage nor token ids, and no tokenizer
-    │                                    to count with (not retried; producers.inference)
+    │                                    to count with (not retried;
+    │                                    tokenbudget.producers.inference)
     ├── ServerOutageError      every inference server stayed away longer than allowed
     ├── WorkerFailedError      a worker process of ``run`` kept exiting on its own
     ├── ExportError            kept rows cannot be exported as asked (and what to fix)
     └── JobChangedError        a rerun is not the job its namespace recorded (and the ways on)
 
 Each is declared here unless a module is named (then it is declared there). Two
-``ValueError`` subclasses never reach the user: ``tokenbudget.columns``'
+``ValueError`` subclasses never reach the user: ``tokenbudget.core.columns``'
 ``TemplateError`` and ``FieldError`` become a ConfigError or a DatasetError where
 they are caught. ``tokenbudget.app.interrupts.Interrupted`` is no error: ``run``
 stopped in order by a signal, which ends as its exit code.
@@ -81,7 +82,7 @@ class DatasetError(TokenBudgetError):
         self.path = path
         self.line = line
         self.message = message
-        # What its dead letter shows of the row (bounded: tokenbudget.sizes.excerpt),
+        # What its dead letter shows of the row (bounded: tokenbudget.core.sizes.excerpt),
         # and the size in bytes of what it was cut from.
         self.excerpt = excerpt
         self.size = size
@@ -126,7 +127,7 @@ class KafkaAuthError(TokenBudgetError):
 
 class KafkaLimitsError(TokenBudgetError):
     """A Kafka cluster refuses the message size every topic of ours must accept
-    (:mod:`tokenbudget.sizes`): a topic's ``max.message.bytes`` cannot be raised,
+    (:mod:`tokenbudget.core.sizes`): a topic's ``max.message.bytes`` cannot be raised,
     or a broker limit is lower. The message names the setting and the fix."""
 
 

@@ -1,7 +1,7 @@
 """Trying again until something answers: the one loop behind every wait for Kafka
 (a broker starting or restarting, a topic's metadata, a group coordinator).
 
-What "Kafka is ready" means is :func:`tokenbudget.kafka_admin.check_ready`'s
+What "Kafka is ready" means is :func:`tokenbudget.core.kafka_admin.check_ready`'s
 business; this module only says how long to keep asking and how often.
 """
 

@@ -5,7 +5,7 @@ The folder is what ``save_pretrained`` writes (``tokenizer.json``,
 only when a folder is loaded (it takes seconds, and most commands never need it),
 with the Hugging Face hub switched offline: a folder that lacks a file fails here
 instead of fetching it from the network. The config's tokenizer
-(``producers.tokenizers``), ``replay --recount-with`` and ``export --tokenizer`` all
+(``tokenbudget.producers.tokenizers``), ``replay --recount-with`` and ``export --tokenizer`` all
 load theirs here.
 """
 
@@ -15,8 +15,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from tokenbudget.errors import TokenizerError
-from tokenbudget.extras import require
+from tokenbudget.core.errors import TokenizerError
+from tokenbudget.core.extras import require
 
 # Set before transformers is first imported (it reads them then), unless the user
 # set them: no download, and no advice on stderr for every process that loads one.
@@ -31,7 +31,7 @@ def load_pretrained(folder: Path, origin: str) -> Any:
     """The ``transformers`` tokenizer saved in ``folder``. ``origin`` is the config
     key or command flag the folder came from: :class:`TokenizerError` names it when
     the folder is missing or holds no tokenizer, and
-    :class:`~tokenbudget.extras.MissingExtraError` when transformers is missing."""
+    :class:`~tokenbudget.core.extras.MissingExtraError` when transformers is missing."""
     if not folder.is_dir():
         raise TokenizerError(origin, folder, "not a folder")
     for name, value in OFFLINE_ENV.items():

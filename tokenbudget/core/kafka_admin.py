@@ -34,11 +34,11 @@ from typing import Any
 from kafka.admin import AlterConfigOp, ConfigResource, ConfigResourceType, KafkaAdminClient
 from kafka.errors import KafkaError
 
-from tokenbudget import security, sizes
-from tokenbudget.errors import BrokerError, KafkaAuthError, KafkaLimitsError
-from tokenbudget.files import write_atomic
-from tokenbudget.kafka import client_options
-from tokenbudget.retry import retry_until
+from tokenbudget.core import security, sizes
+from tokenbudget.core.errors import BrokerError, KafkaAuthError, KafkaLimitsError
+from tokenbudget.core.files import write_atomic
+from tokenbudget.core.kafka import client_options
+from tokenbudget.core.retry import retry_until
 
 log = logging.getLogger(__name__)
 

@@ -1,11 +1,11 @@
 """How every Kafka client of ours connects: options for aiokafka and kafka-python,
-with the TLS/SASL settings registered for the address (:mod:`tokenbudget.security`),
+with the TLS/SASL settings registered for the address (:mod:`tokenbudget.core.security`),
 and the producer settings fit for a cluster. Also :class:`GroupLag`, how far a
 consumer group is behind.
 
 Where the broker is (``[kafka] bootstrap``, ``"local"`` for the project's own) is
 the application's business (:mod:`tokenbudget.app.bootstrap`); creating topics is
-:mod:`tokenbudget.kafka_admin`'s.
+:mod:`tokenbudget.core.kafka_admin`'s.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from aiokafka import AIOKafkaConsumer
 from aiokafka import TopicPartition as AIOTopicPartition
 from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
 
-from tokenbudget import security, sizes
-from tokenbudget.errors import BrokerError
-from tokenbudget.retry import retry_until, retry_until_async
+from tokenbudget.core import security, sizes
+from tokenbudget.core.errors import BrokerError
+from tokenbudget.core.retry import retry_until, retry_until_async
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ def client_options(bootstrap: str) -> dict[str, Any]:
 
 
 def consumer_options(bootstrap: str) -> dict[str, Any]:
-    """Every consumer's connection and fetch sizes (:mod:`tokenbudget.sizes`)."""
+    """Every consumer's connection and fetch sizes (:mod:`tokenbudget.core.sizes`)."""
     return {**client_options(bootstrap), **sizes.fetch_options()}
 
 

@@ -1,4 +1,4 @@
-"""The exception tree drawn in tokenbudget/errors.py is the tree: every error of
+"""The exception tree drawn in tokenbudget/core/errors.py is the tree: every error of
 tokenbudget's packages is drawn under its own base, and one declared outside
 errors.py is drawn with its module."""
 
@@ -8,10 +8,10 @@ import importlib
 import pkgutil
 import re
 
-from tokenbudget import errors
-from tokenbudget.errors import TokenBudgetError
+from tokenbudget.core import errors
+from tokenbudget.core.errors import TokenBudgetError
 
-PACKAGES = ("tokenbudget", "streams", "producers", "sinks")
+PACKAGES = ("tokenbudget",)  # streams, producers and sinks are its subpackages
 
 
 def _drawn() -> dict[str, str]:

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 
 from tests.producers.tokenizer_fixture import build_tokenizer
-from tokenbudget.errors import TokenizerError
-from tokenbudget.tokenizer import OFFLINE_ENV, load_pretrained
+from tokenbudget.core.errors import TokenizerError
+from tokenbudget.core.tokenizer import OFFLINE_ENV, load_pretrained
 
 
 def test_importing_the_loader_does_not_import_transformers() -> None:
-    code = "import sys, tokenbudget.tokenizer; print('transformers' in sys.modules)"
+    code = "import sys, tokenbudget.core.tokenizer; print('transformers' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

@@ -6,22 +6,22 @@ import socket
 import pytest
 from prometheus_client import REGISTRY
 
-from tokenbudget import metrics
+from tokenbudget.core import metrics
 
 
 def test_every_metric_is_declared_in_the_metrics_module_with_the_prefix() -> None:
     import re
     from pathlib import Path
 
-    from tokenbudget import metrics
+    from tokenbudget.core import metrics
 
-    root = Path(metrics.__file__).resolve().parents[1]
-    # Declaring a metric needs prometheus_client's classes: only tokenbudget/metrics.py
+    root = Path(metrics.__file__).resolve().parents[2]
+    # Declaring a metric needs prometheus_client's classes: only tokenbudget/core/metrics.py
     # may import them (collections.Counter and the like are not metrics).
     client = re.compile(r"^\s*(from prometheus_client\b|import prometheus_client\b)", re.M)
     for package in ("tokenbudget", "streams", "producers", "sinks"):
         for path in (root / package).rglob("*.py"):
-            if path.name == "metrics.py" and path.parent.name == "tokenbudget":
+            if path.name == "metrics.py" and path.parent.name == "core":
                 continue
             assert not client.search(path.read_text()), f"{path} declares a metric"
     names = [
@@ -35,7 +35,7 @@ def test_every_metric_is_declared_in_the_metrics_module_with_the_prefix() -> Non
 
 
 def test_lag_sampler_sets_lag_per_group_and_topic_role() -> None:
-    from tokenbudget.metrics import LagSampler
+    from tokenbudget.core.metrics import LagSampler
 
     class FakeLag:
         def lag(self, group: str, topics: list[str]) -> int:
@@ -50,7 +50,7 @@ def test_lag_sampler_sets_lag_per_group_and_topic_role() -> None:
 
 
 def test_helpers() -> None:
-    from tokenbudget import metrics
+    from tokenbudget.core import metrics
 
     assert metrics.topic_role("ns-1.completions") == "completions"
     assert metrics.group_role("ns-1-ledger") == "ledger"
@@ -68,7 +68,7 @@ def test_serve_exposes_metrics_once_per_port() -> None:
 
     import httpx
 
-    from tokenbudget import metrics
+    from tokenbudget.core import metrics
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -99,6 +99,6 @@ def test_a_taken_port_is_a_warning_and_no_endpoint_not_a_crash(
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        with caplog.at_level(logging.WARNING, logger="tokenbudget.metrics"):
+        with caplog.at_level(logging.WARNING, logger="tokenbudget.core.metrics"):
             assert metrics.serve("127.0.0.1", port, "ns", "ledger") is False
     assert f"the ledger's metrics port 127.0.0.1:{port} is taken" in caplog.text

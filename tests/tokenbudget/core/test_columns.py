@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from tokenbudget.columns import Columns, FieldError, PromptTemplate, TemplateError, field_text
+from tokenbudget.core.columns import Columns, FieldError, PromptTemplate, TemplateError, field_text
 
 ALPACA = PromptTemplate.parse("{instruction}\n\n{input?}")
 # Stanford Alpaca's own prompt, with and without an input, as one template

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from tokenbudget import sizes
-from tokenbudget.columns import Columns, PromptTemplate
-from tokenbudget.config import (
+from tokenbudget.core import sizes
+from tokenbudget.core.columns import Columns, PromptTemplate
+from tokenbudget.core.config import (
     _RawConfig,
     build,
     load,
@@ -18,7 +18,7 @@ from tokenbudget.config import (
     parse_budget,
     with_servers,
 )
-from tokenbudget.errors import ConfigError
+from tokenbudget.core.errors import ConfigError
 
 NO_ENV: dict[str, str] = {}
 

@@ -32,10 +32,10 @@ import faust
 import msgspec
 from aiokafka.conn import create_conn
 
-from tokenbudget.errors import ConfigError, KafkaAuthError
+from tokenbudget.core.errors import ConfigError, KafkaAuthError
 
 if TYPE_CHECKING:
-    from tokenbudget.config import Config
+    from tokenbudget.core.config import Config
 
 Protocol = Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"]
 Mechanism = Literal["", "PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"]
