@@ -372,10 +372,13 @@ class Admission:
     async def _ask(self, lease: _Lease, want: int, min_grant: int) -> ev.Event | None:
         """One request to the ledger per lease at a time; every caller waits for
         its answer. None after a while without one (the ledger may be restarting)."""
-        if lease.asked is None or lease.asked.done():
-            lease.asked = asyncio.get_running_loop().create_future()
+        asked = lease.asked
+        if asked is None or asked.done():
+            # Held locally: another caller timing out while this one sends sets
+            # lease.asked to None, and this caller still waits for its own answer.
+            asked = lease.asked = asyncio.get_running_loop().create_future()
             lease.asked_want = want
-            self._asks[lease.lease_id] = lease.asked
+            self._asks[lease.lease_id] = asked
             request = ev.LeaseRequested(
                 dataset=lease.dataset,
                 lease_id=lease.lease_id,
@@ -387,9 +390,10 @@ class Admission:
             )
             await self._send_extending(lease, request)
         try:
-            return await asyncio.wait_for(asyncio.shield(lease.asked), timeout=10.0)
+            return await asyncio.wait_for(asyncio.shield(asked), timeout=10.0)
         except TimeoutError:
-            lease.asked = None  # the next caller asks again; late answers still land
+            if lease.asked is asked:
+                lease.asked = None  # the next caller asks again; late answers still land
             return None
 
     def _on_ledger_event(self, event: ev.Event) -> None:

@@ -643,6 +643,34 @@ def test_no_budget_yet_keeps_asking_until_one_is_set() -> None:
     run(main())
 
 
+def test_an_ask_is_answered_though_an_older_wait_times_out_while_it_is_sent() -> None:
+    """Callers waiting on an earlier request time out together (the ledger was
+    restarting): one of them clears the lease's pending ask while a new caller is
+    still sending its own; that caller waits for its own answer all the same."""
+
+    async def main() -> None:
+        admission, fake, _ = make(10_000, lease_size=500)
+        sending, go = asyncio.Event(), asyncio.Event()
+        send = fake.send_and_wait
+
+        async def slow_send(
+            topic: str, key: bytes | None = None, value: bytes | None = None
+        ) -> None:
+            sending.set()
+            await go.wait()
+            await send(topic, key, value)
+
+        fake.send_and_wait = slow_send  # type: ignore[method-assign]
+        lease = admission._lease(DS)
+        ask = asyncio.create_task(admission._ask(lease, 100, 1))
+        await sending.wait()
+        lease.asked = None  # what an older waiter's timeout does
+        go.set()
+        assert isinstance(await ask, ev.LeaseGranted)
+
+    run(main())
+
+
 # ---- revocation ------------------------------------------------------------------------
 
 
