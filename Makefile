@@ -52,7 +52,7 @@ rules: ## promtool check and unit-test the alert rules (needs the prometheus pac
 	promtool test rules infra/prometheus/rules_test.yml
 
 test: venv jars ## run every test, on TEST_WORKERS processes (each starts its own broker)
-	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadscope $(PYTEST_ARGS)
 
 test-fast: venv ## the unit tests only (no broker, no JVM): the edit loop
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not integration" $(PYTEST_ARGS)

@@ -1,6 +1,6 @@
 """How long the test suite takes on one pytest process (the baseline: how ``make
 test`` ran before) against several (pytest-xdist, ``make test``'s ``-n
-TEST_WORKERS --dist loadgroup``), in one run, on this machine.
+TEST_WORKERS --dist loadscope``), in one run, on this machine.
 
     .venv/bin/python bench/test_suite_time.py [--workers 1,3] [-- PYTEST ARGS]
 
@@ -25,7 +25,7 @@ import time
 def one(workers: int, pytest_args: list[str]) -> tuple[float, float, int, str]:
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
     if workers > 1:
-        command += ["-n", str(workers), "--dist", "loadgroup"]
+        command += ["-n", str(workers), "--dist", "loadscope"]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
     done = subprocess.run(command + pytest_args, capture_output=True, text=True)

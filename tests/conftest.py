@@ -12,6 +12,7 @@ import socket
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -55,23 +56,47 @@ def namespace() -> str:
 # start first and the short ones fill in around them instead of one of these
 # starting last and running alone.
 LONGEST_FIRST = (
-    "test_faults",
     "test_wheel",
-    "test_chaos",
     "test_cluster",
+    "test_faults",
+    "test_chaos",
+    "test_fleet",
     "test_unattended",
+    "test_plan",
     "test_job_identity",
     "test_backends",
+    "test_observability",
     "test_reservations",
     "test_sizes",
     "test_replay",
 )
+
+# Modules whose tests share a costly module fixture (a three-node cluster, a secured
+# broker, Prometheus with Alertmanager, simulators of every wire format): one worker
+# runs all of a module's tests, one after the other, so the fixture starts once.
+ONE_WORKER = ("test_backends", "test_cluster", "test_observability", "test_security")
 
 
 def _order(item: pytest.Item) -> tuple[int, int]:
     module = item.path.stem
     rank = LONGEST_FIRST.index(module) if module in LONGEST_FIRST else len(LONGEST_FIRST)
     return (0 if item.get_closest_marker("integration") else 1, rank)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """The work units ``make test``'s workers take, in collection order: a module of
+    ONE_WORKER whole, every other test alone. (xdist's own ``--dist loadgroup`` groups
+    by a suffix it writes into node ids, which pytest 9.2 no longer honours:
+    pytest-dev/pytest-xdist#1386.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Units(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return path if Path(path).stem in ONE_WORKER else nodeid
+
+    config.option.loadscopereorder = False  # keep LONGEST_FIRST's order
+    return Units(config, log)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -19,8 +19,8 @@ from tokenbudget.core import config as config_module
 from tokenbudget.dev import simulator
 from tokenbudget.producers.datasets import read_options, read_prompts
 
-# One worker runs them all (make test's --dist loadgroup): their module fixture is costly.
-pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("backends")]
+# One worker runs them all (ONE_WORKER in tests/conftest.py): their module fixture is costly.
+pytestmark = pytest.mark.integration
 
 MODEL = "tokenbudget-sim"
 

@@ -36,8 +36,8 @@ from tokenbudget.dev.jobs import (
 from tokenbudget.producers.resume import outcome_records
 from tokenbudget.streams.topics import Topics
 
-# One worker runs them all (make test's --dist loadgroup): their module fixture is costly.
-pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("cluster")]
+# One worker runs them all (ONE_WORKER in tests/conftest.py): their module fixture is costly.
+pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")

@@ -39,8 +39,8 @@ from tokenbudget.dev import simulator
 from tokenbudget.streams import events as ev
 from tokenbudget.streams.topics import Topics
 
-# One worker runs them all (make test's --dist loadgroup): their module fixture is costly.
-pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("observability")]
+# One worker runs them all (ONE_WORKER in tests/conftest.py): their module fixture is costly.
+pytestmark = pytest.mark.integration
 
 CONCURRENCY = 8
 MAX_NEW_TOKENS = 2048

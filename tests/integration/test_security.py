@@ -28,8 +28,8 @@ from tokenbudget.dev import simulator
 from tokenbudget.localkafka import broker
 from tokenbudget.localkafka.java import find_java
 
-# One worker runs them all (make test's --dist loadgroup): their module fixture is costly.
-pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("security")]
+# One worker runs them all (ONE_WORKER in tests/conftest.py): their module fixture is costly.
+pytestmark = pytest.mark.integration
 
 USER = "alice"
 PASSWORD_ENV = "TB_TEST_KAFKA_PASSWORD"
