@@ -459,8 +459,10 @@ class Fleet:
     @property
     def outage(self) -> ServerOutageError | None:
         """Set once every server is dropped or drained, one at least dropped."""
+        if not self._dropped:
+            return None  # the common case, asked several times per request: no states
         states = [server.state for server in self.servers.values()]
-        if not self._dropped or any(state not in ("dropped", "drained") for state in states):
+        if any(state not in ("dropped", "drained") for state in states):
             return None
         dropped = [s for s in self.servers.values() if s.state == "dropped"]
         if len(self.servers) == 1:

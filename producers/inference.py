@@ -39,9 +39,11 @@ from __future__ import annotations
 
 import asyncio
 import email.utils
+import functools
 import json
 import os
 import random
+import ssl
 import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -152,6 +154,15 @@ class _CountedStream(httpx.AsyncByteStream):
                 self._shard = None
 
 
+@functools.cache
+def tls_context() -> ssl.SSLContext:
+    """The TLS context of every HTTP client of the process, made once: each takes
+    ~70 ms of CPU to make (loading the CA bundle), which a fleet of eight servers paid
+    eight times at a dispatcher's start, and a server added at run time paid inside
+    the dispatcher's event loop."""
+    return httpx.create_ssl_context()
+
+
 class ShardedTransport(httpx.AsyncBaseTransport):
     """Requests spread over several small connection pools, each to the least busy.
 
@@ -164,7 +175,7 @@ class ShardedTransport(httpx.AsyncBaseTransport):
     """
 
     def __init__(self, shards: int, limits: httpx.Limits) -> None:
-        tls = httpx.create_ssl_context()  # one for all: each takes ~70 ms to make
+        tls = tls_context()  # one for all its pools, and for every other client
         self._shards = [
             _Shard(httpx.AsyncHTTPTransport(verify=tls, limits=limits))
             for _ in range(max(1, shards))
