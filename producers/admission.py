@@ -113,13 +113,13 @@ async def _at_most(awaitable: Awaitable[Any], seconds: float) -> None:
 
 async def _wait_aside(
     aside: Callable[[], AbstractAsyncContextManager[Any]] | None, awaitable: Awaitable[Any]
-) -> None:
-    """Await ``awaitable``, inside ``aside()`` when given (see :meth:`Admission.admit`)."""
+) -> Any:
+    """Await ``awaitable``, inside ``aside()`` when given (see :meth:`Admission.admit`),
+    and return what it gives."""
     if aside is None:
-        await awaitable
-        return
+        return await awaitable
     async with aside():
-        await awaitable
+        return await awaitable
 
 
 class Admission:
@@ -175,7 +175,8 @@ class Admission:
         """Reserve for one request, or None when the dataset is full.
 
         ``aside``, if given, is entered around every wait for budget (another holder's
-        tokens, leftovers of requests in flight, a lowering on its way), never around
+        tokens, leftovers of requests in flight, a lowering on its way, the ledger's
+        answer to a request for more), never around
         the reservation itself: the dispatcher lends its server place to prompts of
         other datasets meanwhile and has it back before anything is reserved.
         ``exact``: ``max_new_tokens`` is the answer's own length (an answer generated
@@ -228,7 +229,11 @@ class Admission:
                 send = request.max_new_tokens_for(reserved)
                 return Ticket(dataset, lease.lease_id, reserved, send, prompt_estimate)
             want = request.lease_request(settings.lease_size)
-            reply = await self._ask(lease, want, request.floor)
+            # Aside too: nothing is reserved while the ledger answers (a round trip
+            # through Kafka, up to _ask's timeout), and a prompt of a dataset at its
+            # budget's end asks again after each of its answers, so holding the place
+            # meanwhile kept other datasets' prompts from the fleet.
+            reply = await waiting(self._ask(lease, want, request.floor))
             if not await self._after_asking(lease, reply, request.floor, waiting):
                 return None
 

@@ -94,10 +94,12 @@ class Slot:
         server: Pool,
         publishing: Pool,
         waiting: Pool | None = None,
+        stop: asyncio.Event | None = None,
     ) -> None:
         self._server: Pool | None = server
         self._publishing = publishing
         self._waiting = waiting
+        self._stop = stop  # set: no place is waited for any more (see aside)
         self._held: Pool | None = None
         self.answered = False  # the server has answered this prompt
 
@@ -137,8 +139,26 @@ class Slot:
             yield
         finally:
             waiting.release()
-            await server.acquire()
+            await self._place_back(server)
             self._server = server
+
+    async def _place_back(self, server: Pool) -> None:
+        """A place at the server again, for a prompt back from aside; a cancellation
+        instead once ``stop`` is set (the fleet is out: it may have no place to give
+        ever again, and the dispatcher waits for its prompts to end), the prompt then
+        holding none."""
+        stop = self._stop
+        if stop is None or not server.locked():
+            await server.acquire()
+            return
+        place = asyncio.ensure_future(server.acquire())
+        stopping = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({place, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        if place.done():
+            return
+        place.cancel()  # a waiter cancelled before it got the place takes nothing
+        raise asyncio.CancelledError
 
     async def hand_over(self) -> None:
         """The server has answered: mark the prompt :attr:`answered`, and trade its
@@ -189,7 +209,7 @@ class Places:
             return None
         if not self._server.locked():
             await self._server.acquire()
-            return self._slot()
+            return self._slot(handing_back)
         place = asyncio.ensure_future(self._server.acquire())
         stopping = asyncio.ensure_future(handing_back.wait())
         await asyncio.wait({place, stopping}, return_when=asyncio.FIRST_COMPLETED)
@@ -200,7 +220,7 @@ class Places:
         if handing_back.is_set():
             self._server.release()
             return None
-        return self._slot()
+        return self._slot(handing_back)
 
-    def _slot(self) -> Slot:
-        return Slot(self._server, self._publishing, self._waiting)
+    def _slot(self, handing_back: asyncio.Event) -> Slot:
+        return Slot(self._server, self._publishing, self._waiting, stop=handing_back)

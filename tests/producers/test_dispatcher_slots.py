@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from tests.producers.test_admission import DS, TOPICS, run, settle_and_complete, until
+from tests.producers.test_admission import DS, TOPICS, make, run, settle_and_complete, until
 from tests.producers.test_dispatcher_caps import dispatch, make_dispatcher, prompt
 from tokenbudget.producers.admission import Admission, AdmissionSettings
 from tokenbudget.producers.slots import Slot
@@ -51,6 +51,43 @@ def test_a_prompt_waiting_for_budget_frees_its_server_place_until_budget_comes()
         assert [c.completion_tokens for c in recorder.completions()] == [400]
         slot.release()
         assert not server.locked() and not waiting.locked() and not publishing.locked()
+
+    run(main())
+
+
+def test_a_prompt_asking_the_ledger_lends_its_server_place_until_the_answer() -> None:
+    """The ledger's answer takes a round trip through Kafka; a dataset at its budget's
+    end asks again after each of its answers. Meanwhile the asking prompt holds no
+    server place, and it has one back before it reserves."""
+
+    async def main() -> None:
+        admission, fake, board = make(10_000, lease_size=500)
+        answered = asyncio.Event()
+        apply = board.apply
+
+        def held_apply(event: ev.Event, seen_at: float | None = None) -> None:
+            if isinstance(event, ev.LeaseGranted) and not answered.is_set():
+                asyncio.get_running_loop().call_later(0.05, held_apply, event)
+                return  # the ledger's answer is still on its way
+            apply(event, seen_at)
+
+        board.apply = held_apply  # type: ignore[method-assign]
+        server, publishing, waiting = (asyncio.Semaphore(1) for _ in range(3))
+        await server.acquire()  # as the run loop does before it starts a prompt
+        slot = Slot(server, publishing, waiting)
+        task = asyncio.create_task(admission.admit(DS, 100, aside=slot.aside))
+        await until(lambda: any(isinstance(e, ev.LeaseRequested) for e in fake.sent), "the request")
+        # Free for the next prompt (of any dataset) while the ledger answers.
+        await asyncio.wait_for(server.acquire(), timeout=2.0)
+        assert not task.done()
+        answered.set()
+        await asyncio.sleep(0.2)
+        assert not task.done()  # granted, but it has no place yet: nothing reserved
+        server.release()
+        ticket = await asyncio.wait_for(task, timeout=5.0)
+        assert ticket is not None and ticket.reserved == 100
+        assert server.locked()  # its place again
+        slot.release()
 
     run(main())
 

@@ -122,3 +122,32 @@ def test_a_wait_for_a_place_cancelled_as_it_is_let_in_takes_nothing() -> None:
         assert capacity.taken == 0 and not capacity.locked()
 
     run(main())
+
+
+def test_back_from_aside_once_the_fleet_is_out_the_prompt_ends_instead_of_waiting() -> None:
+    """Every server dropped: the fleet has no place to give, ever; a prompt coming back
+    from aside ends (a cancellation, holding nothing) rather than keep the
+    dispatcher's wind-down waiting for it."""
+
+    async def main() -> None:
+        server = Capacity(1)
+        publishing, waiting = asyncio.Semaphore(1), asyncio.Semaphore(1)
+        stop = asyncio.Event()
+        await server.acquire()
+        slot = Slot(server, publishing, waiting, stop=stop)
+
+        async def aside_then_on() -> None:
+            async with slot.aside():
+                await server.acquire()  # another prompt took the freed place
+                server.resize(0)  # and the fleet's last server was dropped
+
+        task = asyncio.create_task(aside_then_on())
+        await asyncio.sleep(0.05)
+        assert not task.done()  # waiting for a place back
+        stop.set()
+        await asyncio.wait_for(asyncio.wait({task}), timeout=2.0)
+        assert task.cancelled()
+        slot.release()
+        assert server.taken == 1 and not waiting.locked()  # only the other's place
+
+    run(main())
