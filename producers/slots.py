@@ -81,6 +81,22 @@ class Capacity:
                 waiter.set_result(None)
 
 
+async def _acquire_unless(pool: Pool, stop: asyncio.Event) -> bool:
+    """A place from ``pool`` (True), or none (False) once ``stop`` is set while it
+    waits; a place given just as ``stop`` is set is kept (True)."""
+    if not pool.locked():
+        await pool.acquire()
+        return True
+    place = asyncio.ensure_future(pool.acquire())
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({place, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    if place.done():
+        return True
+    place.cancel()  # a waiter cancelled before it got the place takes nothing
+    return False
+
+
 class Slot:
     """A request's place at the server, handed over to a place among the answers
     being published once the server has answered; lent to other prompts while its
@@ -147,18 +163,10 @@ class Slot:
         instead once ``stop`` is set (the fleet is out: it may have no place to give
         ever again, and the dispatcher waits for its prompts to end), the prompt then
         holding none."""
-        stop = self._stop
-        if stop is None or not server.locked():
+        if self._stop is None:
             await server.acquire()
-            return
-        place = asyncio.ensure_future(server.acquire())
-        stopping = asyncio.ensure_future(stop.wait())
-        await asyncio.wait({place, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        stopping.cancel()
-        if place.done():
-            return
-        place.cancel()  # a waiter cancelled before it got the place takes nothing
-        raise asyncio.CancelledError
+        elif not await _acquire_unless(server, self._stop):
+            raise asyncio.CancelledError
 
     async def hand_over(self) -> None:
         """The server has answered: mark the prompt :attr:`answered`, and trade its
@@ -207,15 +215,7 @@ class Places:
         dispatcher's consume loop before it starts a prompt."""
         if handing_back.is_set():
             return None
-        if not self._server.locked():
-            await self._server.acquire()
-            return self._slot(handing_back)
-        place = asyncio.ensure_future(self._server.acquire())
-        stopping = asyncio.ensure_future(handing_back.wait())
-        await asyncio.wait({place, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        stopping.cancel()
-        if not place.done():
-            place.cancel()  # a waiter cancelled before it got the place takes nothing
+        if not await _acquire_unless(self._server, handing_back):
             return None
         if handing_back.is_set():
             self._server.release()
