@@ -4,7 +4,7 @@
                                        [--tokens-per-second 250,2000]
 
 Both send the same prompts, as the same SGLang requests (text, ``max_new_tokens``,
-no streaming), through the same HTTP client (:func:`tokenbudget.producers.inference.http_client`)
+no streaming), through the same HTTP client (:class:`tokenbudget.producers.http.HttpClient`)
 at the same concurrency, each time to a fresh simulator process started the same
 way: once as a plain asyncio loop with no Kafka at all, once through
 ``tokenbudget run`` (producer, Kafka, dispatcher, ledger, sink). Each throughput is
@@ -41,7 +41,7 @@ from tokenbudget.app.runner import run
 from tokenbudget.core import config as config_module
 from tokenbudget.dev.demo import free_port, start_simulator
 from tokenbudget.localkafka import broker
-from tokenbudget.producers.inference import Timeouts, http_client
+from tokenbudget.producers.http import HttpClient, Timeouts
 
 T = TypeVar("T")
 
@@ -63,7 +63,7 @@ async def bare_loop(
         queue.put_nowait(prompt)
     tokens = 0
     first = last = 0.0
-    async with http_client(concurrency, Timeouts()) as client:
+    async with HttpClient(concurrency, Timeouts()) as client:
 
         async def worker() -> None:
             nonlocal tokens, first, last
@@ -77,9 +77,10 @@ async def bare_loop(
                 }
                 sent = time.time()
                 first = min(first, sent) if first else sent
-                response = await client.post(f"{url}/generate", json=body)
-                response.raise_for_status()
-                tokens += response.json()["meta_info"]["completion_tokens"]
+                reply = await client.request("POST", f"{url}/generate", body)
+                if reply.status != 200:
+                    raise SystemExit(f"the simulator answered HTTP {reply.status}: {reply.text}")
+                tokens += json.loads(reply.content)["meta_info"]["completion_tokens"]
                 last = max(last, time.time())
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))

@@ -39,7 +39,6 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-import httpx
 import kafka.errors
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import KafkaError
@@ -55,6 +54,7 @@ from tokenbudget.producers.admission import Admission, AdmissionSettings
 from tokenbudget.producers.attempt import Attempt
 from tokenbudget.producers.caps import InFlight
 from tokenbudget.producers.fleet import Fleet
+from tokenbudget.producers.http import HttpClient
 from tokenbudget.producers.inference import InferenceBackend, RetryPolicy
 from tokenbudget.producers.offsets import OffsetTracker
 from tokenbudget.producers.publisher import Publisher
@@ -114,7 +114,7 @@ class Dispatcher:
         bootstrap: str,
         board: BudgetBoard,
         *,
-        backend_factory: Callable[[httpx.AsyncClient, Server], InferenceBackend] | None = None,
+        backend_factory: Callable[[HttpClient, Server], InferenceBackend] | None = None,
         keep_log: bool = False,
         holder: str | None = None,
         instance: str | None = None,

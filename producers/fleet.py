@@ -51,21 +51,18 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Collection, Iterable
 from typing import Protocol
 
-import httpx
-
 from tokenbudget.core import metrics
 from tokenbudget.core.config import Config, RoutingPolicy
 from tokenbudget.core.config import Server as ServerSpec
 from tokenbudget.core.errors import InferenceError, InferenceTransportError, ServerOutageError
 from tokenbudget.producers import routing
+from tokenbudget.producers.http import HttpClient, Timeouts
 from tokenbudget.producers.inference import (
     GenerationRequest,
     GenerationResult,
     InferenceBackend,
     RetryPolicy,
-    Timeouts,
     backend_for_server,
-    http_client,
 )
 from tokenbudget.producers.server_gate import GateSettings, ServerGate
 from tokenbudget.streams import events as ev
@@ -192,7 +189,7 @@ class Server:
         gate: GateSettings,
         *,
         backoff: RetryPolicy = DEFAULT_BACKOFF,
-        client: httpx.AsyncClient | None = None,
+        client: HttpClient | None = None,
         on_change: Callable[[], None] = lambda: None,
     ) -> None:
         self.spec = spec
@@ -407,7 +404,7 @@ class Fleet:
         cls,
         config: Config,
         *,
-        backend_factory: Callable[[httpx.AsyncClient, ServerSpec], InferenceBackend] | None = None,
+        backend_factory: Callable[[HttpClient, ServerSpec], InferenceBackend] | None = None,
     ) -> Fleet:
         """The fleet ``config`` names, each server with an HTTP client of its own
         sized to its concurrency, gated by ``[inference]``'s pause and outage keys."""
@@ -420,14 +417,14 @@ class Fleet:
         )
         backoff = RetryPolicy(inference.retries, inference.backoff_s, inference.backoff_max_s)
 
-        def make(client: httpx.AsyncClient, spec: ServerSpec) -> InferenceBackend:
+        def make(client: HttpClient, spec: ServerSpec) -> InferenceBackend:
             return backend_for_server(config, client, spec)
 
         factory = backend_factory or make
         fleet: Fleet
 
         def open_server(spec: ServerSpec) -> Server:
-            client = http_client(spec.concurrency, timeouts)
+            client = HttpClient(spec.concurrency, timeouts)
             backend = factory(client, spec)
             return Server(
                 spec, backend, settings, backoff=backoff, client=client, on_change=fleet.changed

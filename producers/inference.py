@@ -30,20 +30,19 @@ vLLM's ``return_token_ids``). A server that returns neither is counted with the
 model's tokenizer (``[inference] tokenizer``), and the result says so in
 ``count_source``.
 
-httpx errors, HTTP status codes and malformed bodies are translated here, and only
-here, into the :class:`~tokenbudget.core.errors.InferenceError` tree; callers retry on
-``error.retryable``.
+HTTP status codes and malformed bodies are translated here, and only here, into the
+:class:`~tokenbudget.core.errors.InferenceError` tree (a failed connection already is,
+by :mod:`tokenbudget.producers.http`, the client every backend speaks through); callers
+retry on ``error.retryable``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import email.utils
-import functools
 import json
 import os
 import random
-import ssl
 import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -62,6 +61,7 @@ from tokenbudget.core.errors import (
     InferenceUnavailableError,
 )
 from tokenbudget.core.sampling import VERBATIM_KEY
+from tokenbudget.producers.http import HttpClient, Reply, Timeouts
 from tokenbudget.producers.tokenizers import load_tokenizer
 from tokenbudget.streams.events import ChatMessage, CountSource, FinishReason, ToolCall
 
@@ -113,102 +113,6 @@ class ServerUnreachableError(InferenceTransportError):
 
 class WrongModelError(InferenceRequestError):
     """The server serves another model than ``[inference] model``."""
-
-
-@dataclass(frozen=True)
-class Timeouts:
-    connect: float = 5.0
-    read: float = 600.0
-
-    def to_httpx(self) -> httpx.Timeout:
-        return httpx.Timeout(self.read, connect=self.connect, pool=None)
-
-
-# Connections per pool of :func:`http_client` (see :class:`ShardedTransport`).
-POOL_CONNECTIONS = 16
-
-
-class _Shard:
-    def __init__(self, transport: httpx.AsyncHTTPTransport) -> None:
-        self.transport = transport
-        self.active = 0  # requests sent through it whose response is not closed yet
-
-
-class _CountedStream(httpx.AsyncByteStream):
-    """A response body that tells its shard when it is closed."""
-
-    def __init__(self, inner: Any, shard: _Shard) -> None:
-        self._inner = inner
-        self._shard: _Shard | None = shard
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        async for part in self._inner:
-            yield part
-
-    async def aclose(self) -> None:
-        try:
-            await self._inner.aclose()
-        finally:
-            if self._shard is not None:
-                self._shard.active -= 1
-                self._shard = None
-
-
-@functools.cache
-def tls_context() -> ssl.SSLContext:
-    """The TLS context of every HTTP client of the process, made once: each takes
-    ~70 ms of CPU to make (loading the CA bundle), which a fleet of eight servers paid
-    eight times at a dispatcher's start, and a server added at run time paid inside
-    the dispatcher's event loop."""
-    return httpx.create_ssl_context()
-
-
-class ShardedTransport(httpx.AsyncBaseTransport):
-    """Requests spread over several small connection pools, each to the least busy.
-
-    httpcore's pool re-examines every connection (for each idle one, all of them
-    again) whenever a request starts or ends, so one pool of a few hundred
-    connections spends more CPU than the requests it carries; at concurrency 256 a
-    single pool held a client to ~45 requests/s of a core. Pools of about
-    :data:`POOL_CONNECTIONS` keep that cost small. Each pool may still grow to the
-    full ``limits``, so none ever makes a request wait.
-    """
-
-    def __init__(self, shards: int, limits: httpx.Limits) -> None:
-        tls = tls_context()  # one for all its pools, and for every other client
-        self._shards = [
-            _Shard(httpx.AsyncHTTPTransport(verify=tls, limits=limits))
-            for _ in range(max(1, shards))
-        ]
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        shard = min(self._shards, key=lambda s: s.active)
-        shard.active += 1
-        try:
-            response = await shard.transport.handle_async_request(request)
-        except BaseException:
-            shard.active -= 1
-            raise
-        response.stream = _CountedStream(response.stream, shard)
-        return response
-
-    async def aclose(self) -> None:
-        for shard in self._shards:
-            await shard.transport.aclose()
-
-
-def http_client(concurrency: int, timeouts: Timeouts) -> httpx.AsyncClient:
-    """The HTTP client for ``concurrency`` requests at once to an inference server,
-    with room for as many abort requests beside them (aborts must not queue behind
-    the requests they stop)."""
-    limits = httpx.Limits(
-        max_connections=2 * concurrency + 8,
-        max_keepalive_connections=2 * concurrency + 8,
-    )
-    shards = -(-concurrency // POOL_CONNECTIONS)
-    return httpx.AsyncClient(
-        timeout=timeouts.to_httpx(), transport=ShardedTransport(shards, limits)
-    )
 
 
 @dataclass(frozen=True)
@@ -332,7 +236,7 @@ class InferenceBackend(ABC):
 
     def __init__(
         self,
-        client: httpx.AsyncClient,
+        client: HttpClient,
         base_url: str,
         model: str = "",
         *,
@@ -362,13 +266,14 @@ class InferenceBackend(ABC):
 
     # ---- plumbing ---------------------------------------------------------------------
 
-    def _raise_for_status(self, method: str, url: str, response: httpx.Response, text: str) -> None:
-        status = response.status_code
+    def _raise_for_status(
+        self, method: str, url: str, status: int, headers: Mapping[str, str], text: str
+    ) -> None:
         if status < 400:
             return
         message = f"{method} {url}: HTTP {status}: {text[:200]}"
         if status in AWAY_STATUSES:
-            retry_after = parse_retry_after(response.headers.get("Retry-After"))
+            retry_after = parse_retry_after(headers.get("Retry-After"))
             raise InferenceUnavailableError(
                 message, retry_after=retry_after, busy=status in BUSY_STATUSES
             )
@@ -378,20 +283,15 @@ class InferenceBackend(ABC):
 
     async def _request(self, method: str, path: str, body: dict[str, Any] | None) -> Any:
         url = self.base_url + path
-        try:
-            response = await self.client.request(method, url, json=body, headers=self.headers)
-        except httpx.TimeoutException as exc:
-            raise InferenceTransportError(f"{method} {url}: timed out ({exc!r})") from exc
-        except httpx.TransportError as exc:
-            raise InferenceTransportError(f"{method} {url}: {exc!r}") from exc
-        self._raise_for_status(method, url, response, response.text)
-        if not response.content:
+        reply = await self.client.request(method, url, body, self.headers)
+        self._raise_for_status(method, url, reply.status, reply.headers, reply.text)
+        if not reply.content:
             return None
         try:
-            return response.json()
+            return json.loads(reply.content)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise InferenceProtocolError(
-                f"{method} {url}: body is not JSON: {response.text[:120]!r}"
+                f"{method} {url}: body is not JSON: {reply.text[:120]!r}"
             ) from exc
 
     async def _events(self, path: str, body: dict[str, Any]) -> AsyncIterator[Any]:
@@ -412,22 +312,17 @@ class InferenceBackend(ABC):
         """POST and yield each server-sent event's data, undecoded, until
         ``data: [DONE]`` or the end of the body."""
         url = self.base_url + path
-        try:
-            async with self.client.stream("POST", url, json=body, headers=self.headers) as resp:
-                if resp.status_code >= 400:
-                    text = (await resp.aread()).decode("utf-8", "replace")
-                    self._raise_for_status("POST", url, resp, text)
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue  # blank separators, comments, event:/id: fields
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        return
-                    yield data
-        except httpx.TimeoutException as exc:
-            raise InferenceTransportError(f"POST {url}: timed out ({exc!r})") from exc
-        except httpx.TransportError as exc:
-            raise InferenceTransportError(f"POST {url}: stream broke: {exc!r}") from exc
+        async with self.client.stream("POST", url, body, self.headers) as streamed:
+            if streamed.status >= 400:
+                text = (await streamed.read()).decode("utf-8", "replace")
+                self._raise_for_status("POST", url, streamed.status, streamed.headers, text)
+            async for line in streamed.lines():
+                if not line.startswith("data:"):
+                    continue  # blank separators, comments, event:/id: fields
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    return
+                yield data
 
     def _progress(self, request: GenerationRequest, tokens: int) -> None:
         callback = request.on_progress or self.on_progress
@@ -970,7 +865,7 @@ BACKENDS: dict[str, type[InferenceBackend]] = {
 
 def make_backend(
     api: str,
-    client: httpx.AsyncClient,
+    client: HttpClient,
     url: str,
     model: str = "",
     **options: Any,
@@ -992,7 +887,7 @@ def api_key_from_env(config: Config) -> str | None:
 
 def backend_for_server(
     config: Config,
-    client: httpx.AsyncClient,
+    client: HttpClient,
     server: Server,
     *,
     on_progress: ProgressCallback | None = None,
@@ -1017,7 +912,7 @@ def backend_for_server(
 
 
 def backend_for_config(
-    config: Config, client: httpx.AsyncClient, *, on_progress: ProgressCallback | None = None
+    config: Config, client: HttpClient, *, on_progress: ProgressCallback | None = None
 ) -> InferenceBackend:
     """The backend of the config's first server (the whole fleet of a one-server job)."""
     return backend_for_server(config, client, config.servers[0], on_progress=on_progress)
@@ -1092,51 +987,51 @@ async def check_server(
     url = server.url
     key = api_key_of(server)
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    async with httpx.AsyncClient(
-        timeout=httpx.Timeout(timeout, connect=inference.connect_timeout_s), headers=headers
-    ) as client:
+    async with HttpClient(2, Timeouts(inference.connect_timeout_s, timeout)) as client:
 
-        async def get(path: str) -> httpx.Response:
+        async def get(path: str) -> Reply:
             try:
-                response = await client.get(url + path)
-            except httpx.HTTPError as exc:
+                response = await client.request("GET", url + path, None, headers)
+            except InferenceTransportError as exc:
+                cause = exc.__cause__ or exc
                 raise ServerUnreachableError(
                     f"cannot reach the inference server at {url} ({inference.api}): "
-                    f"GET {path} failed ({type(exc).__name__}: {exc}). Is the server running?"
+                    f"GET {path} failed ({type(cause).__name__}: {cause}). Is the server"
+                    " running?"
                 ) from exc
-            if response.status_code in (401, 403):
+            if response.status in (401, 403):
                 raise InferenceRequestError(
                     f"the inference server at {url} refused GET {path} with HTTP "
-                    f"{response.status_code}: set the API key in ${server.api_key_env}"
+                    f"{response.status}: set the API key in ${server.api_key_env}"
                 )
             return response
 
         served: list[str] = []
         health_path = "/health" if inference.api == "sglang" else "/v1/models"
         health = await get(health_path)
-        if health.status_code == 404:
-            await _one_token(config, client, url)
-        elif health.status_code >= 400 and inference.api == "sglang":
+        if health.status == 404:
+            await _one_token(config, client, url, key)
+        elif health.status >= 400 and inference.api == "sglang":
             raise ServerUnreachableError(
                 f"the inference server at {url} is not healthy: GET /health answered "
-                f"HTTP {health.status_code}: {health.text[:200]}"
+                f"HTTP {health.status}: {health.text[:200]}"
             )
-        elif health.status_code >= 400:
+        elif health.status >= 400:
             raise ServerUnreachableError(
                 f"the server at {url} does not answer GET /v1/models (HTTP "
-                f"{health.status_code}): is it an OpenAI-compatible server "
+                f"{health.status}): is it an OpenAI-compatible server "
                 f"(api = {inference.api!r})?"
             )
         elif inference.api != "sglang":
-            served += _model_ids(health)
+            served += _model_ids(health.content)
         if inference.api == "sglang" and inference.model:
             info = await get("/get_model_info")
-            with_path = _json_or_none(info) if info.status_code < 400 else None
+            with_path = _json_or_none(info.content) if info.status < 400 else None
             if isinstance(with_path, dict) and isinstance(with_path.get("model_path"), str):
                 served.append(with_path["model_path"])
             # --served-model-name shows only here; a failure here is not fatal
             models = await get("/v1/models")
-            served += _model_ids(models) if models.status_code < 400 else []
+            served += _model_ids(models.content) if models.status < 400 else []
         served = list(dict.fromkeys(served))
         if inference.model and served and not any(_same_model(inference.model, s) for s in served):
             raise WrongModelError(
@@ -1146,15 +1041,15 @@ async def check_server(
         return served
 
 
-def _model_ids(response: httpx.Response) -> list[str]:
-    listing = _json_or_none(response)
+def _model_ids(content: bytes) -> list[str]:
+    listing = _json_or_none(content)
     data = listing.get("data") if isinstance(listing, dict) else None
     return [m["id"] for m in data or () if isinstance(m, dict) and "id" in m]
 
 
-async def _one_token(config: Config, client: httpx.AsyncClient, url: str) -> None:
+async def _one_token(config: Config, client: HttpClient, url: str, key: str | None) -> None:
     """A server without a health route is asked for one token instead."""
-    backend = make_backend(config.inference.api, client, url, config.inference.model)
+    backend = make_backend(config.inference.api, client, url, config.inference.model, api_key=key)
     request = GenerationRequest(
         rid=f"tokenbudget-probe-{random.getrandbits(48):012x}",
         max_new_tokens=1,
@@ -1170,9 +1065,9 @@ async def _one_token(config: Config, client: httpx.AsyncClient, url: str) -> Non
         ) from exc
 
 
-def _json_or_none(response: httpx.Response) -> Any:
+def _json_or_none(content: bytes) -> Any:
     try:
-        return response.json()
+        return json.loads(content)
     except ValueError:
         return None
 
@@ -1214,7 +1109,7 @@ def probe_server(
                 ) from exc
 
         info = get("/get_model_info")
-        body = _json_or_none(info) if info.status_code < 400 else None
+        body = _json_or_none(info.content) if info.status_code < 400 else None
         if isinstance(body, dict) and isinstance(body.get("model_path"), str):
             tokenizer = body.get("tokenizer_path")
             return ServerInfo(
@@ -1226,7 +1121,7 @@ def probe_server(
                 f"the inference server at {url} refused GET /v1/models with HTTP"
                 f" {models.status_code}: set its API key in ${key_env}"
             )
-        listing = _json_or_none(models) if models.status_code < 400 else None
+        listing = _json_or_none(models.content) if models.status_code < 400 else None
         data = listing.get("data") if isinstance(listing, dict) else None
         if isinstance(data, list):
             first = next((m for m in data if isinstance(m, dict)), {})

@@ -169,7 +169,9 @@ EXIT_ERROR = 2  # a one-line error on stderr
 # Loggers of the libraries we use: their warnings (kafka-python's "Task ... ran for",
 # "group_id is None", aiokafka's reconnects) are ours to report, not the user's to
 # read, unless TOKENBUDGET_LOG asks for that level.
-_THIRD_PARTY = frozenset({"kafka", "aiokafka", "faust", "mode", "httpx", "httpcore", "asyncio"})
+_THIRD_PARTY = frozenset(
+    {"kafka", "aiokafka", "faust", "mode", "httpx", "httpcore", "aiohttp", "asyncio"}
+)
 
 
 class QuietLibraries(logging.Filter):

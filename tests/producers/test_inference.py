@@ -10,9 +10,10 @@ import zlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import httpx
+import aiohttp
 import pytest
 
+from tests.producers.canned import CannedClient
 from tests.producers.retries import generate_with_retries
 from tokenbudget.core.errors import (
     InferenceError,
@@ -25,6 +26,7 @@ from tokenbudget.core.errors import (
 from tokenbudget.dev import simulator
 from tokenbudget.dev.simulator import Faults, RunningSimulator, SimulatorConfig
 from tokenbudget.producers import inference
+from tokenbudget.producers.http import HttpClient, Timeouts
 from tokenbudget.producers.inference import (
     RETRY_AFTER_MAX_S,
     GenerationRequest,
@@ -42,14 +44,14 @@ from tokenbudget.streams.events import ChatMessage, ToolCall
 FAST = SimulatorConfig(port=0, tokens_per_second=1e6, seed=3)
 APIS = ["sglang", "openai-completions", "openai-chat"]
 
-Body = Callable[[RunningSimulator, httpx.AsyncClient], Awaitable[Any]]
+Body = Callable[[RunningSimulator, HttpClient], Awaitable[Any]]
 
 
 def with_simulator(body: Body, config: SimulatorConfig = FAST) -> Any:
     async def main() -> Any:
         sim = await simulator.start(config)
         try:
-            async with httpx.AsyncClient(timeout=httpx.Timeout(30.0)) as client:
+            async with HttpClient(64, Timeouts(read=30.0)) as client:
                 return await body(sim, client)
         finally:
             await sim.stop()
@@ -64,7 +66,7 @@ def request(rid: str, *, max_new_tokens: int = 100_000, **kwargs: Any) -> Genera
 
 
 def test_make_backend_picks_the_class() -> None:
-    client = httpx.AsyncClient()
+    client = HttpClient()
     try:
         assert type(make_backend("sglang", client, "http://h:1/")) is SGLangBackend
         assert type(make_backend("openai-completions", client, "http://h")) is (
@@ -82,7 +84,7 @@ def test_make_backend_picks_the_class() -> None:
 
 @pytest.mark.parametrize("api", APIS)
 def test_completion_tokens_match_what_the_server_generated(api: str) -> None:
-    async def body(sim: RunningSimulator, client: httpx.AsyncClient) -> Any:
+    async def body(sim: RunningSimulator, client: HttpClient) -> Any:
         backend = make_backend(api, client, sim.url, model=FAST.model)
         await backend.health()
         prompts = ["a #short", "b #code", "c #chat", "plain words here"]
@@ -109,7 +111,7 @@ def test_completion_tokens_match_what_the_server_generated(api: str) -> None:
 
 
 def test_sglang_output_ids_match_completion_tokens_for_chat_and_ids() -> None:
-    async def body(sim: RunningSimulator, client: httpx.AsyncClient) -> list[GenerationResult]:
+    async def body(sim: RunningSimulator, client: HttpClient) -> list[GenerationResult]:
         backend = SGLangBackend(client, sim.url)
         chat = request(
             "chat",
@@ -126,7 +128,7 @@ def test_sglang_output_ids_match_completion_tokens_for_chat_and_ids() -> None:
 
 @pytest.mark.parametrize("api", APIS)
 def test_max_new_tokens_caps_with_finish_length(api: str) -> None:
-    async def body(sim: RunningSimulator, client: httpx.AsyncClient) -> Any:
+    async def body(sim: RunningSimulator, client: HttpClient) -> Any:
         backend = make_backend(api, client, sim.url, model=FAST.model)
         # "#long-code" averages thousands of tokens: 5 always caps it.
         result = await backend.generate(
@@ -144,7 +146,7 @@ def test_max_new_tokens_caps_with_finish_length(api: str) -> None:
 
 @pytest.mark.parametrize("api", APIS)
 def test_http_500_is_a_retryable_server_error(api: str) -> None:
-    async def body(sim: RunningSimulator, client: httpx.AsyncClient) -> InferenceError:
+    async def body(sim: RunningSimulator, client: HttpClient) -> InferenceError:
         backend = make_backend(api, client, sim.url, model=FAST.model)
         with pytest.raises(InferenceServerError) as info:
             await backend.generate(request("r500"))
@@ -157,7 +159,7 @@ def test_http_500_is_a_retryable_server_error(api: str) -> None:
 
 @pytest.mark.parametrize("api", APIS)
 def test_malformed_body_is_a_protocol_error(api: str) -> None:
-    async def body(sim: RunningSimulator, client: httpx.AsyncClient) -> InferenceError:
+    async def body(sim: RunningSimulator, client: HttpClient) -> InferenceError:
         backend = make_backend(api, client, sim.url, model=FAST.model)
         with pytest.raises(InferenceProtocolError) as info:
             await backend.generate(request("bad"))
@@ -177,7 +179,7 @@ def _closed_port() -> int:
 def test_connection_refused_is_a_transport_error(api: str) -> None:
     async def main() -> InferenceError:
         url = f"http://127.0.0.1:{_closed_port()}"
-        async with httpx.AsyncClient(timeout=httpx.Timeout(10.0)) as client:
+        async with HttpClient(4, Timeouts(read=10.0)) as client:
             backend = make_backend(api, client, url)
             with pytest.raises(InferenceTransportError) as info:
                 await backend.generate(request("refused"))
@@ -187,14 +189,14 @@ def test_connection_refused_is_a_transport_error(api: str) -> None:
 
     error = asyncio.run(main())
     assert error.retryable is True
-    assert isinstance(error.__cause__, httpx.TransportError)
+    assert isinstance(error.__cause__, aiohttp.ClientError)
 
 
 @pytest.mark.parametrize("api", APIS)
 def test_http_400_is_a_request_error_not_retried(api: str) -> None:
     req = request("neg", max_new_tokens=-1)
 
-    async def body(sim: RunningSimulator, client: httpx.AsyncClient) -> Any:
+    async def body(sim: RunningSimulator, client: HttpClient) -> Any:
         backend = make_backend(api, client, sim.url, model=FAST.model)
         attempts: list[InferenceError] = []
         with pytest.raises(InferenceRequestError) as info:
@@ -210,7 +212,7 @@ def test_http_400_is_a_request_error_not_retried(api: str) -> None:
 
 
 def test_generate_with_retries_gives_up_after_the_retries() -> None:
-    async def body(sim: RunningSimulator, client: httpx.AsyncClient) -> Any:
+    async def body(sim: RunningSimulator, client: HttpClient) -> Any:
         backend = SGLangBackend(client, sim.url)
         attempts: list[InferenceError] = []
         with pytest.raises(InferenceServerError):
@@ -270,12 +272,8 @@ def test_retry_delay_jitter_stays_within_bounds() -> None:
 
 
 def _answering(payload: Any, status: int = 200) -> Callable[[str], InferenceBackend]:
-    def handler(req: httpx.Request) -> httpx.Response:
-        return httpx.Response(status, json=payload)
-
     def make(api: str) -> InferenceBackend:
-        client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
-        return make_backend(api, client, "http://server")
+        return make_backend(api, CannedClient(status, json=payload), "http://server")
 
     return make
 
@@ -356,11 +354,9 @@ def test_status_codes(status: int, error: type[InferenceError]) -> None:
 @pytest.mark.parametrize("api", ["sglang", "openai-completions", "openai-chat"])
 @pytest.mark.parametrize("stream", [False, True])
 def test_retry_after_of_a_busy_server_reaches_the_error(api: str, stream: bool) -> None:
-    def handler(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(429, json={"error": "busy"}, headers={"Retry-After": "7"})
-
     async def go() -> None:
-        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+        client = CannedClient(429, json={"error": "busy"}, headers={"Retry-After": "7"})
+        async with client:
             backend = make_backend(api, client, "http://server", stream=stream)
             await backend.generate(request("busy"))
 
@@ -391,7 +387,7 @@ def test_every_answer_names_the_model_the_server_reports(api: str) -> None:
     /get_model_info has answered, and with no model configured here."""
     served = dataclasses.replace(FAST, model="org/served-model")
 
-    async def body(sim: RunningSimulator, client: httpx.AsyncClient) -> Any:
+    async def body(sim: RunningSimulator, client: HttpClient) -> Any:
         backend = make_backend(api, client, sim.url)
         return await asyncio.gather(*(backend.generate(request(f"m{i}")) for i in range(8)))
 
@@ -413,7 +409,7 @@ def test_chat_keeps_the_reasoning_the_server_sent_in_either_field(style: str, st
     what the server's log says it sent, and so are the thinking tokens."""
     thinking = dataclasses.replace(FAST, tokens_per_second=50_000, reasoning_style=style)
 
-    async def body(sim: RunningSimulator, client: httpx.AsyncClient) -> Any:
+    async def body(sim: RunningSimulator, client: HttpClient) -> Any:
         backend = make_backend("openai-chat", client, sim.url, stream=stream)
         prompts = ["a #short", "b #code", "c #short"]
         requests = [request(f"r{i}", text=p) for i, p in enumerate(prompts)]
@@ -438,10 +434,7 @@ def test_chat_keeps_the_reasoning_the_server_sent_in_either_field(style: str, st
 def _answering_stream(chunks: list[Any]) -> InferenceBackend:
     body = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
 
-    def handler(req: httpx.Request) -> httpx.Response:
-        return httpx.Response(200, text=body, headers={"Content-Type": "text/event-stream"})
-
-    client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    client = CannedClient(200, content=body, headers={"Content-Type": "text/event-stream"})
     return make_backend("openai-chat", client, "http://server", stream=True)
 
 
@@ -510,7 +503,7 @@ def test_raw_apis_keep_the_thinking_inline(api: str) -> None:
     """No reasoning field on raw text: the thinking is in the text, with its marker."""
     thinking = dataclasses.replace(FAST, reasoning_style="reasoning_content")
 
-    async def body(sim: RunningSimulator, client: httpx.AsyncClient) -> Any:
+    async def body(sim: RunningSimulator, client: HttpClient) -> Any:
         backend = make_backend(api, client, sim.url)
         return await backend.generate(request("raw", text="a #short")), sim.log[-1]
 
@@ -541,7 +534,7 @@ def test_chat_sends_tool_use_and_reads_the_calls_the_model_answers_with(stream: 
         ChatMessage("user", "#short and tomorrow?"),
     )
 
-    async def body(sim: RunningSimulator, client: httpx.AsyncClient) -> Any:
+    async def body(sim: RunningSimulator, client: HttpClient) -> Any:
         backend = make_backend("openai-chat", client, sim.url, stream=stream)
         result = await backend.generate(request("t", messages=history, tools=SEARCH))
         return result, sim.log[-1]

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import httpx
 import pytest
 
 from tests.producers.test_inference import FAST, request, with_simulator
 from tokenbudget.core.config import build
 from tokenbudget.core.sampling import SAMPLING_KEYS
 from tokenbudget.dev.simulator import RunningSimulator
+from tokenbudget.producers.http import HttpClient
 from tokenbudget.producers.inference import make_backend
 from tokenbudget.streams import events as ev
 
@@ -59,7 +59,7 @@ def test_a_dataset_overrides_inference_key_by_key(tmp_path: Any) -> None:
 
 @pytest.mark.parametrize("api", ["sglang", "openai-completions", "openai-chat"])
 def test_each_setting_reaches_the_server_in_its_api_shape(api: str) -> None:
-    async def body(sim: RunningSimulator, client: httpx.AsyncClient) -> Any:
+    async def body(sim: RunningSimulator, client: HttpClient) -> Any:
         backend = make_backend(api, client, sim.url, model=FAST.model)
         kwargs: dict[str, Any] = {"text": "Tell me a story #short"}
         if api == "openai-chat":

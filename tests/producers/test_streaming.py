@@ -9,7 +9,6 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from tests.producers.tokenizer_fixture import build_tokenizer
@@ -21,6 +20,7 @@ from tokenbudget.core.errors import (
 )
 from tokenbudget.dev import simulator
 from tokenbudget.dev.simulator import Faults, RunningSimulator, SimulatorConfig
+from tokenbudget.producers.http import HttpClient, Timeouts
 from tokenbudget.producers.inference import (
     GenerationRequest,
     InferenceCountError,
@@ -44,12 +44,12 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def with_simulator(
-    config: SimulatorConfig, body: Callable[[RunningSimulator, httpx.AsyncClient], Awaitable[Any]]
+    config: SimulatorConfig, body: Callable[[RunningSimulator, HttpClient], Awaitable[Any]]
 ) -> Any:
     async def main() -> Any:
         sim = await simulator.start(config)
         try:
-            async with httpx.AsyncClient(timeout=httpx.Timeout(30.0)) as client:
+            async with HttpClient(64, Timeouts(read=30.0)) as client:
                 return await body(sim, client)
         finally:
             await sim.stop()
@@ -62,7 +62,7 @@ def run_prompts(
 ) -> tuple[list[Any], dict[str, simulator.RequestRecord], dict[str, list[int]]]:
     progress: dict[str, list[int]] = {}
 
-    async def body(sim: RunningSimulator, client: httpx.AsyncClient) -> list[Any]:
+    async def body(sim: RunningSimulator, client: HttpClient) -> list[Any]:
         backend = make_backend(
             api,
             client,
@@ -95,7 +95,7 @@ def test_streaming_counts_equal_the_servers(api: str, incremental: bool) -> None
     log: list[simulator.RequestRecord] = []
     progress: dict[str, list[int]] = {}
 
-    async def body(sim: RunningSimulator, client: httpx.AsyncClient) -> list[Any]:
+    async def body(sim: RunningSimulator, client: HttpClient) -> list[Any]:
         backend = make_backend(
             api,
             client,
@@ -135,7 +135,7 @@ def test_streaming_counts_equal_the_servers(api: str, incremental: bool) -> None
 def test_per_request_callback_wins_over_the_backends() -> None:
     seen: list[tuple[str, int]] = []
 
-    async def body(sim: RunningSimulator, client: httpx.AsyncClient) -> Any:
+    async def body(sim: RunningSimulator, client: HttpClient) -> Any:
         backend = make_backend("sglang", client, sim.url, stream=True, on_progress=None)
         return await backend.generate(
             GenerationRequest(
@@ -180,7 +180,7 @@ def test_no_usage_no_ids_counts_with_the_tokenizer(
     log: list[simulator.RequestRecord] = []
     tokenizer = load_tokenizer(tokenizer_dir)
 
-    async def body(sim: RunningSimulator, client: httpx.AsyncClient) -> Any:
+    async def body(sim: RunningSimulator, client: HttpClient) -> Any:
         backend = make_backend(api, client, sim.url, stream=stream, tokenizer=tokenizer)
         messages = (ChatMessage("user", "hello how are you #short"),)
         result = await backend.generate(
@@ -205,7 +205,7 @@ def test_no_usage_no_ids_counts_with_the_tokenizer(
 def test_no_counts_and_no_tokenizer_is_an_error_not_retried() -> None:
     bare = SimulatorConfig(port=0, tokens_per_second=100_000, omit_usage=True, omit_token_ids=True)
 
-    async def body(sim: RunningSimulator, client: httpx.AsyncClient) -> Any:
+    async def body(sim: RunningSimulator, client: HttpClient) -> Any:
         backend = make_backend("openai-completions", client, sim.url)
         with pytest.raises(InferenceCountError, match=r"\[inference\] tokenizer") as info:
             await backend.generate(GenerationRequest(rid="n", max_new_tokens=5, text="x"))
@@ -215,7 +215,7 @@ def test_no_counts_and_no_tokenizer_is_an_error_not_retried() -> None:
 
 
 def test_sglang_input_ids_prompt_tokens_are_the_ids_sent() -> None:
-    async def body(sim: RunningSimulator, client: httpx.AsyncClient) -> Any:
+    async def body(sim: RunningSimulator, client: HttpClient) -> Any:
         backend = make_backend("sglang", client, sim.url, stream=True)
         return await backend.generate(
             GenerationRequest(rid="ids", max_new_tokens=100, input_ids=(5, 6, 7, 8, 9, 10))
@@ -227,14 +227,14 @@ def test_sglang_input_ids_prompt_tokens_are_the_ids_sent() -> None:
 
 @pytest.mark.parametrize("api", APIS)
 def test_streaming_errors(api: str) -> None:
-    async def body(sim: RunningSimulator, client: httpx.AsyncClient) -> Any:
+    async def body(sim: RunningSimulator, client: HttpClient) -> Any:
         backend = make_backend(api, client, sim.url, stream=True)
         with pytest.raises(InferenceProtocolError):
             await backend.generate(GenerationRequest(rid="m", max_new_tokens=10, text="x"))
 
     with_simulator(SimulatorConfig(port=0, faults=Faults(malformed=1.0)), body)
 
-    async def fail(sim: RunningSimulator, client: httpx.AsyncClient) -> Any:
+    async def fail(sim: RunningSimulator, client: HttpClient) -> Any:
         backend = make_backend(api, client, sim.url, stream=True)
         with pytest.raises(InferenceServerError, match="500"):
             await backend.generate(GenerationRequest(rid="f", max_new_tokens=10, text="x"))
@@ -249,7 +249,7 @@ def test_streaming_errors(api: str) -> None:
 def test_api_key_is_sent_as_a_bearer_token(api: str) -> None:
     keyed = SimulatorConfig(port=0, tokens_per_second=100_000, api_key="s3cret")
 
-    async def body(sim: RunningSimulator, client: httpx.AsyncClient) -> Any:
+    async def body(sim: RunningSimulator, client: HttpClient) -> Any:
         without = make_backend(api, client, sim.url)
         with pytest.raises(InferenceRequestError, match="401") as info:
             await without.generate(GenerationRequest(rid="a", max_new_tokens=5, text="x"))
@@ -277,7 +277,7 @@ def test_backend_for_config_reads_the_key_from_the_environment(
     )
 
     async def main() -> Any:
-        async with httpx.AsyncClient() as client:
+        async with HttpClient() as client:
             return backend_for_config(config, client)
 
     backend = asyncio.run(main())
@@ -287,7 +287,7 @@ def test_backend_for_config_reads_the_key_from_the_environment(
     monkeypatch.delenv("MY_KEY")
 
     async def keyless() -> Any:
-        async with httpx.AsyncClient() as client:
+        async with HttpClient() as client:
             return backend_for_config(config, client)
 
     assert asyncio.run(keyless()).headers == {}
@@ -310,7 +310,7 @@ def _closed_port() -> int:
 
 @pytest.mark.parametrize("api", APIS)
 def test_check_server_passes_and_reports_the_model(api: str) -> None:
-    async def body(sim: RunningSimulator, client: httpx.AsyncClient) -> Any:
+    async def body(sim: RunningSimulator, client: HttpClient) -> Any:
         assert await check_server(inference_config(sim.url, api)) == (
             [] if api == "sglang" else ["tokenbudget-sim"]
         )
@@ -330,7 +330,7 @@ def test_check_server_unreachable(api: str) -> None:
 
 @pytest.mark.parametrize("api", APIS)
 def test_check_server_wrong_model(api: str) -> None:
-    async def body(sim: RunningSimulator, client: httpx.AsyncClient) -> Any:
+    async def body(sim: RunningSimulator, client: HttpClient) -> Any:
         with pytest.raises(WrongModelError) as info:
             await check_server(inference_config(sim.url, api, "Qwen/Qwen3-8B"))
         return str(info.value)
@@ -342,7 +342,7 @@ def test_check_server_wrong_model(api: str) -> None:
 def test_check_server_accepts_a_path_for_a_hub_id() -> None:
     served = SimulatorConfig(port=0, model="/models/Qwen/Qwen3-8B")
 
-    async def body(sim: RunningSimulator, client: httpx.AsyncClient) -> Any:
+    async def body(sim: RunningSimulator, client: HttpClient) -> Any:
         return await check_server(inference_config(sim.url, "sglang", "Qwen/Qwen3-8B"))
 
     assert with_simulator(served, body) == ["/models/Qwen/Qwen3-8B"]
@@ -351,7 +351,7 @@ def test_check_server_accepts_a_path_for_a_hub_id() -> None:
 def test_check_server_with_a_key(monkeypatch: pytest.MonkeyPatch) -> None:
     keyed = SimulatorConfig(port=0, api_key="s3cret")
 
-    async def body(sim: RunningSimulator, client: httpx.AsyncClient) -> Any:
+    async def body(sim: RunningSimulator, client: HttpClient) -> Any:
         config = inference_config(sim.url, "openai-chat", "tokenbudget-sim")
         with pytest.raises(InferenceRequestError, match=r"\$TOKENBUDGET_API_KEY"):
             await check_server(config)

@@ -1,0 +1,200 @@
+"""The HTTP client the inference backends speak through: one aiohttp session per server.
+
+    client = HttpClient(concurrency=128, timeouts=Timeouts(connect=5, read=600))
+    reply = await client.request("POST", url, {"text": "..."}, headers)   # -> Reply
+    async with client.stream("POST", url, body, headers) as streamed:      # -> Streamed
+        async for line in streamed.lines(): ...
+    await client.aclose()
+
+Why aiohttp and not httpx (which the one-off probes still use): a dispatcher carries
+every completion of its fleet through this client, and per request httpx with httpcore
+spent about four times aiohttp's CPU (``bench/fleet.py``'s cpu phase, bare loops on
+the same servers), two thirds of a dispatcher's CPU per completion; httpcore's pool
+also re-examines all its connections whenever a request starts or ends.
+
+Contract:
+
+* ``body`` is sent as JSON (``None``: no body); ``headers`` are added to the request.
+* A reply of any status is returned: statuses are the caller's to judge.
+* A connection that cannot be made, breaks, or stays silent past ``timeouts.read``
+  raises :class:`~tokenbudget.core.errors.InferenceTransportError` naming the method and
+  the URL, the library's exception chained; no other aiohttp exception leaves here.
+* The session is made on first use, inside the running event loop, and holds up to
+  ``2 * concurrency + 8`` connections: room for as many aborts beside the requests they
+  stop (an abort must not queue behind them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import ssl
+from collections.abc import AsyncIterable, AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import certifi
+import msgspec
+
+from tokenbudget.core.errors import InferenceTransportError
+
+_encode = msgspec.json.Encoder().encode
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    connect: float = 5.0
+    read: float = 600.0  # the longest silence on a connection, not the whole answer's
+
+
+@functools.cache
+def tls_context() -> ssl.SSLContext:
+    """The TLS context of every HTTP client of the process, made once: each takes
+    ~70 ms of CPU to make (loading the CA bundle), which a fleet of eight servers paid
+    eight times at a dispatcher's start, and a server added at run time paid inside
+    the dispatcher's event loop."""
+    return ssl.create_default_context(cafile=certifi.where())
+
+
+@dataclass(frozen=True)
+class Reply:
+    status: int
+    headers: Mapping[str, str]  # case-insensitive names
+    content: bytes
+
+    @property
+    def text(self) -> str:
+        return self.content.decode("utf-8", "replace")
+
+
+class Streamed:
+    """A reply whose body is read as it comes: whole (:meth:`read`) or by lines."""
+
+    def __init__(self, response: aiohttp.ClientResponse, where: str) -> None:
+        self._response = response
+        self._where = where
+        self.status = response.status
+        self.headers: Mapping[str, str] = response.headers
+
+    async def read(self) -> bytes:
+        try:
+            return await self._response.read()
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise _transport_error(self._where, exc) from exc
+
+    async def lines(self) -> AsyncIterator[str]:
+        try:
+            async for line in lines_of(self._response.content.iter_any()):
+                yield line
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            raise _transport_error(self._where, exc, "stream broke: ") from exc
+
+
+async def lines_of(chunks: AsyncIterable[bytes]) -> AsyncIterator[str]:
+    """The lines (``\n`` or ``\r\n`` ended, the last one maybe not) of a body that
+    comes in ``chunks`` cut anywhere, of any length: a server that streams the whole
+    answer so far in every event sends lines of megabytes."""
+    pending = b""
+    async for chunk in chunks:
+        pending += chunk
+        if b"\n" not in chunk:
+            continue
+        *complete, pending = pending.split(b"\n")
+        for line in complete:
+            yield line.rstrip(b"\r").decode("utf-8", "replace")
+    if pending:
+        yield pending.rstrip(b"\r").decode("utf-8", "replace")
+
+
+def _transport_error(where: str, exc: BaseException, what: str = "") -> InferenceTransportError:
+    if isinstance(exc, asyncio.TimeoutError):
+        return InferenceTransportError(f"{where}: timed out ({exc!r})")
+    return InferenceTransportError(f"{where}: {what}{exc!r}")
+
+
+class HttpClient:
+    """Requests to one inference server (see the module's docstring)."""
+
+    def __init__(self, concurrency: int = 64, timeouts: Timeouts | None = None) -> None:
+        self.limit = 2 * concurrency + 8
+        self.timeouts = timeouts or Timeouts()
+        self._session: aiohttp.ClientSession | None = None
+        self._closed = False
+
+    def _open(self) -> aiohttp.ClientSession:
+        if self._closed:
+            raise InferenceTransportError("the HTTP client is closed")
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=self.limit, ssl=tls_context()),
+                timeout=aiohttp.ClientTimeout(
+                    total=None,
+                    sock_connect=self.timeouts.connect,
+                    sock_read=self.timeouts.read,
+                ),
+                # The servers' own words are what callers judge: no cookies kept (and
+                # no redirects followed, in _send).
+                cookie_jar=aiohttp.DummyCookieJar(),
+            )
+        return self._session
+
+    def _send(self, method: str, url: str, body: Any, headers: Mapping[str, str] | None) -> Any:
+        sent = dict(headers or {})
+        data = None
+        if body is not None:
+            data = _encode(body)
+            sent["Content-Type"] = "application/json"
+        return self._open().request(method, url, data=data, headers=sent, allow_redirects=False)
+
+    async def request(
+        self,
+        method: str,
+        url: str,
+        body: Any = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> Reply:
+        where = f"{method} {url}"
+        try:
+            async with self._send(method, url, body, headers) as response:
+                content = await response.read()
+                return Reply(response.status, response.headers, content)
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise _transport_error(where, exc) from exc
+
+    @asynccontextmanager
+    async def stream(
+        self,
+        method: str,
+        url: str,
+        body: Any = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> AsyncIterator[Streamed]:
+        where = f"{method} {url}"
+        try:
+            response = await self._send(method, url, body, headers).__aenter__()
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise _transport_error(where, exc) from exc
+        try:
+            yield Streamed(response, where)
+        finally:
+            if response.content.at_eof():
+                response.release()  # read to its end: the connection serves the next
+            else:
+                # Cancelled, or the caller stopped early: the connection is closed,
+                # which is how a server without an abort API hears that the answer is
+                # no longer wanted.
+                response.close()
+
+    async def aclose(self) -> None:
+        self._closed = True
+        if self._session is not None:
+            session, self._session = self._session, None
+            await session.close()
+
+    async def __aenter__(self) -> HttpClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()

@@ -1,0 +1,175 @@
+"""The backends' HTTP client against a real aiohttp server on a local port: bodies,
+statuses, headers and streamed lines as sent, connections kept, failures translated."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from tokenbudget.core.errors import InferenceTransportError
+from tokenbudget.producers.http import HttpClient, Timeouts, lines_of
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+async def _serving(handler: Handler, body: Callable[[str], Awaitable[Any]]) -> Any:
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handler)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        return await body(f"http://127.0.0.1:{port}")
+    finally:
+        await runner.cleanup()
+
+
+def serve(handler: Handler, body: Callable[[str], Awaitable[Any]]) -> Any:
+    return asyncio.run(_serving(handler, body))
+
+
+def test_a_json_body_goes_out_and_any_status_comes_back() -> None:
+    seen: list[tuple[str, str, Any, str | None]] = []
+
+    async def handler(request: web.Request) -> web.Response:
+        seen.append(
+            (request.method, request.path, await request.json(), request.headers.get("X-Key"))
+        )
+        return web.json_response({"busy": True}, status=429, headers={"Retry-After": "7"})
+
+    async def body(url: str) -> Any:
+        async with HttpClient(2) as client:
+            return await client.request("POST", url + "/generate", {"text": "é"}, {"X-Key": "k"})
+
+    reply = serve(handler, body)
+    assert seen == [("POST", "/generate", {"text": "é"}, "k")]
+    assert reply.status == 429
+    assert reply.headers["retry-after"] == "7"  # names are case-insensitive
+    assert json.loads(reply.content) == {"busy": True}
+
+
+def test_connections_are_kept_between_requests() -> None:
+    peers: set[Any] = set()
+
+    async def handler(request: web.Request) -> web.Response:
+        peers.add(request.transport.get_extra_info("peername"))  # type: ignore[union-attr]
+        return web.json_response({})
+
+    async def body(url: str) -> None:
+        async with HttpClient(2) as client:
+            for _ in range(20):
+                await client.request("GET", url + "/health")
+            # a stream read to its end hands its connection back too
+            for _ in range(5):
+                async with client.stream("POST", url + "/s", {}) as streamed:
+                    [line async for line in streamed.lines()]
+
+    serve(handler, body)
+    assert len(peers) == 1
+
+
+def test_streamed_lines_of_megabytes_arrive_whole() -> None:
+    long = "x" * 3_000_000
+    events = [f"data: {long}", "", "data: [DONE]", ""]
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        payload = "\r\n".join(events).encode()
+        for start in range(0, len(payload), 65_521):
+            await response.write(payload[start : start + 65_521])
+        await response.write_eof()
+        return response
+
+    async def body(url: str) -> list[str]:
+        async with HttpClient(2) as client, client.stream("POST", url, {}) as streamed:
+            assert streamed.status == 200
+            return [line async for line in streamed.lines()]
+
+    assert serve(handler, body) == events[:-1]
+
+
+async def _chunks(parts: list[bytes]) -> AsyncIterator[bytes]:
+    for part in parts:
+        yield part
+
+
+@pytest.mark.parametrize("cut", [1, 2, 3, 5, 64])
+def test_lines_of_a_body_cut_anywhere(cut: int) -> None:
+    payload = b"data: a\r\n\r\ndata: \xc3\xa9\n\ndata: last"
+    parts = [payload[i : i + cut] for i in range(0, len(payload), cut)]
+
+    async def read() -> list[str]:
+        return [line async for line in lines_of(_chunks(parts))]
+
+    assert asyncio.run(read()) == ["data: a", "", "data: é", "", "data: last"]
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_a_refused_connection_is_a_transport_error_naming_the_request() -> None:
+    url = f"http://127.0.0.1:{_closed_port()}/generate"
+
+    async def go() -> None:
+        async with HttpClient(2) as client:
+            await client.request("POST", url, {})
+
+    with pytest.raises(InferenceTransportError) as raised:
+        asyncio.run(go())
+    assert f"POST {url}" in str(raised.value)
+    assert isinstance(raised.value.__cause__, aiohttp.ClientError)
+
+
+def test_a_server_silent_past_the_read_timeout_is_a_transport_error() -> None:
+    async def handler(request: web.Request) -> web.Response:
+        await asyncio.sleep(5)
+        return web.json_response({})
+
+    async def body(url: str) -> None:
+        async with HttpClient(2, Timeouts(connect=1.0, read=0.2)) as client:
+            await client.request("GET", url + "/slow")
+
+    with pytest.raises(InferenceTransportError, match="timed out"):
+        serve(handler, body)
+
+
+def test_a_stream_broken_midway_is_a_transport_error() -> None:
+    async def handler(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Length": "1000"})
+        await response.prepare(request)
+        await response.write(b"data: one\n\n")
+        request.transport.close()  # type: ignore[union-attr]
+        return response
+
+    async def body(url: str) -> list[str]:
+        got: list[str] = []
+        async with HttpClient(2) as client, client.stream("POST", url, {}) as streamed:
+            async for line in streamed.lines():
+                got.append(line)
+        return got
+
+    with pytest.raises(InferenceTransportError, match="stream broke"):
+        serve(handler, body)
+
+
+def test_a_closed_client_refuses_requests() -> None:
+    async def go() -> None:
+        client = HttpClient(2)
+        await client.aclose()
+        await client.request("GET", "http://127.0.0.1:1/")
+
+    with pytest.raises(InferenceTransportError, match="closed"):
+        asyncio.run(go())
