@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import socket
@@ -61,7 +62,7 @@ from tokenbudget.producers.publisher import Publisher
 from tokenbudget.producers.reasoning import ReasoningRows
 from tokenbudget.producers.resume import OutcomeView
 from tokenbudget.producers.route import Route
-from tokenbudget.producers.slots import Places, Slot
+from tokenbudget.producers.slots import Backlog, Places, Slot
 from tokenbudget.producers.step import DispatchReport
 from tokenbudget.producers.tries import Tries
 from tokenbudget.producers.turns import ConversationTurns
@@ -88,6 +89,7 @@ class _CommitOnRevoke(ConsumerRebalanceListener):  # type: ignore[misc]
         await self.dispatcher.commit()
         for tp in revoked:
             self.dispatcher.tracker.forget(tp.topic, tp.partition)
+            self.dispatcher.backlog.forget(tp)
 
     async def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
         # Prompts that come back (their dispatcher crashed between publishing and
@@ -130,6 +132,7 @@ class Dispatcher:
         self._backend_factory = backend_factory
         self._consumer: AIOKafkaConsumer | None = None
         self.places = Places(config.concurrency)
+        self.backlog = Backlog(max(16, config.concurrency // 8), self._pause, self._resume)
         self.holder = holder or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         # Static group membership (Kafka's group.instance.id), when named.
         self.instance = instance
@@ -162,6 +165,14 @@ class Dispatcher:
         if to_commit:
             with contextlib.suppress(Exception):  # retried on the next tick
                 await self._consumer.commit(to_commit)
+
+    def _pause(self, tp: Any) -> None:
+        if self._consumer is not None and tp in self._consumer.assignment():
+            self._consumer.pause(tp)
+
+    def _resume(self, tp: Any) -> None:
+        if self._consumer is not None and tp in self._consumer.assignment():
+            self._consumer.resume(tp)
 
     def _clients(self) -> tuple[AIOKafkaConsumer, AIOKafkaProducer]:
         """The prompts consumer and the events producer, not started yet."""
@@ -361,6 +372,7 @@ class Dispatcher:
                     slot = await self.places.take(self._no_more)
                     if slot is None:
                         break
+                    slot.on_wait = functools.partial(self.backlog.waiting, tp)
                     task = asyncio.create_task(self._handle(record, slot))
                     tasks[task] = slot
                     task.add_done_callback(lambda done: tasks.pop(done, None))

@@ -26,7 +26,6 @@ Contract:
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import ssl
 from collections.abc import AsyncIterable, AsyncIterator, Mapping
@@ -88,7 +87,7 @@ class Streamed:
         try:
             async for line in lines_of(self._response.content.iter_any()):
                 yield line
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             raise _transport_error(self._where, exc, "stream broke: ") from exc
 
 
@@ -109,7 +108,7 @@ async def lines_of(chunks: AsyncIterable[bytes]) -> AsyncIterator[str]:
 
 
 def _transport_error(where: str, exc: BaseException, what: str = "") -> InferenceTransportError:
-    if isinstance(exc, asyncio.TimeoutError):
+    if isinstance(exc, TimeoutError):
         return InferenceTransportError(f"{where}: timed out ({exc!r})")
     return InferenceTransportError(f"{where}: {what}{exc!r}")
 

@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 
 from tests.producers.test_admission import run
-from tokenbudget.producers.slots import Capacity, Places, Slot
+from tokenbudget.producers.slots import Backlog, Capacity, Places, Slot
 
 
 def test_with_as_many_prompts_aside_as_places_the_next_waits_in_place() -> None:
@@ -149,5 +149,65 @@ def test_back_from_aside_once_the_fleet_is_out_the_prompt_ends_instead_of_waitin
         assert task.cancelled()
         slot.release()
         assert server.taken == 1 and not waiting.locked()  # only the other's place
+
+    run(main())
+
+
+def test_a_partition_pauses_past_its_prompts_waiting_and_resumes_at_half() -> None:
+    calls: list[tuple[str, str]] = []
+    backlog = Backlog(
+        4, lambda tp: calls.append(("pause", str(tp))), lambda tp: calls.append(("resume", str(tp)))
+    )
+    for _ in range(3):
+        backlog.waiting("p1", 1)
+    backlog.waiting("p2", 1)
+    assert calls == []
+    backlog.waiting("p1", 1)  # the fourth waiting from p1
+    assert calls == [("pause", "p1")]
+    backlog.waiting("p1", 1)
+    backlog.waiting("p1", -1)
+    backlog.waiting("p1", -1)
+    assert calls == [("pause", "p1")]  # 3 still waiting: above half
+    backlog.waiting("p1", -1)
+    assert calls == [("pause", "p1"), ("resume", "p1")]
+    assert backlog.paused == set() and backlog.counts == {"p1": 2, "p2": 1}
+
+
+def test_a_partition_taken_away_forgets_its_pause() -> None:
+    calls: list[str] = []
+    backlog = Backlog(
+        2, lambda tp: calls.append(f"pause {tp}"), lambda tp: calls.append(f"resume {tp}")
+    )
+    backlog.waiting("p", 1)
+    backlog.waiting("p", 1)
+    backlog.forget("p")
+    for _ in range(2):
+        backlog.waiting("p", -1)  # prompts read before it was taken away end later
+    assert calls == ["pause p"]  # not resumed: it is not ours any more
+    backlog.waiting("p", 1)
+    backlog.waiting("p", 1)
+    assert calls == ["pause p", "pause p"]  # counted afresh once it is ours again
+
+
+def test_a_slot_tells_when_its_prompt_waits_for_budget_aside_or_in_place() -> None:
+    async def main() -> None:
+        told: list[int] = []
+        server, publishing, waiting = (asyncio.Semaphore(1) for _ in range(3))
+        await server.acquire()
+        slot = Slot(server, publishing, waiting)
+        slot.on_wait = told.append
+        async with slot.aside():  # lends its place
+            assert told == [1] and not server.locked()
+        assert told == [1, -1] and server.locked()
+        await waiting.acquire()  # no room aside: it waits in place, and still counts
+        async with slot.aside():
+            assert told == [1, -1, 1] and server.locked()
+        assert told == [1, -1, 1, -1]
+        waiting.release()
+        await slot.hand_over()
+        async with slot.aside():  # an answer waiting to be claimed is not a prompt waiting
+            pass
+        assert told == [1, -1, 1, -1]
+        slot.release()
 
     run(main())
