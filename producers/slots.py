@@ -206,23 +206,30 @@ class Slot:
             self._held = None
 
 
+# Prompts waiting aside per place at the servers: room for the prompts of several
+# datasets at their budgets' ends (each partition of them paused at half the places,
+# :class:`Backlog`) before a waiting prompt keeps its server place.
+ASIDE_PER_PLACE = 2
+
+
 class Places:
-    """The places of one dispatcher: at the fleet's servers, among the answers being
-    published and among the prompts waiting aside, ``concurrency`` of each to start
-    with (the fleet's concurrency), then as :meth:`resize` says."""
+    """The places of one dispatcher: at the fleet's servers and among the answers
+    being published, ``concurrency`` of each to start with (the fleet's
+    concurrency), and :data:`ASIDE_PER_PLACE` times that among the prompts waiting
+    aside; then as :meth:`resize` says."""
 
     def __init__(self, concurrency: int) -> None:
         self._server = Capacity(concurrency)
         self._publishing = Capacity(concurrency)
-        self._waiting = Capacity(concurrency)
+        self._waiting = Capacity(ASIDE_PER_PLACE * concurrency)
 
     def resize(self, places: int) -> None:
         """The fleet can take ``places`` requests at once now. Called by the fleet
         (its ``on_capacity``); answers being published and prompts waiting aside
         keep the room they had, and grow with it."""
         self._server.resize(places)
-        for other in (self._publishing, self._waiting):
-            other.resize(max(other.places, places))
+        self._publishing.resize(max(self._publishing.places, places))
+        self._waiting.resize(max(self._waiting.places, ASIDE_PER_PLACE * places))
 
     async def take(self, handing_back: asyncio.Event) -> Slot | None:
         """A slot holding a place at the server, once one is free; None (and no
@@ -250,6 +257,9 @@ class Backlog:
     fleet's places), and the prompts of other datasets read after them would find no
     place. In ``bench/fleet.py`` a dataset with a third of its budget left had ~5
     requests in flight out of 1,024 while three others waited at their budgets' ends.
+    The dispatcher pauses at half its places: a dataset that shares its partition with
+    one at its budget's end is held up only once that many of the other's prompts
+    wait.
     At ``pause_at`` prompts waiting from one partition, ``pause`` stops the reading
     from it, and at half that ``resume`` starts it again. A partition shared with
     another dataset pauses that one too while it lasts."""

@@ -211,3 +211,41 @@ def test_a_slot_tells_when_its_prompt_waits_for_budget_aside_or_in_place() -> No
         slot.release()
 
     run(main())
+
+
+def test_twice_as_many_prompts_wait_aside_as_there_are_server_places() -> None:
+    async def main() -> None:
+        places = Places(1)
+        never = asyncio.Event()
+        inside: list[asyncio.Event] = []
+        go_on = asyncio.Event()
+
+        async def waits_for_budget() -> None:
+            slot = await places.take(never)
+            assert slot is not None
+            entered = asyncio.Event()
+            inside.append(entered)
+            async with slot.aside():
+                entered.set()
+                await go_on.wait()
+            slot.release()
+
+        first = asyncio.create_task(waits_for_budget())
+        second = asyncio.create_task(waits_for_budget())
+        await asyncio.wait_for(asyncio.gather(*(until_set(e) for e in await _two(inside))), 1)
+        # Both wait aside, the one server place free for a prompt of another dataset.
+        third = await asyncio.wait_for(places.take(never), 1)
+        assert third is not None
+        third.release()
+        go_on.set()
+        await asyncio.wait_for(asyncio.gather(first, second), 1)
+
+    async def _two(events: list[asyncio.Event]) -> list[asyncio.Event]:
+        while len(events) < 2:
+            await asyncio.sleep(0.01)
+        return events
+
+    async def until_set(event: asyncio.Event) -> None:
+        await event.wait()
+
+    run(main())
