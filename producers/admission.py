@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import itertools
 import logging
 import time
@@ -111,15 +110,36 @@ async def _at_most(awaitable: Awaitable[Any], seconds: float) -> None:
         await asyncio.wait_for(awaitable, timeout=seconds)
 
 
-async def _wait_aside(
-    aside: Callable[[], AbstractAsyncContextManager[Any]] | None, awaitable: Awaitable[Any]
-) -> Any:
-    """Await ``awaitable``, inside ``aside()`` when given (see :meth:`Admission.admit`),
-    and return what it gives."""
-    if aside is None:
+class _Waits:
+    """One request's waits for budget, inside ``aside()`` (when given, see
+    :meth:`Admission.admit`) from the first of them until it is about to reserve:
+    between two waits the budget is looked at without the server place. Every answer
+    of a dataset wakes each of its prompts waiting at its budget's end; taking a place
+    back for each look kept the fleet's places taken by prompts that went straight
+    back to waiting."""
+
+    def __init__(self, aside: Callable[[], AbstractAsyncContextManager[Any]] | None) -> None:
+        self._aside = aside
+        self._inside: contextlib.AsyncExitStack | None = None
+
+    @property
+    def away(self) -> bool:
+        """Inside ``aside()``: its place has to be taken back before it reserves."""
+        return self._inside is not None
+
+    async def wait(self, awaitable: Awaitable[Any]) -> Any:
+        """Await ``awaitable`` (aside), and return what it gives."""
+        if self._aside is not None and self._inside is None:
+            inside = contextlib.AsyncExitStack()
+            await inside.enter_async_context(self._aside())
+            self._inside = inside
         return await awaitable
-    async with aside():
-        return await awaitable
+
+    async def back(self) -> None:
+        """Out of ``aside()`` (its place taken back), if inside."""
+        inside, self._inside = self._inside, None
+        if inside is not None:
+            await inside.aclose()
 
 
 class Admission:
@@ -174,11 +194,12 @@ class Admission:
     ) -> Ticket | None:
         """Reserve for one request, or None when the dataset is full.
 
-        ``aside``, if given, is entered around every wait for budget (another holder's
+        ``aside``, if given, is entered at the first wait for budget (another holder's
         tokens, leftovers of requests in flight, a lowering on its way, the ledger's
-        answer to a request for more), never around
-        the reservation itself: the dispatcher lends its server place to prompts of
-        other datasets meanwhile and has it back before anything is reserved.
+        answer to a request for more) and left only once the budget is there for it,
+        never around the reservation itself: the dispatcher lends its server place to
+        prompts of other datasets meanwhile and has it back before anything is
+        reserved, then looks at the budget again.
         ``exact``: ``max_new_tokens`` is the answer's own length (an answer generated
         already), not a limit, so only all of it covers it.
 
@@ -186,7 +207,7 @@ class Admission:
         claim an answer anew. Raises what sending to Kafka raises (a request for more
         budget) and a cancellation; a ticket is then not reserved.
         """
-        waiting = functools.partial(_wait_aside, aside)
+        waits = _Waits(aside)
         settings = self.settings
         request = budget.ask(
             settings.unit,
@@ -195,47 +216,57 @@ class Admission:
             prompt_estimate,
             settings.min_new_tokens,
         )
-        while True:
-            if self.board.lowering(dataset):
-                # A lower budget is on its way to the ledger: admit nothing more under
-                # the old one until the ledger's answer (revocations, if any) is in.
-                await waiting(self.board.decided(dataset))
-                continue
-            lease = self._lease(dataset)
-            if lease.revoked:
-                # Revoked with requests still in flight: spend nothing more and do not
-                # ask on it (that would reopen an expired lease id at the ledger, or
-                # spin on denials); a fresh lease is opened once they have settled.
-                await waiting(_next_change(lease))
-                continue
-            # A whole request when the lease covers it; a clamped one only once the
-            # ledger has said it has no more to give (the budget's last tokens), and
-            # then as the cut policy says.
-            step = request.step(
-                lease.balance,
-                ledger_short=lease.ledger_short,
-                in_flight=lease.in_flight,
-                long_answer=None if exact else self.long_answer(dataset),
-                cut=settings.cut,
-            )
-            if step.action == "wait":
-                await waiting(_next_change(lease))
-                continue
-            if step.action == "reserve":
-                reserved = step.amount
-                lease.balance -= reserved
-                lease.in_flight += 1
-                lease.last_used = time.monotonic()
-                send = request.max_new_tokens_for(reserved)
-                return Ticket(dataset, lease.lease_id, reserved, send, prompt_estimate)
-            want = request.lease_request(settings.lease_size)
-            # Aside too: nothing is reserved while the ledger answers (a round trip
-            # through Kafka, up to _ask's timeout), and a prompt of a dataset at its
-            # budget's end asks again after each of its answers, so holding the place
-            # meanwhile kept other datasets' prompts from the fleet.
-            reply = await waiting(self._ask(lease, want, request.floor))
-            if not await self._after_asking(lease, reply, request.floor, waiting):
-                return None
+        try:
+            while True:
+                if self.board.lowering(dataset):
+                    # A lower budget is on its way to the ledger: admit nothing more
+                    # under the old one until the ledger's answer (revocations, if
+                    # any) is in.
+                    await waits.wait(self.board.decided(dataset))
+                    continue
+                lease = self._lease(dataset)
+                if lease.revoked:
+                    # Revoked with requests still in flight: spend nothing more and do
+                    # not ask on it (that would reopen an expired lease id at the
+                    # ledger, or spin on denials); a fresh lease is opened once they
+                    # have settled.
+                    await waits.wait(_next_change(lease))
+                    continue
+                # A whole request when the lease covers it; a clamped one only once
+                # the ledger has said it has no more to give (the budget's last
+                # tokens), and then as the cut policy says.
+                step = request.step(
+                    lease.balance,
+                    ledger_short=lease.ledger_short,
+                    in_flight=lease.in_flight,
+                    long_answer=None if exact else self.long_answer(dataset),
+                    cut=settings.cut,
+                )
+                if step.action == "wait":
+                    await waits.wait(_next_change(lease))
+                    continue
+                if step.action == "reserve":
+                    if waits.away:
+                        # Its place first, then a fresh look: the budget may have
+                        # gone to others while it waited for the place.
+                        await waits.back()
+                        continue
+                    reserved = step.amount
+                    lease.balance -= reserved
+                    lease.in_flight += 1
+                    lease.last_used = time.monotonic()
+                    send = request.max_new_tokens_for(reserved)
+                    return Ticket(dataset, lease.lease_id, reserved, send, prompt_estimate)
+                want = request.lease_request(settings.lease_size)
+                # Aside too: nothing is reserved while the ledger answers (a round trip
+                # through Kafka, up to _ask's timeout), and a prompt of a dataset at
+                # its budget's end asks again after each of its answers, so holding
+                # the place meanwhile kept other datasets' prompts from the fleet.
+                reply = await waits.wait(self._ask(lease, want, request.floor))
+                if not await self._after_asking(lease, reply, request.floor, waits.wait):
+                    return None
+        finally:
+            await waits.back()
 
     async def _after_asking(
         self,

@@ -132,7 +132,9 @@ class Dispatcher:
         self._backend_factory = backend_factory
         self._consumer: AIOKafkaConsumer | None = None
         self.places = Places(config.concurrency)
-        self.backlog = Backlog(max(16, config.concurrency // 2), self._pause, self._resume)
+        # A whole dataset's queue (what the producer keeps it ahead by) may wait
+        # without pausing its partition.
+        self.backlog = Backlog(config.max_queued_per_dataset, self._pause, self._resume)
         self.holder = holder or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         # Static group membership (Kafka's group.instance.id), when named.
         self.instance = instance

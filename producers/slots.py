@@ -206,10 +206,11 @@ class Slot:
             self._held = None
 
 
-# Prompts waiting aside per place at the servers: room for the prompts of several
-# datasets at their budgets' ends (each partition of them paused at half the places,
-# :class:`Backlog`) before a waiting prompt keeps its server place.
-ASIDE_PER_PLACE = 2
+# Prompts waiting aside per place at the servers: room for the queues of two datasets
+# at their budgets' ends (the producer keeps each at most twice the places ahead; a
+# partition with more waiting is paused, :class:`Backlog`) before a waiting prompt
+# keeps its server place.
+ASIDE_PER_PLACE = 4
 
 
 class Places:
@@ -257,9 +258,9 @@ class Backlog:
     fleet's places), and the prompts of other datasets read after them would find no
     place. In ``bench/fleet.py`` a dataset with a third of its budget left had ~5
     requests in flight out of 1,024 while three others waited at their budgets' ends.
-    The dispatcher pauses at half its places: a dataset that shares its partition with
-    one at its budget's end is held up only once that many of the other's prompts
-    wait.
+    The dispatcher pauses at ``[producer] max_queued_per_dataset`` (all that one dataset
+    has queued), so a dataset that shares its partition with one at its budget's end is
+    held up only when several wait at once.
     At ``pause_at`` prompts waiting from one partition, ``pause`` stops the reading
     from it, and at half that ``resume`` starts it again. A partition shared with
     another dataset pauses that one too while it lasts."""

@@ -8,8 +8,9 @@ a :class:`BudgetBoard` on a later loop turn, like the real round trip over Kafka
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, TypeVar
 
 from tokenbudget.producers.admission import Admission, AdmissionSettings, Ticket
@@ -992,3 +993,35 @@ def open_snapshot(budget: int, dataset: str = DS, at: float | None = None) -> ev
         status="open",
         at=ev.now() if at is None else at,
     )
+
+
+def test_a_prompt_waiting_for_leftovers_stays_aside_until_the_budget_is_there() -> None:
+    """Each answer of the dataset wakes its waiting prompts; one that is not yet covered
+    goes on waiting without taking its server place back in between."""
+
+    async def main() -> None:
+        admission, fake, _ = make(1000, lease_size=4096)
+        tickets = [await admission.admit(DS, 300) for _ in range(3)]
+        assert all(t is not None for t in tickets)
+        moves: list[str] = []
+
+        @contextlib.asynccontextmanager
+        async def aside() -> AsyncIterator[None]:
+            moves.append("aside")
+            try:
+                yield
+            finally:
+                moves.append("back")
+
+        fourth = asyncio.create_task(admission.admit(DS, 300, aside=aside))
+        await until(lambda: moves == ["aside"], "the prompt aside")
+        for ticket, cost in zip(tickets[:2], (290, 295), strict=True):
+            await settle_and_complete(admission, fake, ticket, cost)  # 15 back: not enough
+            await asyncio.sleep(0.01)
+            assert not fourth.done() and moves == ["aside"]
+        await settle_and_complete(admission, fake, tickets[2], 10)  # 290 back: covered
+        whole = await asyncio.wait_for(fourth, 5)
+        assert whole is not None and whole.reserved == 300
+        assert moves == ["aside", "back"]
+
+    run(main())

@@ -213,7 +213,7 @@ def test_a_slot_tells_when_its_prompt_waits_for_budget_aside_or_in_place() -> No
     run(main())
 
 
-def test_twice_as_many_prompts_wait_aside_as_there_are_server_places() -> None:
+def test_more_prompts_wait_aside_than_there_are_server_places() -> None:
     async def main() -> None:
         places = Places(1)
         never = asyncio.Event()
