@@ -121,6 +121,7 @@ class _Waits:
     def __init__(self, aside: Callable[[], AbstractAsyncContextManager[Any]] | None) -> None:
         self._aside = aside
         self._inside: contextlib.AsyncExitStack | None = None
+        self.waited = False  # it has waited at least once
 
     @property
     def away(self) -> bool:
@@ -129,6 +130,7 @@ class _Waits:
 
     async def wait(self, awaitable: Awaitable[Any]) -> Any:
         """Await ``awaitable`` (aside), and return what it gives."""
+        self.waited = True
         if self._aside is not None and self._inside is None:
             inside = contextlib.AsyncExitStack()
             await inside.enter_async_context(self._aside())
@@ -218,6 +220,12 @@ class Admission:
         )
         try:
             while True:
+                if waits.waited and self.board.is_halted(dataset):
+                    # The ledger said the budget is reached while this one waited:
+                    # looking on would ask it again, one round trip at a time for
+                    # each prompt waiting, before the run can end.
+                    await self._refuse(dataset)
+                    return None
                 if self.board.lowering(dataset):
                     # A lower budget is on its way to the ledger: admit nothing more
                     # under the old one until the ledger's answer (revocations, if
@@ -300,10 +308,16 @@ class Admission:
             # settle, go idle or expire.
             await waiting(asyncio.sleep(0.25))
             return True
-        self.refused_at.setdefault(dataset, time.time())
-        if self._leases.get(dataset) is lease:
-            await self._release(lease)
+        await self._refuse(dataset)
         return False
+
+    async def _refuse(self, dataset: str) -> None:
+        """The dataset is full for this holder: the refusal noted, and its lease
+        released unless requests in flight still hold some of it."""
+        self.refused_at.setdefault(dataset, time.time())
+        lease = self._leases.get(dataset)
+        if lease is not None and lease.in_flight == 0:
+            await self._release(lease)
 
     def answered(self, dataset: str, completion_tokens: int) -> None:
         """An answer of the dataset the budget did not cut was this long: what the

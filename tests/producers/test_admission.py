@@ -1025,3 +1025,20 @@ def test_a_prompt_waiting_for_leftovers_stays_aside_until_the_budget_is_there() 
         assert moves == ["aside", "back"]
 
     run(main())
+
+
+def test_a_prompt_waiting_for_budget_gives_up_once_its_dataset_halts() -> None:
+    async def main() -> None:
+        admission, fake, board = make(1000, lease_size=4096)
+        tickets = [await admission.admit(DS, 300) for _ in range(3)]
+        assert all(t is not None for t in tickets)
+        fourth = asyncio.create_task(admission.admit(DS, 300))  # waits for leftovers
+        await asyncio.sleep(0.05)
+        assert not fourth.done()
+        asks = len(fake.requests())
+        board.apply(ev.BudgetExceeded(dataset=DS, budget=1000, used=1000))
+        assert await asyncio.wait_for(fourth, 3) is None
+        assert DS in admission.refused_at
+        assert len(fake.requests()) == asks  # not one more round trip to the ledger
+
+    run(main())
