@@ -95,12 +95,13 @@ async def lines_of(chunks: AsyncIterable[bytes]) -> AsyncIterator[str]:
     """The lines (``\n`` or ``\r\n`` ended, the last one maybe not) of a body that
     comes in ``chunks`` cut anywhere, of any length: a server that streams the whole
     answer so far in every event sends lines of megabytes."""
-    pending = b""
+    pending = bytearray()  # grown in place: a line of megabytes comes in many chunks
     async for chunk in chunks:
         pending += chunk
         if b"\n" not in chunk:
             continue
-        *complete, pending = pending.split(b"\n")
+        *complete, rest = pending.split(b"\n")
+        pending = bytearray(rest)
         for line in complete:
             yield line.rstrip(b"\r").decode("utf-8", "replace")
     if pending:
