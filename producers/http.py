@@ -27,6 +27,7 @@ Contract:
 from __future__ import annotations
 
 import functools
+import os
 import ssl
 from collections.abc import AsyncIterable, AsyncIterator, Mapping
 from contextlib import asynccontextmanager
@@ -54,7 +55,21 @@ def tls_context() -> ssl.SSLContext:
     ~70 ms of CPU to make (loading the CA bundle), which a fleet of eight servers paid
     eight times at a dispatcher's start, and a server added at run time paid inside
     the dispatcher's event loop."""
+    # As httpx made it before (the variables a private CA is given in), else certifi's.
+    if os.environ.get("SSL_CERT_FILE"):
+        return ssl.create_default_context(cafile=os.environ["SSL_CERT_FILE"])
+    if os.environ.get("SSL_CERT_DIR"):
+        return ssl.create_default_context(capath=os.environ["SSL_CERT_DIR"])
     return ssl.create_default_context(cafile=certifi.where())
+
+
+def _proxied() -> bool:
+    """A proxy is set in the environment (``HTTP_PROXY``, ``HTTPS_PROXY``, any case):
+    then requests go through it, as httpx sent them, unless ``NO_PROXY`` names the
+    server. Looked up per request only then: it costs CPU on every one."""
+    return any(
+        os.environ.get(name) for name in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy")
+    )
 
 
 @dataclass(frozen=True)
@@ -137,6 +152,7 @@ class HttpClient:
                 # The servers' own words are what callers judge: no cookies kept (and
                 # no redirects followed, in _send).
                 cookie_jar=aiohttp.DummyCookieJar(),
+                trust_env=_proxied(),
             )
         return self._session
 

@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import socket
+import ssl
+import subprocess
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -14,7 +18,7 @@ import pytest
 from aiohttp import web
 
 from tokenbudget.core.errors import InferenceTransportError
-from tokenbudget.producers.http import HttpClient, Timeouts, lines_of
+from tokenbudget.producers.http import HttpClient, Timeouts, lines_of, tls_context
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -173,3 +177,63 @@ def test_a_closed_client_refuses_requests() -> None:
 
     with pytest.raises(InferenceTransportError, match="closed"):
         asyncio.run(go())
+
+
+def _certificates(folder: Path) -> tuple[Path, Path, Path]:
+    """A CA, and a certificate for 127.0.0.1 it signed (openssl, where there is one)."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("openssl not found")
+    ca_key, ca, key, csr, cert = (
+        folder / n for n in ("ca.key", "ca.pem", "server.key", "server.csr", "server.pem")
+    )
+    ext = folder / "san.ext"
+    ext.write_text("subjectAltName=IP:127.0.0.1\n")
+    for args in (
+        ["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", ca_key, "-out", ca,
+         "-days", "2", "-subj", "/CN=tokenbudget test CA"],
+        ["req", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", csr,
+         "-subj", "/CN=127.0.0.1"],
+        ["x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial",
+         "-out", cert, "-days", "2", "-extfile", ext],
+    ):  # fmt: skip
+        subprocess.run([openssl, *map(str, args)], check=True, capture_output=True)
+    return ca, cert, key
+
+
+def test_a_server_signed_by_a_private_ca_is_trusted_through_ssl_cert_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ca, cert, key = _certificates(tmp_path)
+    serving = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    serving.load_cert_chain(cert, key)
+
+    async def handler(request: web.Request) -> web.Response:
+        return web.json_response({"ok": True})
+
+    async def get(site_ssl: ssl.SSLContext) -> Any:
+        app = web.Application()
+        app.router.add_get("/", handler)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=site_ssl)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        try:
+            async with HttpClient(2) as client:
+                return await client.request("GET", f"https://127.0.0.1:{port}/")
+        finally:
+            await runner.cleanup()
+
+    monkeypatch.delenv("SSL_CERT_FILE", raising=False)
+    monkeypatch.delenv("SSL_CERT_DIR", raising=False)
+    tls_context.cache_clear()
+    with pytest.raises(InferenceTransportError, match="certificate"):
+        asyncio.run(get(serving))
+    monkeypatch.setenv("SSL_CERT_FILE", str(ca))
+    tls_context.cache_clear()
+    try:
+        reply = asyncio.run(get(serving))
+    finally:
+        tls_context.cache_clear()
+    assert reply.status == 200 and json.loads(reply.content) == {"ok": True}
