@@ -240,16 +240,7 @@ class Admission:
                     # have settled.
                     await waits.wait(_next_change(lease))
                     continue
-                # A whole request when the lease covers it; a clamped one only once
-                # the ledger has said it has no more to give (the budget's last
-                # tokens), and then as the cut policy says.
-                step = request.step(
-                    lease.balance,
-                    ledger_short=lease.ledger_short,
-                    in_flight=lease.in_flight,
-                    long_answer=None if exact else self.long_answer(dataset),
-                    cut=settings.cut,
-                )
+                step = self._step(lease, request, exact)
                 if step.action == "wait":
                     await waits.wait(_next_change(lease))
                     continue
@@ -259,12 +250,7 @@ class Admission:
                         # gone to others while it waited for the place.
                         await waits.back()
                         continue
-                    reserved = step.amount
-                    lease.balance -= reserved
-                    lease.in_flight += 1
-                    lease.last_used = time.monotonic()
-                    send = request.max_new_tokens_for(reserved)
-                    return Ticket(dataset, lease.lease_id, reserved, send, prompt_estimate)
+                    return self._reserve(lease, request, step.amount, prompt_estimate)
                 want = request.lease_request(settings.lease_size)
                 # Aside too: nothing is reserved while the ledger answers (a round trip
                 # through Kafka, up to _ask's timeout), and a prompt of a dataset at
@@ -275,6 +261,26 @@ class Admission:
                     return None
         finally:
             await waits.back()
+
+    def _step(self, lease: _Lease, request: budget.Ask, exact: bool) -> budget.Step:
+        """A whole request when the lease covers it; a clamped one only once the
+        ledger has said it has no more to give (the budget's last tokens), and then
+        as the cut policy says."""
+        return request.step(
+            lease.balance,
+            ledger_short=lease.ledger_short,
+            in_flight=lease.in_flight,
+            long_answer=None if exact else self.long_answer(lease.dataset),
+            cut=self.settings.cut,
+        )
+
+    @staticmethod
+    def _reserve(lease: _Lease, request: budget.Ask, reserved: int, estimate: int) -> Ticket:
+        lease.balance -= reserved
+        lease.in_flight += 1
+        lease.last_used = time.monotonic()
+        send = request.max_new_tokens_for(reserved)
+        return Ticket(lease.dataset, lease.lease_id, reserved, send, estimate)
 
     async def _after_asking(
         self,

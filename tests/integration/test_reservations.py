@@ -186,7 +186,9 @@ def test_killed_dispatcher_releases_its_lease_by_expiry(
             held = await asyncio.to_thread(
                 wait_for_snapshot, kafka_bootstrap, topics, "d", lambda s: s.reserved > 0
             )
-            assert held.reserved == 20_000
+            # Leases are granted a lease's worth at a time (how many before the first
+            # snapshot depends on how fast the prompts asking for more are answered).
+            assert held.reserved >= 20_000 and held.reserved % 20_000 == 0
             os.killpg(dispatcher.pid, signal.SIGKILL)  # no release, no renewal
             dispatcher.wait()
             killed_at = time.time()
