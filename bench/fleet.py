@@ -194,15 +194,11 @@ def fleet(
             for process, port, log, rate in started
         ]
     finally:
-        for process, *_ in started:
+        for process, *_ in started:  # all at once, so that they end side by side
             if process.poll() is None:
                 process.terminate()
         for process, *_ in started:
-            try:
-                process.wait(10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+            lifetime.stop(process, 10)
 
 
 class CpuWatch:
@@ -660,21 +656,16 @@ def cpu_dispatcher(
         if roles["dispatch"].poll() is not None:
             raise SystemExit("the dispatcher ended inside the window: give it more prompts")
     finally:
-        # SIGINT: the dispatcher hands back what the servers have not answered.
-        for role, sig in (("produce", signal.SIGTERM), ("dispatch", signal.SIGINT)):
-            if roles.get(role) is not None and roles[role].poll() is None:
-                roles[role].send_signal(sig)
-        for role in ("produce", "dispatch", "sink", "ledger"):
-            process = roles.get(role)
-            if process is None:
-                continue
-            if role in ("sink", "ledger") and process.poll() is None:
-                process.terminate()
-            try:
-                process.wait(60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        # SIGINT: the dispatcher hands back what the servers have not answered; the
+        # sink and the ledger are stopped after it, the sink reading to the end first.
+        for role, sig in (
+            ("produce", signal.SIGTERM),
+            ("dispatch", signal.SIGINT),
+            ("sink", signal.SIGTERM),
+            ("ledger", signal.SIGTERM),
+        ):
+            if role in roles:
+                lifetime.stop(roles[role], 60, sig)
     used = {name: after[name] - before[name] for name in watched}
     result = CpuResult(
         "tokenbudget dispatch", finished_between(servers, t0, t1), t1 - t0, used["dispatcher"]

@@ -28,7 +28,6 @@ import asyncio
 import json
 import shutil
 import statistics
-import subprocess
 import time
 import uuid
 from collections.abc import Callable
@@ -39,6 +38,7 @@ import pyarrow.parquet as pq
 
 from tokenbudget.app.runner import run
 from tokenbudget.core import config as config_module
+from tokenbudget.core import lifetime
 from tokenbudget.dev.demo import free_port, start_simulator
 from tokenbudget.localkafka import broker
 from tokenbudget.producers.http import HttpClient, Timeouts
@@ -93,11 +93,7 @@ def with_simulator(tokens_per_second: float, body: Callable[[str], T]) -> T:
     try:
         return body(f"http://127.0.0.1:{port}")
     finally:
-        process.terminate()
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
+        lifetime.stop(process, 10)
 
 
 def through_tokenbudget(url: str, workdir: Path, args: argparse.Namespace) -> tuple[int, float]:

@@ -31,7 +31,6 @@ import asyncio
 import json
 import shutil
 import statistics
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -43,6 +42,7 @@ from kafka import KafkaProducer
 from tokenbudget.app.runner import RunReport, run
 from tokenbudget.app.tables import format_table
 from tokenbudget.core import config as config_module
+from tokenbudget.core import lifetime
 from tokenbudget.dev.demo import (
     DEMO_DATASETS,
     free_port,
@@ -275,11 +275,7 @@ def main() -> None:
             lowerer.stop.set()
             sim_log = httpx.get(f"http://127.0.0.1:{port}/sim/log", timeout=30).json()
         finally:
-            simulator.terminate()
-            try:
-                simulator.wait(10)
-            except subprocess.TimeoutExpired:
-                simulator.kill()
+            lifetime.stop(simulator, 10)
         budgets = {d.name: lowerer.budgets.get(d.name, args.budget) for d in config.datasets}
         rows, latencies, totals = measure(strategy, report, config, sim_log, budgets)
         headers = [

@@ -132,12 +132,7 @@ def main() -> None:
         )
         run_seconds = time.monotonic() - started
     finally:
-        simulator.terminate()
-        try:
-            simulator.wait(10)
-        except subprocess.TimeoutExpired:
-            simulator.kill()
-            simulator.wait()
+        lifetime.stop(simulator, 10)
 
     out = workdir / "out"
     rows = []

@@ -27,6 +27,8 @@ from typing import Any
 import httpx
 import pytest
 
+from tokenbudget.core import lifetime
+
 ROOT = Path(__file__).resolve().parents[1]
 RULES = ROOT / "infra" / "prometheus" / "rules" / "tokenbudget.yml"
 RULES_TEST = ROOT / "infra" / "prometheus" / "rules_test.yml"
@@ -175,13 +177,7 @@ def _wait_ready(url: str, process: subprocess.Popen[bytes], log: Path, timeout: 
 
 
 def _stop(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+    lifetime.stop(process, 10)
 
 
 @contextmanager
