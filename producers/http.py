@@ -41,6 +41,8 @@ import msgspec
 from tokenbudget.core.errors import InferenceTransportError
 
 _encode = msgspec.json.Encoder().encode
+# What aiohttp raises for a connection that cannot be made, breaks or stays silent.
+_FAILURES = (TimeoutError, aiohttp.ClientError)
 
 
 @dataclass(frozen=True)
@@ -95,14 +97,14 @@ class Streamed:
     async def read(self) -> bytes:
         try:
             return await self._response.read()
-        except (TimeoutError, aiohttp.ClientError) as exc:
+        except _FAILURES as exc:
             raise _transport_error(self._where, exc) from exc
 
     async def lines(self) -> AsyncIterator[str]:
         try:
             async for line in lines_of(self._response.content.iter_any()):
                 yield line
-        except (TimeoutError, aiohttp.ClientError) as exc:
+        except _FAILURES as exc:
             raise _transport_error(self._where, exc, "stream broke: ") from exc
 
 
@@ -176,7 +178,7 @@ class HttpClient:
             async with self._send(method, url, body, headers) as response:
                 content = await response.read()
                 return Reply(response.status, response.headers, content)
-        except (TimeoutError, aiohttp.ClientError) as exc:
+        except _FAILURES as exc:
             raise _transport_error(where, exc) from exc
 
     @asynccontextmanager
@@ -190,7 +192,7 @@ class HttpClient:
         where = f"{method} {url}"
         try:
             response = await self._send(method, url, body, headers).__aenter__()
-        except (TimeoutError, aiohttp.ClientError) as exc:
+        except _FAILURES as exc:
             raise _transport_error(where, exc) from exc
         try:
             yield Streamed(response, where)

@@ -266,14 +266,13 @@ class InferenceBackend(ABC):
 
     # ---- plumbing ---------------------------------------------------------------------
 
-    def _raise_for_status(
-        self, method: str, url: str, status: int, headers: Mapping[str, str], text: str
-    ) -> None:
+    def _raise_for_status(self, method: str, url: str, reply: Reply) -> None:
+        status = reply.status
         if status < 400:
             return
-        message = f"{method} {url}: HTTP {status}: {text[:200]}"
+        message = f"{method} {url}: HTTP {status}: {reply.text[:200]}"
         if status in AWAY_STATUSES:
-            retry_after = parse_retry_after(headers.get("Retry-After"))
+            retry_after = parse_retry_after(reply.headers.get("Retry-After"))
             raise InferenceUnavailableError(
                 message, retry_after=retry_after, busy=status in BUSY_STATUSES
             )
@@ -284,7 +283,7 @@ class InferenceBackend(ABC):
     async def _request(self, method: str, path: str, body: dict[str, Any] | None) -> Any:
         url = self.base_url + path
         reply = await self.client.request(method, url, body, self.headers)
-        self._raise_for_status(method, url, reply.status, reply.headers, reply.text)
+        self._raise_for_status(method, url, reply)
         if not reply.content:
             return None
         try:
@@ -314,8 +313,8 @@ class InferenceBackend(ABC):
         url = self.base_url + path
         async with self.client.stream("POST", url, body, self.headers) as streamed:
             if streamed.status >= 400:
-                text = (await streamed.read()).decode("utf-8", "replace")
-                self._raise_for_status("POST", url, streamed.status, streamed.headers, text)
+                refusal = Reply(streamed.status, streamed.headers, await streamed.read())
+                self._raise_for_status("POST", url, refusal)
             async for line in streamed.lines():
                 if not line.startswith("data:"):
                     continue  # blank separators, comments, event:/id: fields

@@ -258,12 +258,12 @@ class Backlog:
     fleet's places), and the prompts of other datasets read after them would find no
     place. In ``bench/fleet.py`` a dataset with a third of its budget left had ~5
     requests in flight out of 1,024 while three others waited at their budgets' ends.
-    The dispatcher pauses at ``[producer] max_queued_per_dataset`` (all that one dataset
-    has queued), so a dataset that shares its partition with one at its budget's end is
-    held up only when several wait at once.
+
     At ``pause_at`` prompts waiting from one partition, ``pause`` stops the reading
     from it, and at half that ``resume`` starts it again. A partition shared with
-    another dataset pauses that one too while it lasts."""
+    another dataset pauses that one too while it lasts: the dispatcher pauses at
+    ``[producer] max_queued_per_dataset`` (all that one dataset has queued), so such a
+    dataset is held up only when several wait at once."""
 
     def __init__(
         self,
