@@ -245,6 +245,11 @@ def test_budget_lowered_then_raised_while_running(
                 wait_for_snapshot, kafka_bootstrap, topics, "d", lambda s: s.samples >= 3
             )
             lowered = mid.completion_tokens + 50
+            # Lowered while the server has a request of "d" (a prompt of "d" waiting
+            # for its lease lends its place to "other", so at times it has none).
+            jobs = sim._server.engine.jobs
+            while not any(j.text_head.startswith("#long-code d ") for j in jobs.values()):
+                await asyncio.sleep(0.005)
             await _set_budget(kafka_bootstrap, topics, "d", lowered)
             await asyncio.to_thread(
                 wait_for_snapshot, kafka_bootstrap, topics, "d", lambda s: s.halted
