@@ -33,6 +33,17 @@ but at least its floor (:meth:`Ask.step`):
     any   go out at once with what the lease holds, however many answers that
           cuts while the requests in flight hand most of their room back
 
+Reservations (``[budget] reserve``), :meth:`Ask.growing` and :meth:`Ask.step`:
+
+    whole  a request reserves its whole max_new_tokens: a dataset with R left has
+           at most R / max_new_tokens requests in flight
+    grow   a request is sent with its whole max_new_tokens but reserves less
+           (:meth:`Ask.growing`: what its dataset's answers take on average under
+           ``cut = "last"``, the floor under ``any``), and its reservation grows
+           from the lease as its answer comes (:func:`growth`). Once the ledger has
+           no more to give, what is left grows the answers in flight first (as the
+           cut policy says), and an answer that outgrows it is cut at the line
+
 Admission modes (``[budget] admission``), :data:`ADMISSION_MODES`:
 
     reserve   every request reserves its cost before it is sent: nothing is kept
@@ -179,10 +190,12 @@ BOUNDARY_POLICIES: Mapping[BoundaryPolicy, Callable[[int, int, int], int]] = {
 class Step:
     """What admission does next for one request (:meth:`Ask.step`): ``reserve``
     ``amount`` from the lease, ``ask`` the ledger for more, or ``wait`` for the
-    leftovers of the requests in flight."""
+    leftovers of the requests in flight. ``grows``: the reservation is less than the
+    request's limit and grows as its answer comes (``[budget] reserve = "grow"``)."""
 
     action: Literal["reserve", "ask", "wait"]
     amount: int = 0
+    grows: bool = False
 
 
 ASK = Step("ask")
@@ -194,10 +207,35 @@ class Ask:
     """What one request asks of a lease, in the budget's unit (see :func:`ask`)."""
 
     unit: Unit
-    want: int  # the whole request
+    want: int  # what it reserves when it goes out whole
     floor: int  # the least worth sending: below it the request does not go out
     overhead: int  # what of ``want`` is not new tokens (the prompt's estimate)
     max_new_tokens: int  # the request's own limit
+    grows: bool = False  # ``want`` is a typical answer's, grown as the answer comes
+
+    @property
+    def whole(self) -> int:
+        """What the request costs at most: its prompt's estimate and its limit."""
+        if not unit_rule(self.unit).in_tokens:
+            return self.want
+        return self.overhead + self.max_new_tokens
+
+    def growing(self, typical: int | None, cut: CutPolicy) -> Ask:
+        """The request under ``[budget] reserve = "grow"``: it reserves little and
+        grows from there as its answer comes. Under ``cut = "last"`` it reserves
+        ``typical`` new tokens (what the dataset's answers take on average,
+        :meth:`AnswerLengths.typical`; unchanged while that is unknown), so that few
+        answers outgrow a budget's end; under ``any`` only the floor (the fewest new
+        tokens worth asking for), so that the fleet stays full until the budget is
+        spent and what is in flight then is cut. Unchanged when that is no less than
+        the limit, or in a unit that does not count tokens."""
+        start = self.floor - self.overhead if cut == "any" else typical
+        if start is None or not unit_rule(self.unit).in_tokens:
+            return self
+        if start >= self.max_new_tokens:
+            return self
+        want = self.overhead + max(1, start)
+        return Ask(self.unit, want, min(self.floor, want), self.overhead, self.max_new_tokens, True)
 
     def clamp(self, balance: int, ledger_short: bool) -> int | None:
         """What to reserve from a lease holding ``balance``: the whole request when
@@ -214,7 +252,7 @@ class Ask:
         (tokens a next answer of the dataset exceeds rarely, :meth:`AnswerLengths.high`),
         or the whole request while that is unknown."""
         if long_answer is None or not unit_rule(self.unit).in_tokens:
-            return self.want
+            return self.whole
         return self.overhead + min(self.max_new_tokens, long_answer)
 
     def step(
@@ -229,6 +267,8 @@ class Ask:
         """What to do with a lease holding ``balance`` while ``in_flight`` requests
         of it are out: :meth:`clamp`, and when that would send less than the whole
         request, the cut policy's choice (:data:`CUT_POLICIES`)."""
+        if self.grows:
+            return self._grow_step(balance, ledger_short, in_flight, cut)
         reserved = self.clamp(balance, ledger_short)
         if reserved is None:
             return ASK
@@ -236,10 +276,29 @@ class Ask:
             return Step("reserve", reserved)
         return CUT_POLICIES[cut](reserved, in_flight, self.enough(long_answer))
 
-    def max_new_tokens_for(self, reserved: int) -> int:
-        """The max_new_tokens to send for ``reserved`` (from :meth:`clamp`), so the
-        server cannot generate more than was reserved."""
-        if not unit_rule(self.unit).in_tokens:
+    def _grow_step(self, balance: int, ledger_short: bool, in_flight: int, cut: CutPolicy) -> Step:
+        """:meth:`step` of a growing request: a typical answer's worth goes out and
+        grows. Once the ledger has no more to give, what is left grows the answers in
+        flight: under ``cut = "last"`` a new one goes out only while what would be
+        left still holds a typical answer's worth for each of them (so that answers
+        outgrow the end rarely), else it waits for their leftovers, and with none in
+        flight goes out clamped to what is left (the one cut); under ``any`` it goes
+        out at once, clamped to what is left if that is less."""
+        typical = self.want - self.overhead
+        room = not ledger_short or cut == "any" or balance - self.want >= in_flight * typical
+        if balance >= self.want and room:
+            return Step("reserve", self.want, grows=True)
+        if not ledger_short or balance < self.floor:
+            return ASK
+        if balance < self.want and (cut == "any" or in_flight == 0):
+            return Step("reserve", balance)
+        return WAIT
+
+    def max_new_tokens_for(self, reserved: int, grows: bool = False) -> int:
+        """The max_new_tokens to send for ``reserved`` (from :meth:`step`): what was
+        reserved, so the server cannot generate more; the request's own limit when the
+        reservation grows (``grows``), the budget then being kept by the growth."""
+        if grows or not unit_rule(self.unit).in_tokens:
             return self.max_new_tokens
         return reserved - self.overhead
 
@@ -247,6 +306,17 @@ class Ask:
         """What to ask the ledger for on the lease: a lease's worth, or more if this
         one request needs it."""
         return max(lease_size, self.want)
+
+
+def growth(allowance: int, need: int, reserved: int, ceiling: int, balance: int) -> int:
+    """What a growing reservation takes from its lease's ``balance`` when its answer
+    needs ``need`` and it holds ``allowance`` (first ``reserved``, at most
+    ``ceiling``, the request's limit): nothing while it covers the need, else the
+    need and as much again as it first reserved, so that a long answer grows in a
+    few steps, not one per chunk; at most what the balance holds."""
+    if need <= allowance:
+        return 0
+    return max(0, min(balance, ceiling - allowance, need - allowance + reserved))
 
 
 def ask(
@@ -309,17 +379,26 @@ class AnswerLengths:
         self.one_in = one_in
         self._recent: deque[int] = deque(maxlen=window)
         self._sorted: list[int] = []
+        self._sum = 0  # of the recent lengths
 
     def observe(self, tokens: int) -> None:
         if len(self._recent) == self._recent.maxlen:
             del self._sorted[bisect.bisect_left(self._sorted, self._recent[0])]
+            self._sum -= self._recent[0]
         self._recent.append(tokens)
+        self._sum += tokens
         bisect.insort(self._sorted, tokens)
 
     def high(self) -> int | None:
         n = len(self._sorted)
         j = (n + 1) // self.one_in
         return self._sorted[n - j] if j else None
+
+    def typical(self, least: int = 10) -> int | None:
+        """The mean length of the answers seen (rounded up), what a growing
+        reservation starts at; None below ``least`` of them."""
+        n = len(self._recent)
+        return -(-self._sum // n) if n >= least else None
 
 
 # -- leases and admission modes ----------------------------------------------------------

@@ -279,3 +279,79 @@ def test_overshoot_allowance() -> None:
     assert budget.overshoot_allowance("completion_tokens", "halt", 64, 8192) == 524_288
     assert budget.overshoot_allowance("completion_tokens", "halt", 64, 8192, 3) == 3 * 524_288
     assert budget.overshoot_allowance("samples", "halt", 64, 8192, 2) == 128
+
+
+# ---- growing reservations ([budget] reserve = "grow") ------------------------------------
+
+
+def test_typical_is_the_mean_of_the_recent_answers_once_enough_were_seen() -> None:
+    lengths = budget.AnswerLengths(window=4)
+    for tokens in (10, 20, 30):
+        lengths.observe(tokens)
+    assert lengths.typical(least=4) is None
+    lengths.observe(41)
+    assert lengths.typical(least=4) == 26  # 101 / 4, rounded up
+    lengths.observe(100)  # 10 leaves the window
+    assert lengths.typical(least=4) == 48  # 191 / 4, rounded up
+
+
+def test_a_growing_request_reserves_a_typical_answer_and_is_sent_with_its_limit() -> None:
+    request = ask("completion_tokens", "truncate", 4096).growing(1500, "last")
+    assert (request.want, request.whole, request.grows) == (1500, 4096, True)
+    step = request.step(10_000, ledger_short=False, in_flight=3, long_answer=None, cut="last")
+    assert step == budget.Step("reserve", 1500, grows=True)
+    assert request.max_new_tokens_for(step.amount, step.grows) == 4096
+    # Short of a typical answer while the ledger has more: ask it.
+    short = request.step(1499, ledger_short=False, in_flight=3, long_answer=None, cut="last")
+    assert short == budget.ASK
+
+
+def test_a_request_does_not_grow_before_its_datasets_answers_are_known() -> None:
+    whole = ask("completion_tokens", "truncate", 4096)
+    assert whole.growing(None, "last") == whole
+    assert whole.growing(5000, "last") == whole  # answers as long as the limit
+    samples = ask("samples", "truncate", 4096)
+    assert samples.growing(10, "last") == samples
+    assert samples.growing(10, "any") == samples
+
+
+def test_under_cut_any_a_growing_request_reserves_only_its_floor() -> None:
+    request = ask("completion_tokens", "truncate", 4096, min_new_tokens=16).growing(None, "any")
+    assert (request.want, request.grows) == (16, True)
+    step = request.step(100, ledger_short=True, in_flight=900, long_answer=None, cut="any")
+    assert step == budget.Step("reserve", 16, grows=True)  # the fleet stays full
+    assert request.step(15, ledger_short=True, in_flight=900, long_answer=None, cut="any") == (
+        budget.ASK
+    )
+
+
+def test_at_the_budgets_end_what_is_left_grows_the_answers_in_flight_first() -> None:
+    request = ask("completion_tokens", "truncate", 4096).growing(1000, "last")
+
+    def step(balance: int, in_flight: int, cut: CutPolicy = "last") -> budget.Step:
+        return request.step(
+            balance, ledger_short=True, in_flight=in_flight, long_answer=None, cut=cut
+        )
+
+    growing = budget.Step("reserve", 1000, grows=True)
+    # The ledger has no more: a new one goes out while what would be left still
+    # holds a typical answer for each of the three in flight, else it waits.
+    assert step(4000, 3) == growing
+    assert step(3999, 3) == budget.WAIT
+    assert step(3999, 3, "any") == growing  # at once, whatever that cuts
+    # Less than a typical answer and nothing in flight: the rest goes out clamped,
+    # the one answer cut at the line.
+    assert step(700, 0) == budget.Step("reserve", 700)
+    assert request.max_new_tokens_for(700, False) == 700
+    assert step(700, 3) == budget.WAIT
+    assert step(700, 3, "any") == budget.Step("reserve", 700)
+    assert step(0, 3) == budget.ASK  # below the floor: the ledger is asked again
+
+
+def test_growth_takes_the_need_and_a_first_reservation_more_within_the_limit() -> None:
+    # allowance, need, reserved, ceiling, balance
+    assert budget.growth(1000, 900, 1000, 4096, 10_000) == 0  # still covered
+    assert budget.growth(1000, 1100, 1000, 4096, 10_000) == 1100
+    assert budget.growth(3000, 3100, 1000, 4096, 10_000) == 1096  # up to the limit
+    assert budget.growth(1000, 1100, 1000, 4096, 300) == 300  # what the lease holds
+    assert budget.growth(1000, 1100, 1000, 4096, 0) == 0

@@ -43,6 +43,7 @@ Unit = Literal["completion_tokens", "total_tokens", "samples"]
 BoundaryPolicy = Literal["truncate", "finish"]
 AdmissionMode = Literal["reserve", "halt"]
 CutPolicy = Literal["last", "any"]
+ReserveMode = Literal["whole", "grow"]
 # Which server of the fleet a request goes to: producers/routing.py.
 RoutingPolicy = Literal["least_work", "round_robin"]
 DatasetFormat = Literal["auto", "prompt", "openai", "sharegpt", "hf"]
@@ -376,6 +377,18 @@ class BudgetConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=Tr
             "however many answers that cuts"
         ),
     ] = "last"
+    reserve: Annotated[
+        ReserveMode,
+        doc(
+            "what a request reserves before it is sent. `whole`: its `max_new_tokens`, so "
+            "a dataset with R tokens left has at most R / `max_new_tokens` requests in "
+            "flight; `grow` (with `stream = true`, `completion_tokens`, `truncate`): less, "
+            "grown from the dispatcher's lease as the answer streams. With `cut = "
+            '"last"` it reserves the mean answer and few answers outgrow the budget\'s end; '
+            'with `cut = "any"` the fleet stays full until the budget is spent and what is '
+            "in flight then is cut at the line"
+        ),
+    ] = "whole"
     min_new_tokens: Annotated[
         int,
         doc(
@@ -903,6 +916,7 @@ def build(
         )
         _check_dataset(raw, d, key, source)
     _check_ranges(raw, source)
+    _check_reserve(raw.budget, raw.inference, source)
     servers = _servers(raw.inference, source)
     _check_kafka_security(raw.kafka, source)
     if raw.inference.tokenizer and not _resolve(base, raw.inference.tokenizer).is_dir():
@@ -958,6 +972,36 @@ def _reject_inline_secrets(data: dict[str, Any], source: str) -> None:
             )
         raise ConfigError(
             f"{section}.{key}", f"secrets are not read from the config: {fix}", source=source
+        )
+
+
+def _check_reserve(budget: BudgetConfig, inference: InferenceConfig, source: str) -> None:
+    """Growing reservations need reservations, answers that can be cut at a token,
+    and streamed answers."""
+    if budget.reserve != "grow":
+        return
+    if budget.admission != "reserve":
+        raise ConfigError(
+            "budget.reserve",
+            f'"grow" grows reservations, and admission = "{budget.admission}" makes none: '
+            'set budget.admission = "reserve" or budget.reserve = "whole"',
+            source=source,
+        )
+    if budget.unit != "completion_tokens" or budget.on_boundary != "truncate":
+        raise ConfigError(
+            "budget.reserve",
+            '"grow" cuts an answer that outgrows the budget at a token, which a budget with '
+            f'unit = "{budget.unit}" and on_boundary = "{budget.on_boundary}" cannot do: set '
+            'budget.unit = "completion_tokens" and budget.on_boundary = "truncate", or '
+            'budget.reserve = "whole"',
+            source=source,
+        )
+    if not inference.stream:
+        raise ConfigError(
+            "budget.reserve",
+            '"grow" grows reservations as answers stream, and stops an answer at the '
+            "line: set inference.stream = true",
+            source=source,
         )
 
 

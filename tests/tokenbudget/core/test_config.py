@@ -821,3 +821,41 @@ def test_a_bad_reasoning_value_lists_the_values() -> None:
     error = config_error({"datasets": [dataset(reasoning="keep")]})
     assert error.key == "datasets[0].reasoning"
     assert str(error).endswith("'keep' is not a valid value; use one of 'save', 'disable'")
+
+
+# ---- [budget] reserve ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("budget", "inference", "says"),
+    [
+        ({"admission": "halt"}, {"stream": True}, 'budget.admission = "reserve"'),
+        ({"unit": "samples"}, {"stream": True}, 'budget.unit = "completion_tokens"'),
+        ({"on_boundary": "finish"}, {"stream": True}, 'budget.on_boundary = "truncate"'),
+        ({}, {}, "inference.stream = true"),
+    ],
+)
+def test_growing_reservations_name_what_they_need(
+    budget: dict[str, Any], inference: dict[str, Any], says: str
+) -> None:
+    error = config_error(
+        {
+            "inference": {"url": "http://h:1", **inference},
+            "budget": {"reserve": "grow", **budget},
+            "datasets": [dataset()],
+        }
+    )
+    assert error.key == "budget.reserve"
+    assert says in str(error)
+
+
+def test_growing_reservations_with_streamed_answers_are_accepted() -> None:
+    config = build(
+        {
+            "inference": {"url": "http://h:1", "stream": True},
+            "budget": {"reserve": "grow", "cut": "any"},
+            "datasets": [dataset()],
+        },
+        environ=NO_ENV,
+    )
+    assert (config.budget.reserve, config.budget.cut) == ("grow", "any")
