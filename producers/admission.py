@@ -21,6 +21,13 @@ answer of the dataset (:class:`tokenbudget.streams.budget.AnswerLengths`, fed by
 the line). The ledger's word that it has no more is taken again after every
 settle, so that one last request is sent only when the ledger still has nothing.
 
+Under ``[budget] reserve = "grow"`` a request is sent with its max_new_tokens but
+reserves less (:meth:`tokenbudget.streams.budget.Ask.growing`); its reservation then
+grows from the lease as its answer comes (:class:`Growth`: :meth:`Growth.grow` as it
+streams, :meth:`Growth.cover` once it is in), asking the ledger for more on the way.
+What an answer keeps never exceeds what its ticket holds, so nothing is kept beyond
+the budget; an answer that outgrows what is left is cut at the line.
+
 Leases are renewed while in use and released when idle, so a dispatcher that dies
 holds budget only until its lease expires. A revoked lease (budget lowered, or
 expired under a slow holder) stops all spending at once and aborts what is in
@@ -43,7 +50,7 @@ from typing import Any
 
 from aiokafka import AIOKafkaProducer
 
-from tokenbudget.core.config import BoundaryPolicy, CutPolicy
+from tokenbudget.core.config import BoundaryPolicy, CutPolicy, ReserveMode
 from tokenbudget.streams import budget
 from tokenbudget.streams import events as ev
 from tokenbudget.streams.budget_board import BudgetBoard
@@ -57,6 +64,7 @@ class AdmissionSettings:
     unit: ev.BudgetUnit = "completion_tokens"
     policy: BoundaryPolicy = "truncate"
     cut: CutPolicy = "last"
+    reserve: ReserveMode = "whole"
     min_new_tokens: int = 1
     lease_size: int = 65536  # in the budget's unit
     lease_ttl_s: float = 30.0
@@ -65,13 +73,18 @@ class AdmissionSettings:
 
 @dataclass(frozen=True)
 class Ticket:
-    """One admitted request: what it reserved and the max_new_tokens to send."""
+    """One admitted request: what it reserved and the max_new_tokens to send.
+    ``grows``: it reserved less than max_new_tokens, and its reservation grows as its
+    answer comes (:meth:`Growth.allowance` is what it holds then); ``serial``
+    tells its growth apart from other tickets' on the lease."""
 
     dataset: str
     lease_id: str
     reserved: int
     max_new_tokens: int
     prompt_estimate: int = 0
+    grows: bool = False
+    serial: int = 0
 
 
 @dataclass
@@ -96,6 +109,7 @@ class _Lease:
     publishing: int = 0  # completions settled on it whose send Kafka has not acked
     published: asyncio.Event = field(default_factory=asyncio.Event)
     releasing: bool = False
+    grown: dict[int, int] = field(default_factory=dict)  # ticket serial -> tokens added
 
 
 def _next_change(lease: _Lease) -> Awaitable[None]:
@@ -182,6 +196,7 @@ class Admission:
         self._lengths: dict[str, budget.AnswerLengths] = {}
         board.lease_listeners[holder] = self._on_ledger_event
         self._maintenance: asyncio.Task[None] | None = None
+        self.growth = Growth(self)
 
     # -- the calls a dispatcher makes ------------------------------------------------
 
@@ -218,6 +233,9 @@ class Admission:
             prompt_estimate,
             settings.min_new_tokens,
         )
+        if settings.reserve == "grow" and not exact:
+            lengths = self._lengths.get(dataset)
+            request = request.growing(lengths.typical() if lengths else None, settings.cut)
         try:
             while True:
                 if waits.waited and self.board.is_halted(dataset):
@@ -250,7 +268,7 @@ class Admission:
                         # gone to others while it waited for the place.
                         await waits.back()
                         continue
-                    return self._reserve(lease, request, step.amount, prompt_estimate)
+                    return self._reserve(lease, request, step, prompt_estimate)
                 want = request.lease_request(settings.lease_size)
                 # Aside too: nothing is reserved while the ledger answers (a round trip
                 # through Kafka, up to _ask's timeout), and a prompt of a dataset at
@@ -274,13 +292,16 @@ class Admission:
             cut=self.settings.cut,
         )
 
-    @staticmethod
-    def _reserve(lease: _Lease, request: budget.Ask, reserved: int, estimate: int) -> Ticket:
-        lease.balance -= reserved
+    def _reserve(
+        self, lease: _Lease, request: budget.Ask, step: budget.Step, estimate: int
+    ) -> Ticket:
+        lease.balance -= step.amount
         lease.in_flight += 1
         lease.last_used = time.monotonic()
-        send = request.max_new_tokens_for(reserved)
-        return Ticket(lease.dataset, lease.lease_id, reserved, send, estimate)
+        send = request.max_new_tokens_for(step.amount, step.grows)
+        grows = send > step.amount - request.overhead
+        serial = next(self._counter)
+        return Ticket(lease.dataset, lease.lease_id, step.amount, send, estimate, grows, serial)
 
     async def _after_asking(
         self,
@@ -386,17 +407,18 @@ class Admission:
         if lease is None:
             return  # its lease was released meanwhile
         cost = 0 if published_cost is None else published_cost
-        if cost > ticket.reserved:
+        held = ticket.reserved + lease.grown.pop(ticket.serial, 0)
+        if cost > held:
             log.error(
                 "%s: a completion cost %d but reserved %d: the server ignored max_new_tokens",
                 ticket.dataset,
                 cost,
-                ticket.reserved,
+                held,
             )
         lease.in_flight -= 1
         lease.spent += cost
         if not lease.revoked:
-            lease.balance += max(0, ticket.reserved - cost)
+            lease.balance += max(0, held - cost)
         if self.settings.cut == "last":
             # Waiting requests ask the ledger again before one of them goes out short:
             # what other holders handed back, or a raised budget, may cover it whole.
@@ -586,3 +608,96 @@ class Admission:
         for lease in list(self._by_id.values()):
             await self._release(lease)
         self.board.lease_listeners.pop(self.holder, None)
+
+
+class Growth:
+    """Growing reservations (``[budget] reserve = "grow"``) of one dispatcher's
+    tickets: what a growing ticket holds, taken from its lease as its answer comes.
+    Part of :class:`Admission` (its leases, its requests to the ledger), reached as
+    ``admission.growth`` by the register of requests in flight, as a streamed answer
+    comes (:meth:`grow`, :meth:`can_grow`), and by the request attempt, once the
+    answer is in (:meth:`cover`); :meth:`Admission.settle` gives back what a ticket
+    held, grown or not."""
+
+    def __init__(self, admission: Admission) -> None:
+        self._admission = admission
+
+    def allowance(self, ticket: Ticket) -> int:
+        """What the ticket holds now: what it reserved and what it grew by."""
+        lease = self._admission._lease_of(ticket)
+        grown = 0 if lease is None else lease.grown.get(ticket.serial, 0)
+        return ticket.reserved + grown
+
+    def grow(self, ticket: Ticket, need: int) -> int:
+        """Grow a growing ticket's reservation from its lease towards ``need`` (what
+        its answer costs so far, and some room to go on) and return what it holds
+        (:meth:`allowance`). Takes only what the lease holds now; when that falls
+        short, the ledger is asked for more in the background (:meth:`can_grow` tells
+        whether more may still come). Called by the register of requests in flight
+        as a streamed answer comes, and by :meth:`cover`; never raises."""
+        lease = self._admission._lease_of(ticket)
+        if lease is None or not ticket.grows:
+            return self.allowance(ticket)
+        held = ticket.reserved + lease.grown.get(ticket.serial, 0)
+        ceiling = budget.unit_cost(
+            self._admission.settings.unit, ticket.prompt_estimate, ticket.max_new_tokens
+        )
+        need = min(need, ceiling)
+        if lease.revoked or need <= held:
+            return held
+        extra = budget.growth(held, need, ticket.reserved, ceiling, lease.balance)
+        if extra:
+            lease.balance -= extra
+            held += extra
+            lease.grown[ticket.serial] = held - ticket.reserved
+            lease.last_used = time.monotonic()
+        if held < need and not lease.ledger_short and (lease.asked is None or lease.asked.done()):
+            self._admission._spawn(self._ask_more(lease, need - held))
+        return held
+
+    def can_grow(self, ticket: Ticket) -> bool:
+        """Whether a growing ticket may still grow: its lease is in use, and holds
+        more or may get more from the ledger (no denial since the last settle, or an
+        answer on its way)."""
+        lease = self._admission._lease_of(ticket)
+        if lease is None or lease.revoked or not ticket.grows:
+            return False
+        asking = lease.asked is not None and not lease.asked.done()
+        return lease.balance > 0 or asking or not lease.ledger_short
+
+    async def cover(self, ticket: Ticket, cost: int) -> int:
+        """Grow a growing ticket to cover an answer that came in costing ``cost``,
+        asking the ledger for more if the lease falls short, and return what it holds
+        (:meth:`allowance`): the answer is cut to that when it falls short. Called by
+        the request attempt before the answer is kept; raises what sending to Kafka
+        raises, and a cancellation."""
+        held = self.grow(ticket, cost)
+        lease = self._admission._lease_of(ticket)
+        while held < cost and lease is not None and not lease.revoked and ticket.grows:
+            granted = False
+            if lease.balance == 0:
+                if lease.ledger_short:
+                    break
+                reply = await self._admission._ask(lease, self._more(cost - held), 1)
+                granted = isinstance(reply, ev.LeaseGranted)
+                if not granted:
+                    lease.ledger_short = True  # denied, or no answer in time: cut it
+            grown = self.grow(ticket, cost)
+            if grown == held and not granted:
+                break  # nothing more to take: the answer is cut to what it holds
+            held = grown
+        return held
+
+    def _more(self, short: int) -> int:
+        return max(self._admission.settings.lease_size, short)
+
+    async def _ask_more(self, lease: _Lease, short: int) -> None:
+        """Ask the ledger for more on the lease for growing answers (a background
+        task of :meth:`grow`); a denial or no answer means they grow no more."""
+        try:
+            reply = await self._admission._ask(lease, self._more(short), 1)
+        except Exception as exc:  # a broker away: the answers are cut, never over
+            log.warning("%s: asking the ledger for more failed: %r", lease.dataset, exc)
+            reply = None
+        if not isinstance(reply, ev.LeaseGranted):
+            lease.ledger_short = True

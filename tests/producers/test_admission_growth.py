@@ -1,0 +1,154 @@
+"""Growing reservations (``[budget] reserve = "grow"``) against the in-memory ledger
+of ``test_admission``: a request reserves a typical answer, grows from the lease as its
+answer comes, and what is kept never exceeds what the ledger granted."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+from tests.producers.test_admission import DS, balance, make, run, settle_and_complete
+from tokenbudget.producers.admission import Admission
+from tokenbudget.streams import events as ev
+from tokenbudget.streams import ledger
+from tokenbudget.streams.budget import used
+
+
+def learned(admission: Admission, typical: int, answers: int = 10) -> None:
+    for _ in range(answers):
+        admission.answered(DS, typical)
+
+
+def test_a_request_reserves_a_typical_answer_once_the_datasets_answers_are_known() -> None:
+    async def main() -> None:
+        admission, _, _ = make(100_000, lease_size=10_000, reserve="grow")
+        first = await admission.admit(DS, 1000)
+        assert first is not None
+        assert (first.reserved, first.max_new_tokens, first.grows) == (1000, 1000, False)
+        learned(admission, 200)
+        ticket = await admission.admit(DS, 1000)
+        assert ticket is not None
+        assert (ticket.reserved, ticket.max_new_tokens, ticket.grows) == (200, 1000, True)
+        # Not under the default: a request reserves its whole limit.
+        whole, _, _ = make(100_000, lease_size=10_000)
+        learned(whole, 200)
+        plain = await whole.admit(DS, 1000)
+        assert plain is not None and (plain.reserved, plain.grows) == (1000, False)
+
+    run(main())
+
+
+def test_a_growing_ticket_takes_from_the_lease_and_settles_what_it_held() -> None:
+    async def main() -> None:
+        admission, fake, _ = make(100_000, lease_size=10_000, reserve="grow")
+        learned(admission, 200)
+        ticket = await admission.admit(DS, 1000)
+        assert ticket is not None and ticket.grows
+        before = balance(admission)
+        assert admission.growth.grow(ticket, 150) == 200  # still covered: nothing taken
+        assert admission.growth.grow(ticket, 500) == 700  # the need and a reservation more
+        assert balance(admission) == before - 500
+        assert admission.growth.grow(ticket, 5000) == 1000  # never past its limit
+        assert admission.growth.allowance(ticket) == 1000
+        await settle_and_complete(admission, fake, ticket, 650)
+        assert balance(admission) == before + 200 - 650
+        assert used(fake.state()) == 650
+
+    run(main())
+
+
+def test_an_answer_that_outgrows_the_budget_is_covered_only_to_the_line() -> None:
+    async def main() -> None:
+        admission, fake, _ = make(1000, lease_size=1000, reserve="grow")
+        learned(admission, 200)
+        tickets = [await admission.admit(DS, 1000) for _ in range(5)]
+        assert [t.reserved for t in tickets if t] == [200] * 5
+        assert balance(admission) == 0
+        first, second = tickets[0], tickets[1]
+        assert first is not None and second is not None
+        assert admission.growth.can_grow(first)  # the ledger has not said no yet
+        # The ledger has nothing more: the answer keeps what it reserved.
+        assert await admission.growth.cover(first, 600) == 200
+        assert not admission.growth.can_grow(first)
+        # Another answer hands back what it did not use: the first grows into it.
+        await settle_and_complete(admission, fake, second, 50)
+        assert await admission.growth.cover(first, 600) == 350
+        await settle_and_complete(admission, fake, first, 350)
+        assert used(fake.state()) == 400
+
+    run(main())
+
+
+def test_cover_asks_the_ledger_when_the_lease_runs_dry() -> None:
+    async def main() -> None:
+        admission, fake, _ = make(10_000, lease_size=1000, reserve="grow")
+        learned(admission, 500)
+        a = await admission.admit(DS, 4000)
+        b = await admission.admit(DS, 4000)
+        assert a is not None and b is not None and balance(admission) == 0
+        asked = len(fake.requests())
+        assert await admission.growth.cover(a, 3000) == 3000
+        assert len(fake.requests()) > asked
+        await settle_and_complete(admission, fake, a, 3000)
+        await settle_and_complete(admission, fake, b, 400)
+        assert used(fake.state()) == 3400
+
+    run(main())
+
+
+def test_growing_answers_never_keep_more_than_the_budget_and_use_it_up() -> None:
+    """Many answers of random lengths, growing as they come in random order, kept as
+    far as what they hold allows: the ledger's count never passes the budget, and the
+    budget is used to the token."""
+
+    async def one(seed: int) -> None:
+        rng = random.Random(seed)
+        budget = 50_000
+        admission, fake, _ = make(budget, lease_size=4000, reserve="grow")
+        learned(admission, 800)
+        kept: list[int] = []
+
+        async def request() -> None:
+            ticket = await admission.admit(DS, 4096)
+            if ticket is None:
+                return
+            length = min(4096, int(rng.lognormvariate(6.5, 0.6)))
+            for tokens in range(0, length, 256):
+                await asyncio.sleep(rng.random() / 1000)
+                admission.growth.grow(ticket, tokens + 256)
+            held = await admission.growth.cover(ticket, length)
+            keep = min(length, held)
+            kept.append(keep)
+            await settle_and_complete(admission, fake, ticket, keep)
+            if keep == length:
+                admission.answered(DS, keep)
+
+        pending = [asyncio.ensure_future(request()) for _ in range(60)]
+        while sum(kept) < budget and pending:
+            await asyncio.sleep(0.005)
+            pending = [p for p in pending if not p.done()]
+            pending += [asyncio.ensure_future(request()) for _ in range(60 - len(pending))]
+            assert used(fake.state()) <= budget
+        await asyncio.gather(*pending)
+        assert used(fake.state()) == sum(kept) == budget
+        assert ledger.reserved(fake.state()) >= 0
+
+    async def main() -> None:
+        for seed in range(3):
+            await one(seed)
+
+    run(main(), timeout=120)
+
+
+def test_a_growing_ticket_on_a_revoked_lease_grows_no_more() -> None:
+    async def main() -> None:
+        admission, _, board = make(100_000, lease_size=10_000, reserve="grow")
+        learned(admission, 200)
+        ticket = await admission.admit(DS, 1000)
+        assert ticket is not None
+        lease = admission._leases[DS]
+        board.apply(ev.LeaseRevoked(dataset=DS, lease_id=lease.lease_id, holder="d1", ceiling=0))
+        assert admission.growth.grow(ticket, 900) == 200
+        assert not admission.growth.can_grow(ticket)
+
+    run(main())
