@@ -170,7 +170,8 @@ class Attempt:
         try:
             generated = await self._generate(backend, prompt, request, ticket, slot)
             if generated is None:
-                await self.publisher.skip(prompt, "budget lowered: aborted in flight")
+                reason = "aborted in flight: the budget (lowered, or at its end) had no room"
+                await self.publisher.skip(prompt, reason)
                 return
             fitted = await self._fit(backend, prompt, request, generated.answer, tickets, slot)
             if fitted is None:
@@ -205,7 +206,8 @@ class Attempt:
         slot: Slot | None,
     ) -> _Generated | None:
         """The server's answer with when it was sent and finished; None when it was
-        aborted because its lease was revoked (a lowered budget)."""
+        aborted by closing its stream, because its lease was revoked (a lowered
+        budget) or its growing reservation could grow no more."""
         rid = request.rid
         sent_at = time.time()
         if self.keep_log:
@@ -214,7 +216,7 @@ class Attempt:
         generation = asyncio.create_task(backend.generate(request))
         lease_id = ticket.lease_id if ticket else ""
         # In flight (abortable, counted by its lease's cap) until it is fitted.
-        self.in_flight.add(rid, prompt.dataset, lease_id, generation, backend)
+        self.in_flight.add(rid, prompt.dataset, lease_id, generation, backend, ticket)
         try:
             try:
                 result = await generation
@@ -239,7 +241,7 @@ class Attempt:
             current = asyncio.current_task()
             if current is not None and current.cancelling():
                 raise
-            # aborted because its lease was revoked: what it streamed so far is lost
+            # aborted in flight (see InFlight): what it streamed so far is lost
             wasted(prompt.dataset, "aborted", self.in_flight.streamed(rid))
             return None
         except BaseException:
@@ -312,8 +314,26 @@ class Attempt:
             # Its budget may be someone else's now: claim the answer anew.
             tickets.settle(ticket, None)
             return await self._claim(prompt, answer, slot)
+        if ticket.grows:
+            grown = await self._grown(ticket, answer)
+            if grown is None:
+                return None
+            answer = grown
         fitted = self.in_flight.fit(ticket.lease_id, prompt.dataset, rid, answer)
         return None if fitted is None else (ticket, fitted)
+
+    async def _grown(self, ticket: Ticket, answer: GenerationResult) -> GenerationResult | None:
+        """The answer on a growing ticket, its reservation grown to cover it
+        (:meth:`~tokenbudget.producers.admission.Growth.cover`): whole, cut at the
+        line where it has outgrown what the budget had left, or None when it cannot
+        be cut (no token ids)."""
+        assert self.admission is not None
+        cost = budget.unit_cost(self.unit, answer.prompt_tokens, answer.completion_tokens)
+        held = await self.admission.growth.cover(ticket, cost)
+        keep = budget.fit(cost, held, budget.cuttable(self.unit, bool(answer.output_ids)))
+        if keep is None:
+            return None
+        return answer if keep == cost else cut_answer(answer, keep)
 
     async def _claim(
         self, prompt: ev.PromptEvent, result: GenerationResult, slot: Slot | None

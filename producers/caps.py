@@ -16,8 +16,12 @@ at the server and enforces that:
 
 Streamed requests on a revoked lease run on while what they generated together fits
 and are aborted together the moment it no longer does; without streaming they are
-aborted at once. SGLang is told by rid (a dropped connection alone may not stop it
-decoding); on OpenAI-compatible servers closing the stream is the only abort.
+aborted at once. A streamed request on a growing ticket (``[budget] reserve =
+"grow"``) grows its reservation as its tokens come, a little ahead of them
+(:meth:`~tokenbudget.producers.admission.Growth.grow`), and is aborted alone once it
+has outgrown what it holds and can grow no more. SGLang is told by rid (a dropped
+connection alone may not stop it decoding); on OpenAI-compatible servers closing the
+stream is the only abort.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from tokenbudget.producers.admission import Admission
+from tokenbudget.producers.admission import Admission, Ticket
 from tokenbudget.producers.answers import cut_answer
 from tokenbudget.producers.inference import GenerationResult, InferenceBackend
 from tokenbudget.streams import budget
@@ -83,6 +87,7 @@ class _Request(NamedTuple):
     lease_id: str  # "" when budgets are not reserved
     generation: asyncio.Task[GenerationResult]
     backend: InferenceBackend  # the server that has it, to abort it there
+    ticket: Ticket | None  # what it reserved, when budgets are reserved
 
 
 class InFlight:
@@ -100,6 +105,7 @@ class InFlight:
         self._requests: dict[str, _Request] = {}
         self._generated: dict[str, int] = {}  # rid -> tokens streamed so far
         self._caps: dict[str, RevokedCap] = {}  # revoked lease id -> what may still be kept
+        self._outgrown: set[str] = set()  # rids aborted past what their growing ticket holds
         self._aborts: set[asyncio.Task[None]] = set()
 
     def add(
@@ -109,17 +115,20 @@ class InFlight:
         lease_id: str,
         generation: asyncio.Task[GenerationResult],
         backend: InferenceBackend,
+        ticket: Ticket | None = None,
     ) -> None:
-        """The request ``rid`` is at ``backend``, generating in ``generation``: from now
-        on it may be aborted (the task cancelled, or the server told) and it counts
-        towards its lease's cap. Called by the request attempt as it sends it."""
-        self._requests[rid] = _Request(dataset, lease_id, generation, backend)
+        """The request ``rid`` is at ``backend``, generating in ``generation`` on
+        ``ticket``: from now on it may be aborted (the task cancelled, or the server
+        told), it counts towards its lease's cap, and a growing ticket grows as it
+        streams. Called by the request attempt as it sends it."""
+        self._requests[rid] = _Request(dataset, lease_id, generation, backend, ticket)
 
     def remove(self, rid: str) -> None:
         """The request ``rid`` is no longer at the server (answered, failed or
         cancelled). Called by the request attempt on every path; never raises."""
         self._requests.pop(rid, None)
         self._generated.pop(rid, None)
+        self._outgrown.discard(rid)
 
     def streamed(self, rid: str) -> int:
         """Tokens the request ``rid`` reported so far (0 without streaming)."""
@@ -135,6 +144,20 @@ class InFlight:
         cap = self._cap(request.lease_id, request.dataset)
         if cap is not None and cap.progress(rid, tokens):
             self._abort_lease(request.lease_id)
+        elif request.ticket is not None and request.ticket.grows:
+            self._grow(rid, request, request.ticket, tokens)
+
+    def _grow(self, rid: str, request: _Request, ticket: Ticket, tokens: int) -> None:
+        """Keep a growing ticket a little ahead of its answer's ``tokens``: a quarter
+        of what it first reserved, so that the ledger is asked while the answer still
+        fits. Past what it holds with no more to come, the request is aborted: what it
+        generates from then on could not be kept."""
+        assert self._admission is not None
+        held = self._admission.growth.grow(ticket, tokens + max(64, ticket.reserved // 4))
+        outgrown = tokens > held and not self._admission.growth.can_grow(ticket)
+        if outgrown and rid not in self._outgrown:
+            self._outgrown.add(rid)
+            self._abort(rid, request)
 
     async def on_revoke(self, dataset: str) -> None:
         """A lease of the dataset was revoked (budget lowered, or lease expired):
@@ -200,14 +223,18 @@ class InFlight:
     def _abort_lease(self, lease_id: str) -> None:
         """Stop every request in flight on the lease, all at once."""
         for rid, request in list(self._requests.items()):
-            if request.lease_id != lease_id:
-                continue
-            if request.backend.api == "sglang":
-                task = asyncio.get_running_loop().create_task(_abort_request(request.backend, rid))
-                self._aborts.add(task)
-                task.add_done_callback(self._aborts.discard)
-            else:
-                request.generation.cancel()  # closing the stream is the only abort there
+            if request.lease_id == lease_id:
+                self._abort(rid, request)
+
+    def _abort(self, rid: str, request: _Request) -> None:
+        """Stop one request at its server: SGLang by rid (it answers with what was
+        generated), elsewhere by closing the stream (what came is lost)."""
+        if request.backend.api == "sglang":
+            task = asyncio.get_running_loop().create_task(_abort_request(request.backend, rid))
+            self._aborts.add(task)
+            task.add_done_callback(self._aborts.discard)
+        else:
+            request.generation.cancel()  # closing the stream is the only abort there
 
 
 async def _abort_request(backend: InferenceBackend, rid: str) -> None:

@@ -220,6 +220,7 @@ class Dispatcher:
                 unit=settings.unit,
                 policy=settings.on_boundary,
                 cut=settings.cut,
+                reserve=settings.reserve,
                 min_new_tokens=settings.min_new_tokens,
                 lease_size=budget.lease_size(
                     settings.unit,

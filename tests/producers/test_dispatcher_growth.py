@@ -1,0 +1,95 @@
+"""Growing reservations at the dispatcher (``[budget] reserve = "grow"``), without a
+broker: the in-memory ledger of ``test_admission`` and the scripted backend of
+``test_dispatcher_caps``, whose streamed progress the test releases step by step."""
+
+from __future__ import annotations
+
+import asyncio
+
+from tests.producers.test_admission import DS, TOPICS, FakeLedger, balance, run, until
+from tests.producers.test_dispatcher_caps import Recorder, ScriptedBackend, dispatch, prompt
+from tokenbudget.core import config as config_module
+from tokenbudget.producers.admission import Admission, AdmissionSettings
+from tokenbudget.producers.dispatcher import Dispatcher
+from tokenbudget.producers.fleet import Fleet
+from tokenbudget.streams import events as ev
+from tokenbudget.streams.budget_board import BudgetBoard
+
+
+def growing_dispatcher(
+    budget: int,
+) -> tuple[Dispatcher, ScriptedBackend, Admission, Recorder]:
+    config = config_module.build(
+        {
+            "kafka": {"bootstrap": "127.0.0.1:1", "namespace": TOPICS.namespace},
+            "inference": {"url": "http://sim", "stream": True, "concurrency": 8},
+            "budget": {"reserve": "grow"},
+        },
+        environ={},
+    )
+    board = BudgetBoard()
+    fake = FakeLedger(board)
+    fake.set_budget(budget)
+    board.apply(ev.BudgetSet(dataset=DS, budget=budget))
+    dispatcher = Dispatcher(config, "127.0.0.1:1", board, holder="d1")
+    admission = Admission(
+        fake,  # type: ignore[arg-type]
+        TOPICS,
+        "d1",
+        board,
+        AdmissionSettings(lease_size=1000, reserve="grow"),
+    )
+    for _ in range(10):
+        admission.answered(DS, 200)  # the dataset's answers take 200 tokens
+    backend, recorder = ScriptedBackend(), Recorder()
+    dispatcher.compose(recorder, admission, Fleet.of(backend))  # type: ignore[arg-type]
+    return dispatcher, backend, admission, recorder
+
+
+def test_a_streamed_answer_grows_ahead_of_its_tokens_and_is_kept_whole() -> None:
+    async def main() -> None:
+        dispatcher, backend, admission, recorder = growing_dispatcher(10_000)
+        task = asyncio.create_task(dispatch(dispatcher, backend, prompt(0)))
+        await until(lambda: len(backend.calls) == 1, "the request")
+        rid = backend.rid_of(0)
+        assert backend.calls[rid].request.max_new_tokens == 500  # its own limit
+        for tokens in range(32, 481, 32):
+            backend.streamed(rid, tokens)
+        backend.finish(rid, 480)
+        await asyncio.wait_for(task, 5)
+        assert backend.aborted == []
+        [completion] = recorder.completions()
+        assert (completion.completion_tokens, completion.stop_reason) == (480, "stop")
+        # Grown from the lease as it came, settled at its cost: the rest is back.
+        assert balance(admission) == 1000 - 480
+
+    run(main())
+
+
+def test_an_answer_outgrowing_the_budgets_end_is_aborted_alone_and_cut_at_the_line() -> None:
+    async def main() -> None:
+        dispatcher, backend, _, recorder = growing_dispatcher(1000)
+        tasks = [asyncio.create_task(dispatch(dispatcher, backend, prompt(i))) for i in range(5)]
+        await until(lambda: len(backend.calls) == 5, "five requests of 200 each")
+        long, short = backend.rid_of(0), backend.rid_of(1)
+        backend.streamed(long, 150)  # near what it holds: the ledger is asked for more
+        await asyncio.sleep(0.05)  # and has none (all 1,000 are reserved)
+        backend.streamed(long, 230)
+        await until(lambda: backend.aborted == [long], "the abort of the long answer")
+        backend.finish(short, 60)
+        await until(lambda: len(recorder.completions()) == 1, "the short answer")
+        backend.finish(long, 400)  # what it generated until the abort landed
+        await until(lambda: len(recorder.completions()) == 2, "the long answer")
+        for i in range(2, 5):
+            backend.finish(backend.rid_of(i), 100)
+        await asyncio.wait_for(asyncio.gather(*tasks), 5)
+        assert backend.aborted == [long]  # the others were within what they held
+        kept = {c.request_id: c for c in recorder.completions()}
+        assert kept[short].completion_tokens == 60
+        # Cut where the budget ended: what it reserved, and the short one's leftovers.
+        assert kept[long].completion_tokens == 200 + 140
+        assert kept[long].stop_reason == "budget"
+        assert kept[long].output_ids == list(range(340))
+        assert sum(c.completion_tokens for c in kept.values()) == 700 <= 1000
+
+    run(main())
