@@ -401,3 +401,61 @@ def test_thinking_answers_only_the_last_is_cut_by_the_budget(
     report = json.loads(done.stdout)["datasets"]["think"]
     assert (report["completion_tokens"], report["status"]) == (budget, "halted")
     assert report["cut"] == 1  # the run's report counts it, from the ledger
+
+
+def peak_in_flight(log: Path, marker: str) -> int:
+    """The most requests of a dataset the server had at once, from its own log."""
+    edges = []
+    for line in log.read_text().splitlines():
+        raw = json.loads(line) if line.strip() else None
+        if raw is None or raw.get("finish") == "fault" or not raw["text_head"].startswith(marker):
+            continue
+        edges += [(raw["received_at"], 1), (raw["finished_at"], -1)]
+    peak = now = 0
+    for _, step in sorted(edges):
+        now += step
+        peak = max(peak, now)
+    return peak
+
+
+@pytest.mark.timeout(600)
+def test_growing_reservations_fill_the_server_and_keep_the_budget_to_the_token(
+    tmp_path: Path, kafka_bootstrap: str, namespace: str
+) -> None:
+    """``[budget] reserve = "grow"``: requests of max_new_tokens 4096 whose answers
+    take ~1,200 tokens reserve that much and grow as they stream. Whole reservations
+    would allow at most budget / 4096 of them in flight at once; the server's own log
+    shows more, and the budget is still kept to the token, the answers that outgrew
+    its end cut at the line."""
+    data = jobs.rows(tmp_path / "code.jsonl", "#code", 600)
+    budget = 200_000
+    server = jobs.start_simulator(tmp_path, "--tokens-per-second", "400")
+    try:
+        config = jobs.write_job(
+            tmp_path,
+            kafka_bootstrap,
+            namespace,
+            server.url,
+            {"code": (data, budget)},
+            inference={"max_new_tokens": 4096, "concurrency": 64, "stream": True},
+            budget={"reserve": "grow"},
+        )
+        done = subprocess.run(
+            cli_command("run", "--config", str(config), "--json"),
+            capture_output=True,
+            text=True,
+            timeout=500,
+        )
+    finally:
+        server.stop()
+
+    assert done.returncode == 0, done.stderr[-3000:]
+    verdict = oracle.judge(tmp_path / "out", server.log, {"code": (data, budget)})
+    printed = "\n".join(verdict.lines())
+    assert verdict.ok, printed  # overshoot 0, each answer kept once, rows as served
+    assert verdict.datasets["code"].kept_tokens == budget, printed  # used to the token
+    peak = peak_in_flight(server.log, "#code")
+    assert peak > budget // 4096, peak  # beyond what whole reservations allow
+    report = json.loads(done.stdout)["datasets"]["code"]
+    assert (report["completion_tokens"], report["status"]) == (budget, "halted")
+    print(printed, f"peak in flight {peak}", f"cut {report['cut']}")
