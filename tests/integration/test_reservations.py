@@ -419,14 +419,15 @@ def peak_in_flight(log: Path, marker: str) -> int:
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize("cut", ["last", "any"])
 def test_growing_reservations_fill_the_server_and_keep_the_budget_to_the_token(
-    tmp_path: Path, kafka_bootstrap: str, namespace: str
+    tmp_path: Path, kafka_bootstrap: str, namespace: str, cut: str
 ) -> None:
     """``[budget] reserve = "grow"``: requests of max_new_tokens 4096 whose answers
-    take ~1,200 tokens reserve that much and grow as they stream. Whole reservations
-    would allow at most budget / 4096 of them in flight at once; the server's own log
-    shows more, and the budget is still kept to the token, the answers that outgrew
-    its end cut at the line."""
+    take ~1,200 tokens reserve that much (``last``) or their floor (``any``) and grow
+    as they stream. Whole reservations would allow at most budget / 4096 of them in
+    flight at once; the server's own log shows more, and the budget is still kept to
+    the token, the answers that outgrew its end cut at the line."""
     data = jobs.rows(tmp_path / "code.jsonl", "#code", 600)
     budget = 200_000
     server = jobs.start_simulator(tmp_path, "--tokens-per-second", "400")
@@ -438,7 +439,7 @@ def test_growing_reservations_fill_the_server_and_keep_the_budget_to_the_token(
             server.url,
             {"code": (data, budget)},
             inference={"max_new_tokens": 4096, "concurrency": 64, "stream": True},
-            budget={"reserve": "grow"},
+            budget={"reserve": "grow", "cut": cut},
         )
         done = subprocess.run(
             cli_command("run", "--config", str(config), "--json"),
@@ -458,4 +459,7 @@ def test_growing_reservations_fill_the_server_and_keep_the_budget_to_the_token(
     assert peak > budget // 4096, peak  # beyond what whole reservations allow
     report = json.loads(done.stdout)["datasets"]["code"]
     assert (report["completion_tokens"], report["status"]) == (budget, "halted")
-    print(printed, f"peak in flight {peak}", f"cut {report['cut']}")
+    if cut == "any":
+        # The budget was spent with the server full: what was in flight then is cut.
+        aborted = server.log.read_text().count('"finish":"abort"')
+        assert aborted >= 1 and report["cut"] >= 1, (aborted, report["cut"])
