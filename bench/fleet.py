@@ -1,7 +1,7 @@
 """A fleet of inference servers of unequal speed behind one job (issue 28's evidence).
 
     PYTHONPATH=. .venv/bin/python bench/fleet.py [--quick]
-        [--phases least_work,rows,round_robin,kill,cpu]
+        [--phases least_work,grow,grow_any,rows,round_robin,kill,cpu]
         [--servers 8] [--concurrency 128] [--rate 50] [--spread 4] [--seconds 90]
         [--max-new-tokens 4096] [--kill-at 0.4] [--cpu-offered 1200] [--cpu-seconds 20]
         [--profile-dispatcher PATH] [--bootstrap HOST:PORT] [--workdir bench-out/fleet]
@@ -17,6 +17,13 @@ broker of the bench's own on free ports, unless ``--bootstrap``):
                answers, each with a token budget worth a share of ``--seconds`` at the
                fleet's capacity, and one small dataset that runs out of rows) through
                ``tokenbudget run``, routed by the default policy
+  grow         the budgeted job with ``[budget] reserve = "grow"`` and streamed
+               answers: each request reserves what its dataset's answers take on
+               average and grows as it streams, where ``least_work`` reserves each
+               request's whole max_new_tokens; the answers the budgets' ends cut are
+               counted from the kept rows
+  grow_any     the same with ``[budget] cut = "any"``: no request waits at a budget's
+               end, what is in flight when the budget is spent is cut there
   rows         the same datasets without budgets, each file holding about its
                budget's worth of rows (every row kept once): the routing and the
                last answers without the budgets' reservations
@@ -93,7 +100,7 @@ from tokenbudget.localkafka import broker
 from tokenbudget.producers.resume import outcome_records
 from tokenbudget.streams.topics import Topics
 
-PHASES = ("least_work", "rows", "round_robin", "kill", "cpu")
+PHASES = ("least_work", "grow", "grow_any", "rows", "round_robin", "kill", "cpu")
 TICK = os.sysconf("SC_CLK_TCK")
 LEASE_SECONDS = 10  # the cpu phase's lease: this many seconds of completions
 FULL = 0.98  # the fleet counts as full at this capacity-weighted share of slots busy
@@ -336,6 +343,16 @@ def answers_of(servers: list[Server]) -> list[Answer]:
     return found
 
 
+def budget_cuts(out: Path) -> tuple[int, int]:
+    """(rows the budget cut, rows) of the kept rows: their ``stop_reason``."""
+    reasons = [
+        reason
+        for file in out.glob("dataset=*/*.parquet")
+        for reason in pq.read_table(file, columns=["stop_reason"]).column(0).to_pylist()
+    ]
+    return sum(1 for r in reasons if r == "budget"), len(reasons)
+
+
 def kept_rows(out: Path) -> dict[str, tuple[str, int]]:
     """Request id -> (dataset, attempts) of every kept row."""
     found = {}
@@ -472,6 +489,8 @@ def run_job(
     routing: str = "least_work",
     kill: int | None = None,
     budgets: bool = True,
+    reserve: str = "whole",
+    cut: str = "last",
 ) -> JobResult:
     workdir = Path(args.workdir).resolve() / phase
     shutil.rmtree(workdir, ignore_errors=True)  # the simulators append to their logs
@@ -494,7 +513,9 @@ def run_job(
                 "concurrency": args.concurrency,
                 "max_new_tokens": args.max_new_tokens,
                 "routing": routing,
+                "stream": reserve == "grow",
             },
+            {"reserve": reserve, "cut": cut},
         )
         cpu = CpuWatch()
         for server in servers:
@@ -558,6 +579,9 @@ def run_job(
     result = JobResult(phase, wall, line, verdict, used, machine, notes)
     if phase == "kill":
         result.notes += kill_waste(servers, answers, rows, verdict, args)
+    if budgets:
+        cut, kept = budget_cuts(workdir / "out")
+        result.notes.append(f"answers the budgets cut: {cut:,} of {kept:,} kept rows")
     return result
 
 
@@ -1059,6 +1083,10 @@ def main() -> int:
             ),
             "kill": lambda: run_job("kill", args, bootstrap, settings, kill=args.servers - 1),
             "rows": lambda: run_job("rows", args, bootstrap, settings, budgets=False),
+            "grow": lambda: run_job("grow", args, bootstrap, settings, reserve="grow"),
+            "grow_any": lambda: run_job(
+                "grow_any", args, bootstrap, settings, reserve="grow", cut="any"
+            ),
         }
         for phase in phases:
             if phase in kinds:
