@@ -1,4 +1,5 @@
-"""Answers the budget cuts, at a thinking model's sizes: ``[budget] cut`` any vs last.
+"""Answers the budget cuts, at a thinking model's sizes: ``[budget] cut`` any vs last,
+and reservations that grow (``[budget] reserve = "grow"``).
 
     .venv/bin/python bench/thinking_cut.py [--budget 3000000] [--concurrency 64]
         [--max-new-tokens 131072] [--tokens-per-second 2000] [--runs 1]
@@ -12,13 +13,17 @@ variants alternating (``--runs`` pairs):
         holds goes out at once as a shorter max_new_tokens, while the requests in
         flight will hand most of their room back
   last  requests wait for those leftovers; only the answer at the line is cut
+  grow  ``cut = "last"`` with ``reserve = "grow"`` and streamed answers: a request
+        reserves the mean answer, not its 131,072, and grows as it streams; an
+        answer that outgrows the budget's end is aborted there and cut at the line
 
 Per variant, graded by the simulator's own request log (each request's
 max_new_tokens as sent and the length its answer would have had): answers cut by
 the budget (sent with less room than they needed, below the dataset's own
-max_new_tokens) and the room they were sent with; then the ledger's count of them,
-overshoot and unused budget (the run's report, against the budget), requests sent,
-and the run's wall time.
+max_new_tokens) and the room they were sent with, and answers aborted at the line;
+then the ledger's count of them, overshoot and unused budget (the run's report,
+against the budget), requests sent, the most the server had at once, and the run's
+wall time.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from tokenbudget.core import config as config_module
 from tokenbudget.dev import jobs, oracle
 from tokenbudget.localkafka import broker
 
-VARIANTS = ("any", "last")
+VARIANTS = ("any", "last", "grow")
 
 
 def write_config(
@@ -52,8 +57,9 @@ def write_config(
             "concurrency": args.concurrency,
             "max_new_tokens": args.max_new_tokens,
             "read_timeout_s": 600.0,
+            "stream": variant == "grow",
         },
-        budget={"cut": variant},
+        budget={"cut": "last", "reserve": "grow"} if variant == "grow" else {"cut": variant},
         metrics={"port": 0},
     )
 
@@ -74,6 +80,17 @@ def one_run(variant: str, workdir: Path, data: Path, args: argparse.Namespace) -
         server.stop()
     sent = oracle.rooms(server.log)
     cut = oracle.cut_by_budget(sent, args.max_new_tokens)
+    served = [json.loads(line) for line in server.log.read_text().splitlines() if line.strip()]
+    edges = sorted(
+        (at, step)
+        for r in served
+        if r["finish"] != "fault"
+        for at, step in ((r["received_at"], 1), (r["finished_at"], -1))
+    )
+    peak = now = 0
+    for _, step in edges:
+        now += step
+        peak = max(peak, now)
     result = report.datasets["thinking"]
     kept = result.completion_tokens
     return {
@@ -82,6 +99,8 @@ def one_run(variant: str, workdir: Path, data: Path, args: argparse.Namespace) -
         "samples": result.samples,
         "cut": len(cut),
         "cut_room": sum(r.max_new_tokens for r in cut),
+        "aborted": sum(1 for r in served if r["finish"] == "abort"),
+        "peak": peak,
         "ledger_cut": result.cut,
         "kept": kept,
         "overshoot": max(0, kept - args.budget),
@@ -124,7 +143,9 @@ def main() -> None:
         "kept answers",
         "cut by budget (server log)",
         "their room",
+        "aborted at the line",
         "cut (ledger)",
+        "most at once",
         "overshoot",
         "unused",
         "wall time",
@@ -139,7 +160,9 @@ def main() -> None:
                 r["samples"],
                 f"{r['cut']} ({100 * int(r['cut']) / max(1, int(r['samples'])):.1f}%)",
                 f"{r['cut_room']:,} ({100 * int(r['cut_room']) / args.budget:.1f}%)",
+                r["aborted"],
                 r["ledger_cut"],
+                r["peak"],
                 f"{r['overshoot']:,}",
                 "-" if unused is None else f"{unused:,}",
                 f"{r['seconds']} s",
