@@ -256,10 +256,21 @@ def boundary_effect(config: Config) -> str:
             "a request goes out only while its max_new_tokens fits: a run stops short of"
             " the budget, a few prompts fewer"
         )
-    if config.budget.cut == "last":
+    grows = config.budget.reserve == "grow"
+    if config.budget.cut == "last" and not grows:
         return (
             "the one answer at a budget's line is cut at the line and kept in part: a run"
             " sends a prompt more"
+        )
+    if config.budget.cut == "last":
+        return (
+            "the answers that outgrow a budget's end (few) are cut at the line and kept in"
+            " part: a run sends a few more prompts"
+        )
+    if grows:
+        return (
+            "every answer in flight when a budget is spent is cut at the line and kept in"
+            " part: a run sends up to `concurrency` more prompts per dataset"
         )
     return (
         "the answers in flight when a budget runs out are cut at the line and kept in"

@@ -208,11 +208,16 @@ def test_after_a_run_the_kept_rows_are_shown_beside_their_source(tmp_path: Path)
         ({"on_boundary": "finish"}, "stops short"),
         ({"admission": "halt"}, "kept beyond the budget"),
         ({"unit": "samples"}, ""),
+        ({"reserve": "grow"}, "the answers that outgrow a budget's end (few) are cut"),
+        ({"reserve": "grow", "cut": "any"}, "every answer in flight when a budget is spent"),
     ],
 )
 def test_the_plan_says_how_the_end_of_a_budget_moves_the_count(
     tmp_path: Path, budget: dict[str, str], says: str
 ) -> None:
-    config = config_module.build({"budget": budget}, base_dir=tmp_path, environ={})
+    inference = {"stream": True} if budget.get("reserve") == "grow" else {}
+    config = config_module.build(
+        {"budget": budget, "inference": inference}, base_dir=tmp_path, environ={}
+    )
     effect = plan.boundary_effect(config)
     assert says in effect and (effect == "") == (says == "")
