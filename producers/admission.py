@@ -99,6 +99,10 @@ class _Lease:
     # so answers in flight on it are claimed anew rather than kept on it.
     expired: bool = False
     ledger_short: bool = False  # the ledger granted less than asked, or denied
+    # The same, kept across settles (which clear ledger_short under cut = "last" so that
+    # waiting requests ask again) until a grant covers what was asked: growing requests
+    # keep what is left for the answers in flight until then.
+    dry: bool = False
     asked_want: int = 0
     asked: asyncio.Future[ev.Event] | None = None
     last_used: float = field(default_factory=time.monotonic)
@@ -110,6 +114,7 @@ class _Lease:
     published: asyncio.Event = field(default_factory=asyncio.Event)
     releasing: bool = False
     grown: dict[int, int] = field(default_factory=dict)  # ticket serial -> tokens added
+    held: int = 0  # what its tickets in flight hold, grown or not
 
 
 def _next_change(lease: _Lease) -> Awaitable[None]:
@@ -234,8 +239,8 @@ class Admission:
             settings.min_new_tokens,
         )
         if settings.reserve == "grow" and not exact:
-            lengths = self._lengths.get(dataset)
-            request = request.growing(lengths.typical() if lengths else None, settings.cut)
+            lengths = self._lengths.get(dataset) or budget.AnswerLengths()
+            request = request.growing(lengths.typical(), settings.cut, lengths.spread())
         try:
             while True:
                 if waits.waited and self.board.is_halted(dataset):
@@ -286,16 +291,18 @@ class Admission:
         as the cut policy says."""
         return request.step(
             lease.balance,
-            ledger_short=lease.ledger_short,
+            ledger_short=lease.ledger_short or (request.grows and lease.dry),
             in_flight=lease.in_flight,
             long_answer=None if exact else self.long_answer(lease.dataset),
             cut=self.settings.cut,
+            held=lease.held,
         )
 
     def _reserve(
         self, lease: _Lease, request: budget.Ask, step: budget.Step, estimate: int
     ) -> Ticket:
         lease.balance -= step.amount
+        lease.held += step.amount
         lease.in_flight += 1
         lease.last_used = time.monotonic()
         send = request.max_new_tokens_for(step.amount, step.grows)
@@ -317,6 +324,7 @@ class Admission:
         dataset = lease.dataset
         if reply is None or isinstance(reply, ev.LeaseGranted):
             return True  # granted (see _on_ledger_event), or no answer yet: ask again
+        lease.dry = True
         if lease.balance >= floor and self._leases.get(dataset) is lease:
             lease.ledger_short = True  # denied: spend what the lease still holds
             return True
@@ -416,6 +424,7 @@ class Admission:
                 held,
             )
         lease.in_flight -= 1
+        lease.held -= held
         lease.spent += cost
         if not lease.revoked:
             lease.balance += max(0, held - cost)
@@ -486,7 +495,7 @@ class Admission:
                     assert lease is not None
                     lease.balance += event.granted
                     # Grants are min(asked, rest): less than asked means the end.
-                    lease.ledger_short = event.granted < lease.asked_want
+                    lease.ledger_short = lease.dry = event.granted < lease.asked_want
                 if asked is not None and not asked.done():
                     asked.set_result(event)
                 if current:
@@ -648,6 +657,7 @@ class Growth:
         extra = budget.growth(held, need, ticket.reserved, ceiling, lease.balance)
         if extra:
             lease.balance -= extra
+            lease.held += extra
             held += extra
             lease.grown[ticket.serial] = held - ticket.reserved
             lease.last_used = time.monotonic()
@@ -681,7 +691,7 @@ class Growth:
                 reply = await self._admission._ask(lease, self._more(cost - held), 1)
                 granted = isinstance(reply, ev.LeaseGranted)
                 if not granted:
-                    lease.ledger_short = True  # denied, or no answer in time: cut it
+                    lease.ledger_short = lease.dry = True  # denied, or no answer in time
             grown = self.grow(ticket, cost)
             if grown == held and not granted:
                 break  # nothing more to take: the answer is cut to what it holds
@@ -700,4 +710,4 @@ class Growth:
             log.warning("%s: asking the ledger for more failed: %r", lease.dataset, exc)
             reply = None
         if not isinstance(reply, ev.LeaseGranted):
-            lease.ledger_short = True
+            lease.ledger_short = lease.dry = True

@@ -55,6 +55,7 @@ Admission modes (``[budget] admission``), :data:`ADMISSION_MODES`:
 from __future__ import annotations
 
 import bisect
+import math
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -212,6 +213,7 @@ class Ask:
     overhead: int  # what of ``want`` is not new tokens (the prompt's estimate)
     max_new_tokens: int  # the request's own limit
     grows: bool = False  # ``want`` is a typical answer's, grown as the answer comes
+    spread: int = 0  # with ``grows``: the standard deviation of the dataset's answers
 
     @property
     def whole(self) -> int:
@@ -220,7 +222,7 @@ class Ask:
             return self.want
         return self.overhead + self.max_new_tokens
 
-    def growing(self, typical: int | None, cut: CutPolicy) -> Ask:
+    def growing(self, typical: int | None, cut: CutPolicy, spread: int | None = None) -> Ask:
         """The request under ``[budget] reserve = "grow"``: it reserves little and
         grows from there as its answer comes. Under ``cut = "last"`` it reserves
         ``typical`` new tokens (what the dataset's answers take on average,
@@ -228,14 +230,17 @@ class Ask:
         answers outgrow a budget's end; under ``any`` only the floor (the fewest new
         tokens worth asking for), so that the fleet stays full until the budget is
         spent and what is in flight then is cut. Unchanged when that is no less than
-        the limit, or in a unit that does not count tokens."""
+        the limit, or in a unit that does not count tokens. ``spread``: how far the
+        dataset's answers stray from ``typical`` (their standard deviation), which
+        :meth:`step` keeps room for at a budget's end."""
         start = self.floor - self.overhead if cut == "any" else typical
         if start is None or not unit_rule(self.unit).in_tokens:
             return self
         if start >= self.max_new_tokens:
             return self
         want = self.overhead + max(1, start)
-        return Ask(self.unit, want, min(self.floor, want), self.overhead, self.max_new_tokens, True)
+        floor = min(self.floor, want)
+        return Ask(self.unit, want, floor, self.overhead, self.max_new_tokens, True, spread or 0)
 
     def clamp(self, balance: int, ledger_short: bool) -> int | None:
         """What to reserve from a lease holding ``balance``: the whole request when
@@ -263,12 +268,14 @@ class Ask:
         in_flight: int,
         long_answer: int | None,
         cut: CutPolicy,
+        held: int = 0,
     ) -> Step:
         """What to do with a lease holding ``balance`` while ``in_flight`` requests
-        of it are out: :meth:`clamp`, and when that would send less than the whole
-        request, the cut policy's choice (:data:`CUT_POLICIES`)."""
+        of it are out (holding ``held`` between them): :meth:`clamp`, and when that
+        would send less than the whole request, the cut policy's choice
+        (:data:`CUT_POLICIES`)."""
         if self.grows:
-            return self._grow_step(balance, ledger_short, in_flight, cut)
+            return self._grow_step(balance, ledger_short, in_flight, held, cut)
         reserved = self.clamp(balance, ledger_short)
         if reserved is None:
             return ASK
@@ -276,23 +283,28 @@ class Ask:
             return Step("reserve", reserved)
         return CUT_POLICIES[cut](reserved, in_flight, self.enough(long_answer))
 
-    def _grow_step(self, balance: int, ledger_short: bool, in_flight: int, cut: CutPolicy) -> Step:
+    def _grow_step(
+        self, balance: int, ledger_short: bool, in_flight: int, held: int, cut: CutPolicy
+    ) -> Step:
         """:meth:`step` of a growing request: a typical answer's worth goes out and
         grows. Once the ledger has no more to give, what is left grows the answers in
-        flight: under ``cut = "last"`` a new one goes out only while what would be
-        left still holds a typical answer's worth for each of them (so that answers
-        outgrow the end rarely), else it waits for their leftovers, and with none in
-        flight goes out clamped to what is left (the one cut); under ``any`` it goes
-        out at once, clamped to what is left if that is less."""
+        flight: under ``cut = "last"`` a new one goes out growing only while what the
+        lease holds (``balance``, and ``held`` by the requests in flight) covers it
+        and them at a typical answer each, with three standard deviations of their sum
+        to spare (:func:`room_for`), so that answers outgrow the end rarely; else it
+        waits for their leftovers, and with none in flight (nothing comes back) goes
+        out with what is left as its max_new_tokens (the one cut). Under ``any`` it
+        goes out at once, clamped to what is left if that is less."""
+        if not ledger_short or cut == "any":
+            if balance >= self.want:
+                return Step("reserve", self.want, grows=True)
+            return ASK if not ledger_short or balance < self.floor else Step("reserve", balance)
         typical = self.want - self.overhead
-        room = not ledger_short or cut == "any" or balance - self.want >= in_flight * typical
-        if balance >= self.want and room:
+        if balance >= self.want and balance + held >= room_for(in_flight + 1, typical, self.spread):
             return Step("reserve", self.want, grows=True)
-        if not ledger_short or balance < self.floor:
+        if balance < self.floor:
             return ASK
-        if balance < self.want and (cut == "any" or in_flight == 0):
-            return Step("reserve", balance)
-        return WAIT
+        return Step("reserve", balance) if in_flight == 0 else WAIT
 
     def max_new_tokens_for(self, reserved: int, grows: bool = False) -> int:
         """The max_new_tokens to send for ``reserved`` (from :meth:`step`): what was
@@ -306,6 +318,14 @@ class Ask:
         """What to ask the ledger for on the lease: a lease's worth, or more if this
         one request needs it."""
         return max(lease_size, self.want)
+
+
+def room_for(answers: int, typical: int, spread: int) -> int:
+    """What ``answers`` answers of a dataset likely need together, at most: a typical
+    one's length each and three standard deviations of their sum (``spread`` is one
+    answer's): their lengths add up to more about once in a thousand, for answers
+    drawn alike and many of them."""
+    return answers * typical + math.ceil(3 * math.sqrt(answers) * spread)
 
 
 def growth(allowance: int, need: int, reserved: int, ceiling: int, balance: int) -> int:
@@ -380,13 +400,16 @@ class AnswerLengths:
         self._recent: deque[int] = deque(maxlen=window)
         self._sorted: list[int] = []
         self._sum = 0  # of the recent lengths
+        self._squares = 0  # of their squares
 
     def observe(self, tokens: int) -> None:
         if len(self._recent) == self._recent.maxlen:
             del self._sorted[bisect.bisect_left(self._sorted, self._recent[0])]
             self._sum -= self._recent[0]
+            self._squares -= self._recent[0] ** 2
         self._recent.append(tokens)
         self._sum += tokens
+        self._squares += tokens**2
         bisect.insort(self._sorted, tokens)
 
     def high(self) -> int | None:
@@ -399,6 +422,15 @@ class AnswerLengths:
         reservation starts at; None below ``least`` of them."""
         n = len(self._recent)
         return -(-self._sum // n) if n >= least else None
+
+    def spread(self, least: int = 10) -> int | None:
+        """The standard deviation of the lengths of the answers seen (rounded up);
+        None below ``least`` of them."""
+        n = len(self._recent)
+        if n < least:
+            return None
+        variance = max(0.0, self._squares / n - (self._sum / n) ** 2)
+        return math.ceil(math.sqrt(variance))
 
 
 # -- leases and admission modes ----------------------------------------------------------

@@ -152,3 +152,36 @@ def test_a_growing_ticket_on_a_revoked_lease_grows_no_more() -> None:
         assert not admission.growth.can_grow(ticket)
 
     run(main())
+
+
+def test_at_the_budgets_end_leftovers_stay_for_the_answers_in_flight() -> None:
+    """Once the ledger has said it has no more, what answers in flight hand back is
+    kept for the others to grow into: a new request waits until what the lease holds
+    covers a mean answer for it and each one in flight, with three standard
+    deviations of their sum to spare, though every settle has waiting requests ask
+    the ledger again."""
+
+    async def main() -> None:
+        admission, fake, _ = make(1000, lease_size=1000, reserve="grow")
+        for tokens in (100, 300) * 5:
+            admission.answered(DS, tokens)  # a mean of 200, a deviation of 100
+        tickets = [await admission.admit(DS, 1000) for _ in range(5)]
+        assert all(t is not None and t.reserved == 200 for t in tickets)
+        late = asyncio.ensure_future(admission.admit(DS, 1000))
+        await asyncio.sleep(0.05)
+        assert not late.done()  # the ledger has nothing more: it waits
+        first = tickets[0]
+        assert first is not None
+        await settle_and_complete(admission, fake, first, None)  # 200 back
+        await asyncio.sleep(0.05)
+        assert balance(admission) == 200
+        # Five answers of 200 +- 100 want 1,000 + 3 x sqrt(5) x 100 > the 1,000 held.
+        assert not late.done()
+        for ticket in tickets[1:4]:
+            assert ticket is not None
+            await settle_and_complete(admission, fake, ticket, None)
+        # One in flight: two answers want 400 + 3 x sqrt(2) x 100 = 825 of 1,000.
+        ticket = await asyncio.wait_for(late, 5)
+        assert ticket is not None and (ticket.reserved, ticket.grows) == (200, True)
+
+    run(main())

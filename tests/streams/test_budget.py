@@ -325,26 +325,46 @@ def test_under_cut_any_a_growing_request_reserves_only_its_floor() -> None:
     )
 
 
+def test_typical_answers_and_their_spread_say_what_answers_in_flight_need() -> None:
+    lengths = budget.AnswerLengths()
+    for tokens in (100, 300) * 5:
+        lengths.observe(tokens)
+    assert (lengths.typical(), lengths.spread()) == (200, 100)
+    assert budget.room_for(4, 200, 100) == 800 + 600  # 3 x sqrt(4) x 100
+    assert budget.room_for(1, 200, 0) == 200
+
+
 def test_at_the_budgets_end_what_is_left_grows_the_answers_in_flight_first() -> None:
-    request = ask("completion_tokens", "truncate", 4096).growing(1000, "last")
+    request = ask("completion_tokens", "truncate", 4096).growing(1000, "last", 100)
 
     def step(balance: int, in_flight: int, cut: CutPolicy = "last") -> budget.Step:
+        # each in flight holds a typical answer
         return request.step(
-            balance, ledger_short=True, in_flight=in_flight, long_answer=None, cut=cut
+            balance,
+            ledger_short=True,
+            in_flight=in_flight,
+            long_answer=None,
+            cut=cut,
+            held=in_flight * 1000,
         )
 
     growing = budget.Step("reserve", 1000, grows=True)
-    # The ledger has no more: a new one goes out while what would be left still
-    # holds a typical answer for each of the three in flight, else it waits.
-    assert step(4000, 3) == growing
-    assert step(3999, 3) == budget.WAIT
-    assert step(3999, 3, "any") == growing  # at once, whatever that cuts
+    # The ledger has no more: a new one goes out while what the lease holds covers
+    # it and the three in flight at a typical answer each, with 3 x sqrt(4) x 100
+    # to spare; else it waits for their leftovers.
+    assert step(1600, 3) == growing
+    assert step(1599, 3) == budget.WAIT
+    assert step(1599, 3, "any") == growing  # at once, whatever that cuts
     # Less than a typical answer and nothing in flight: the rest goes out clamped,
     # the one answer cut at the line.
     assert step(700, 0) == budget.Step("reserve", 700)
     assert request.max_new_tokens_for(700, False) == 700
     assert step(700, 3) == budget.WAIT
     assert step(700, 3, "any") == budget.Step("reserve", 700)
+    # Room for a typical answer but not for its spread, and nothing in flight to
+    # hand anything back: the rest goes out clamped rather than wait for ever.
+    assert step(1200, 0) == budget.Step("reserve", 1200)
+    assert request.max_new_tokens_for(1200, False) == 1200
     assert step(0, 3) == budget.ASK  # below the floor: the ledger is asked again
 
 
