@@ -357,6 +357,35 @@ def test_budget_lowered_while_streaming_keeps_only_what_fits(
     assert any(r.finish == "abort" for r in code), "streams above the new budget were aborted"
 
 
+def run_one_dataset(
+    tmp_path: Path,
+    bootstrap: str,
+    namespace: str,
+    dataset: tuple[str, Path, int],
+    simulate: tuple[str, ...],
+    **sections: dict,
+) -> tuple[subprocess.CompletedProcess[str], oracle.Verdict, Path]:
+    """``tokenbudget run --json`` of one dataset (name, file, budget) on a simulator
+    started with ``simulate``; ``sections`` override config keys. Returns the run,
+    the oracle's verdict of its rows against the simulator's log, and that log."""
+    name, data, budget = dataset
+    server = jobs.start_simulator(tmp_path, *simulate)
+    try:
+        config = jobs.write_job(
+            tmp_path, bootstrap, namespace, server.url, {name: (data, budget)}, **sections
+        )
+        done = subprocess.run(
+            cli_command("run", "--config", str(config), "--json"),
+            capture_output=True,
+            text=True,
+            timeout=500,
+        )
+    finally:
+        server.stop()
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done, oracle.judge(tmp_path / "out", server.log, {name: (data, budget)}), server.log
+
+
 @pytest.mark.timeout(600)
 def test_thinking_answers_only_the_last_is_cut_by_the_budget(
     tmp_path: Path, kafka_bootstrap: str, namespace: str
@@ -368,31 +397,18 @@ def test_thinking_answers_only_the_last_is_cut_by_the_budget(
     own log of each request's room (max_new_tokens sent) and natural length."""
     data = jobs.rows(tmp_path / "think.jsonl", "#think", 32)
     budget = 450_000
-    server = jobs.start_simulator(tmp_path, "--profile", "long", "--tokens-per-second", "100000")
-    try:
-        config = jobs.write_job(
-            tmp_path,
-            kafka_bootstrap,
-            namespace,
-            server.url,
-            {"think": (data, budget)},
-            inference={"max_new_tokens": 131_072, "concurrency": 16},
-        )
-        done = subprocess.run(
-            cli_command("run", "--config", str(config), "--json"),
-            capture_output=True,
-            text=True,
-            timeout=500,
-        )
-    finally:
-        server.stop()
-
-    assert done.returncode == 0, done.stderr[-3000:]
-    verdict = oracle.judge(tmp_path / "out", server.log, {"think": (data, budget)})
+    done, verdict, log = run_one_dataset(
+        tmp_path,
+        kafka_bootstrap,
+        namespace,
+        ("think", data, budget),
+        ("--profile", "long", "--tokens-per-second", "100000"),
+        inference={"max_new_tokens": 131_072, "concurrency": 16},
+    )
     printed = "\n".join(verdict.lines())
     assert verdict.ok, printed
     assert verdict.datasets["think"].kept_tokens == budget, printed  # used to the token
-    sent = oracle.rooms(server.log)
+    sent = oracle.rooms(log)
     cut = oracle.cut_by_budget(sent, 131_072)
     rooms = [(r.max_new_tokens, r.natural_tokens) for r in sent]
     assert len(cut) <= 1, rooms
@@ -430,36 +446,23 @@ def test_growing_reservations_fill_the_server_and_keep_the_budget_to_the_token(
     the token, the answers that outgrew its end cut at the line."""
     data = jobs.rows(tmp_path / "code.jsonl", "#code", 600)
     budget = 200_000
-    server = jobs.start_simulator(tmp_path, "--tokens-per-second", "400")
-    try:
-        config = jobs.write_job(
-            tmp_path,
-            kafka_bootstrap,
-            namespace,
-            server.url,
-            {"code": (data, budget)},
-            inference={"max_new_tokens": 4096, "concurrency": 64, "stream": True},
-            budget={"reserve": "grow", "cut": cut},
-        )
-        done = subprocess.run(
-            cli_command("run", "--config", str(config), "--json"),
-            capture_output=True,
-            text=True,
-            timeout=500,
-        )
-    finally:
-        server.stop()
-
-    assert done.returncode == 0, done.stderr[-3000:]
-    verdict = oracle.judge(tmp_path / "out", server.log, {"code": (data, budget)})
+    done, verdict, log = run_one_dataset(
+        tmp_path,
+        kafka_bootstrap,
+        namespace,
+        ("code", data, budget),
+        ("--tokens-per-second", "400"),
+        inference={"max_new_tokens": 4096, "concurrency": 64, "stream": True},
+        budget={"reserve": "grow", "cut": cut},
+    )
     printed = "\n".join(verdict.lines())
     assert verdict.ok, printed  # overshoot 0, each answer kept once, rows as served
     assert verdict.datasets["code"].kept_tokens == budget, printed  # used to the token
-    peak = peak_in_flight(server.log, "#code")
+    peak = peak_in_flight(log, "#code")
     assert peak > budget // 4096, peak  # beyond what whole reservations allow
     report = json.loads(done.stdout)["datasets"]["code"]
     assert (report["completion_tokens"], report["status"]) == (budget, "halted")
     if cut == "any":
         # The budget was spent with the server full: what was in flight then is cut.
-        aborted = server.log.read_text().count('"finish":"abort"')
+        aborted = log.read_text().count('"finish":"abort"')
         assert aborted >= 1 and report["cut"] >= 1, (aborted, report["cut"])

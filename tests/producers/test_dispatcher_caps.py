@@ -20,6 +20,7 @@ from tests.producers.test_admission import (
     until,
 )
 from tokenbudget.core import config as config_module
+from tokenbudget.core.config import ReserveMode
 from tokenbudget.core.errors import InferenceTransportError
 from tokenbudget.producers.admission import Admission, AdmissionSettings
 from tokenbudget.producers.dispatcher import Dispatcher
@@ -107,12 +108,13 @@ class ScriptedBackend(InferenceBackend):
 
 
 def make_dispatcher(
-    *, stream: bool, budget: int = 10_000
+    *, stream: bool, budget: int = 10_000, reserve: ReserveMode = "whole"
 ) -> tuple[Dispatcher, ScriptedBackend, FakeLedger, BudgetBoard, Recorder]:
     config = config_module.build(
         {
             "kafka": {"bootstrap": "127.0.0.1:1", "namespace": TOPICS.namespace},
             "inference": {"url": "http://sim", "stream": stream, "concurrency": 8},
+            "budget": {"reserve": reserve},
         },
         environ={},
     )
@@ -128,7 +130,7 @@ def make_dispatcher(
         TOPICS,
         "d1",
         board,
-        AdmissionSettings(lease_size=1000),
+        AdmissionSettings(lease_size=1000, reserve=reserve),
     )
     dispatcher.compose(recorder, admission, Fleet.of(backend))  # type: ignore[arg-type]
     return dispatcher, backend, fake, board, recorder

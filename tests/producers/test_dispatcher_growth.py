@@ -6,43 +6,29 @@ from __future__ import annotations
 
 import asyncio
 
-from tests.producers.test_admission import DS, TOPICS, FakeLedger, balance, run, until
-from tests.producers.test_dispatcher_caps import Recorder, ScriptedBackend, dispatch, prompt
-from tokenbudget.core import config as config_module
-from tokenbudget.producers.admission import Admission, AdmissionSettings
+from tests.producers.test_admission import DS, balance, run, until
+from tests.producers.test_dispatcher_caps import (
+    Recorder,
+    ScriptedBackend,
+    dispatch,
+    make_dispatcher,
+    prompt,
+)
+from tokenbudget.producers.admission import Admission
 from tokenbudget.producers.dispatcher import Dispatcher
-from tokenbudget.producers.fleet import Fleet
-from tokenbudget.streams import events as ev
-from tokenbudget.streams.budget_board import BudgetBoard
 
 
 def growing_dispatcher(
     budget: int,
 ) -> tuple[Dispatcher, ScriptedBackend, Admission, Recorder]:
-    config = config_module.build(
-        {
-            "kafka": {"bootstrap": "127.0.0.1:1", "namespace": TOPICS.namespace},
-            "inference": {"url": "http://sim", "stream": True, "concurrency": 8},
-            "budget": {"reserve": "grow"},
-        },
-        environ={},
+    """A dispatcher of growing reservations whose dataset's answers take 200 tokens."""
+    dispatcher, backend, _, _, recorder = make_dispatcher(
+        stream=True, budget=budget, reserve="grow"
     )
-    board = BudgetBoard()
-    fake = FakeLedger(board)
-    fake.set_budget(budget)
-    board.apply(ev.BudgetSet(dataset=DS, budget=budget))
-    dispatcher = Dispatcher(config, "127.0.0.1:1", board, holder="d1")
-    admission = Admission(
-        fake,  # type: ignore[arg-type]
-        TOPICS,
-        "d1",
-        board,
-        AdmissionSettings(lease_size=1000, reserve="grow"),
-    )
+    admission = dispatcher.admission
+    assert admission is not None
     for _ in range(10):
-        admission.answered(DS, 200)  # the dataset's answers take 200 tokens
-    backend, recorder = ScriptedBackend(), Recorder()
-    dispatcher.compose(recorder, admission, Fleet.of(backend))  # type: ignore[arg-type]
+        admission.answered(DS, 200)
     return dispatcher, backend, admission, recorder
 
 
