@@ -306,9 +306,10 @@ class Admission:
         lease.in_flight += 1
         lease.last_used = time.monotonic()
         send = request.max_new_tokens_for(step.amount, step.grows)
-        grows = send > step.amount - request.overhead
         serial = next(self._counter)
-        return Ticket(lease.dataset, lease.lease_id, step.amount, send, estimate, grows, serial)
+        return Ticket(
+            lease.dataset, lease.lease_id, step.amount, send, estimate, step.grows, serial
+        )
 
     async def _after_asking(
         self,

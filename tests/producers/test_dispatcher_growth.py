@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from tests.producers.test_admission import DS, balance, run, until
+from tests.producers.test_admission import DS, balance, make, run, until
 from tests.producers.test_dispatcher_caps import (
     Recorder,
     ScriptedBackend,
@@ -15,6 +15,7 @@ from tests.producers.test_dispatcher_caps import (
     prompt,
 )
 from tokenbudget.producers.admission import Admission
+from tokenbudget.producers.caps import InFlight
 from tokenbudget.producers.dispatcher import Dispatcher
 
 
@@ -77,5 +78,27 @@ def test_an_answer_outgrowing_the_budgets_end_is_aborted_alone_and_cut_at_the_li
         assert kept[long].stop_reason == "budget"
         assert kept[long].output_ids == list(range(340))
         assert sum(c.completion_tokens for c in kept.values()) == 700 <= 1000
+
+    run(main())
+
+
+def test_a_streamed_answer_on_a_ticket_that_does_not_grow_is_never_aborted_for_it() -> None:
+    """A samples budget reserves 1 per request and sends the request's own limit:
+    its tickets do not grow, and a streamed answer past 1 token at the budget's end
+    runs on to be kept whole."""
+
+    async def main() -> None:
+        admission, _, _ = make(1, unit="samples", lease_size=1)
+        ticket = await admission.admit(DS, 500)
+        assert ticket is not None and (ticket.reserved, ticket.max_new_tokens) == (1, 500)
+        assert not ticket.grows
+        admission._leases[DS].ledger_short = True  # the budget's end: nothing more
+        in_flight = InFlight(admission, "samples", stream=True)
+        backend = ScriptedBackend()
+        generation = asyncio.get_running_loop().create_future()
+        in_flight.add("r1", DS, ticket.lease_id, generation, backend, ticket)  # type: ignore[arg-type]
+        in_flight.on_progress("r1", 300)
+        await asyncio.sleep(0)
+        assert backend.aborted == [] and not generation.cancelled()
 
     run(main())
