@@ -215,13 +215,6 @@ class Ask:
     grows: bool = False  # ``want`` is a typical answer's, grown as the answer comes
     spread: int = 0  # with ``grows``: the standard deviation of the dataset's answers
 
-    @property
-    def whole(self) -> int:
-        """What the request costs at most: its prompt's estimate and its limit."""
-        if not unit_rule(self.unit).in_tokens:
-            return self.want
-        return self.overhead + self.max_new_tokens
-
     def growing(self, typical: int | None, cut: CutPolicy, spread: int | None = None) -> Ask:
         """The request under ``[budget] reserve = "grow"``: it reserves little and
         grows from there as its answer comes. Under ``cut = "last"`` it reserves
@@ -257,7 +250,7 @@ class Ask:
         (tokens a next answer of the dataset exceeds rarely, :meth:`AnswerLengths.high`),
         or the whole request while that is unknown."""
         if long_answer is None or not unit_rule(self.unit).in_tokens:
-            return self.whole
+            return self.want
         return self.overhead + min(self.max_new_tokens, long_answer)
 
     def step(

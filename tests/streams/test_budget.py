@@ -297,7 +297,7 @@ def test_typical_is_the_mean_of_the_recent_answers_once_enough_were_seen() -> No
 
 def test_a_growing_request_reserves_a_typical_answer_and_is_sent_with_its_limit() -> None:
     request = ask("completion_tokens", "truncate", 4096).growing(1500, "last")
-    assert (request.want, request.whole, request.grows) == (1500, 4096, True)
+    assert (request.want, request.max_new_tokens, request.grows) == (1500, 4096, True)
     step = request.step(10_000, ledger_short=False, in_flight=3, long_answer=None, cut="last")
     assert step == budget.Step("reserve", 1500, grows=True)
     assert request.max_new_tokens_for(step.amount, step.grows) == 4096
