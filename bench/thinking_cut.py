@@ -80,17 +80,7 @@ def one_run(variant: str, workdir: Path, data: Path, args: argparse.Namespace) -
         server.stop()
     sent = oracle.rooms(server.log)
     cut = oracle.cut_by_budget(sent, args.max_new_tokens)
-    served = [json.loads(line) for line in server.log.read_text().splitlines() if line.strip()]
-    edges = sorted(
-        (at, step)
-        for r in served
-        if r["finish"] != "fault"
-        for at, step in ((r["received_at"], 1), (r["finished_at"], -1))
-    )
-    peak = now = 0
-    for _, step in edges:
-        now += step
-        peak = max(peak, now)
+    aborted = sum(1 for a in oracle.read_server_log(server.log).values() if a.finish == "abort")
     result = report.datasets["thinking"]
     kept = result.completion_tokens
     return {
@@ -99,8 +89,8 @@ def one_run(variant: str, workdir: Path, data: Path, args: argparse.Namespace) -
         "samples": result.samples,
         "cut": len(cut),
         "cut_room": sum(r.max_new_tokens for r in cut),
-        "aborted": sum(1 for r in served if r["finish"] == "abort"),
-        "peak": peak,
+        "aborted": aborted,
+        "peak": oracle.peak_in_flight(server.log),
         "ledger_cut": result.cut,
         "kept": kept,
         "overshoot": max(0, kept - args.budget),

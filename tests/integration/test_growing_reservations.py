@@ -10,24 +10,9 @@ from pathlib import Path
 import pytest
 
 from tests.integration.test_reservations import run_one_dataset
-from tokenbudget.dev import jobs
+from tokenbudget.dev import jobs, oracle
 
 pytestmark = pytest.mark.integration
-
-
-def peak_in_flight(log: Path, marker: str) -> int:
-    """The most requests of a dataset the server had at once, from its own log."""
-    edges = []
-    for line in log.read_text().splitlines():
-        raw = json.loads(line) if line.strip() else None
-        if raw is None or raw.get("finish") == "fault" or not raw["text_head"].startswith(marker):
-            continue
-        edges += [(raw["received_at"], 1), (raw["finished_at"], -1)]
-    peak = now = 0
-    for _, step in sorted(edges):
-        now += step
-        peak = max(peak, now)
-    return peak
 
 
 @pytest.mark.timeout(600)
@@ -54,7 +39,7 @@ def test_growing_reservations_fill_the_server_and_keep_the_budget_to_the_token(
     printed = "\n".join(verdict.lines())
     assert verdict.ok, printed  # overshoot 0, each answer kept once, rows as served
     assert verdict.datasets["code"].kept_tokens == budget, printed  # used to the token
-    peak = peak_in_flight(log, "#code")
+    peak = oracle.peak_in_flight(log, "#code")
     assert peak > budget // 4096, peak  # beyond what whole reservations allow
     report = json.loads(done.stdout)["datasets"]["code"]
     assert (report["completion_tokens"], report["status"]) == (budget, "halted")

@@ -100,6 +100,22 @@ def cut_by_budget(requests: list[Room], max_new_tokens: int) -> list[Room]:
     return [r for r in requests if r.max_new_tokens < min(r.natural_tokens, max_new_tokens)]
 
 
+def peak_in_flight(path: Path, marker: str = "") -> int:
+    """The most requests the simulator had at once (those whose text starts with
+    ``marker``), from its request log (``--log-file``), faults left out."""
+    edges = []
+    for line in path.read_text().splitlines():
+        raw = json.loads(line) if line.strip() else None
+        if raw is None or raw.get("finish") == "fault" or not raw["text_head"].startswith(marker):
+            continue
+        edges += [(raw["received_at"], 1), (raw["finished_at"], -1)]
+    peak = now = 0
+    for _, step in sorted(edges):
+        now += step
+        peak = max(peak, now)
+    return peak
+
+
 def ids_crc(ids: Any) -> int:
     array = np.asarray(ids, dtype="<i4")
     return zlib.crc32(array.tobytes()) if array.size else 0
