@@ -103,6 +103,8 @@ class _Lease:
     # waiting requests ask again) until a grant covers what was asked: growing requests
     # keep what is left for the answers in flight until then.
     dry: bool = False
+    # What the ledger last said the budget still had beyond the leases (None: not said).
+    more: int | None = None
     asked_want: int = 0
     asked: asyncio.Future[ev.Event] | None = None
     last_used: float = field(default_factory=time.monotonic)
@@ -296,6 +298,7 @@ class Admission:
             long_answer=None if exact else self.long_answer(lease.dataset),
             cut=self.settings.cut,
             held=lease.held,
+            more=lease.more,
         )
 
     def _reserve(
@@ -492,6 +495,9 @@ class Admission:
                 asked = self._asks.pop(event.lease_id, None)
                 lease = self._leases.get(event.dataset)
                 current = lease is not None and lease.lease_id == event.lease_id
+                if current and event.remaining >= 0:
+                    assert lease is not None
+                    lease.more = event.remaining
                 if current and isinstance(event, ev.LeaseGranted):
                     assert lease is not None
                     lease.balance += event.granted

@@ -262,13 +262,15 @@ class Ask:
         long_answer: int | None,
         cut: CutPolicy,
         held: int = 0,
+        more: int | None = None,
     ) -> Step:
         """What to do with a lease holding ``balance`` while ``in_flight`` requests
         of it are out (holding ``held`` between them): :meth:`clamp`, and when that
         would send less than the whole request, the cut policy's choice
-        (:data:`CUT_POLICIES`)."""
+        (:data:`CUT_POLICIES`). ``more``: what the ledger said it still had beyond
+        the lease (None: not said), which a growing request counts on."""
         if self.grows:
-            return self._grow_step(balance, ledger_short, in_flight, held, cut)
+            return self._grow_step(balance, ledger_short, in_flight, held, cut, more)
         reserved = self.clamp(balance, ledger_short)
         if reserved is None:
             return ASK
@@ -277,24 +279,36 @@ class Ask:
         return CUT_POLICIES[cut](reserved, in_flight, self.enough(long_answer))
 
     def _grow_step(
-        self, balance: int, ledger_short: bool, in_flight: int, held: int, cut: CutPolicy
+        self,
+        balance: int,
+        ledger_short: bool,
+        in_flight: int,
+        held: int,
+        cut: CutPolicy,
+        more: int | None,
     ) -> Step:
         """:meth:`step` of a growing request: a typical answer's worth goes out and
-        grows. Once the ledger has no more to give, what is left grows the answers in
-        flight: under ``cut = "last"`` a new one goes out growing only while what the
-        lease holds (``balance``, and ``held`` by the requests in flight) covers it
-        and them at a typical answer each, with three standard deviations of their sum
-        to spare (:func:`room_for`), so that answers outgrow the end rarely; else it
-        waits for their leftovers, and with none in flight (nothing comes back) goes
-        out with what is left as its max_new_tokens (the one cut). Under ``any`` it
-        goes out at once, clamped to what is left if that is less."""
-        if not ledger_short or cut == "any":
+        grows. Under ``cut = "any"`` it goes out at once, clamped to what is left once
+        the ledger has no more and that is less. Under ``cut = "last"`` it goes out
+        growing only while what the budget still has for this holder (``balance``,
+        ``held`` by the requests in flight, and ``more`` at the ledger, none once it
+        has run short) covers it and them at a typical answer each, with three
+        standard deviations of their sum to spare (:func:`room_for`), so that answers
+        outgrow the end rarely: a grant's ``more`` lets the gate close before the
+        ledger first runs short, when the requests already in flight would otherwise
+        need more than is left. Else it waits for their leftovers; with none in
+        flight (nothing comes back) it asks the ledger for the rest, and once that
+        is all there is, goes out with it as its max_new_tokens (the one cut)."""
+        if cut == "any" or (more is None and not ledger_short):
             if balance >= self.want:
                 return Step("reserve", self.want, grows=True)
             return ASK if not ledger_short or balance < self.floor else Step("reserve", balance)
         typical = self.want - self.overhead
-        if balance >= self.want and balance + held >= room_for(in_flight + 1, typical, self.spread):
+        left = balance + held + (0 if ledger_short or more is None else max(0, more))
+        if balance >= self.want and left >= room_for(in_flight + 1, typical, self.spread):
             return Step("reserve", self.want, grows=True)
+        if not ledger_short:
+            return ASK if balance < self.want or in_flight == 0 else WAIT
         if balance < self.floor:
             return ASK
         return Step("reserve", balance) if in_flight == 0 else WAIT

@@ -407,6 +407,10 @@ class LeaseGranted(_LedgerEvent, tag="lease_granted", frozen=True):
     granted: int  # added to the lease by this grant
     expires_at: float
     at: float = 0.0
+    # What the dataset's budget still had unleased after this grant (-1: unknown, a
+    # ledger older than the field): growing reservations keep room for their answers
+    # in flight before the ledger runs short.
+    remaining: int = -1
 
 
 class LeaseDenied(_LedgerEvent, tag="lease_denied", frozen=True):

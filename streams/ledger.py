@@ -434,6 +434,7 @@ def apply_lease_request(
         granted=grant,
         expires_at=expires_at,
         at=at,
+        remaining=available - grant,
     )
     return Transition(
         msgspec.structs.replace(state, leases=leases), [granted, *judged], changed=True

@@ -5,13 +5,24 @@ answer comes, and what is kept never exceeds what the ledger granted."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 
-from tests.producers.test_admission import DS, balance, make, run, settle_and_complete
+import msgspec
+
+from tests.producers.test_admission import (
+    DS,
+    FakeLedger,
+    balance,
+    make,
+    run,
+    settle_and_complete,
+)
 from tokenbudget.producers.admission import Admission
 from tokenbudget.streams import events as ev
 from tokenbudget.streams import ledger
 from tokenbudget.streams.budget import used
+from tokenbudget.streams.budget_board import BudgetBoard
 
 
 def learned(admission: Admission, typical: int, answers: int = 10) -> None:
@@ -154,6 +165,18 @@ def test_a_growing_ticket_on_a_revoked_lease_grows_no_more() -> None:
     run(main())
 
 
+class SilentLedger(FakeLedger):
+    """A ledger older than ``LeaseGranted.remaining``: its grants do not say what is
+    left, so a dispatcher learns the end only when a grant falls short."""
+
+    def _apply(self, transition: ledger.Transition) -> None:
+        emit = [
+            msgspec.structs.replace(e, remaining=-1) if isinstance(e, ev.LeaseGranted) else e
+            for e in transition.emit
+        ]
+        super()._apply(dataclasses.replace(transition, emit=emit))
+
+
 def test_at_the_budgets_end_leftovers_stay_for_the_answers_in_flight() -> None:
     """Once the ledger has said it has no more, what answers in flight hand back is
     kept for the others to grow into: a new request waits until what the lease holds
@@ -162,7 +185,10 @@ def test_at_the_budgets_end_leftovers_stay_for_the_answers_in_flight() -> None:
     the ledger again."""
 
     async def main() -> None:
-        admission, fake, _ = make(1000, lease_size=1000, reserve="grow")
+        board = BudgetBoard()
+        fake = SilentLedger(board)
+        fake.set_budget(1000)
+        admission, _, _ = make(None, board=board, fake=fake, lease_size=1000, reserve="grow")
         for tokens in (100, 300) * 5:
             admission.answered(DS, tokens)  # a mean of 200, a deviation of 100
         tickets = [await admission.admit(DS, 1000) for _ in range(5)]
@@ -183,5 +209,51 @@ def test_at_the_budgets_end_leftovers_stay_for_the_answers_in_flight() -> None:
         # One in flight: two answers want 400 + 3 x sqrt(2) x 100 = 825 of 1,000.
         ticket = await asyncio.wait_for(late, 5)
         assert ticket is not None and (ticket.reserved, ticket.grows) == (200, True)
+
+    run(main())
+
+
+def test_a_grant_that_leaves_too_little_closes_the_gate_before_the_ledger_runs_short() -> None:
+    """The ledger's grant says what the budget still has: once that, what the lease
+    holds and what its tickets hold no longer cover one more typical answer and those
+    in flight with room for their spread, a new request waits for their leftovers,
+    though no grant has fallen short yet (the requests in flight would else outgrow
+    the end together and be cut)."""
+
+    async def main() -> None:
+        admission, fake, _ = make(1000, lease_size=1000, reserve="grow")
+        for tokens in (100, 300) * 5:
+            admission.answered(DS, tokens)  # a mean of 200, a deviation of 100
+        # Two answers want 400 + 3 x sqrt(2) x 100 = 825 of the 1,000 left.
+        tickets = [await admission.admit(DS, 1000) for _ in range(2)]
+        assert all(t is not None and (t.reserved, t.grows) == (200, True) for t in tickets)
+        # A third would want 600 + 3 x sqrt(3) x 100 = 1,120: it waits.
+        late = asyncio.ensure_future(admission.admit(DS, 1000))
+        await asyncio.sleep(0.05)
+        assert not late.done()
+        assert len(fake.requests()) == 1  # the first grant said it all: nothing is asked
+        first, second = tickets
+        assert first is not None and second is not None
+        await settle_and_complete(admission, fake, first, 200)
+        await asyncio.sleep(0.05)
+        assert not late.done()  # 800 left against 825 for two
+        await settle_and_complete(admission, fake, second, 200)
+        ticket = await asyncio.wait_for(late, 5)  # 600 left against 500 for one
+        assert ticket is not None and (ticket.reserved, ticket.grows) == (200, True)
+
+    run(main())
+
+
+def test_a_grant_that_leaves_plenty_lets_requests_out_without_waiting() -> None:
+    async def main() -> None:
+        admission, fake, _ = make(100_000, lease_size=1000, reserve="grow")
+        for tokens in (100, 300) * 5:
+            admission.answered(DS, tokens)
+        tickets = [await admission.admit(DS, 1000) for _ in range(20)]
+        assert all(t is not None and t.grows for t in tickets)
+        granted = [e for e in fake.replies if isinstance(e, ev.LeaseGranted)]
+        assert [g.remaining for g in granted] == [
+            100_000 - 1000 * (i + 1) for i in range(len(granted))
+        ]
 
     run(main())

@@ -368,6 +368,38 @@ def test_at_the_budgets_end_what_is_left_grows_the_answers_in_flight_first() -> 
     assert step(0, 3) == budget.ASK  # below the floor: the ledger is asked again
 
 
+def test_what_the_ledger_still_has_closes_the_growing_gate_before_it_runs_short() -> None:
+    request = ask("completion_tokens", "truncate", 4096).growing(1000, "last", 100)
+
+    def step(balance: int, in_flight: int, more: int | None) -> budget.Step:
+        return request.step(
+            balance,
+            ledger_short=False,
+            in_flight=in_flight,
+            long_answer=None,
+            cut="last",
+            held=in_flight * 1000,
+            more=more,
+        )
+
+    growing = budget.Step("reserve", 1000, grows=True)
+    # Four answers want 4,000 + 3 x sqrt(4) x 100 = 4,600: the lease's 1,000, the
+    # 3,000 held and 600 more at the ledger cover them; 599 more do not.
+    assert step(1000, 3, 600) == growing
+    assert step(1000, 3, 599) == budget.WAIT
+    assert step(1000, 3, None) == growing  # the ledger did not say: as before
+    assert step(999, 3, 10**6) == budget.ASK  # short of a typical answer: ask
+    # Nothing in flight to hand back: ask the ledger for the rest (it then runs short).
+    assert step(1000, 0, 0) == budget.ASK
+    assert request.step(
+        1000, ledger_short=True, in_flight=0, long_answer=None, cut="last", more=0
+    ) == budget.Step("reserve", 1000)
+    # Under cut = "any" nothing waits for the answers in flight.
+    assert request.step(
+        1000, ledger_short=False, in_flight=3, long_answer=None, cut="any", held=3000, more=0
+    ) == budget.Step("reserve", 1000, grows=True)
+
+
 def test_growth_takes_the_need_and_a_first_reservation_more_within_the_limit() -> None:
     # allowance, need, reserved, ceiling, balance
     assert budget.growth(1000, 900, 1000, 4096, 10_000) == 0  # still covered

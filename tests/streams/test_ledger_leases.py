@@ -112,6 +112,7 @@ def test_grant_is_want_when_enough_remains() -> None:
     assert t.state.leases["L1"] == Lease(holder="h1", granted=300, expires_at=AT + 30)
     assert reserved(t.state) == 300
     assert remaining(t.state) == 700
+    assert granted.remaining == 700  # what the grant says is left
 
 
 def test_grant_is_clamped_to_remaining() -> None:
