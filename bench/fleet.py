@@ -4,6 +4,7 @@
         [--phases least_work,grow,grow_any,rows,round_robin,kill,cpu]
         [--servers 8] [--concurrency 128] [--rate 50] [--spread 4] [--seconds 90]
         [--max-new-tokens 4096] [--kill-at 0.4] [--cpu-offered 1200] [--cpu-seconds 20]
+        [--cpu-max-new-tokens 16] [--cpu-stream]
         [--profile-dispatcher PATH] [--bootstrap HOST:PORT] [--workdir bench-out/fleet]
 
 Eight simulated servers (``tokenbudget simulate``, each a process of its own whose
@@ -31,7 +32,8 @@ broker of the bench's own on free ports, unless ``--bootstrap``):
   kill         the budgeted job, least work, the fastest server SIGKILLed once
                ``--kill-at`` of the budgets is kept
   cpu          the dispatcher's CPU per 1,000 completions at 1,024 in flight (answers
-               of ``--cpu-max-new-tokens``), the pipeline run as separate processes
+               of ``--cpu-max-new-tokens``; streamed, reserving ``grow``, with
+               ``--cpu-stream``), the pipeline run as separate processes
                (ledger, sink, producer, one ``tokenbudget dispatch``) so that the
                dispatcher's process is measured alone; beside it bare asyncio loops
                (1,024 workers, 128 per server, the same requests, every answer kept, no
@@ -645,11 +647,18 @@ def cpu_dispatcher(
         namespace,
         servers,
         {"cpu": (prompts, 10**12)},
-        {"concurrency": args.concurrency, "max_new_tokens": args.cpu_max_new_tokens},
+        {
+            "concurrency": args.concurrency,
+            "max_new_tokens": args.cpu_max_new_tokens,
+            "stream": args.cpu_stream,
+        },
         # A lease of a few seconds' completions: the default (a quarter of what the
         # requests in flight reserve) covers 256 of these answers, which use all they
         # reserve, and admission waits for the ledger between leases.
-        {"lease_tokens": LEASE_SECONDS * int(args.cpu_offered) * args.cpu_max_new_tokens},
+        {
+            "lease_tokens": LEASE_SECONDS * int(args.cpu_offered) * args.cpu_max_new_tokens,
+            "reserve": "grow" if args.cpu_stream else "whole",
+        },
     )
     roles: dict[str, subprocess.Popen[bytes]] = {}
     env = {**os.environ, "TOKENBUDGET_LOG": "WARNING"}
@@ -1020,6 +1029,11 @@ def main() -> int:
         help="completions/s the servers could take at 1,024 in flight (the target: 1,000)",
     )
     parser.add_argument("--cpu-max-new-tokens", type=int, default=16)
+    parser.add_argument(
+        "--cpu-stream",
+        action="store_true",
+        help='the cpu phase\'s dispatcher streams its answers (reserve = "grow")',
+    )
     parser.add_argument("--cpu-warmup", type=float, help="seconds (default 10, --quick 5)")
     parser.add_argument(
         "--cpu-seconds", type=float, help="the measured window (default 20, --quick 8)"
