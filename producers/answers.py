@@ -2,10 +2,10 @@
 
 The dispatcher keeps an answer as the request allowed it (:func:`within_request`:
 ids and count agreeing, never longer than ``max_new_tokens``), then as the budget
-allows it (cut at the line: :func:`cut_answer`), and says why the kept answer ends
-(:func:`finish_label`). Nothing here raises; callers are the request attempt
-(:mod:`tokenbudget.producers.attempt`) and the caps of revoked leases
-(:mod:`tokenbudget.producers.caps`).
+allows it (whole or cut at the line: :func:`kept_within`, :func:`cut_answer`), and
+says why the kept answer ends (:func:`finish_label`). Nothing here raises; callers
+are the request attempt (:mod:`tokenbudget.producers.attempt`) and the caps of
+revoked leases (:mod:`tokenbudget.producers.caps`).
 """
 
 from __future__ import annotations
@@ -55,6 +55,15 @@ def cut_answer(result: GenerationResult, keep: int) -> GenerationResult:
         reasoning_tokens=None if thinking is None else min(thinking, keep),
         finish_reason="length",
     )
+
+
+def kept_within(result: GenerationResult, cost: int, keep: int | None) -> GenerationResult | None:
+    """An answer costing ``cost`` of which the budget lets ``keep`` be kept
+    (:func:`tokenbudget.streams.budget.fit`): None when nothing may be, the answer
+    whole, or cut at the line (:func:`cut_answer`)."""
+    if keep is None:
+        return None
+    return result if keep == cost else cut_answer(result, keep)
 
 
 def finish_label(

@@ -34,7 +34,13 @@ import msgspec
 from tokenbudget.core import metrics
 from tokenbudget.producers import conversations
 from tokenbudget.producers.admission import Admission, Ticket
-from tokenbudget.producers.answers import PROBLEMS, cut_answer, finish_label, within_request
+from tokenbudget.producers.answers import (
+    PROBLEMS,
+    cut_answer,
+    finish_label,
+    kept_within,
+    within_request,
+)
 from tokenbudget.producers.caps import InFlight
 from tokenbudget.producers.inference import GenerationRequest, GenerationResult, InferenceBackend
 from tokenbudget.producers.publisher import Publisher
@@ -331,9 +337,7 @@ class Attempt:
         cost = budget.unit_cost(self.unit, answer.prompt_tokens, answer.completion_tokens)
         held = await self.admission.growth.cover(ticket, cost)
         keep = budget.fit(cost, held, budget.cuttable(self.unit, bool(answer.output_ids)))
-        if keep is None:
-            return None
-        return answer if keep == cost else cut_answer(answer, keep)
+        return kept_within(answer, cost, keep)
 
     async def _claim(
         self, prompt: ev.PromptEvent, result: GenerationResult, slot: Slot | None

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from tokenbudget.producers.admission import Admission, Ticket
-from tokenbudget.producers.answers import cut_answer
+from tokenbudget.producers.answers import kept_within
 from tokenbudget.producers.inference import GenerationResult, InferenceBackend
 from tokenbudget.streams import budget
 from tokenbudget.streams import events as ev
@@ -191,11 +191,7 @@ class InFlight:
             return result
         cost = budget.unit_cost(self._unit, result.prompt_tokens, result.completion_tokens)
         keep = cap.fit(rid, cost, budget.cuttable(self._unit, bool(result.output_ids)))
-        if keep is None:
-            return None
-        if keep == cost:
-            return result
-        return cut_answer(result, keep)
+        return kept_within(result, cost, keep)
 
     def forget(self, lease_id: str, rid: str) -> None:
         """The request ``rid`` ended with nothing to keep: its lease's cap no longer

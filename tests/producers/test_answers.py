@@ -3,7 +3,7 @@ and cut to the request, and why the kept answer ends."""
 
 from __future__ import annotations
 
-from tokenbudget.producers.answers import cut_answer, finish_label, within_request
+from tokenbudget.producers.answers import cut_answer, finish_label, kept_within, within_request
 from tokenbudget.producers.inference import GenerationResult
 
 
@@ -21,6 +21,14 @@ def test_within_request_makes_ids_and_count_agree() -> None:
     fixed, problem = within_request(counted, 100)
     assert (fixed.completion_tokens, fixed.text, problem) == (100, "text", "over_request")
     assert within_request(cut_answer(base, 10), 10) == (cut_answer(base, 10), None)
+
+
+def test_kept_within_keeps_an_answer_whole_cut_at_the_line_or_not_at_all() -> None:
+    whole = answer(10)
+    assert kept_within(whole, 10, 10) is whole
+    cut = kept_within(whole, 10, 4)
+    assert cut is not None and (cut.completion_tokens, cut.output_ids) == (4, [0, 1, 2, 3])
+    assert kept_within(whole, 10, None) is None
 
 
 def test_finish_label_tells_the_budgets_cut_from_the_models_own_ends() -> None:
