@@ -118,6 +118,10 @@ class _Lease:
     grown: dict[int, int] = field(default_factory=dict)  # ticket serial -> tokens added
     held: int = 0  # what its tickets in flight hold, grown or not
 
+    def holding(self, ticket: Ticket) -> int:
+        """What ``ticket`` of this lease holds: what it reserved and what it grew by."""
+        return ticket.reserved + self.grown.get(ticket.serial, 0)
+
 
 def _next_change(lease: _Lease) -> Awaitable[None]:
     """Until the lease changes from now on (a settle, a grant, a revocation), or a
@@ -641,8 +645,7 @@ class Growth:
     def allowance(self, ticket: Ticket) -> int:
         """What the ticket holds now: what it reserved and what it grew by."""
         lease = self._admission._lease_of(ticket)
-        grown = 0 if lease is None else lease.grown.get(ticket.serial, 0)
-        return ticket.reserved + grown
+        return ticket.reserved if lease is None else lease.holding(ticket)
 
     def grow(self, ticket: Ticket, need: int) -> int:
         """Grow a growing ticket's reservation from its lease towards ``need`` (what
@@ -652,9 +655,11 @@ class Growth:
         whether more may still come). Called by the register of requests in flight
         as a streamed answer comes, and by :meth:`cover`; never raises."""
         lease = self._admission._lease_of(ticket)
-        if lease is None or not ticket.grows:
-            return self.allowance(ticket)
-        held = ticket.reserved + lease.grown.get(ticket.serial, 0)
+        if lease is None:
+            return ticket.reserved
+        held = lease.holding(ticket)
+        if not ticket.grows:
+            return held
         ceiling = budget.unit_cost(
             self._admission.settings.unit, ticket.prompt_estimate, ticket.max_new_tokens
         )
