@@ -3,7 +3,7 @@
     client = HttpClient(concurrency=128, timeouts=Timeouts(connect=5, read=600))
     reply = await client.request("POST", url, {"text": "..."}, headers)   # -> Reply
     async with client.stream("POST", url, body, headers) as streamed:      # -> Streamed
-        async for line in streamed.lines(): ...
+        async for lines in streamed.lines(): ...                         # per read
     await client.aclose()
 
 Why aiohttp and not httpx (which the one-off probes still use): a dispatcher carries
@@ -100,18 +100,22 @@ class Streamed:
         except _FAILURES as exc:
             raise _transport_error(self._where, exc) from exc
 
-    async def lines(self) -> AsyncIterator[str]:
+    async def lines(self) -> AsyncIterator[list[str]]:
+        """The lines each network read completes, together (a read that completes
+        none yields nothing): a streamed answer's chunks then cost its reader one step
+        per read, not one per line of each of its layers."""
         try:
-            async for line in lines_of(self._response.content.iter_any()):
-                yield line
+            async for lines in lines_of(self._response.content.iter_any()):
+                yield lines
         except _FAILURES as exc:
             raise _transport_error(self._where, exc, "stream broke: ") from exc
 
 
-async def lines_of(chunks: AsyncIterable[bytes]) -> AsyncIterator[str]:
+async def lines_of(chunks: AsyncIterable[bytes]) -> AsyncIterator[list[str]]:
     """The lines (``\n`` or ``\r\n`` ended, the last one maybe not) of a body that
-    comes in ``chunks`` cut anywhere, of any length: a server that streams the whole
-    answer so far in every event sends lines of megabytes."""
+    comes in ``chunks`` cut anywhere, of any length, as each chunk completes them: a
+    server that streams the whole answer so far in every event sends lines of
+    megabytes."""
     pending = bytearray()  # grown in place: a line of megabytes comes in many chunks
     async for chunk in chunks:
         pending += chunk
@@ -119,10 +123,9 @@ async def lines_of(chunks: AsyncIterable[bytes]) -> AsyncIterator[str]:
             continue
         *complete, rest = pending.split(b"\n")
         pending = bytearray(rest)
-        for line in complete:
-            yield line.rstrip(b"\r").decode("utf-8", "replace")
+        yield [line.rstrip(b"\r").decode("utf-8", "replace") for line in complete]
     if pending:
-        yield pending.rstrip(b"\r").decode("utf-8", "replace")
+        yield [pending.rstrip(b"\r").decode("utf-8", "replace")]
 
 
 def _transport_error(where: str, exc: BaseException, what: str = "") -> InferenceTransportError:

@@ -293,35 +293,45 @@ class InferenceBackend(ABC):
                 f"{method} {url}: body is not JSON: {reply.text[:120]!r}"
             ) from exc
 
-    async def _events(self, path: str, body: dict[str, Any]) -> AsyncIterator[Any]:
-        """POST and yield each server-sent event's JSON, until ``data: [DONE]`` or
-        the end of the body."""
+    async def _events(self, path: str, body: dict[str, Any]) -> AsyncIterator[list[Any]]:
+        """POST and yield the JSON of the server-sent events each network read
+        completes, until ``data: [DONE]`` or the end of the body."""
         url = self.base_url + path
-        async for data in self._data(path, body):
-            try:
-                event = json.loads(data)
-            except json.JSONDecodeError as exc:
-                raise InferenceProtocolError(
-                    f"POST {url}: stream chunk is not JSON: {data[:120]!r}"
-                ) from exc
-            _raise_for_error_chunk(url, event, data)
-            yield event
+        async for batch in self._data(path, body):
+            events: list[Any] = []
+            for data in batch:
+                try:
+                    event = json.loads(data)
+                except json.JSONDecodeError as exc:
+                    raise InferenceProtocolError(
+                        f"POST {url}: stream chunk is not JSON: {data[:120]!r}"
+                    ) from exc
+                _raise_for_error_chunk(url, event, data)
+                events.append(event)
+            yield events
 
-    async def _data(self, path: str, body: dict[str, Any]) -> AsyncIterator[str]:
-        """POST and yield each server-sent event's data, undecoded, until
-        ``data: [DONE]`` or the end of the body."""
+    async def _data(self, path: str, body: dict[str, Any]) -> AsyncIterator[list[str]]:
+        """POST and yield the data of the server-sent events each network read
+        completes, undecoded (none: nothing is yielded), until ``data: [DONE]`` or the
+        end of the body."""
         url = self.base_url + path
         async with self.client.stream("POST", url, body, self.headers) as streamed:
             if streamed.status >= 400:
                 refusal = Reply(streamed.status, streamed.headers, await streamed.read())
                 self._raise_for_status("POST", url, refusal)
-            async for line in streamed.lines():
-                if not line.startswith("data:"):
-                    continue  # blank separators, comments, event:/id: fields
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    return
-                yield data
+            async for lines in streamed.lines():
+                batch: list[str] = []
+                for line in lines:
+                    if not line.startswith("data:"):
+                        continue  # blank separators, comments, event:/id: fields
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        if batch:
+                            yield batch
+                        return
+                    batch.append(data)
+                if batch:
+                    yield batch
 
     def _progress(self, request: GenerationRequest, tokens: int) -> None:
         callback = request.on_progress or self.on_progress
@@ -488,30 +498,31 @@ class SGLangBackend(InferenceBackend):
             url = self.base_url + "/generate"
             acc = _SGLangStream()
             last = ""  # the latest cumulative chunk, decoded in full only at the end
-            async for data in self._data("/generate", body):
-                if acc.incremental is False:
-                    # Cumulative: each chunk repeats the answer so far; reading only its
-                    # counts keeps a long answer's stream linear, not quadratic.
-                    try:
-                        head = _read_head(data)
-                    except msgspec.DecodeError as exc:
-                        raise InferenceProtocolError(
-                            f"POST {url}: stream chunk is not JSON: {data[:120]!r}"
-                        ) from exc
-                    if head.error is not None or head.object == "error":
-                        raise InferenceServerError(f"POST {url}: error in stream: {data[:200]}")
-                    if isinstance(head.meta_info, dict):
-                        acc.meta = head.meta_info
-                    last = data
-                else:
-                    try:
-                        chunk = json.loads(data)
-                    except json.JSONDecodeError as exc:
-                        raise InferenceProtocolError(
-                            f"POST {url}: stream chunk is not JSON: {data[:120]!r}"
-                        ) from exc
-                    _raise_for_error_chunk(url, chunk, data)
-                    acc.add(chunk)
+            async for batch in self._data("/generate", body):
+                for data in batch:
+                    if acc.incremental is False:
+                        # Cumulative: each chunk repeats the answer so far; reading only
+                        # its counts keeps a long answer's stream linear, not quadratic.
+                        try:
+                            head = _read_head(data)
+                        except msgspec.DecodeError as exc:
+                            raise InferenceProtocolError(
+                                f"POST {url}: stream chunk is not JSON: {data[:120]!r}"
+                            ) from exc
+                        if head.error is not None or head.object == "error":
+                            raise InferenceServerError(f"POST {url}: error in stream: {data[:200]}")
+                        if isinstance(head.meta_info, dict):
+                            acc.meta = head.meta_info
+                        last = data
+                    else:
+                        try:
+                            chunk = json.loads(data)
+                        except json.JSONDecodeError as exc:
+                            raise InferenceProtocolError(
+                                f"POST {url}: stream chunk is not JSON: {data[:120]!r}"
+                            ) from exc
+                        _raise_for_error_chunk(url, chunk, data)
+                        acc.add(chunk)
                 if first_token_at is None and (acc.tokens > 0 or acc.text or last):
                     first_token_at = time.time()
                 self._progress(request, acc.tokens)
@@ -639,33 +650,36 @@ class _OpenAIBackend(InferenceBackend):
         content_chunks = 0
         first_token_at: float | None = None
         calls = _StreamedCalls()
-        async for chunk in self._events(self.path, body):
-            if not isinstance(chunk, dict):
-                raise InferenceProtocolError(f"stream chunk is not an object: {str(chunk)[:200]}")
-            if chunk.get("usage"):  # llama.cpp: in the chunk that has finish_reason
-                usage = chunk["usage"]
-            model = model or _model(chunk)
-            prompt_ids = _int_list(chunk.get("prompt_token_ids")) or prompt_ids
-            for choice in chunk.get("choices") or ():
-                if not isinstance(choice, dict) or choice.get("index", 0) != 0:
-                    continue
-                prompt_ids = _int_list(choice.get("prompt_token_ids")) or prompt_ids
-                delta = self._delta(choice)
-                thought = self._delta_reasoning(choice)
-                new_ids = _int_list(choice.get("token_ids"))
-                call_parts = self._delta_calls(choice)
-                calls.add(call_parts)
-                if new_ids is not None:
-                    has_ids = True
-                    ids.extend(new_ids)
-                if delta or thought or new_ids or call_parts:
-                    content_chunks += 1
-                    parts.append(delta)
-                    thoughts.append(thought)
-                    if first_token_at is None:
-                        first_token_at = time.time()
-                if choice.get("finish_reason") is not None:
-                    finish, finished = choice["finish_reason"], True
+        async for events in self._events(self.path, body):
+            for chunk in events:
+                if not isinstance(chunk, dict):
+                    raise InferenceProtocolError(
+                        f"stream chunk is not an object: {str(chunk)[:200]}"
+                    )
+                if chunk.get("usage"):  # llama.cpp: in the chunk that has finish_reason
+                    usage = chunk["usage"]
+                model = model or _model(chunk)
+                prompt_ids = _int_list(chunk.get("prompt_token_ids")) or prompt_ids
+                for choice in chunk.get("choices") or ():
+                    if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+                        continue
+                    prompt_ids = _int_list(choice.get("prompt_token_ids")) or prompt_ids
+                    delta = self._delta(choice)
+                    thought = self._delta_reasoning(choice)
+                    new_ids = _int_list(choice.get("token_ids"))
+                    call_parts = self._delta_calls(choice)
+                    calls.add(call_parts)
+                    if new_ids is not None:
+                        has_ids = True
+                        ids.extend(new_ids)
+                    if delta or thought or new_ids or call_parts:
+                        content_chunks += 1
+                        parts.append(delta)
+                        thoughts.append(thought)
+                        if first_token_at is None:
+                            first_token_at = time.time()
+                    if choice.get("finish_reason") is not None:
+                        finish, finished = choice["finish_reason"], True
             if has_ids:
                 tokens = len(ids)
             elif isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):

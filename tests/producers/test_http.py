@@ -75,7 +75,7 @@ def test_connections_are_kept_between_requests() -> None:
             # a stream read to its end hands its connection back too
             for _ in range(5):
                 async with client.stream("POST", url + "/s", {}) as streamed:
-                    [line async for line in streamed.lines()]
+                    [line async for lines in streamed.lines() for line in lines]
 
     serve(handler, body)
     assert len(peers) == 1
@@ -97,7 +97,7 @@ def test_streamed_lines_of_megabytes_arrive_whole() -> None:
     async def body(url: str) -> list[str]:
         async with HttpClient(2) as client, client.stream("POST", url, {}) as streamed:
             assert streamed.status == 200
-            return [line async for line in streamed.lines()]
+            return [line async for lines in streamed.lines() for line in lines]
 
     assert serve(handler, body) == events[:-1]
 
@@ -113,9 +113,18 @@ def test_lines_of_a_body_cut_anywhere(cut: int) -> None:
     parts = [payload[i : i + cut] for i in range(0, len(payload), cut)]
 
     async def read() -> list[str]:
-        return [line async for line in lines_of(_chunks(parts))]
+        return [line async for lines in lines_of(_chunks(parts)) for line in lines]
 
     assert asyncio.run(read()) == ["data: a", "", "data: é", "", "data: last"]
+
+
+def test_lines_of_come_together_as_each_chunk_completes_them() -> None:
+    parts = [b"data: a\n\ndata: b\n\nda", b"ta: c", b"\n\n", b"data: d"]
+
+    async def read() -> list[list[str]]:
+        return [lines async for lines in lines_of(_chunks(parts))]
+
+    assert asyncio.run(read()) == [["data: a", "", "data: b", ""], ["data: c", ""], ["data: d"]]
 
 
 def _closed_port() -> int:
@@ -161,8 +170,8 @@ def test_a_stream_broken_midway_is_a_transport_error() -> None:
     async def body(url: str) -> list[str]:
         got: list[str] = []
         async with HttpClient(2) as client, client.stream("POST", url, {}) as streamed:
-            async for line in streamed.lines():
-                got.append(line)
+            async for lines in streamed.lines():
+                got.extend(lines)
         return got
 
     with pytest.raises(InferenceTransportError, match="stream broke"):
