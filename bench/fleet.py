@@ -4,7 +4,8 @@
         [--phases least_work,grow,grow_any,rows,round_robin,kill,cpu]
         [--servers 8] [--concurrency 128] [--rate 50] [--spread 4] [--seconds 90]
         [--max-new-tokens 4096] [--kill-at 0.4] [--cpu-offered 1200] [--cpu-seconds 20]
-        [--cpu-max-new-tokens 16] [--cpu-stream]
+        [--cpu-max-new-tokens 16] [--cpu-stream] [--cpu-loops uvloop,asyncio]
+        [--cpu-bare httpx,aiohttp] [--cpu-pairs 1]
         [--profile-dispatcher PATH] [--bootstrap HOST:PORT] [--workdir bench-out/fleet]
 
 Eight simulated servers (``tokenbudget simulate``, each a process of its own whose
@@ -40,7 +41,8 @@ broker of the bench's own on free ports, unless ``--bootstrap``):
                budget, no Kafka) on the same servers, measured the same way: through
                httpx as one writes it (a client per server, ``max_connections`` its
                concurrency), and through aiohttp (a session per server: what
-               tokenbudget's HTTP client is made of)
+               tokenbudget's HTTP client is made of); ``--cpu-loops
+               uvloop,asyncio`` measures a dispatcher on each event loop
 
 The server-bound ideal: each simulated request decodes at its server's speed whatever
 else runs, so the fleet generates at most sum(concurrency x tokens/s per request)
@@ -635,7 +637,12 @@ def first_answer(servers: list[Server]) -> bool:
 
 
 def cpu_dispatcher(
-    args: argparse.Namespace, bootstrap: str, servers: list[Server], workdir: Path, prompts: Path
+    args: argparse.Namespace,
+    bootstrap: str,
+    servers: list[Server],
+    workdir: Path,
+    prompts: Path,
+    loop: str,
 ) -> CpuResult:
     namespace = f"bench-fleet-cpu-{uuid.uuid4().hex[:8]}"
     kafka_admin.ensure_topics(bootstrap, Topics(namespace).specs())
@@ -661,7 +668,7 @@ def cpu_dispatcher(
         },
     )
     roles: dict[str, subprocess.Popen[bytes]] = {}
-    env = {**os.environ, "TOKENBUDGET_LOG": "WARNING"}
+    env = {**os.environ, "TOKENBUDGET_LOG": "WARNING", "TOKENBUDGET_LOOP": loop}
     try:
         for role in ("ledger", "sink", "dispatch", "produce"):
             command = cli_command(role, "--config", str(config))
@@ -701,7 +708,10 @@ def cpu_dispatcher(
                 lifetime.stop(roles[role], 60, sig)
     used = {name: after[name] - before[name] for name in watched}
     result = CpuResult(
-        "tokenbudget dispatch", finished_between(servers, t0, t1), t1 - t0, used["dispatcher"]
+        f"tokenbudget dispatch ({loop})",
+        finished_between(servers, t0, t1),
+        t1 - t0,
+        used["dispatcher"],
     )
     result.others = {
         "ledger": used["ledger"],
@@ -824,10 +834,11 @@ def cpu_phase(args: argparse.Namespace, bootstrap: str) -> list[CpuResult]:
             flush=True,
         )
         for pair in range(args.cpu_pairs):
-            order = ["dispatch", "httpx", "aiohttp"]
+            loops = args.cpu_loops.split(",")
+            order = [*loops, *filter(None, args.cpu_bare.split(","))]
             for which in order if pair % 2 == 0 else order[::-1]:
-                if which == "dispatch":
-                    result = cpu_dispatcher(args, bootstrap, servers, workdir, prompts)
+                if which in loops:
+                    result = cpu_dispatcher(args, bootstrap, servers, workdir, prompts, which)
                 else:
                     result = cpu_bare(args, servers, texts, which)
                 print(
@@ -982,8 +993,12 @@ def print_cpu(results: list[CpuResult]) -> None:
         found = [r.per_1000 for r in results if r.name.startswith(prefix)]
         return sum(found) / len(found) if found else None
 
-    mine, httpx_loop = mean("tokenbudget"), mean("bare asyncio+httpx")
+    loops = [r.name for r in results if r.name.startswith("tokenbudget")]
+    mine, httpx_loop = mean(loops[0]) if loops else None, mean("bare asyncio+httpx")
     aiohttp_loop = mean("bare asyncio+aiohttp")
+    for other in dict.fromkeys(loops[1:]):
+        if other != loops[0] and mine:
+            print(f"{loops[0]} / {other}, CPU per completion: {mine / (mean(other) or 1):.2f}x")
     if mine and httpx_loop:
         print(f"dispatcher CPU per completion / the bare httpx loop's: {mine / httpx_loop:.2f}x")
     if mine and aiohttp_loop:
@@ -1039,7 +1054,17 @@ def main() -> int:
         "--cpu-seconds", type=float, help="the measured window (default 20, --quick 8)"
     )
     parser.add_argument(
-        "--cpu-pairs", type=int, default=1, help="dispatcher and bare loop, alternating"
+        "--cpu-pairs", type=int, default=1, help="dispatchers and bare loops, alternating"
+    )
+    parser.add_argument(
+        "--cpu-loops",
+        default="uvloop",
+        help="the cpu phase's dispatchers: their event loops (TOKENBUDGET_LOOP), comma-separated",
+    )
+    parser.add_argument(
+        "--cpu-bare",
+        default="httpx,aiohttp",
+        help="the cpu phase's bare loops beside them: httpx, aiohttp, comma-separated ('' none)",
     )
     parser.add_argument(
         "--profile-dispatcher",

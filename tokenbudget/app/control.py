@@ -15,7 +15,7 @@ from tokenbudget.app.bootstrap import resolve_bootstrap
 from tokenbudget.app.runner import publish_budgets
 from tokenbudget.app.tables import format_table
 from tokenbudget.core import config as config_module
-from tokenbudget.core import metrics
+from tokenbudget.core import metrics, tasks
 from tokenbudget.core.config import parse_budget
 from tokenbudget.core.errors import ConfigError
 from tokenbudget.core.files import write_atomic
@@ -87,7 +87,7 @@ def run_dispatch_cli(args: argparse.Namespace) -> int:
     if args.metrics_port:
         metrics.serve(config.metrics.host, args.metrics_port, config.kafka.namespace, "dispatch")
     report = Path(args.report) if args.report else None
-    asyncio.run(dispatch_until_stopped(config, bootstrap, report, args.instance or None))
+    tasks.run(dispatch_until_stopped(config, bootstrap, report, args.instance or None))
     return 0
 
 
@@ -140,7 +140,7 @@ def run_produce_cli(args: argparse.Namespace) -> int:
     config = config_module.load(args.config)
     check_datasets(config)  # before the broker is asked for anything
     bootstrap = resolve_bootstrap(config)
-    asyncio.run(produce_until_done(config, bootstrap, resume_changed=args.resume_changed))
+    tasks.run(produce_until_done(config, bootstrap, resume_changed=args.resume_changed))
     return 0
 
 

@@ -35,7 +35,7 @@ from tokenbudget.app import identity, precedence, servers
 from tokenbudget.app.bootstrap import resolve_bootstrap
 from tokenbudget.app.interrupts import Interrupted, StopSignals
 from tokenbudget.app.progress import Display, ProgressMode, choose_mode, display
-from tokenbudget.core import lifetime, metrics, sizes
+from tokenbudget.core import lifetime, metrics, sizes, tasks
 from tokenbudget.core.config import ENV_PREFIX, Config, Unit, servers_environment
 from tokenbudget.core.errors import ConfigError, WorkerFailedError
 from tokenbudget.core.kafka import GroupLag
@@ -871,7 +871,7 @@ def run(
         mode = "live" if progress else "off"
     else:
         mode = progress
-    return asyncio.run(
+    return tasks.run(
         _run_until_stopped(
             config,
             progress=mode,

@@ -61,6 +61,7 @@ import msgspec
 import numpy as np
 from aiohttp import web
 
+from tokenbudget.core import tasks
 from tokenbudget.core.errors import ConfigError
 from tokenbudget.core.sampling import SAMPLING_KEYS, VERBATIM_KEY
 from tokenbudget.producers.tokenizers import load_tokenizer
@@ -1549,7 +1550,7 @@ async def start(config: SimulatorConfig) -> RunningSimulator:
 
 def serve(config: SimulatorConfig) -> None:
     """Run a simulator until SIGINT or SIGTERM (the ``tokenbudget simulate`` command)."""
-    asyncio.run(_serve_until_signalled(config))
+    tasks.run(_serve_until_signalled(config))
 
 
 async def _serve_until_signalled(config: SimulatorConfig) -> None:

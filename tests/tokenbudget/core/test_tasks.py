@@ -1,13 +1,38 @@
-"""cancel_and_wait: a task beside the work is cancelled and has ended when it
-returns; what the task raised is raised, unless the caller is cleaning up."""
+"""run: a process's event loop is uvloop's unless ``TOKENBUDGET_LOOP`` says asyncio,
+and a value it does not know is refused naming it. cancel_and_wait: a task beside the
+work is cancelled and has ended when it returns; what the task raised is raised,
+unless the caller is cleaning up."""
 
 from __future__ import annotations
 
 import asyncio
 
 import pytest
+import uvloop
 
+from tokenbudget.core import tasks
+from tokenbudget.core.errors import TokenBudgetError
 from tokenbudget.core.tasks import cancel_and_wait
+
+
+async def _loop_type() -> type:
+    return type(asyncio.get_running_loop())
+
+
+def test_run_is_on_uvloop_unless_told_asyncio(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TOKENBUDGET_LOOP", raising=False)
+    assert tasks.run(_loop_type()) is uvloop.Loop
+    monkeypatch.setenv("TOKENBUDGET_LOOP", " AsyncIO ")
+    chosen = tasks.run(_loop_type())
+    assert chosen is not uvloop.Loop and issubclass(chosen, asyncio.BaseEventLoop)
+
+
+def test_run_refuses_an_event_loop_it_does_not_know(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TOKENBUDGET_LOOP", "trio")
+    main = _loop_type()
+    with pytest.raises(TokenBudgetError, match=r"TOKENBUDGET_LOOP='trio'.*uvloop, asyncio"):
+        tasks.run(main)
+    main.close()  # never started
 
 
 def test_the_task_has_ended_and_ran_its_cleanup_when_it_returns() -> None:
