@@ -96,7 +96,8 @@ def parse_retry_after(value: str | None, now: float | None = None) -> float | No
     return min(RETRY_AFTER_MAX_S, max(0.0, seconds))
 
 
-# on_progress(rid, completion tokens so far): called on every streamed chunk.
+# on_progress(rid, completion tokens so far): called after each network read that
+# brought streamed chunks (one call for all a read brought).
 ProgressCallback = Callable[[str, int], None]
 
 
@@ -298,17 +299,7 @@ class InferenceBackend(ABC):
         completes, until ``data: [DONE]`` or the end of the body."""
         url = self.base_url + path
         async for batch in self._data(path, body):
-            events: list[Any] = []
-            for data in batch:
-                try:
-                    event = json.loads(data)
-                except json.JSONDecodeError as exc:
-                    raise InferenceProtocolError(
-                        f"POST {url}: stream chunk is not JSON: {data[:120]!r}"
-                    ) from exc
-                _raise_for_error_chunk(url, event, data)
-                events.append(event)
-            yield events
+            yield [_stream_event(url, data) for data in batch]
 
     async def _data(self, path: str, body: dict[str, Any]) -> AsyncIterator[list[str]]:
         """POST and yield the data of the server-sent events each network read
@@ -387,9 +378,18 @@ def _model(body: Any) -> str:
     return model if isinstance(model, str) else ""
 
 
-def _raise_for_error_chunk(url: str, event: Any, data: str) -> None:
+def _stream_event(url: str, data: str) -> Any:
+    """A server-sent event's data, decoded: data that is not JSON is a protocol error,
+    an error the server sends in the stream is the server's."""
+    try:
+        event = json.loads(data)
+    except json.JSONDecodeError as exc:
+        raise InferenceProtocolError(
+            f"POST {url}: stream chunk is not JSON: {data[:120]!r}"
+        ) from exc
     if isinstance(event, dict) and ("error" in event or event.get("object") == "error"):
         raise InferenceServerError(f"POST {url}: error in stream: {data[:200]}")
+    return event
 
 
 class _ChunkHead(msgspec.Struct):
@@ -515,14 +515,7 @@ class SGLangBackend(InferenceBackend):
                             acc.meta = head.meta_info
                         last = data
                     else:
-                        try:
-                            chunk = json.loads(data)
-                        except json.JSONDecodeError as exc:
-                            raise InferenceProtocolError(
-                                f"POST {url}: stream chunk is not JSON: {data[:120]!r}"
-                            ) from exc
-                        _raise_for_error_chunk(url, chunk, data)
-                        acc.add(chunk)
+                        acc.add(_stream_event(url, data))
                 if first_token_at is None and (acc.tokens > 0 or acc.text or last):
                     first_token_at = time.time()
                 self._progress(request, acc.tokens)
