@@ -224,7 +224,10 @@ def test_budget_lowered_then_raised_while_running(
     raised_budget = 60_000
 
     async def scenario() -> tuple:
-        sim = await simulator.start(simulator.SimulatorConfig(port=0, tokens_per_second=4000))
+        # An answer lasts ~3.8 s (3,793 tokens at 1,000 a second): the budget lowered
+        # while one of "d" decodes reaches the dispatcher before it ends, on a loaded
+        # machine too (at 4,000 a second, ~1 s, CI once saw it end first).
+        sim = await simulator.start(simulator.SimulatorConfig(port=0, tokens_per_second=1000))
         config = config_module.load(
             write_config(
                 tmp_path,
