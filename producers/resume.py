@@ -27,7 +27,13 @@ import msgspec
 from kafka import KafkaConsumer
 
 from tokenbudget.core.errors import BrokerError
-from tokenbudget.core.kafka import consumer_options, read_to_ends, read_topic, wait_for_partitions
+from tokenbudget.core.kafka import (
+    consumer_options,
+    kafka_python_options,
+    read_to_ends,
+    read_topic,
+    wait_for_partitions,
+)
 from tokenbudget.producers.datasets import PromptRow
 from tokenbudget.streams.ledger import FENCE_KEY, is_prompt_key, load_outcome
 from tokenbudget.streams.topics import OUTCOME_TABLE, Topics
@@ -106,7 +112,9 @@ class OutcomeView:
     def _read_changelog(self, timeout: float) -> None:
         if self._consumer is None:
             consumer = KafkaConsumer(
-                **consumer_options(self.bootstrap), group_id=None, enable_auto_commit=False
+                **kafka_python_options(consumer_options(self.bootstrap)),
+                group_id=None,
+                enable_auto_commit=False,
             )
             tps = wait_for_partitions(
                 consumer,
@@ -141,7 +149,9 @@ def unapplied_completions(bootstrap: str, topics: Topics, timeout: float = 60.0)
     id, less those of a lease fenced before them there (blocking: run it in a
     thread). Usually few: the ledger keeps up."""
     consumer = KafkaConsumer(
-        **consumer_options(bootstrap), group_id=topics.ledger_app_id, enable_auto_commit=False
+        **kafka_python_options(consumer_options(bootstrap)),
+        group_id=topics.ledger_app_id,
+        enable_auto_commit=False,
     )
     found: dict[str, str] = {}
     fenced: set[str] = set()
@@ -204,7 +214,9 @@ def queued_prompt_ids(bootstrap: str, topics: Topics, group: str) -> set[str]:
     committed yet: they will be dispatched (again), so a rerun does not produce them
     a second time (blocking: run it in a thread)."""
     consumer = KafkaConsumer(
-        **consumer_options(bootstrap), group_id=group, enable_auto_commit=False
+        **kafka_python_options(consumer_options(bootstrap)),
+        group_id=group,
+        enable_auto_commit=False,
     )
     queued: set[str] = set()
 

@@ -58,6 +58,7 @@ from tokenbudget.core.errors import EventDecodeError, expected_kafka_error
 from tokenbudget.core.files import atomic_file
 from tokenbudget.core.kafka import (
     consumer_options,
+    kafka_python_options,
     kafka_python_producer_options,
     wait_for_partitions,
 )
@@ -885,7 +886,7 @@ class ParquetSink:
 
     def start(self) -> None:
         self._consumer = KafkaConsumer(
-            **consumer_options(self.bootstrap),
+            **kafka_python_options(consumer_options(self.bootstrap)),
             group_id=self.group_id,
             enable_auto_commit=False,
             auto_offset_reset="earliest",

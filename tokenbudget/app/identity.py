@@ -47,6 +47,7 @@ from tokenbudget.core.errors import DatasetError, EventDecodeError, JobChangedEr
 from tokenbudget.core.kafka import (
     aiokafka_producer_options,
     client_options,
+    kafka_python_options,
     read_to_ends,
     wait_for_partitions,
 )
@@ -271,7 +272,9 @@ def read_recorded(bootstrap: str, topics: Topics, timeout: float = 120.0) -> ev.
         if isinstance(event, ev.JobIdentity):
             found.append(event)
 
-    consumer = KafkaConsumer(**client_options(bootstrap), group_id=None, enable_auto_commit=False)
+    consumer = KafkaConsumer(
+        **kafka_python_options(client_options(bootstrap)), group_id=None, enable_auto_commit=False
+    )
     try:
         tps = wait_for_partitions(
             consumer, topics.budgets, timeout=60.0, missing=f"no metadata for {topics.budgets}"

@@ -36,6 +36,21 @@ def client_options(bootstrap: str) -> dict[str, Any]:
     }
 
 
+# kafka-python backs off an address that refused it exponentially, up to 30 s by
+# default, and at bootstrap draws one listed address at random and waits out that
+# address's backoff. With a listed node down, a bootstrap could draw the dead
+# addresses until their backoff outgrew its timeout: with 2 dead addresses of 3, 1
+# bootstrap in 300 failed after 30 s (bench/bootstrap.py). Java's client caps the
+# backoff at 1 s; ours do too. aiokafka tries the addresses in turn and has no such key.
+_KAFKA_PYTHON_BACKOFF = {"reconnect_backoff_max_ms": 1000}
+
+
+def kafka_python_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """``options`` (:func:`client_options`, :func:`consumer_options`) made fit for a
+    kafka-python client: every one of ours is built through this."""
+    return {**options, **_KAFKA_PYTHON_BACKOFF}
+
+
 def consumer_options(bootstrap: str) -> dict[str, Any]:
     """Every consumer's connection and fetch sizes (:mod:`tokenbudget.core.sizes`)."""
     return {**client_options(bootstrap), **sizes.fetch_options()}
@@ -64,7 +79,7 @@ def aiokafka_producer_options(bootstrap: str, compression: sizes.Compression) ->
 
 def kafka_python_producer_options(bootstrap: str, compression: sizes.Compression) -> dict[str, Any]:
     return {
-        **client_options(bootstrap),
+        **kafka_python_options(client_options(bootstrap)),
         **sizes.producer_options(compression),
         "acks": "all",
         "enable_idempotence": True,
@@ -82,8 +97,10 @@ class GroupLag:
     """
 
     def __init__(self, bootstrap: str) -> None:
-        self._admin = KafkaAdminClient(**client_options(bootstrap))
-        self._consumer = KafkaConsumer(**client_options(bootstrap), group_id=None)
+        self._admin = KafkaAdminClient(**kafka_python_options(client_options(bootstrap)))
+        self._consumer = KafkaConsumer(
+            **kafka_python_options(client_options(bootstrap)), group_id=None
+        )
 
     def lag(self, group: str, topics: list[str]) -> int:
         partitions = [
@@ -218,7 +235,7 @@ def read_topic(
     ``timeout`` seconds of the call. Blocking: run it in a thread from async code."""
     started = time.monotonic()
     consumer = KafkaConsumer(
-        **{**consumer_options(bootstrap), **(extra_options or {})},
+        **kafka_python_options({**consumer_options(bootstrap), **(extra_options or {})}),
         group_id=None,
         enable_auto_commit=False,
         auto_offset_reset="earliest",

@@ -37,7 +37,7 @@ from kafka.errors import KafkaError
 from tokenbudget.core import security, sizes
 from tokenbudget.core.errors import BrokerError, KafkaAuthError, KafkaLimitsError
 from tokenbudget.core.files import write_atomic
-from tokenbudget.core.kafka import client_options
+from tokenbudget.core.kafka import client_options, kafka_python_options
 from tokenbudget.core.retry import retry_until
 
 log = logging.getLogger(__name__)
@@ -87,7 +87,7 @@ def admin_client(bootstrap: str, timeout_ms: int = 10_000) -> Any:
     """A kafka-python admin client of ``bootstrap`` (every admin call here goes
     through one: a failed connection leaks nothing)."""
     return _Admin(
-        **{**client_options(bootstrap), "client_id": "tokenbudget-broker"},
+        **kafka_python_options({**client_options(bootstrap), "client_id": "tokenbudget-broker"}),
         request_timeout_ms=timeout_ms,
         bootstrap_timeout_ms=timeout_ms,
     )

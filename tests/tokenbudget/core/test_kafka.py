@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import socket
 import uuid
+from pathlib import Path
 
 import aiokafka.codec
 import kafka.codec
@@ -19,6 +21,7 @@ from tokenbudget.core.kafka import (
     aiokafka_producer_options,
     client_options,
     consumer_options,
+    kafka_python_options,
     kafka_python_producer_options,
 )
 from tokenbudget.streams.ledger_worker import LedgerSettings, build_app
@@ -42,6 +45,46 @@ def test_every_producer_is_idempotent_and_waits_for_every_in_sync_replica() -> N
     # a leader election takes seconds: retries must go on far longer than that
     assert aiokafka_producer_options("h1:9092", "zstd")["request_timeout_ms"] >= 60_000
     assert kafka_python_producer_options("h1:9092", "zstd")["delivery_timeout_ms"] >= 60_000
+
+
+ROOT = Path(__file__).resolve().parents[3]
+KAFKA_PYTHON_CLIENTS = {"KafkaConsumer", "KafkaProducer", "KafkaAdminClient", "_Admin"}
+CAPPED = {"kafka_python_options", "kafka_python_producer_options"}
+
+
+def _kafka_python_clients_built() -> list[tuple[str, int, str | None]]:
+    """Each kafka-python client the product builds (file, line) and the function its
+    ``**options`` come from."""
+    found = []
+    files = {
+        p.resolve()
+        for d in ("tokenbudget", "streams", "producers", "sinks")
+        for p in (ROOT / d).rglob("*.py")
+    }
+    for path in sorted(files):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
+                continue
+            if node.func.id not in KAFKA_PYTHON_CLIENTS:
+                continue
+            spread = [k.value for k in node.keywords if k.arg is None]
+            source = None
+            if spread and isinstance(spread[0], ast.Call) and isinstance(spread[0].func, ast.Name):
+                source = spread[0].func.id
+            found.append((str(path.relative_to(ROOT)), node.lineno, source))
+    return found
+
+
+def test_every_kafka_python_client_caps_its_reconnect_backoff_at_javas_second() -> None:
+    """kafka-python's default backoff grows to 30 s, and its bootstrap waits out the
+    backoff of whichever listed address it drew: with a cluster's node down, a
+    bootstrap through a list that names it failed after 30 s (1 in 300)."""
+    assert kafka_python_options(client_options("h1:9092"))["reconnect_backoff_max_ms"] == 1000
+    producer = kafka_python_producer_options("h1:9092", "zstd")
+    assert producer["reconnect_backoff_max_ms"] == 1000
+    built = _kafka_python_clients_built()
+    assert len(built) >= 8  # GroupLag, read_topic, the admin, identity, resume, the sink
+    assert [b for b in built if b[2] not in CAPPED] == []
 
 
 @pytest.mark.parametrize("build", [aiokafka_producer_options, kafka_python_producer_options])
@@ -126,7 +169,7 @@ def test_kafka_python_and_aiokafka_clients_reach_the_cluster_through_any_address
     values = asyncio.run(aiokafka_round_trip())
     assert values == [b"from kafka-python", b"from aiokafka"]
 
-    consumer = KafkaConsumer(**client_options(listed))
+    consumer = KafkaConsumer(**kafka_python_options(client_options(listed)))
     ends = consumer.end_offsets([TopicPartition(topic, 0)])
     consumer.close()
     assert ends == {TopicPartition(topic, 0): 2}
