@@ -50,7 +50,7 @@ from tokenbudget.core.errors import EventDecodeError
 from tokenbudget.core.kafka import aiokafka_producer_options, consumer_options
 from tokenbudget.core.retry import retry_until_async
 from tokenbudget.core.tasks import cancel_and_wait
-from tokenbudget.producers import conversations
+from tokenbudget.producers import conversations, intake
 from tokenbudget.producers.admission import Admission, AdmissionSettings
 from tokenbudget.producers.attempt import Attempt
 from tokenbudget.producers.caps import InFlight
@@ -363,9 +363,9 @@ class Dispatcher:
         """Start each prompt consumed, once it has a place at the fleet, until a stop,
         a hand-back or the fleet's outage; then wind down what was started."""
         tasks: dict[asyncio.Task[None], Slot] = {}  # the prompts started, with their slots
-        concurrency = self.config.concurrency
+        turns = intake.Turns()
         while not (stop.is_set() or self._no_more.is_set()):
-            batches = await consumer.getmany(timeout_ms=200, max_records=concurrency)
+            batches = await intake.next_prompts(consumer, turns, timeout_ms=200)
             for tp, records in batches.items():
                 metrics.consumed(tp.topic, "dispatcher", len(records))
                 for record in records:

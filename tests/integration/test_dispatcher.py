@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
+from pathlib import Path
 
 import pytest
 from kafka import KafkaProducer
@@ -100,3 +102,58 @@ def test_poison_prompts_failures_and_halted_datasets(kafka_bootstrap: str, names
     assert len(letters) == 2
     assert any("HTTP 500" in d.reason for d in letters)  # type: ignore[union-attr]
     assert any(d.payload.endswith("garbage") for d in letters)  # type: ignore[union-attr]
+
+
+def test_each_partitions_prompts_reach_the_fleet_in_turns(
+    kafka_bootstrap: str, namespace: str, tmp_path: Path
+) -> None:
+    """Read a partition's whole fetch at a time, a dataset queued behind another
+    partition's prompts got no place until those were through (``bench/fleet.py``:
+    a dataset had none of 1,024 requests in flight for a minute, its prompts
+    queued). Graded by the order the server received them in."""
+    topics = Topics(namespace)
+    kafka_admin.ensure_topics(kafka_bootstrap, topics.specs())
+    # "long" and "short" are keys of different partitions of the default four
+    publish(
+        kafka_bootstrap,
+        topics.prompts,
+        [
+            *(
+                ev.PromptEvent(prompt_id=f"l{i}", dataset="long", text=f"#short L{i}")
+                for i in range(120)
+            ),
+            *(
+                ev.PromptEvent(prompt_id=f"s{i}", dataset="short", text=f"#short S{i}")
+                for i in range(30)
+            ),
+        ],
+    )
+    log = tmp_path / "requests.jsonl"
+
+    async def scenario() -> Dispatcher:
+        sim = await simulator.start(
+            simulator.SimulatorConfig(port=0, tokens_per_second=20000, log_file=str(log))
+        )
+        try:
+            config = config_module.build(
+                {
+                    "kafka": {"bootstrap": kafka_bootstrap, "namespace": namespace},
+                    "inference": {"url": sim.url, "concurrency": 4},
+                    "budget": {"admission": "halt"},
+                },
+                environ={},
+            )
+            return await dispatch_until(
+                config, kafka_bootstrap, BudgetBoard(), lambda r: r.completed >= 150
+            )
+        finally:
+            await sim.stop()
+
+    assert asyncio.run(scenario()).report.completed == 150
+    received = sorted(
+        (json.loads(line) for line in log.read_text().splitlines()),
+        key=lambda r: r["received_at"],
+    )
+    first = [r["text_head"].split()[-1][0] for r in received[:40]]
+    # both datasets had prompts queued from the start: each got its turns
+    assert first.count("L") >= 15 and first.count("S") >= 15, "".join(first)
