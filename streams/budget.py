@@ -140,6 +140,17 @@ def unused(budget: int, spent: int) -> int:
     return max(0, budget - spent)
 
 
+def answers_left(budget: int | None, counts: Counts) -> int | None:
+    """How many more answers the rest of ``budget`` buys at the mean cost of those
+    kept so far (rounded up); None without a budget or before anything is kept."""
+    if budget is None or counts.samples <= 0:
+        return None
+    spent = used(counts)
+    if spent <= 0:
+        return None
+    return math.ceil(unused(budget, spent) * counts.samples / spent)
+
+
 def overshoot(budget: int, spent: int) -> int:
     """What was kept beyond ``budget`` (0 within it)."""
     return max(0, spent - budget)

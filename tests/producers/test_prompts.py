@@ -6,6 +6,7 @@ import asyncio
 import json
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from tokenbudget.core import config as config_module
@@ -85,6 +86,55 @@ def test_rows_read_to_the_end_are_produced_not_skipped(tmp_path: Path) -> None:
     assert not [e for _, e in recorder.sent if isinstance(e, ev.PromptSkipped)]
     prompts = [e for _, e in recorder.sent if isinstance(e, ev.PromptEvent)]
     assert len(prompts) == 3
+
+
+def test_near_its_budgets_end_a_dataset_is_kept_ahead_by_what_the_rest_buys(
+    tmp_path: Path,
+) -> None:
+    """10 answers kept cost 900 of a budget of 1,000: the rest buys 2 more at their mean,
+    so the queue stops at twice that and the floor, not at the window (256 here)."""
+    (tmp_path / "d.jsonl").write_text(
+        "".join(json.dumps({"prompt": f"p{i}"}) + "\n" for i in range(400))
+    )
+    config = config_module.build(
+        {
+            "kafka": {"bootstrap": "127.0.0.1:1", "namespace": "t"},
+            "inference": {"concurrency": 128},
+            "datasets": [{"name": "d", "path": "d.jsonl", "budget": 1000}],
+        },
+        base_dir=tmp_path,
+        environ={},
+    )
+    board = BudgetBoard()
+    snapshot = ev.LedgerSnapshot(
+        dataset="d", budget=1000, unit="completion_tokens", completion_tokens=900,
+        prompt_tokens=0, samples=10, skipped=0, failed=0, produced=None, halted=False,
+        status="open", outcome_events=10, at=1.0,
+    )  # fmt: skip
+    board.apply(snapshot)
+    recorder = RecordingProducer()
+    producer = PromptProducer(config, "127.0.0.1:1", board, producer=recorder)  # type: ignore[arg-type]
+
+    def prompts() -> int:
+        return sum(isinstance(e, ev.PromptEvent) for _, e in recorder.sent)
+
+    async def run_until_it_waits() -> None:
+        stop = asyncio.Event()
+        task = asyncio.create_task(producer.run(stop))
+        while prompts() < 2 * 2 + 64:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.5)  # it would go on to the window meanwhile
+        assert prompts() == 2 * 2 + 64
+        # ten more answers kept, of 10 tokens each: the rest (0) buys none
+        board.apply(
+            msgspec.structs.replace(snapshot, completion_tokens=1000, samples=20, outcome_events=20)
+        )
+        await asyncio.sleep(0.5)
+        assert prompts() == 2 * 2 + 64 + 10 - 4  # 64 ahead of 20 outcomes
+        stop.set()
+        await task
+
+    asyncio.run(run_until_it_waits())
 
 
 def test_interrupt_stops_without_recording_the_rest(tmp_path: Path) -> None:

@@ -69,6 +69,26 @@ def test_used_rejects_an_unknown_unit() -> None:
         used(DatasetLedger(dataset="ds"), "bytes")  # type: ignore[arg-type]
 
 
+def test_answers_left_at_the_mean_cost_so_far_in_the_budgets_unit() -> None:
+    def counts(unit: BudgetUnit, completion: int, prompt: int, samples: int) -> DatasetLedger:
+        return DatasetLedger(
+            dataset="ds",
+            unit=unit,
+            completion_tokens=completion,
+            prompt_tokens=prompt,
+            samples=samples,
+        )
+
+    # 10 answers of 90 tokens each: 100 tokens left buy 2 more (1.1, rounded up)
+    assert budget.answers_left(1000, counts("completion_tokens", 900, 50, 10)) == 2
+    assert budget.answers_left(1000, counts("total_tokens", 900, 50, 10)) == 1
+    assert budget.answers_left(25, counts("samples", 900, 50, 10)) == 15
+    assert budget.answers_left(800, counts("completion_tokens", 900, 50, 10)) == 0
+    # nothing to judge by, or nothing to spend
+    assert budget.answers_left(1000, counts("completion_tokens", 0, 0, 0)) is None
+    assert budget.answers_left(None, counts("completion_tokens", 900, 50, 10)) is None
+
+
 def test_unused_overshoot_and_full_at_their_boundaries() -> None:
     assert budget.unused(100, 60) == 40
     assert budget.unused(100, 130) == 0
