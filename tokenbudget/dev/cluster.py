@@ -33,10 +33,15 @@ from tokenbudget.localkafka import broker
 NODE_HEAP_MB = 384
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _free_ports(count: int) -> list[int]:
+    """``count`` distinct free ports. Each socket stays bound until all are chosen:
+    bound and closed one at a time, the same port can come twice, and the node given
+    it second cannot start (a CI run's cluster had two nodes on one port)."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in sockets]
 
 
 @dataclass(frozen=True)
@@ -49,7 +54,8 @@ class LocalCluster:
         if size < 1:
             raise BrokerError(f"a cluster needs at least one node, not {size}")
         defaults = broker.BrokerSettings.from_env()
-        ports = [(_free_port(), _free_port()) for _ in range(size)]
+        free = _free_ports(2 * size)
+        ports = [(free[2 * i], free[2 * i + 1]) for i in range(size)]
         voters = ",".join(f"{i + 1}@127.0.0.1:{c}" for i, (_, c) in enumerate(ports))
         cluster_id = broker.new_cluster_id()
         nodes = tuple(
