@@ -169,6 +169,22 @@ class _Waits:
             await inside.aclose()
 
 
+def _as_sent(
+    whole: budget.Ask,
+    settings: AdmissionSettings,
+    lengths: budget.AnswerLengths | None,
+    exact: bool,
+) -> budget.Ask:
+    """``whole`` as it goes out: under ``[budget] reserve = "grow"`` growing from the
+    dataset's answers seen so far (:meth:`tokenbudget.streams.budget.Ask.growing`),
+    unless ``exact`` (an answer generated already, all of which it must cover)."""
+    if settings.reserve != "grow" or exact:
+        return whole
+    if lengths is None:
+        return whole.growing(None, settings.cut)
+    return whole.growing(lengths.typical(), settings.cut, lengths.spread())
+
+
 class Admission:
     """One dispatcher's leases (``holder`` names it to the ledger), asked for and
     handed back with ``producer`` on the namespace's reservations topic; the ledger's
@@ -237,16 +253,13 @@ class Admission:
         """
         waits = _Waits(aside)
         settings = self.settings
-        request = budget.ask(
+        whole = budget.ask(
             settings.unit,
             settings.policy,
             max_new_tokens,
             prompt_estimate,
             settings.min_new_tokens,
         )
-        if settings.reserve == "grow" and not exact:
-            lengths = self._lengths.get(dataset) or budget.AnswerLengths()
-            request = request.growing(lengths.typical(), settings.cut, lengths.spread())
         try:
             while True:
                 if waits.waited and self.board.is_halted(dataset):
@@ -269,6 +282,9 @@ class Admission:
                     # have settled.
                     await waits.wait(_next_change(lease))
                     continue
+                # Anew each time: prompts that came before the dataset's answers were
+                # known would wait for whole max_new_tokens, budget / that in flight.
+                request = _as_sent(whole, self.settings, self._lengths.get(dataset), exact)
                 step = self._step(lease, request, exact)
                 if step.action == "wait":
                     await waits.wait(_next_change(lease))

@@ -49,6 +49,29 @@ def test_a_request_reserves_a_typical_answer_once_the_datasets_answers_are_known
     run(main())
 
 
+def test_a_request_waiting_since_before_the_answers_were_known_reserves_a_typical_one() -> None:
+    """A prompt that came while the dataset's answers were unknown and waited for
+    budget goes out growing once they are known: waiting for a whole max_new_tokens
+    held a job's first prompts to budget / max_new_tokens in flight."""
+
+    async def main() -> None:
+        admission, fake, _ = make(2000, lease_size=2000, reserve="grow")
+        early = [await admission.admit(DS, 1000) for _ in range(2)]
+        assert all(t is not None and (t.reserved, t.grows) == (1000, False) for t in early)
+        late = asyncio.ensure_future(admission.admit(DS, 1000))
+        await asyncio.sleep(0.05)
+        assert not late.done()  # the budget is all reserved: it waits
+        learned(admission, 200)
+        first = early[0]
+        assert first is not None
+        await settle_and_complete(admission, fake, first, 200)  # 800 back
+        # As it came it would want 1,000 of the 800; as it goes, a typical 200.
+        ticket = await asyncio.wait_for(late, 5)
+        assert ticket is not None and (ticket.reserved, ticket.grows) == (200, True)
+
+    run(main())
+
+
 def test_a_growing_ticket_takes_from_the_lease_and_settles_what_it_held() -> None:
     async def main() -> None:
         admission, fake, _ = make(100_000, lease_size=10_000, reserve="grow")
