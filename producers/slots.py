@@ -206,10 +206,10 @@ class Slot:
             self._held = None
 
 
-# Prompts waiting aside per place at the servers: room for the queues of two datasets
-# at their budgets' ends (the producer keeps each at most twice the places ahead; a
-# partition with more waiting is paused, :class:`Backlog`) before a waiting prompt
-# keeps its server place.
+# Prompts waiting aside per place at the servers: room for a whole window of one
+# dataset's prompts (the producer keeps each at most four times the places ahead, and
+# near its budget's end only about twice what its rest buys; a partition with a window
+# waiting is paused, :class:`Backlog`) before a waiting prompt keeps its server place.
 ASIDE_PER_PLACE = 4
 
 

@@ -436,7 +436,7 @@ class ProducerConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=
     max_queued_per_dataset: Annotated[
         int,
         doc(
-            "prompts a dataset may be ahead of its recorded outcomes (0: twice "
+            "prompts a dataset may be ahead of its recorded outcomes (0: four times "
             "`inference.concurrency`), so a halt leaves at most that many to skip"
         ),
     ] = 0
@@ -697,7 +697,10 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def max_queued_per_dataset(self) -> int:
-        return self.producer.max_queued_per_dataset or 2 * self.concurrency
+        # The outcomes the producer counts come from the ledger's snapshots, seconds
+        # behind under load (bench/fleet.py: ~1,000 answers at ~300 a second): at
+        # twice the places, the queue past the requests in flight ran dry.
+        return self.producer.max_queued_per_dataset or 4 * self.concurrency
 
     def require_datasets(self) -> None:
         """``run`` and ``produce`` have nothing to do without a dataset (and would wait

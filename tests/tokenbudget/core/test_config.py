@@ -159,7 +159,7 @@ def test_defaults() -> None:
     config = build({}, environ=NO_ENV)
     assert config.datasets == ()
     assert config.inference.api == "sglang"
-    assert config.max_queued_per_dataset == 2 * config.inference.concurrency
+    assert config.max_queued_per_dataset == 4 * config.inference.concurrency
 
 
 def test_dataset_values() -> None:
