@@ -10,19 +10,13 @@ Uses a temporary home on free ports; leaves nothing running.
 from __future__ import annotations
 
 import argparse
-import socket
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
+from tokenbudget.dev.ports import free_ports
 from tokenbudget.localkafka import broker
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def main() -> None:
@@ -33,10 +27,11 @@ def main() -> None:
     fresh, restart = [], []
     for _ in range(args.runs):
         with tempfile.TemporaryDirectory() as home:
+            port, controller_port = free_ports(2)
             settings = broker.BrokerSettings(
                 home=Path(home) / "broker",
-                port=free_port(),
-                controller_port=free_port(),
+                port=port,
+                controller_port=controller_port,
                 kafka_version=args.version,
             )
             broker.ensure_jars(settings)

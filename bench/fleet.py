@@ -99,7 +99,8 @@ from tokenbudget.app.runner import cli_command
 from tokenbudget.app.tables import format_table
 from tokenbudget.core import kafka_admin, lifetime
 from tokenbudget.dev import jobs, oracle
-from tokenbudget.dev.demo import free_port, wait_for_simulator
+from tokenbudget.dev.demo import wait_for_simulator
+from tokenbudget.dev.ports import free_ports
 from tokenbudget.localkafka import broker
 from tokenbudget.producers.resume import outcome_records
 from tokenbudget.streams.topics import Topics
@@ -180,8 +181,7 @@ def fleet(
     signal fires when the thread that spawned it ends), stopped on the way out."""
     started: list[tuple[subprocess.Popen[bytes], int, Path, float]] = []
     try:
-        for i, rate in enumerate(speeds):
-            port = free_port()
+        for i, (rate, port) in enumerate(zip(speeds, free_ports(len(speeds)), strict=True)):
             log = workdir / f"s{i}-requests.jsonl"
             command = cli_command(
                 "simulate",
@@ -1092,10 +1092,11 @@ def main() -> int:
     bootstrap = args.bootstrap
     if not bootstrap:
         defaults = broker.BrokerSettings.from_env()
+        port, controller_port = free_ports(2)
         settings = broker.BrokerSettings(
             home=workdir / "broker",
-            port=free_port(),
-            controller_port=free_port(),
+            port=port,
+            controller_port=controller_port,
             kafka_version=defaults.kafka_version,
             jars_root=defaults.jars_root,
         )

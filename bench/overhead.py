@@ -39,7 +39,8 @@ import pyarrow.parquet as pq
 from tokenbudget.app.runner import run
 from tokenbudget.core import config as config_module
 from tokenbudget.core import lifetime
-from tokenbudget.dev.demo import free_port, start_simulator
+from tokenbudget.dev.demo import start_simulator
+from tokenbudget.dev.ports import free_port
 from tokenbudget.localkafka import broker
 from tokenbudget.producers.http import HttpClient, Timeouts
 

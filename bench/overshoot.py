@@ -45,11 +45,11 @@ from tokenbudget.core import config as config_module
 from tokenbudget.core import lifetime
 from tokenbudget.dev.demo import (
     DEMO_DATASETS,
-    free_port,
     start_simulator,
     write_datasets,
     write_tokenizer,
 )
+from tokenbudget.dev.ports import free_port
 from tokenbudget.localkafka import broker
 from tokenbudget.sinks.replay import read_to_end
 from tokenbudget.streams import events as ev

@@ -48,6 +48,7 @@ from tokenbudget.app.tables import format_table
 from tokenbudget.core import lifetime
 from tokenbudget.core.config import parse_budget
 from tokenbudget.dev import demo
+from tokenbudget.dev.ports import free_port
 
 # The plan's outcome, and the run status it foretells ("may run out": either).
 EXPECTED = {"fills": {"halted"}, "runs out": {"exhausted"}, "may run out": {"halted", "exhausted"}}
@@ -114,7 +115,7 @@ def main() -> None:
     args = parser.parse_args()
     budget = parse_budget(args.budget, "--budget")
     workdir = Path(args.workdir).resolve()
-    port = demo.free_port()
+    port = free_port()
     config = build_job(workdir, budget, port)
     tokenizer = workdir / "tokenizer"
     simulator = demo.start_simulator(port, demo.TOKENS_PER_SECOND, tokenizer)

@@ -40,7 +40,6 @@ from pathlib import Path
 
 from tokenbudget.core import kafka_admin
 from tokenbudget.dev import oracle
-from tokenbudget.dev.demo import free_port
 from tokenbudget.dev.jobs import (
     Simulator,
     Watch,
@@ -53,6 +52,7 @@ from tokenbudget.dev.jobs import (
     survivors,
     write_job,
 )
+from tokenbudget.dev.ports import free_ports
 from tokenbudget.localkafka import broker
 from tokenbudget.producers.resume import outcome_records
 from tokenbudget.streams.topics import Topics
@@ -262,10 +262,11 @@ class Chaos:
         self.workdir = settings.workdir.resolve()
         self.workdir.mkdir(parents=True, exist_ok=True)
         defaults = broker.BrokerSettings.from_env()
+        port, controller_port = free_ports(2)
         self.broker = broker.BrokerSettings(
             home=self.workdir / "broker",
-            port=free_port(),
-            controller_port=free_port(),
+            port=port,
+            controller_port=controller_port,
             kafka_version=defaults.kafka_version,
             jars_root=defaults.jars_root,
         )

@@ -20,28 +20,17 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tokenbudget.core.errors import BrokerError
 from tokenbudget.core.kafka_admin import wait_ready
+from tokenbudget.dev.ports import free_ports
 from tokenbudget.localkafka import broker
 
 # Three JVMs share two cores here: a small heap each starts faster.
 NODE_HEAP_MB = 384
-
-
-def _free_ports(count: int) -> list[int]:
-    """``count`` distinct free ports. Each socket stays bound until all are chosen:
-    bound and closed one at a time, the same port can come twice, and the node given
-    it second cannot start (a CI run's cluster had two nodes on one port)."""
-    with contextlib.ExitStack() as stack:
-        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [int(s.getsockname()[1]) for s in sockets]
 
 
 @dataclass(frozen=True)
@@ -54,7 +43,7 @@ class LocalCluster:
         if size < 1:
             raise BrokerError(f"a cluster needs at least one node, not {size}")
         defaults = broker.BrokerSettings.from_env()
-        free = _free_ports(2 * size)
+        free = free_ports(2 * size)
         ports = [(free[2 * i], free[2 * i + 1]) for i in range(size)]
         voters = ",".join(f"{i + 1}@127.0.0.1:{c}" for i, (_, c) in enumerate(ports))
         cluster_id = broker.new_cluster_id()

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import socket
 import subprocess
 import time
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from tokenbudget.core import config as config_module
 from tokenbudget.core import lifetime
 from tokenbudget.core.errors import TokenBudgetError
 from tokenbudget.dev import tiny_tokenizer
+from tokenbudget.dev.ports import free_port
 
 
 @dataclass(frozen=True)
@@ -92,12 +92,6 @@ def write_tokenizer(folder: Path, paths: dict[str, Path]) -> Path:
         [*tiny_tokenizer.CORPUS, *tiny_tokenizer.dataset_corpus(chats)],
         whole_words=sorted({d.marker for d in DEMO_DATASETS}, key=len, reverse=True),
     )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start_simulator(

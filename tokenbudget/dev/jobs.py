@@ -26,7 +26,8 @@ from tokenbudget.core import lifetime
 from tokenbudget.core.config import RAW_TEXT_APIS
 from tokenbudget.core.lifetime import PARENT_ENV
 from tokenbudget.dev import tiny_tokenizer
-from tokenbudget.dev.demo import free_port, wait_for_simulator
+from tokenbudget.dev.demo import wait_for_simulator
+from tokenbudget.dev.ports import free_port
 from tokenbudget.producers.datasets import first_chat_row
 from tokenbudget.sinks.replay import read_to_end
 from tokenbudget.streams import events as ev
