@@ -27,7 +27,7 @@ class CannedStream:
         for start in range(0, len(self._content), self._chunk):
             yield self._content[start : start + self._chunk]
 
-    def lines(self) -> AsyncIterator[str]:
+    def lines(self) -> AsyncIterator[list[bytes]]:
         return lines_of(self._chunks())
 
 

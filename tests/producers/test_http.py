@@ -94,12 +94,12 @@ def test_streamed_lines_of_megabytes_arrive_whole() -> None:
         await response.write_eof()
         return response
 
-    async def body(url: str) -> list[str]:
+    async def body(url: str) -> list[bytes]:
         async with HttpClient(2) as client, client.stream("POST", url, {}) as streamed:
             assert streamed.status == 200
             return [line async for lines in streamed.lines() for line in lines]
 
-    assert serve(handler, body) == events[:-1]
+    assert serve(handler, body) == [event.encode() for event in events[:-1]]
 
 
 async def _chunks(parts: list[bytes]) -> AsyncIterator[bytes]:
@@ -112,19 +112,23 @@ def test_lines_of_a_body_cut_anywhere(cut: int) -> None:
     payload = b"data: a\r\n\r\ndata: \xc3\xa9\n\ndata: last"
     parts = [payload[i : i + cut] for i in range(0, len(payload), cut)]
 
-    async def read() -> list[str]:
+    async def read() -> list[bytes]:
         return [line async for lines in lines_of(_chunks(parts)) for line in lines]
 
-    assert asyncio.run(read()) == ["data: a", "", "data: é", "", "data: last"]
+    assert asyncio.run(read()) == [b"data: a", b"", "data: é".encode(), b"", b"data: last"]
 
 
 def test_lines_of_come_together_as_each_chunk_completes_them() -> None:
     parts = [b"data: a\n\ndata: b\n\nda", b"ta: c", b"\n\n", b"data: d"]
 
-    async def read() -> list[list[str]]:
+    async def read() -> list[list[bytes]]:
         return [lines async for lines in lines_of(_chunks(parts))]
 
-    assert asyncio.run(read()) == [["data: a", "", "data: b", ""], ["data: c", ""], ["data: d"]]
+    assert asyncio.run(read()) == [
+        [b"data: a", b"", b"data: b", b""],
+        [b"data: c", b""],
+        [b"data: d"],
+    ]
 
 
 def _closed_port() -> int:
@@ -167,8 +171,8 @@ def test_a_stream_broken_midway_is_a_transport_error() -> None:
         request.transport.close()  # type: ignore[union-attr]
         return response
 
-    async def body(url: str) -> list[str]:
-        got: list[str] = []
+    async def body(url: str) -> list[bytes]:
+        got: list[bytes] = []
         async with HttpClient(2) as client, client.stream("POST", url, {}) as streamed:
             async for lines in streamed.lines():
                 got.extend(lines)

@@ -579,3 +579,49 @@ def test_streamed_calls_are_joined_from_their_indexed_parts() -> None:
     nameless = [chunks[0], part(0, function={"arguments": "{}"}), chunk({}, "tool_calls")]
     with pytest.raises(InferenceProtocolError, match="without a function name"):
         asyncio.run(_generate(_answering_stream([*nameless, {"choices": [], "usage": USAGE}])))
+
+
+def test_a_cumulative_sglang_stream_reports_each_chunks_count_whatever_its_text_and_keys() -> None:
+    """Progress is read from the end of a cumulative chunk, where SGLang puts
+    ``meta_info``: text that looks like that key, a key that ends in its name, and the
+    name nested in another object after it must not be taken for it."""
+    words = ["a", ' "meta_info": {"completion_tokens": 999}', " b", " c", " d", " e"]
+    finished = {"type": "length", "length": 6}
+
+    def meta(n: int) -> dict[str, Any]:
+        return {
+            "prompt_tokens": 3,
+            "completion_tokens": n,
+            "finish_reason": finished if n == 6 else None,
+        }
+
+    def chunk(n: int) -> dict[str, Any]:
+        return {
+            "text": "".join(words[:n]),
+            "output_ids": list(range(1, n + 1)),
+            "meta_info": meta(n),
+        }
+
+    decoy = {"meta_info": {"completion_tokens": 999}}
+    chunks = [
+        chunk(1),
+        chunk(2),  # its text holds the key's name, quoted
+        {**chunk(3), 'x"meta_info': decoy["meta_info"]},  # a key that ends in the name
+        {**chunk(4), "extra": decoy},  # the name nested after the real one
+        chunk(5),
+        {"meta_info": meta(6), **chunk(6)},  # the key first: read whole
+    ]
+    body = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+    seen: list[int] = []
+    backend = make_backend(
+        "sglang",
+        # 7-byte reads: each completes one event at most, each reports progress
+        CannedClient(200, content=body, headers={"Content-Type": "text/event-stream"}),
+        "http://server",
+        stream=True,
+        on_progress=lambda rid, tokens: seen.append(tokens),
+    )
+    result = asyncio.run(_generate(backend))
+    assert seen == [1, 2, 3, 4, 5, 6]
+    assert (result.completion_tokens, result.output_ids) == (6, [1, 2, 3, 4, 5, 6])
+    assert result.text == "".join(words)
