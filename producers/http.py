@@ -26,6 +26,7 @@ Contract:
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import os
 import ssl
@@ -152,6 +153,37 @@ def _lines(block: bytes, end: int) -> list[bytes]:
         start = newline + 1
 
 
+class _Silence:
+    """Fails a streamed reply that receives nothing for ``seconds``: its reader's next
+    read raises :class:`aiohttp.ServerTimeoutError`. It looks at the bytes received
+    four times a period instead of re-arming a timer on every network read as
+    aiohttp's ``sock_read`` does, which was ~8% of a dispatcher's CPU samples with a
+    thousand streams open (``py-spy`` on ``bench/fleet.py``'s cpu phase). Silence is
+    noticed between ``seconds`` and a quarter more."""
+
+    def __init__(self, content: aiohttp.StreamReader, seconds: float) -> None:
+        self._content = content
+        self._seconds = seconds
+        self._loop = asyncio.get_running_loop()
+        self._seen = content.total_bytes
+        self._since = self._loop.time()
+        self._handle = self._loop.call_later(seconds / 4, self._look)
+
+    def _look(self) -> None:
+        now, seen = self._loop.time(), self._content.total_bytes
+        if seen != self._seen:
+            self._seen, self._since = seen, now
+        elif now - self._since >= self._seconds:
+            self._content.set_exception(
+                aiohttp.ServerTimeoutError(f"nothing received for {self._seconds:g} s")
+            )
+            return
+        self._handle = self._loop.call_later(self._seconds / 4, self._look)
+
+    def cancel(self) -> None:
+        self._handle.cancel()
+
+
 def _transport_error(where: str, exc: BaseException, what: str = "") -> InferenceTransportError:
     if isinstance(exc, TimeoutError):
         return InferenceTransportError(f"{where}: timed out ({exc!r})")
@@ -166,6 +198,7 @@ class HttpClient:
         self.timeouts = timeouts or Timeouts()
         self._session: aiohttp.ClientSession | None = None
         self._closed = False
+        self._streamed = aiohttp.ClientTimeout(total=None, sock_connect=self.timeouts.connect)
 
     def _open(self) -> aiohttp.ClientSession:
         if self._closed:
@@ -185,13 +218,26 @@ class HttpClient:
             )
         return self._session
 
-    def _send(self, method: str, url: str, body: Any, headers: Mapping[str, str] | None) -> Any:
+    def _send(
+        self,
+        method: str,
+        url: str,
+        body: Any,
+        headers: Mapping[str, str] | None,
+        *,
+        stream: bool = False,
+    ) -> Any:
         sent = dict(headers or {})
         data = None
         if body is not None:
             data = _encode(body)
             sent["Content-Type"] = "application/json"
-        return self._open().request(method, url, data=data, headers=sent, allow_redirects=False)
+        session = self._open()
+        # A stream's silences are watched by _Silence, not by a timer per network read.
+        timeout = self._streamed if stream else session.timeout
+        return session.request(
+            method, url, data=data, headers=sent, allow_redirects=False, timeout=timeout
+        )
 
     async def request(
         self,
@@ -216,14 +262,20 @@ class HttpClient:
         body: Any = None,
         headers: Mapping[str, str] | None = None,
     ) -> AsyncIterator[Streamed]:
+        """A streamed reply: the wait for its head is bounded by ``timeouts.read`` as a
+        whole, the silences in its body by :class:`_Silence`."""
         where = f"{method} {url}"
+        read = self.timeouts.read
         try:
-            response = await self._send(method, url, body, headers).__aenter__()
+            async with asyncio.timeout(read):
+                response = await self._send(method, url, body, headers, stream=True).__aenter__()
         except _FAILURES as exc:
             raise _transport_error(where, exc) from exc
+        silence = _Silence(response.content, read)
         try:
             yield Streamed(response, where)
         finally:
+            silence.cancel()
             if response.content.at_eof():
                 response.release()  # read to its end: the connection serves the next
             else:

@@ -163,6 +163,56 @@ def test_a_server_silent_past_the_read_timeout_is_a_transport_error() -> None:
         serve(handler, body)
 
 
+def _slow_stream(gaps: list[float]) -> Handler:
+    """A stream that sends a line after each of ``gaps`` seconds, then ends."""
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for n, gap in enumerate(gaps):
+            await asyncio.sleep(gap)
+            await response.write(f"data: {n}\n\n".encode())
+        await response.write_eof()
+        return response
+
+    return handler
+
+
+async def _streamed_lines(url: str, timeouts: Timeouts) -> list[bytes]:
+    got: list[bytes] = []
+    async with HttpClient(2, timeouts) as client, client.stream("POST", url, {}) as streamed:
+        async for lines in streamed.lines():
+            got.extend(line for line in lines if line)
+    return got
+
+
+def test_a_stream_silent_past_the_read_timeout_midway_is_a_transport_error() -> None:
+    def body(url: str) -> Awaitable[list[bytes]]:
+        return _streamed_lines(url, Timeouts(connect=1.0, read=0.3))
+
+    with pytest.raises(InferenceTransportError, match="timed out"):
+        serve(_slow_stream([0.0, 0.0, 5.0]), body)
+
+
+def test_a_stream_whose_head_never_comes_is_a_transport_error() -> None:
+    async def handler(request: web.Request) -> web.Response:
+        await asyncio.sleep(5)
+        return web.Response()
+
+    def body(url: str) -> Awaitable[list[bytes]]:
+        return _streamed_lines(url, Timeouts(connect=1.0, read=0.3))
+
+    with pytest.raises(InferenceTransportError, match="timed out"):
+        serve(handler, body)
+
+
+def test_a_stream_longer_than_the_read_timeout_is_read_whole_if_it_never_pauses_that_long() -> None:
+    def body(url: str) -> Awaitable[list[bytes]]:
+        return _streamed_lines(url, Timeouts(connect=1.0, read=0.5))
+
+    assert serve(_slow_stream([0.1] * 15), body) == [f"data: {n}".encode() for n in range(15)]
+
+
 def test_a_stream_broken_midway_is_a_transport_error() -> None:
     async def handler(request: web.Request) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Length": "1000"})
