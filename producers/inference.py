@@ -439,6 +439,19 @@ def _head(data: bytes) -> _ChunkHead:
     return _read_head(data)
 
 
+class _LastChunk(msgspec.Struct):
+    """A cumulative stream's last chunk, the whole answer, read once: its ids typed by
+    the decoder (converting them one by one took ~3% of a dispatcher's CPU samples)."""
+
+    text: str = ""
+    output_ids: list[int] | None = None
+    token_ids: list[int] | None = None  # older servers' name
+    meta_info: dict[str, Any] | None = None
+
+
+_read_last = msgspec.json.Decoder(_LastChunk).decode
+
+
 class _SGLangStream:
     """Accumulates SGLang chunks, cumulative or incremental, telling which from the
     ids against ``meta_info.completion_tokens`` (text-only streams: from the text)."""
@@ -466,6 +479,22 @@ class _SGLangStream:
             self.has_ids = True
             self.ids = self.ids + ids if self.incremental else ids
         self.text = self.text + text if self.incremental else text
+
+    def add_last(self, url: str, data: bytes) -> None:
+        """The last chunk of a cumulative stream (the whole answer); one the typed
+        read refuses is read as any other chunk."""
+        try:
+            last = _read_last(data)
+        except msgspec.DecodeError:
+            self.add(_stream_event(url, data))
+            return
+        if last.meta_info is not None:
+            self.meta = last.meta_info
+        ids = last.output_ids if last.output_ids is not None else last.token_ids
+        if ids is not None:
+            self.has_ids = True
+            self.ids = ids
+        self.text = last.text
 
     def _mode(self, ids: list[int] | None, text: str, total: Any) -> bool | None:
         if ids is not None:
@@ -553,7 +582,7 @@ class SGLangBackend(InferenceBackend):
                     first_token_at = time.time()
                 self._progress(request, acc.tokens)
             if last:
-                acc.add(_stream_event(url, last))
+                acc.add_last(url, last)
             meta = acc.meta
             if not meta or meta.get("finish_reason") is None:
                 raise InferenceTransportError(

@@ -625,3 +625,31 @@ def test_a_cumulative_sglang_stream_reports_each_chunks_count_whatever_its_text_
     assert seen == [1, 2, 3, 4, 5, 6]
     assert (result.completion_tokens, result.output_ids) == (6, [1, 2, 3, 4, 5, 6])
     assert result.text == "".join(words)
+
+
+@pytest.mark.parametrize(
+    ("last", "text"),
+    [
+        ({"token_ids": [1, 2, 3]}, "a b c"),  # an older server's name for the ids
+        ({"output_ids": [1, 2, 3], "text": None}, ""),  # what the typed read refuses
+        ({"output_ids": [1.0, 2, 3]}, "a b c"),
+    ],
+)
+def test_the_last_chunk_of_a_cumulative_sglang_stream_is_the_answer(
+    last: dict[str, Any], text: str
+) -> None:
+    meta = {"prompt_tokens": 3, "finish_reason": None}
+    chunks = [
+        {"text": "a", "output_ids": [1], "meta_info": {**meta, "completion_tokens": 1}},
+        {"text": "a b", "output_ids": [1, 2], "meta_info": {**meta, "completion_tokens": 2}},
+        {
+            "text": "a b c",
+            **last,
+            "meta_info": {**meta, "completion_tokens": 3, "finish_reason": {"type": "stop"}},
+        },
+    ]
+    body = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+    client = CannedClient(200, content=body, headers={"Content-Type": "text/event-stream"})
+    result = asyncio.run(_generate(make_backend("sglang", client, "http://server", stream=True)))
+    assert (result.output_ids, result.text, result.completion_tokens) == ([1, 2, 3], text, 3)
+    assert all(type(i) is int for i in result.output_ids)
