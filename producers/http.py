@@ -17,8 +17,9 @@ Contract:
 * ``body`` is sent as JSON (``None``: no body); ``headers`` are added to the request.
 * A reply of any status is returned: statuses are the caller's to judge.
 * A connection that cannot be made, breaks, or stays silent past ``timeouts.read``
-  raises :class:`~tokenbudget.core.errors.InferenceTransportError` naming the method and
-  the URL, the library's exception chained; no other aiohttp exception leaves here.
+  (a stream's body: noticed within a quarter more, :class:`_Silence`) raises
+  :class:`~tokenbudget.core.errors.InferenceTransportError` naming the method and the
+  URL, the library's exception chained; no other aiohttp exception leaves here.
 * The session is made on first use, inside the running event loop, and holds up to
   ``2 * concurrency + 8`` connections: room for as many aborts beside the requests they
   stop (an abort must not queue behind them).

@@ -13,7 +13,6 @@ import math
 import os
 import re
 import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -28,6 +27,7 @@ import httpx
 import pytest
 
 from tokenbudget.core import lifetime
+from tokenbudget.dev.ports import free_port, free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
 RULES = ROOT / "infra" / "prometheus" / "rules" / "tokenbudget.yml"
@@ -52,12 +52,6 @@ def binary(*names: str) -> str:
     if os.environ.get("CI"):
         pytest.fail(message)
     pytest.skip(message)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 _DURATION = re.compile(r"(?P<n>\d+)(?P<u>ms|s|m|h|d)")
@@ -189,7 +183,7 @@ def prometheus_stack(
     prometheus = binary("prometheus")
     alertmanager = binary("prometheus-alertmanager", "alertmanager")
     workdir.mkdir(parents=True, exist_ok=True)
-    prom_port, am_port = free_port(), free_port()
+    prom_port, am_port = free_ports(2)
     with webhook_receiver() as hook:
         (workdir / "rules.yml").write_text(scale_durations(RULES.read_text(), rules_factor))
         (workdir / "alertmanager.yml").write_text(

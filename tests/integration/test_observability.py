@@ -30,12 +30,13 @@ import pytest
 from kafka import KafkaProducer
 
 from tests.integration.test_pipeline import write_jsonl
-from tests.promstack import DASHBOARD, RUNBOOKS, Stack, binary, free_port, prometheus_stack
+from tests.promstack import DASHBOARD, RUNBOOKS, Stack, binary, prometheus_stack
 from tokenbudget.app.runner import RunReport, run_async, start_ledger_process, stop_process
 from tokenbudget.app.status import follow
 from tokenbudget.core import config as config_module
 from tokenbudget.core import kafka_admin
 from tokenbudget.dev import simulator
+from tokenbudget.dev.ports import free_ports
 from tokenbudget.streams import events as ev
 from tokenbudget.streams.topics import Topics
 
@@ -105,7 +106,7 @@ def observed(tmp_path_factory: pytest.TempPathFactory, kafka_bootstrap: str) -> 
     namespace = f"obs{uuid.uuid4().hex[:8]}"
     topics = Topics(namespace)
     kafka_admin.ensure_topics(kafka_bootstrap, topics.specs())
-    run_port, ledger_port, sim_port, dead_port = free_port(), free_port(), free_port(), free_port()
+    run_port, ledger_port, sim_port, dead_port = free_ports(4)
     # The simulator is scraped too, as a user scrapes SGLang: its panels need data.
     targets = [f"127.0.0.1:{p}" for p in (run_port, ledger_port, sim_port)]
     with prometheus_stack(tmp / "stack", targets) as stack:

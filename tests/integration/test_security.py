@@ -10,7 +10,6 @@ import json
 import logging
 import secrets
 import shutil
-import socket
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from tokenbudget.app.runner import run_async
 from tokenbudget.core import config as config_module
 from tokenbudget.core.errors import KafkaAuthError
 from tokenbudget.dev import simulator
+from tokenbudget.dev.ports import free_ports
 from tokenbudget.localkafka import broker
 from tokenbudget.localkafka.java import find_java
 
@@ -35,12 +35,6 @@ USER = "alice"
 PASSWORD_ENV = "TB_TEST_KAFKA_PASSWORD"
 CONCURRENCY = 4
 MAX_NEW_TOKENS = 512
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _keytool() -> str:
@@ -109,15 +103,16 @@ def secure_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureBr
     password = secrets.token_hex(16)
     keystore, ca_pem = make_certificates(folder, store_password)
     defaults = broker.BrokerSettings.from_env()
+    port, controller_port, sasl_port = free_ports(3)
     settings = broker.BrokerSettings(
         home=folder / "broker",
-        port=_free_port(),
-        controller_port=_free_port(),
+        port=port,
+        controller_port=controller_port,
         heap_mb=512,
         kafka_version=defaults.kafka_version,
         jars_root=defaults.jars_root,
         sasl_ssl=broker.SaslSslListener(
-            port=_free_port(),
+            port=sasl_port,
             keystore=keystore,
             keystore_password=store_password,
             users={USER: password},

@@ -20,7 +20,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from tests.promstack import free_port
+from tokenbudget.dev.ports import free_ports
 
 pytestmark = pytest.mark.integration
 
@@ -63,14 +63,15 @@ def test_the_wheel_runs_the_demo_with_only_python(tmp_path: Path) -> None:
         if key not in {"VIRTUAL_ENV", "PYTHONPATH", "JAVA_HOME", "TOKENBUDGET_JAVA"}
         and not key.startswith("TOKENBUDGET_")
     }
+    kafka_port, controller_port = free_ports(2)
     env.update(
         {
             "HOME": str(tmp_path / "home"),
             "PATH": str(env_dir / "bin"),
             "TOKENBUDGET_JARS": str(tmp_path / "jars"),
             "TOKENBUDGET_HOME": str(tmp_path / "broker"),
-            "TOKENBUDGET_KAFKA_PORT": str(free_port()),
-            "TOKENBUDGET_KAFKA_CONTROLLER_PORT": str(free_port()),
+            "TOKENBUDGET_KAFKA_PORT": str(kafka_port),
+            "TOKENBUDGET_KAFKA_CONTROLLER_PORT": str(controller_port),
         }
     )
     if "TOKENBUDGET_MAVEN_REPOSITORY" in os.environ:

@@ -259,9 +259,13 @@ class InferenceConfig(_Sampling, frozen=True, forbid_unknown_fields=True, kw_onl
         int, doc("per request, unless the dataset sets its own; the budget may lower it")
     ] = 4096
     connect_timeout_s: Annotated[float, doc("seconds to connect to the server")] = 5.0
-    read_timeout_s: Annotated[float, doc("seconds to wait for (the next part of) an answer")] = (
-        600.0
-    )
+    read_timeout_s: Annotated[
+        float,
+        doc(
+            "seconds to wait for (the next part of) an answer; a stream's silence is "
+            "noticed within a quarter more"
+        ),
+    ] = 600.0
     # Failures of one prompt that do not say the server is away (another HTTP 5xx, a
     # malformed answer) before it fails for good; "away" ones (429/408/502/503/504,
     # refused, reset, timed out) are retried for as long as the server is away.

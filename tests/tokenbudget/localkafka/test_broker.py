@@ -16,6 +16,7 @@ import pytest
 
 from tokenbudget.core import kafka_admin
 from tokenbudget.core.errors import BrokerError, ConfigError
+from tokenbudget.dev.ports import free_port
 from tokenbudget.localkafka import broker, jars
 from tokenbudget.localkafka.broker import BrokerSettings
 from tokenbudget.streams.topics import TopicSpec
@@ -29,12 +30,6 @@ def _props(text: str) -> dict[str, str]:
             key, _, value = line.partition("=")
             out[key] = value
     return out
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 # --------------------------------------------------------------------------- pure
@@ -220,7 +215,7 @@ def test_ensure_jars_keeps_a_cache_maven_filled(
 ) -> None:
     settings = BrokerSettings(home=tmp_path / "home", jars_root=tmp_path / "jars")
     _fake_lock(monkeypatch, tmp_path, "4.1.1", b"jar")
-    monkeypatch.setenv("TOKENBUDGET_MAVEN_REPOSITORY", f"http://127.0.0.1:{_free_port()}/m2")
+    monkeypatch.setenv("TOKENBUDGET_MAVEN_REPOSITORY", f"http://127.0.0.1:{free_port()}/m2")
     libs = settings.libs_dir
     libs.mkdir(parents=True)
     (libs / "kafka_2.13-4.1.1.jar").write_bytes(b"jar")
@@ -314,7 +309,7 @@ def test_up_refuses_a_port_held_by_something_else(tmp_path: Path) -> None:
         settings = BrokerSettings(
             home=tmp_path / "home",
             port=port,
-            controller_port=_free_port(),
+            controller_port=free_port(),
             jars_root=tmp_path / "jars",
         )
         with pytest.raises(BrokerError, match=f"127.0.0.1:{port}.*in use"):
@@ -327,7 +322,7 @@ def test_wait_ready_fails_fast_when_the_process_died(tmp_path: Path) -> None:
     log_path = tmp_path / "broker.log"
     log_path.write_text("ERROR something broke\n")
     with pytest.raises(BrokerError, match=r"(?s)exited before it was ready.*something broke"):
-        broker.wait_ready(f"127.0.0.1:{_free_port()}", 30, pid=proc.pid, log_path=log_path)
+        broker.wait_ready(f"127.0.0.1:{free_port()}", 30, pid=proc.pid, log_path=log_path)
 
 
 def test_wait_ready_open_port_is_not_ready(tmp_path: Path) -> None:
@@ -340,7 +335,7 @@ def test_wait_ready_open_port_is_not_ready(tmp_path: Path) -> None:
 
 
 def test_status_and_down_without_broker(tmp_path: Path) -> None:
-    settings = BrokerSettings(home=tmp_path / "nothing", port=_free_port())
+    settings = BrokerSettings(home=tmp_path / "nothing", port=free_port())
     st = broker.status(settings)
     assert (st.running, st.pid, st.ready) == (False, None, False)
     assert st.kafka_version == settings.kafka_version
@@ -352,7 +347,7 @@ def test_wipe_refuses_foreign_files(tmp_path: Path) -> None:
     home.mkdir()
     (home / "thesis.tex").write_text("do not delete")
     with pytest.raises(BrokerError, match=r"thesis\.tex"):
-        broker.wipe(BrokerSettings(home=home, port=_free_port()))
+        broker.wipe(BrokerSettings(home=home, port=free_port()))
     assert (home / "thesis.tex").exists()
 
 
@@ -479,8 +474,8 @@ def test_broker_lifecycle(tmp_path: Path) -> None:
 
     settings = BrokerSettings(
         home=tmp_path / "broker",
-        port=_free_port(),
-        controller_port=_free_port(),
+        port=free_port(),
+        controller_port=free_port(),
         heap_mb=512,
         # TOKENBUDGET_KAFKA_VERSION=3.9.1 runs this against another version
         kafka_version=os.environ.get("TOKENBUDGET_KAFKA_VERSION", broker.DEFAULT_KAFKA_VERSION),
