@@ -1258,6 +1258,9 @@ def _check_ranges(raw: _RawConfig, source: str) -> None:
         "inference.concurrency": raw.inference.concurrency,
         "inference.n": raw.inference.n,
         "inference.max_new_tokens": raw.inference.max_new_tokens,
+        # 0 once meant no read timeout to aiohttp, a negative one failed every read.
+        "inference.connect_timeout_s": raw.inference.connect_timeout_s,
+        "inference.read_timeout_s": raw.inference.read_timeout_s,
         "sink.rotate_rows": raw.sink.rotate_rows,
         "sink.row_group_rows": raw.sink.row_group_rows,
     }

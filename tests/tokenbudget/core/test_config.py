@@ -859,3 +859,10 @@ def test_growing_reservations_with_streamed_answers_are_accepted() -> None:
         environ=NO_ENV,
     )
     assert (config.budget.reserve, config.budget.cut) == ("grow", "any")
+
+
+@pytest.mark.parametrize("key", ["connect_timeout_s", "read_timeout_s"])
+@pytest.mark.parametrize("value", [0, -1.5])
+def test_a_timeout_that_is_not_positive_is_refused_naming_its_key(key: str, value: float) -> None:
+    error = config_error({"inference": {key: value}})
+    assert error.key == f"inference.{key}" and "must be positive" in str(error)
