@@ -609,9 +609,12 @@ class SGLangBackend(InferenceBackend):
     async def _served_model(self) -> str:
         """/generate names no model: ask /get_model_info once, shared by every
         request in flight meanwhile (the configured name if the server will not say)."""
-        if self._model_lookup is None:
-            self._model_lookup = asyncio.ensure_future(self._model_info())
-        return await asyncio.shield(self._model_lookup)
+        lookup = self._model_lookup
+        if lookup is None:
+            lookup = self._model_lookup = asyncio.ensure_future(self._model_info())
+        if lookup.done():
+            return lookup.result()  # every answer after the first: no shield to build
+        return await asyncio.shield(lookup)
 
     async def _model_info(self) -> str:
         try:

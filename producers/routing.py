@@ -18,6 +18,7 @@ the policy, as pure functions (:mod:`tokenbudget.producers.fleet` applies them).
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 import statistics
@@ -110,9 +111,10 @@ class Window:
         """A server's window as it starts: trusted with its configured concurrency."""
         return cls(ceiling, float(ceiling))
 
-    @property
+    @functools.cached_property
     def size(self) -> int:
-        """Requests the server may have at once now."""
+        """Requests the server may have at once now (worked out once per window: it
+        is asked of every server for every request routed)."""
         return max(self.floor, min(self.ceiling, int(self.limit)))
 
     def grown(self, in_flight: int) -> Window:
