@@ -653,3 +653,22 @@ def test_the_last_chunk_of_a_cumulative_sglang_stream_is_the_answer(
     result = asyncio.run(_generate(make_backend("sglang", client, "http://server", stream=True)))
     assert (result.output_ids, result.text, result.completion_tokens) == ([1, 2, 3], text, 3)
     assert all(type(i) is int for i in result.output_ids)
+
+
+def test_stream_chunks_msgspec_refuses_are_read_as_pythons_decoder_reads_them() -> None:
+    """Invalid UTF-8 (replaced) and -Infinity (a logprob) in an OpenAI-compatible
+    stream: read as before the chunks were decoded with msgspec."""
+    first = (
+        b'data: {"choices": [{"index": 0, "delta": {"content": "caf\xe9"}, "logprob": -Infinity}]}'
+    )
+    last = json.dumps(
+        {
+            "choices": [{"index": 0, "delta": {"content": "!"}, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 4, "completion_tokens": 2},
+        }
+    ).encode()
+    body = first + b"\n\ndata: " + last + b"\n\ndata: [DONE]\n\n"
+    client = CannedClient(200, content=body, headers={"Content-Type": "text/event-stream"})
+    backend = make_backend("openai-chat", client, "http://server", stream=True)
+    result = asyncio.run(_generate(backend))
+    assert (result.text, result.completion_tokens) == ("caf\ufffd!", 2)
