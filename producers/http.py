@@ -199,7 +199,11 @@ class HttpClient:
         self.timeouts = timeouts or Timeouts()
         self._session: aiohttp.ClientSession | None = None
         self._closed = False
-        self._streamed = aiohttp.ClientTimeout(total=None, sock_connect=self.timeouts.connect)
+        connect, read = self.timeouts.connect, self.timeouts.read
+        # A reply read whole: aiohttp times each silence. A stream: _Silence does, not a
+        # timer re-armed per network read (see stream()).
+        self._whole = aiohttp.ClientTimeout(total=None, sock_connect=connect, sock_read=read)
+        self._streamed = aiohttp.ClientTimeout(total=None, sock_connect=connect)
 
     def _open(self) -> aiohttp.ClientSession:
         if self._closed:
@@ -207,11 +211,7 @@ class HttpClient:
         if self._session is None:
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=self.limit, ssl=tls_context()),
-                timeout=aiohttp.ClientTimeout(
-                    total=None,
-                    sock_connect=self.timeouts.connect,
-                    sock_read=self.timeouts.read,
-                ),
+                timeout=self._whole,
                 # The servers' own words are what callers judge: no cookies kept (and
                 # no redirects followed, in _send).
                 cookie_jar=aiohttp.DummyCookieJar(),
@@ -233,10 +233,8 @@ class HttpClient:
         if body is not None:
             data = _encode(body)
             sent["Content-Type"] = "application/json"
-        session = self._open()
-        # A stream's silences are watched by _Silence, not by a timer per network read.
-        timeout = self._streamed if stream else session.timeout
-        return session.request(
+        timeout = self._streamed if stream else self._whole
+        return self._open().request(
             method, url, data=data, headers=sent, allow_redirects=False, timeout=timeout
         )
 
