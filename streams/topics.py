@@ -45,8 +45,16 @@ class Topics:
         return f"{self.namespace}.completions"
 
     @property
+    def control(self) -> str:
+        """Operators' commands, written by operator principals only: budgets set
+        (``budget set``, ``run`` from its config), the fleet's changes (``servers
+        add|drain``) and the job's identity."""
+        return f"{self.namespace}.control"
+
+    @property
     def budgets(self) -> str:
-        """Budget control: set by users, exceeded/raised and snapshots by the ledger."""
+        """The ledger's announcements, written by ledger principals only: halts,
+        raises, snapshots and its replies to lease requests."""
         return f"{self.namespace}.budgets"
 
     @property
@@ -116,6 +124,7 @@ class Topics:
         keyed = {
             self.prompts: {"retention.ms": str(prompt_retention_ms)},
             self.completions: completion_topic_configs(completion_retention_ms),
+            self.control: _retention(budget_retention_ms),
             self.budgets: _retention(budget_retention_ms),
             self.outcomes: _retention(budget_retention_ms),
             self.reservations: {"retention.ms": str(prompt_retention_ms)},

@@ -39,6 +39,11 @@ if TYPE_CHECKING:
 
 Protocol = Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"]
 Mechanism = Literal["", "PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"]
+# What a process (or a part of ``run``) does on Kafka: each may log in as a principal
+# of its own, and Kafka's ACLs keep each principal to what its role writes
+# (docs/kafka.md, Roles and ACLs).
+Role = Literal["operator", "producer", "dispatcher", "ledger", "sink"]
+ROLES: tuple[Role, ...] = ("operator", "producer", "dispatcher", "ledger", "sink")
 
 MASK = "********"
 # Carries the registry to child processes: {bootstrap: KafkaSecurity as JSON}.
