@@ -35,6 +35,7 @@ from tokenbudget.core.columns import (
 )
 from tokenbudget.core.errors import ConfigError
 from tokenbudget.core.keydoc import doc
+from tokenbudget.core.roles import Role
 from tokenbudget.core.sampling import SAMPLING_KEYS, Sampling
 
 Api = Literal["sglang", "openai-completions", "openai-chat"]
@@ -66,6 +67,27 @@ DEFAULT_URL = "http://127.0.0.1:30000"
 
 class _Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     pass
+
+
+class RoleLogin(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The SASL login of one role (docs/kafka.md, Roles and ACLs): the processes, or
+    the parts of `run`, that play it log in as this principal instead of `[kafka]`'s."""
+
+    role: Annotated[
+        Role,
+        doc(
+            "`operator` (run's own commands, `budget set`, `servers add`, topics), "
+            "`producer` (prompts), `dispatcher` (answers, leases), `ledger` (grants, halts) "
+            "or `sink` (Parquet)"
+        ),
+    ]
+    sasl_username: Annotated[str, doc("the role's SASL user: its principal is `User:<name>`")]
+    sasl_password_env: Annotated[
+        str, doc("the environment variable holding its password (or `sasl_password_file`)")
+    ] = ""
+    sasl_password_file: Annotated[
+        str, doc("a file holding its password (relative to the config)")
+    ] = ""
 
 
 class KafkaConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -176,6 +198,13 @@ class KafkaConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=Tru
     ssl_check_hostname: Annotated[
         bool, doc("the broker's certificate must name the host in `bootstrap`")
     ] = True
+    roles: Annotated[
+        list[RoleLogin],
+        doc(
+            "a SASL login per role, one `[[kafka.roles]]` table each; a role with none "
+            "logs in as `sasl_username`"
+        ),
+    ] = []
 
 
 class _Sampling(_Section, Sampling, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -1012,6 +1041,37 @@ def _check_reserve(budget: BudgetConfig, inference: InferenceConfig, source: str
         )
 
 
+def _check_role_logins(kafka: KafkaConfig, source: str) -> None:
+    sasl = kafka.security_protocol in ("SASL_PLAINTEXT", "SASL_SSL")
+    seen: dict[str, int] = {}
+    for i, login in enumerate(kafka.roles):
+        key = f"kafka.roles[{i}]"
+        if not sasl:
+            raise ConfigError(
+                key,
+                "a role's login is only used with security_protocol SASL_PLAINTEXT or "
+                f"SASL_SSL, not {kafka.security_protocol}",
+                source=source,
+            )
+        if login.role in seen:
+            raise ConfigError(
+                f"{key}.role",
+                f"{login.role!r} has a login already (kafka.roles[{seen[login.role]}]): "
+                "give each role one",
+                source=source,
+            )
+        seen[login.role] = i
+        if not login.sasl_username:
+            raise ConfigError(f"{key}.sasl_username", "a role's login needs one", source=source)
+        if bool(login.sasl_password_env) == bool(login.sasl_password_file):
+            raise ConfigError(
+                f"{key}.sasl_password_env",
+                "set the role's password as the name of an environment variable "
+                "(sasl_password_env) or a file (sasl_password_file): one of them",
+                source=source,
+            )
+
+
 def _check_kafka_security(kafka: KafkaConfig, source: str) -> None:
     """Security settings that cannot work together, named by their key."""
     protocol = kafka.security_protocol
@@ -1062,6 +1122,7 @@ def _check_kafka_security(kafka: KafkaConfig, source: str) -> None:
                     f"only used with security_protocol SASL_PLAINTEXT or SASL_SSL, not {protocol}",
                     source=source,
                 )
+    _check_role_logins(kafka, source)
     tls = {
         "ssl_cafile": kafka.ssl_cafile,
         "ssl_certfile": kafka.ssl_certfile,

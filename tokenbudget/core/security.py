@@ -7,6 +7,11 @@ stored in the config, and travel as :class:`SecretStr`, which shows ``********``
 ``repr``, ``str`` and formatting (kafka-python logs its whole configuration at DEBUG);
 once read, a secret is also masked in every log record (see :func:`_remember`).
 
+Each role (:mod:`tokenbudget.core.roles`) may log in as a principal of its own
+(``[[kafka.roles]]``): a client logs in as the role its code plays when it is built,
+:func:`acting_as` (a task or thread of ``run``) or :func:`play` (a whole process, such
+as ``tokenbudget ledger``), else as ``[kafka]``'s own user.
+
 Security belongs to a cluster address: :func:`register` records it for a bootstrap
 address and every client builder (:func:`client_options`, :func:`faust_credentials`)
 looks it up by that address, so the many places that only carry ``bootstrap: str``
@@ -19,12 +24,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import contextvars
 import json
 import logging
 import os
 import ssl
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -33,17 +40,13 @@ import msgspec
 from aiokafka.conn import create_conn
 
 from tokenbudget.core.errors import ConfigError, KafkaAuthError
+from tokenbudget.core.roles import Role
 
 if TYPE_CHECKING:
     from tokenbudget.core.config import Config
 
 Protocol = Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"]
 Mechanism = Literal["", "PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"]
-# What a process (or a part of ``run``) does on Kafka: each may log in as a principal
-# of its own, and Kafka's ACLs keep each principal to what its role writes
-# (docs/kafka.md, Roles and ACLs).
-Role = Literal["operator", "producer", "dispatcher", "ledger", "sink"]
-ROLES: tuple[Role, ...] = ("operator", "producer", "dispatcher", "ledger", "sink")
 
 MASK = "********"
 # Carries the registry to child processes: {bootstrap: KafkaSecurity as JSON}.
@@ -154,13 +157,51 @@ class SecretSource(msgspec.Struct, frozen=True, kw_only=True):
         return _remember(value)
 
 
+class Login(msgspec.Struct, frozen=True, kw_only=True):
+    """One role's SASL user and where its password is (``[[kafka.roles]]``)."""
+
+    username: str
+    password: SecretSource
+
+
+# The role the code building a client plays: set per task or thread by acting_as,
+# for the whole process by play (threads do not inherit a context variable).
+_ACTING: contextvars.ContextVar[Role | None] = contextvars.ContextVar("role", default=None)
+_PLAYED: list[Role | None] = [None]
+
+
+def play(role: Role) -> None:
+    """Every client this process builds, in any thread, logs in as ``role`` unless
+    :func:`acting_as` says otherwise (a process that plays one role: ``dispatch``,
+    ``ledger``, ``sink``, ``produce``, the operators' commands)."""
+    _PLAYED[0] = role
+
+
+@contextlib.contextmanager
+def acting_as(role: Role) -> Iterator[None]:
+    """Clients built inside (in this task or thread, and in tasks it creates) log in
+    as ``role``: how ``run`` gives its producer, dispatcher and sink their own."""
+    token = _ACTING.set(role)
+    try:
+        yield
+    finally:
+        _ACTING.reset(token)
+
+
+def current_role() -> Role | None:
+    acting = _ACTING.get()
+    return acting if acting is not None else _PLAYED[0]
+
+
 class KafkaSecurity(msgspec.Struct, frozen=True, kw_only=True):
-    """``[kafka]`` security settings with paths resolved; no secret values."""
+    """``[kafka]`` security settings with paths resolved; no secret values.
+    ``logins``: the roles that log in as a user of their own."""
 
     protocol: Protocol = "PLAINTEXT"
     sasl_mechanism: Mechanism = ""
     sasl_username: str = ""
     sasl_password: SecretSource | None = None
+    logins: dict[str, Login] = {}
     ssl_cafile: str = ""
     ssl_certfile: str = ""
     ssl_keyfile: str = ""
@@ -193,11 +234,23 @@ class KafkaSecurity(msgspec.Struct, frozen=True, kw_only=True):
                 return SecretSource(key=f"kafka.{prefix}_file", file=path(file))
             return None
 
+        logins: dict[str, Login] = {}
+        for i, entry in enumerate(kafka.roles):
+            key = f"kafka.roles[{i}]"
+            password = (
+                SecretSource(key=f"{key}.sasl_password_env", env=entry.sasl_password_env)
+                if entry.sasl_password_env
+                else SecretSource(
+                    key=f"{key}.sasl_password_file", file=path(entry.sasl_password_file)
+                )
+            )
+            logins[entry.role] = Login(username=entry.sasl_username, password=password)
         return cls(
             protocol=kafka.security_protocol,
             sasl_mechanism=kafka.sasl_mechanism,
             sasl_username=kafka.sasl_username,
             sasl_password=source("sasl_password"),
+            logins=logins,
             ssl_cafile=path(kafka.ssl_cafile),
             ssl_certfile=path(kafka.ssl_certfile),
             ssl_keyfile=path(kafka.ssl_keyfile),
@@ -240,28 +293,44 @@ class KafkaSecurity(msgspec.Struct, frozen=True, kw_only=True):
                 ) from None
         return context
 
+    def login(self, role: Role | None = None) -> Login | None:
+        """Who ``role`` (by default the role being played) logs in as: its own
+        login, else ``[kafka]``'s; None without SASL."""
+        if not self.uses_sasl:
+            return None
+        own = self.logins.get(role or current_role() or "")
+        if own is not None:
+            return own
+        assert self.sasl_password is not None  # config validation requires it
+        return Login(username=self.sasl_username, password=self.sasl_password)
+
+    def principal(self, role: Role) -> str:
+        """``role``'s Kafka principal (``User:<name>``); "" without SASL."""
+        login = self.login(role)
+        return f"User:{login.username}" if login is not None else ""
+
     def client_options(self) -> dict[str, Any]:
         """kafka-python and aiokafka take the same security keyword arguments."""
         options: dict[str, Any] = {"security_protocol": self.protocol}
         context = self.ssl_context()
         if context is not None:
             options["ssl_context"] = context
-        if self.uses_sasl:
-            assert self.sasl_password is not None  # config validation requires it
+        login = self.login()
+        if login is not None:
             options["sasl_mechanism"] = self.sasl_mechanism
-            options["sasl_plain_username"] = self.sasl_username
-            options["sasl_plain_password"] = self.sasl_password.read()
+            options["sasl_plain_username"] = login.username
+            options["sasl_plain_password"] = login.password.read()
         return options
 
     def faust_credentials(self) -> Any:
         """``broker_credentials`` for a Faust app (None: plaintext)."""
         context = self.ssl_context()
-        if self.uses_sasl:
-            assert self.sasl_password is not None
+        login = self.login()
+        if login is not None:
             # With a context Faust speaks SASL_SSL, without it SASL_PLAINTEXT.
             return faust.SASLCredentials(
-                username=self.sasl_username,
-                password=self.sasl_password.read(),
+                username=login.username,
+                password=login.password.read(),
                 ssl_context=context,
                 mechanism=self.sasl_mechanism,
             )
@@ -272,10 +341,12 @@ class KafkaSecurity(msgspec.Struct, frozen=True, kw_only=True):
     def auth_keys(self) -> list[str]:
         """The config keys that decide whether the broker accepts us."""
         keys = ["kafka.security_protocol"]
-        if self.uses_sasl:
-            keys += ["kafka.sasl_mechanism", "kafka.sasl_username"]
-            if self.sasl_password is not None:
-                keys.append(self.sasl_password.key)
+        login = self.login()
+        if login is not None:
+            own = login.password.key.startswith("kafka.roles[")
+            user_key = login.password.key.rsplit(".", 1)[0] + ".sasl_username"
+            keys += ["kafka.sasl_mechanism", user_key if own else "kafka.sasl_username"]
+            keys.append(login.password.key)
         return keys
 
     def tls_keys(self) -> list[str]:
@@ -441,7 +512,8 @@ def auth_failure(bootstrap: str, exc: BaseException) -> KafkaAuthError | None:
                 keys=["kafka.sasl_mechanism", "kafka.security_protocol"],
             )
         if name.startswith(_AUTH_ERRORS):
-            user = f"user {settings.sasl_username!r}" if settings.uses_sasl else "this client"
+            login = settings.login()
+            user = f"user {login.username!r}" if login is not None else "this client"
             return KafkaAuthError(
                 f"the Kafka broker at {bootstrap} refused {user}: wrong user name, "
                 "password or SASL mechanism",
