@@ -102,6 +102,8 @@ def _set_type(hint: Any) -> Any:
 
 def _sampling_arrow_type(hint: Any) -> pa.DataType:
     value = _set_type(hint)
+    if typing.get_origin(value) is typing.Annotated:  # its bounds (streams/events.py)
+        value = typing.get_args(value)[0]
     if typing.get_origin(value) is list:
         (item,) = typing.get_args(value)
         return pa.list_(_SAMPLING_ARROW[item])
@@ -234,16 +236,19 @@ def decode_completion(value: bytes) -> Record:
     the full decoder (:func:`tokenbudget.streams.events.decode`), which says what is wrong.
     """
     record: Record | None
+    # Whatever a lean decoder raises (a DecodeError, a RecursionError for a value
+    # nested ~1,000 deep), the full decoder below says what it is, as an
+    # EventDecodeError: a bad record never ends the sink.
     try:
         record = _record_decoder.decode(value)
         if any(ids is not None and len(ids) % 4 for ids in (record.output_ids, record.prompt_ids)):
             record = None  # not whole int32s
-    except msgspec.DecodeError:
+    except Exception:
         try:
             record = _legacy_decoder.decode(value)
             if memoryview(record.output_ids)[:1] != b"[":  # e.g. a string, not base64
                 record = None
-        except msgspec.DecodeError:
+        except Exception:
             record = None
     if record is not None and record.v in ev.COMPLETION_VERSIONS:
         problem = ev.count_problem(

@@ -27,15 +27,18 @@ of one dataset land in one partition, in order, next to its ledger entry.
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, Literal, overload
+from typing import Annotated, Any, Literal, overload
 
 import msgspec
 import numpy as np
 
 from tokenbudget.core.config import Unit as BudgetUnit
 from tokenbudget.core.errors import DatasetError, EventDecodeError
+from tokenbudget.core.names import DATASET_NAME_PATTERN, MAX_DATASET_NAME
 from tokenbudget.core.sampling import SAMPLING_KEYS, Sampling
 
 SCHEMA_VERSION = 1
@@ -48,6 +51,31 @@ COMPLETION_VERSIONS = frozenset({1, 2, 3, 4, 5, 6})
 # Prompts only: v2 carries tools or a conversation's turn (see the module docstring).
 PROMPT_VERSION = 2
 PROMPT_VERSIONS = frozenset({1, 2})
+
+# Every value an event carries is checked at the door, by the decoder itself: these
+# bounds are declared with the fields, so an event outside them is a bad event
+# (EventDecodeError, a dead letter), never applied. Events come from anyone who can
+# write a topic: a count, budget or epoch out of range would overflow a Parquet
+# int64 or the ledger's msgpack, a negative one be added back to a balance.
+MAX_TOKENS = 2**63 - 1  # budgets and totals: what int64 (Parquet, msgpack) holds
+MAX_COUNT = 2**31 - 1  # one request's counts and lengths, as wide as a token id
+MAX_ID = 512  # characters of an id: prompt, request, lease, holder
+MAX_TTL_S = 86_400.0
+MAX_AT = 1e10  # seconds since 1970: the year 2286
+
+Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)]
+Tokens = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS)]
+Remaining = Annotated[int, msgspec.Meta(ge=-1, le=MAX_TOKENS)]  # -1: not known
+Epoch = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS)]
+At = Annotated[float, msgspec.Meta(ge=0, le=MAX_AT)]
+Ttl = Annotated[float, msgspec.Meta(gt=0, le=MAX_TTL_S)]
+Id = Annotated[str, msgspec.Meta(max_length=MAX_ID)]
+DatasetName = Annotated[
+    str, msgspec.Meta(pattern=DATASET_NAME_PATTERN, max_length=MAX_DATASET_NAME)
+]
+EnvName = Annotated[str, msgspec.Meta(pattern=r"^([A-Za-z_][A-Za-z0-9_]{0,255})?$")]  # "": no key
+Url = Annotated[str, msgspec.Meta(max_length=2048)]
+Offset = Annotated[int, msgspec.Meta(ge=-1, le=MAX_TOKENS)]
 
 FinishReason = Literal["stop", "length", "abort"]
 # Why a kept answer ends: the server's finish reason, or "budget" when the budget's
@@ -88,7 +116,7 @@ class SamplingParams(Sampling, frozen=True, omit_defaults=True, kw_only=True):
     ``[[datasets]]``, :class:`~tokenbudget.core.sampling.Sampling`) and the length the
     budget allows; unset ones are left to the server and take no room here."""
 
-    max_new_tokens: int | None = None
+    max_new_tokens: Count | None = None
 
     def request_fields(self) -> dict[str, Any]:
         """The settings a request carries beside max_new_tokens (the budget's)."""
@@ -105,7 +133,7 @@ class _LedgerEvent(_Event, frozen=True, kw_only=True):
     dataset's events at some epoch drops those of lower epochs, which can only come
     from a ledger worker that lost the partition and did not know yet."""
 
-    epoch: int = 0
+    epoch: Epoch = 0
 
 
 def ledger_epoch(recovered_to: int, assigned_at: float) -> int:
@@ -118,25 +146,27 @@ def ledger_epoch(recovered_to: int, assigned_at: float) -> int:
 class PromptEvent(_Event, tag="prompt", frozen=True):
     """One prompt to generate from. ``prompt_id`` is stable across runs."""
 
-    prompt_id: str
-    dataset: str
+    prompt_id: Id
+    dataset: DatasetName
     text: str | None = None
     messages: tuple[ChatMessage, ...] | None = None
     sampling: SamplingParams = SamplingParams()
     source: str = ""  # "file:line", for error messages
-    produced_at: float = 0.0
-    input_ids: list[int] | None = None  # chat template applied locally: sent as ids
+    produced_at: At = 0.0
+    input_ids: list[Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)]] | None = (
+        None  # chat template applied locally: sent as ids
+    )
     row_id: str | None = None  # the dataset row's own "id"
     input_columns: dict[str, Any] | None = None  # the row's [[datasets]] keep_columns
-    sample_index: int = 0  # which of the dataset's n samples of this prompt
+    sample_index: Count = 0  # which of the dataset's n samples of this prompt
     tools: list[dict[str, Any]] | None = None  # the row's tool definitions, sent as is
     # A turn of a conversation regenerated turn by turn (turns = "regenerate"): the
     # conversation's key (one server may keep its turns' prefix cached: a router can
     # send them all there), which of its ``turns`` this is (from 0), and the dataset's
     # conversation as recorded (``reference``), which the next turns are built from.
     conversation_id: str | None = None
-    turn: int | None = None
-    turns: int | None = None
+    turn: Count | None = None
+    turns: Count | None = None
     reference: tuple[ChatMessage, ...] | None = None
 
     def __post_init__(self) -> None:
@@ -287,22 +317,22 @@ class CompletionEvent(_Event, tag="completion", frozen=True):
     answer was counted): no ids is better than a list that might be wrong.
     """
 
-    request_id: str
-    prompt_id: str
-    dataset: str
-    prompt_tokens: int
-    completion_tokens: int
+    request_id: Id
+    prompt_id: Id
+    dataset: DatasetName
+    prompt_tokens: Count
+    completion_tokens: Count
     output_ids: TokenIds | None
     finish_reason: FinishReason
-    max_new_tokens: int
+    max_new_tokens: Count
     text: str = ""
     count_source: CountSource = "server"
-    attempts: int = 1
-    lease_id: str = ""  # the reservation it was admitted under, if any
-    cost: int = 0  # what it consumed of that lease, in the budget's unit
-    dispatched_at: float = 0.0
-    first_token_at: float | None = None
-    finished_at: float = 0.0
+    attempts: Count = 1
+    lease_id: Id = ""  # the reservation it was admitted under, if any
+    cost: Tokens = 0  # what it consumed of that lease, in the budget's unit
+    dispatched_at: At = 0.0
+    first_token_at: At | None = None
+    finished_at: At = 0.0
     # The request as sent: the prompt (text, or chat messages), its ids when known
     # (templated here, sent as ids, or returned by the server), the settings.
     prompt: str | None = None
@@ -312,14 +342,14 @@ class CompletionEvent(_Event, tag="completion", frozen=True):
     model: str = ""  # as the server reported it
     row_id: str | None = None
     input_columns: dict[str, Any] | None = None  # the row's keep_columns, as read
-    sample_index: int = 0
+    sample_index: Count = 0
     stop_reason: StopReason | None = None  # None: written before version 4
     # A thinking model's reasoning as the server split it off the answer (``text``
     # is then the answer alone); None when the server sent none (raw text and ids
     # hold the thinking inline).
     reasoning: str | None = None
     # Of completion_tokens, those the server says were thinking; None: not reported.
-    reasoning_tokens: int | None = None
+    reasoning_tokens: Count | None = None
     # The answer was cut (length or budget) before it began: all thinking. Such rows
     # still count against the budget. None: written before version 5.
     unfinished: bool | None = None
@@ -331,8 +361,8 @@ class CompletionEvent(_Event, tag="completion", frozen=True):
     # the model called other functions, or with other arguments, than the dataset
     # recorded for this turn, whose results therefore do not answer them.
     conversation_id: str | None = None
-    turn: int | None = None
-    turns: int | None = None
+    turn: Count | None = None
+    turns: Count | None = None
     tool_mismatch: bool | None = None
 
     def __post_init__(self) -> None:
@@ -354,33 +384,33 @@ class BudgetSet(_Event, tag="budget_set", frozen=True):
     which decides whether a value set by hand still holds at the next job
     (:mod:`tokenbudget.app.budgets`); None from older writers."""
 
-    dataset: str
-    budget: int
+    dataset: DatasetName
+    budget: Tokens
     unit: BudgetUnit = "completion_tokens"
-    set_at: float = 0.0
+    set_at: At = 0.0
     set_by: str = ""
-    config_budget: int | None = None
+    config_budget: Tokens | None = None
 
 
 class BudgetExceeded(_LedgerEvent, tag="budget_exceeded", frozen=True):
     """The ledger saw the dataset reach its budget: producers must stop it now."""
 
-    dataset: str
-    budget: int
-    used: int
+    dataset: DatasetName
+    budget: Tokens
+    used: Tokens
     unit: BudgetUnit = "completion_tokens"
-    trigger_request_id: str = ""
-    at: float = 0.0
+    trigger_request_id: Id = ""
+    at: At = 0.0
 
 
 class BudgetRaised(_LedgerEvent, tag="budget_raised", frozen=True):
     """A halted dataset's budget was raised above what it used: it is open again."""
 
-    dataset: str
-    budget: int
-    used: int
+    dataset: DatasetName
+    budget: Tokens
+    used: Tokens
     unit: BudgetUnit = "completion_tokens"
-    at: float = 0.0
+    at: At = 0.0
 
 
 class LeaseRequested(_Event, tag="lease_requested", frozen=True):
@@ -391,33 +421,33 @@ class LeaseRequested(_Event, tag="lease_requested", frozen=True):
     whole answer), so the ledger denies instead.
     """
 
-    dataset: str
-    lease_id: str
-    holder: str
-    want: int
-    min_grant: int = 1
-    ttl_s: float = 30.0
-    at: float = 0.0
+    dataset: DatasetName
+    lease_id: Id
+    holder: Id
+    want: Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS)]
+    min_grant: Tokens = 1
+    ttl_s: Ttl = 30.0
+    at: At = 0.0
 
 
 class LeaseGranted(_LedgerEvent, tag="lease_granted", frozen=True):
-    dataset: str
-    lease_id: str
-    holder: str
-    granted: int  # added to the lease by this grant
-    expires_at: float
-    at: float = 0.0
+    dataset: DatasetName
+    lease_id: Id
+    holder: Id
+    granted: Tokens  # added to the lease by this grant
+    expires_at: At
+    at: At = 0.0
     # What the dataset's budget still had unleased after this grant (-1: unknown, a
     # ledger older than the field): growing reservations keep room for their answers
     # in flight before the ledger runs short.
-    remaining: int = -1
+    remaining: Remaining = -1
 
 
 class LeaseDenied(_LedgerEvent, tag="lease_denied", frozen=True):
-    dataset: str
-    lease_id: str
-    holder: str
-    remaining: int
+    dataset: DatasetName
+    lease_id: Id
+    holder: Id
+    remaining: Remaining
     # True when even every reservation coming back could not fit the smallest
     # useful request: the dataset is done. False: budget is only tied up in other
     # holders' leases for now, so ask again later.
@@ -425,36 +455,36 @@ class LeaseDenied(_LedgerEvent, tag="lease_denied", frozen=True):
     # True when the lease itself takes nothing more (released, fenced, or another
     # holder's): its holder opens a fresh one instead of asking again on it.
     closed: bool = False
-    at: float = 0.0
+    at: At = 0.0
 
 
 class LeaseRenewed(_Event, tag="lease_renewed", frozen=True):
     """The holder is alive and still spending: push the lease's expiry out."""
 
-    dataset: str
-    lease_id: str
-    holder: str
-    ttl_s: float = 30.0
-    at: float = 0.0
+    dataset: DatasetName
+    lease_id: Id
+    holder: Id
+    ttl_s: Ttl = 30.0
+    at: At = 0.0
 
 
 class LeaseReleased(_Event, tag="lease_released", frozen=True):
     """The holder is done with a lease. ``spent`` is what it published under it,
     so the ledger keeps the part of it still in flight on the way reserved."""
 
-    dataset: str
-    lease_id: str
-    holder: str
-    spent: int
-    at: float = 0.0
+    dataset: DatasetName
+    lease_id: Id
+    holder: Id
+    spent: Tokens
+    at: At = 0.0
 
 
 class LeaseExpired(_Event, tag="lease_expired", frozen=True):
     """The ledger's own clock says a lease's holder stopped renewing it."""
 
-    dataset: str
-    lease_id: str
-    at: float = 0.0
+    dataset: DatasetName
+    lease_id: Id
+    at: At = 0.0
 
 
 class LeaseFenced(_LedgerEvent, tag="lease_fenced", frozen=True):
@@ -465,9 +495,9 @@ class LeaseFenced(_LedgerEvent, tag="lease_fenced", frozen=True):
     ledger reads it back, nothing of the lease is still on its way and its budget is
     freed), completions of it after the fence are kept by no one."""
 
-    dataset: str
-    lease_id: str
-    at: float = 0.0
+    dataset: DatasetName
+    lease_id: Id
+    at: At = 0.0
 
 
 class LeaseRevoked(_LedgerEvent, tag="lease_revoked", frozen=True):
@@ -475,19 +505,19 @@ class LeaseRevoked(_LedgerEvent, tag="lease_revoked", frozen=True):
     the holder must admit nothing more on it, keep at most ``allowance`` more of
     what it has in flight (cutting the rest at the line), abort, and release."""
 
-    dataset: str
-    lease_id: str
-    holder: str
-    allowance: int = 0  # what the lease may still commit beyond what the ledger counted
+    dataset: DatasetName
+    lease_id: Id
+    holder: Id
+    allowance: Tokens = 0  # what the lease may still commit beyond what the ledger counted
     # The most the lease may commit in all (counted + allowance). The holder keeps
     # ceiling - what it already published, which also covers completions it sent
     # that the ledger had not counted yet.
-    ceiling: int = 0
-    kept: int = 0  # what the dataset had kept when the lease was revoked
+    ceiling: Tokens = 0
+    kept: Tokens = 0  # what the dataset had kept when the lease was revoked
     # Revoked because the holder stopped renewing it: its budget is being freed, and
     # the holder claims answers still in flight on it anew (a fresh grant) or drops them.
     expired: bool = False
-    at: float = 0.0
+    at: At = 0.0
 
 
 class DatasetIdentity(msgspec.Struct, frozen=True, kw_only=True):
@@ -495,7 +525,7 @@ class DatasetIdentity(msgspec.Struct, frozen=True, kw_only=True):
     bytes) and the settings its prompts and answers depend on, each one that is not
     at its default (see :mod:`tokenbudget.app.identity`)."""
 
-    name: str
+    name: DatasetName
     file: str  # where the content was read when recorded (for messages)
     content: str  # "<algorithm>:<hex digest>"
     settings: dict[str, Any] = {}
@@ -509,8 +539,8 @@ class JobIdentity(_Event, tag="job_identity", frozen=True):
 
     datasets: tuple[DatasetIdentity, ...]
     settings: dict[str, Any]  # the job's own: inference.api, inference.model, sink.path
-    first_at: float  # the namespace's first run
-    recorded_at: float = 0.0
+    first_at: At  # the namespace's first run
+    recorded_at: At = 0.0
     recorded_by: str = ""
 
 
@@ -527,11 +557,11 @@ class ServerAdded(_Event, tag="server_added", frozen=True):
     ``[inference]``); one drained or dropped before comes back. No dataset: the
     ledger passes it by."""
 
-    url: str
-    concurrency: int | None = None
-    weight: float | None = None
-    api_key_env: str | None = None
-    at: float = 0.0
+    url: Url
+    concurrency: Annotated[int, msgspec.Meta(ge=1, le=MAX_COUNT)] | None = None
+    weight: Annotated[float, msgspec.Meta(gt=0, le=1e6)] | None = None
+    api_key_env: EnvName | None = None
+    at: At = 0.0
     by: str = ""
 
 
@@ -539,31 +569,31 @@ class ServerDrained(_Event, tag="server_drained", frozen=True):
     """``tokenbudget servers drain``: the server gets no new prompts from any
     dispatcher of the namespace and finishes what it has."""
 
-    url: str
-    at: float = 0.0
+    url: Url
+    at: At = 0.0
     by: str = ""
 
 
 class ServerReport(msgspec.Struct, frozen=True, kw_only=True):
     """One server as one dispatcher sees it (its counts are that dispatcher's)."""
 
-    url: str
+    url: Url
     state: ServerState
-    in_flight: int
-    limit: int  # its window now
-    concurrency: int  # its ceiling
-    requests: int  # sent so far
-    tokens: int  # generated so far
-    errors: int  # failed so far
+    in_flight: Tokens
+    limit: Tokens  # its window now
+    concurrency: Tokens  # its ceiling
+    requests: Tokens  # sent so far
+    tokens: Tokens  # generated so far
+    errors: Tokens  # failed so far
 
 
 class FleetReport(_Event, tag="fleet_report", frozen=True):
     """What one dispatcher (``holder``) sees of the fleet, published every few seconds
     while it runs, for ``tokenbudget status`` and ``servers list``."""
 
-    holder: str
+    holder: Id
     servers: tuple[ServerReport, ...]
-    at: float = 0.0
+    at: At = 0.0
 
 
 DatasetStatus = Literal["open", "halted", "exhausted"]
@@ -572,49 +602,49 @@ DatasetStatus = Literal["open", "halted", "exhausted"]
 class LedgerSnapshot(_LedgerEvent, tag="ledger_snapshot", frozen=True):
     """The ledger's view of one dataset, published when it changes."""
 
-    dataset: str
-    budget: int | None
+    dataset: DatasetName
+    budget: Tokens | None
     unit: BudgetUnit
-    completion_tokens: int
-    prompt_tokens: int
-    samples: int
-    skipped: int
-    failed: int
-    produced: int | None
+    completion_tokens: Tokens
+    prompt_tokens: Tokens
+    samples: Tokens
+    skipped: Tokens
+    failed: Tokens
+    produced: Tokens | None
     halted: bool
     status: DatasetStatus
-    outcome_events: int = 0
-    reserved: int = 0
-    at: float = 0.0
-    cut: int = 0  # completions counted that the budget's line cut (stop_reason "budget")
+    outcome_events: Tokens = 0
+    reserved: Tokens = 0
+    at: At = 0.0
+    cut: Tokens = 0  # completions counted that the budget's line cut (stop_reason "budget")
 
 
 class PromptSkipped(_Event, tag="prompt_skipped", frozen=True):
     """A prompt not sent because its dataset was halted when its turn came."""
 
-    prompt_id: str
-    dataset: str
+    prompt_id: Id
+    dataset: DatasetName
     reason: str
-    at: float = 0.0
+    at: At = 0.0
 
 
 class PromptFailed(_Event, tag="prompt_failed", frozen=True):
     """A prompt given up after its retries; its details are in the dead-letter topic."""
 
-    prompt_id: str
-    dataset: str
+    prompt_id: Id
+    dataset: DatasetName
     reason: str
-    attempts: int
-    at: float = 0.0
+    attempts: Count
+    at: At = 0.0
 
 
 class ProducerDone(_Event, tag="producer_done", frozen=True):
     """The prompt producer will publish no more prompts of this dataset (this run)."""
 
-    dataset: str
-    produced: int
+    dataset: DatasetName
+    produced: Tokens
     reason: Literal["end_of_data", "halted", "limit"]
-    at: float = 0.0
+    at: At = 0.0
 
 
 class DeadLetter(_Event, tag="dead_letter", frozen=True):
@@ -624,13 +654,20 @@ class DeadLetter(_Event, tag="dead_letter", frozen=True):
 
     reason: str
     source_topic: str
-    partition: int = -1
-    offset: int = -1
+    partition: Offset = -1
+    offset: Offset = -1
     key: str | None = None
-    payload: str = ""  # the original bytes, decoded as UTF-8 with replacement
-    at: float = 0.0
+    # The start of the original bytes as UTF-8 (invalid bytes replaced), for people:
+    # at most EXCERPT_CHARS of it.
+    payload: str = ""
+    at: At = 0.0
     source: str = ""  # a bad row's "path:line"
-    size: int = -1  # bytes of what the payload is an excerpt of, when it is cut
+    size: Offset = -1  # bytes of what the payload is an excerpt of (-1: not known)
+    # The first PREFIX_BYTES of the original bytes exactly (base64), and the SHA-256
+    # of all of them: enough to find the record again and tell two apart, and a
+    # letter always fits in a message whatever the record's size.
+    payload_base64: str = ""
+    sha256: str = ""
 
 
 Event = (
@@ -709,12 +746,61 @@ def supported_versions(tag: str) -> frozenset[int]:
     return PROMPT_VERSIONS if tag == "prompt" else SUPPORTED_VERSIONS
 
 
-def decode(data: bytes) -> Event:
-    """Decode one event, or raise EventDecodeError saying what is wrong with it.
+# What travels on each topic (by its role, the last part of its name), and so who
+# writes it: a reader refuses any other event there, so that one role's principal,
+# which Kafka's ACLs let write only its own topics, cannot speak for another (an
+# operator's command is believed from the control topic only, a halt or a grant from
+# the ledger's budgets topic only). docs/kafka.md, Roles and ACLs.
+ON_TOPIC: dict[str, tuple[type[_Event], ...]] = {
+    "prompts": (PromptEvent,),
+    "completions": (CompletionEvent, LeaseFenced),
+    "control": (BudgetSet, ServerAdded, ServerDrained, JobIdentity),
+    "budgets": (
+        BudgetExceeded,
+        BudgetRaised,
+        LedgerSnapshot,
+        LeaseGranted,
+        LeaseDenied,
+        LeaseRevoked,
+    ),
+    "outcomes": (PromptSkipped, PromptFailed, ProducerDone),
+    "reservations": (LeaseRequested, LeaseRenewed, LeaseReleased, LeaseExpired, FleetReport),
+    "deadletter": (DeadLetter,),
+}
+
+
+def topic_of(event_type: type[_Event]) -> str:
+    """The role of the topic ``event_type`` travels on (a key of :data:`ON_TOPIC`)."""
+    return next(role for role, kinds in ON_TOPIC.items() if event_type in kinds)
+
+
+def decode(data: bytes, topic: str | None = None) -> Event:
+    """Decode one event read from ``topic`` (its name; None: from anywhere, for
+    tools and tests), or raise EventDecodeError saying what is wrong with it. Any
+    failure is that error: a record nested past the parser's depth, a value out of
+    its bounds, an event that does not travel on ``topic``.
 
     The version is checked before the shape, so an event from a newer writer is
     reported as such rather than as a missing or unknown field.
     """
+    try:
+        event = _decode(data)
+    except EventDecodeError:
+        raise
+    except Exception as exc:  # RecursionError (nested ~1,000 deep), MemoryError, ...
+        raise EventDecodeError(f"not a tokenbudget event: {type(exc).__name__}: {exc}") from exc
+    if topic is not None:
+        role = topic.rsplit(".", 1)[-1]
+        if type(event) not in ON_TOPIC.get(role, ()):
+            tag = type(event).__struct_config__.tag
+            raise EventDecodeError(
+                f"a {tag!r} event does not travel on {topic}: only on "
+                f"{topic.rsplit('.', 1)[0]}.{topic_of(type(event))}"
+            )
+    return event
+
+
+def _decode(data: bytes) -> Event:
     try:
         header = _header_decoder.decode(data)
     except msgspec.DecodeError as exc:
@@ -778,6 +864,12 @@ def bad_row_letter(dataset: str, row: DatasetError, fix: str) -> DeadLetter:
     )
 
 
+EXCERPT_CHARS = 4096
+PREFIX_BYTES = 64 * 1024
+_KEY_BYTES = 1024
+_REASON_CHARS = 4096
+
+
 def dead_letter(
     reason: str,
     *,
@@ -787,12 +879,19 @@ def dead_letter(
     offset: int = -1,
     key: bytes | None = None,
 ) -> DeadLetter:
+    """The letter for a record that could not be used: its reason (cut to a few KiB)
+    and a bounded excerpt of it, its size and hash, so that a letter is never too big
+    to send, whatever the record (a 1.5 MB binary payload makes a letter of ~90 KiB)."""
+    data = payload or b""
     return DeadLetter(
-        reason=reason,
+        reason=reason[:_REASON_CHARS],
         source_topic=source_topic,
         partition=partition,
         offset=offset,
-        key=key.decode("utf-8", "replace") if key is not None else None,
-        payload=(payload or b"").decode("utf-8", "replace"),
+        key=key[:_KEY_BYTES].decode("utf-8", "replace") if key is not None else None,
+        payload=data[: EXCERPT_CHARS * 4].decode("utf-8", "replace")[:EXCERPT_CHARS],
         at=now(),
+        size=len(data),
+        payload_base64=base64.b64encode(data[:PREFIX_BYTES]).decode(),
+        sha256=hashlib.sha256(data).hexdigest(),
     )

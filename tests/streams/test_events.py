@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import typing
 from typing import Any
 
 import msgspec
@@ -97,7 +98,9 @@ def _sample(kind: msgspec.inspect.Type, name: str) -> Any:
         case msgspec.inspect.Metadata():  # a setting's description for the docs
             return _sample(kind.type, name)
         case msgspec.inspect.StrType():
-            return f"{name}-value"
+            # a name held to a pattern (a dataset's, a variable's) takes '_' where
+            # free text takes '-'
+            return f"{name}_value" if kind.pattern else f"{name}-value"
         case msgspec.inspect.BoolType():
             return True
         case msgspec.inspect.IntType():
@@ -442,3 +445,115 @@ def test_a_bad_row_letter_names_dataset_line_and_fix_and_keeps_only_an_excerpt()
     assert ev.decode(ev.encode(letter)) == letter
     # Readers of an older build ignore the fields they do not know.
     assert ev.decode(ev.encode(letter).replace(b',"source":"data/big.jsonl:3"', b"")).key == "big"
+
+
+# ------------------------------------------------------------ checked at the door
+# Events come from whoever can write a topic: each of these decoded and was believed
+# before the bounds were declared with the fields (issue 41's hostile inputs).
+
+
+def _wire(event: ev.Event, **changes: Any) -> bytes:
+    return json.dumps({**json.loads(ev.encode(event)), **changes}).encode()
+
+
+_HALT = ev.BudgetExceeded(dataset="ds", budget=10, used=10, at=1.0)
+_ASK = ev.LeaseRequested(dataset="ds", lease_id="l1", holder="h1", want=100, at=1.0)
+_SET = ev.BudgetSet(dataset="ds", budget=100)
+_DONE = ALL_EVENTS[2]
+assert isinstance(_DONE, ev.CompletionEvent)
+
+
+@pytest.mark.parametrize(
+    ("event", "changes", "field"),
+    [
+        # one halt at the highest epoch would win over every real one, for ever
+        (_HALT, {"epoch": 2**64 - 1}, "epoch"),
+        (_HALT, {"epoch": -1}, "epoch"),
+        (_ASK, {"want": -500}, "want"),
+        (_ASK, {"want": 0}, "want"),
+        (_ASK, {"ttl_s": 1e308}, "ttl_s"),
+        (_ASK, {"ttl_s": 0}, "ttl_s"),
+        (_ASK, {"min_grant": -1}, "min_grant"),
+        (_SET, {"budget": -5}, "budget"),
+        (_SET, {"budget": 2**63}, "budget"),
+        (_DONE, {"prompt_tokens": 2**63}, "prompt_tokens"),
+        (_DONE, {"completion_tokens": -1}, "completion_tokens"),
+        (_DONE, {"cost": -1000000}, "cost"),
+        (_DONE, {"dataset": "x/../../../escaped"}, "dataset"),
+        (_DONE, {"dataset": ".."}, "dataset"),
+        (_DONE, {"dataset": "a\x00b"}, "dataset"),
+        (_DONE, {"dataset": "d" * 256}, "dataset"),
+        (_DONE, {"dataset": "\x1b[2Jname"}, "dataset"),
+        (_DONE, {"request_id": "r" * 10_000}, "request_id"),
+        (
+            ev.LeaseGranted(dataset="ds", lease_id="l", holder="h", granted=1, expires_at=1.0),
+            {"granted": -7},
+            "granted",
+        ),
+        (ev.ServerAdded(url="http://h:1"), {"api_key_env": "PATH=/x"}, "api_key_env"),
+        (ev.ServerAdded(url="http://h:1"), {"concurrency": 0}, "concurrency"),
+    ],
+)
+def test_a_value_out_of_its_bounds_is_a_bad_event(
+    event: ev.Event, changes: dict[str, Any], field: str
+) -> None:
+    with pytest.raises(EventDecodeError, match=rf"at `\$\.{field}`"):
+        ev.decode(_wire(event, **changes))
+
+
+def test_every_valid_dataset_name_of_a_config_decodes() -> None:
+    for name in ("ds", "B1_codealpaca", "a.b-c_d", "_x", "9" * 200):
+        assert ev.decode(_wire(_SET, dataset=name)) == ev.BudgetSet(dataset=name, budget=100)
+
+
+@pytest.mark.parametrize("depth", [1_000, 100_000])
+def test_a_record_nested_past_the_parser_is_a_bad_event_not_a_recursion_error(depth: int) -> None:
+    nested = b"[" * depth + b"]" * depth
+    inside = b'{"type":"completion","v":6,"input_columns":{"a":' + nested + b"}}"
+    for data in (nested, inside, b'{"a":' + nested + b"}"):
+        with pytest.raises(EventDecodeError, match="RecursionError|not a tokenbudget event"):
+            ev.decode(data)
+
+
+def test_a_binary_record_of_1_5_mb_is_a_bad_event_and_its_letter_fits_in_a_message() -> None:
+    data = bytes(range(256)) * (1_500_000 // 256)
+    with pytest.raises(EventDecodeError) as info:
+        ev.decode(data)
+    letter = ev.dead_letter(str(info.value), source_topic="ns.completions", payload=data)
+    wire = ev.encode(letter)
+    assert len(wire) < 200_000  # the record was 1.5 MB; the limit is 8 MiB
+    assert letter.size == len(data)
+    assert base64.b64decode(letter.payload_base64) == data[: ev.PREFIX_BYTES]
+    assert letter.sha256 == __import__("hashlib").sha256(data).hexdigest()
+    assert len(letter.payload) <= ev.EXCERPT_CHARS
+    assert ev.decode(wire) == letter
+
+
+@pytest.mark.parametrize(
+    ("event", "topic"),
+    [
+        (ev.ServerAdded(url="http://evil:1", api_key_env="TOKENBUDGET_API_KEY"), "ns.budgets"),
+        (_SET, "ns.budgets"),
+        (_HALT, "ns.control"),
+        (_HALT, "ns.completions"),
+        (
+            ev.LeaseGranted(dataset="ds", lease_id="l", holder="h", granted=1, expires_at=1.0),
+            "ns.reservations",
+        ),
+        (ev.ServerDrained(url="http://h:1"), "ns.reservations"),
+        (_DONE, "ns.prompts"),
+    ],
+)
+def test_an_event_read_from_a_topic_it_does_not_travel_on_is_a_bad_event(
+    event: ev.Event, topic: str
+) -> None:
+    with pytest.raises(EventDecodeError, match=r"does not travel on ns\.\w+: only on ns\.\w+"):
+        ev.decode(ev.encode(event), topic=topic)
+    assert ev.decode(ev.encode(event), topic=f"ns.{ev.topic_of(type(event))}") == event
+
+
+def test_every_event_type_travels_on_exactly_one_topic() -> None:
+    kinds = [kind for kinds in ev.ON_TOPIC.values() for kind in kinds]
+    assert sorted(k.__name__ for k in kinds) == sorted(
+        k.__name__ for k in typing.get_args(ev.Event)
+    )

@@ -35,6 +35,7 @@ from tokenbudget.core.columns import (
 )
 from tokenbudget.core.errors import ConfigError
 from tokenbudget.core.keydoc import doc
+from tokenbudget.core.names import dataset_name_problem
 from tokenbudget.core.roles import Role
 from tokenbudget.core.sampling import SAMPLING_KEYS, Sampling
 
@@ -918,10 +919,8 @@ def build(
     seen: set[str] = set()
     for i, d in enumerate(raw.datasets):
         key = f"datasets[{i}]"
-        if not re.fullmatch(r"[A-Za-z0-9_.\-]+", d.name):
-            raise ConfigError(
-                f"{key}.name", f"{d.name!r}: use letters, digits, '_', '-', '.'", source=source
-            )
+        if (problem := dataset_name_problem(d.name)) is not None:
+            raise ConfigError(f"{key}.name", problem, source=source)
         if d.name in seen:
             raise ConfigError(f"{key}.name", f"dataset {d.name!r} appears twice", source=source)
         seen.add(d.name)
