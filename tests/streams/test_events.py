@@ -511,7 +511,7 @@ def test_a_record_nested_past_the_parser_is_a_bad_event_not_a_recursion_error(de
     nested = b"[" * depth + b"]" * depth
     inside = b'{"type":"completion","v":6,"input_columns":{"a":' + nested + b"}}"
     for data in (nested, inside, b'{"a":' + nested + b"}"):
-        with pytest.raises(EventDecodeError, match="RecursionError|not a tokenbudget event"):
+        with pytest.raises(EventDecodeError, match="not a tokenbudget event"):
             ev.decode(data)
 
 
