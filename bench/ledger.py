@@ -96,7 +96,7 @@ def produce(
     names = [f"d{i}" for i in range(datasets)]
     for name in names:
         budget = ev.BudgetSet(dataset=name, budget=10**12)
-        producer.send(topics.budgets, key=name.encode(), value=ev.encode(budget))
+        producer.send(topics.control, key=name.encode(), value=ev.encode(budget))
     for i in range(events):
         name = names[i % datasets]
         completion = ev.CompletionEvent(

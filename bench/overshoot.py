@@ -230,7 +230,7 @@ class BudgetLowerer(threading.Thread):
                         lowered = snap.completion_tokens + int(snap.reserved * LOWERED)
                         self.budgets[d.name] = lowered
                         event = ev.BudgetSet(dataset=d.name, budget=lowered)
-                        producer.send(topics.budgets, key=d.name.encode(), value=ev.encode(event))
+                        producer.send(topics.control, key=d.name.encode(), value=ev.encode(event))
                         producer.flush()
                         self.lowered[d.name] = time.time()
                 await asyncio.sleep(0.05)

@@ -414,12 +414,12 @@ class Dispatcher:
         await finished
 
     async def _report_fleet(self, fleet: Fleet) -> None:
-        """What this dispatcher sees of the fleet, on the budgets topic every
+        """What this dispatcher sees of the fleet, on the reservations topic every
         :data:`FLEET_REPORT_S` (``tokenbudget status`` and ``servers list`` read it)."""
 
         async def publish(report: ev.FleetReport) -> None:
             key = ev.FLEET_KEY.decode()
-            await self.publisher.publish(self.topics.budgets, key, report)
+            await self.publisher.publish(self.topics.reservations, key, report)
 
         await fleet.report_every(publish, self.holder, FLEET_REPORT_S)
 

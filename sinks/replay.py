@@ -292,7 +292,7 @@ def read_to_end(
 
     def decode(record: Any) -> None:
         with contextlib.suppress(EventDecodeError):
-            apply(ev.decode(record.value))
+            apply(ev.decode(record.value, record.topic))
 
     read_topic(bootstrap, topic, decode, timeout=timeout, extra_options=RECEIVE_BUFFER)
 

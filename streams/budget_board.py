@@ -1,8 +1,11 @@
 """The budget board: every process's local view of which datasets are halted.
 
-It reads the budgets topic from the beginning with no consumer group (each process
-needs every event, not a share of them) and keeps, per dataset, whether it is
-halted and the ledger's latest snapshot. Producers consult it before publishing a
+It reads the budgets topic (the ledger's announcements) and the control topic (the
+operators' commands) from the beginning with no consumer group (each process needs
+every event, not a share of them) and keeps, per dataset, whether it is halted and
+the ledger's latest snapshot; each event is believed only from the topic it travels
+on (:data:`tokenbudget.streams.events.ON_TOPIC`), which only its writers' principals
+may write. Producers consult it before publishing a
 prompt and dispatchers before sending a request, so a halt takes effect as soon as
 its event is read.
 
@@ -22,6 +25,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.errors import KafkaError
@@ -170,18 +174,35 @@ class BudgetBoard:
         view.halted = halted
 
 
-class BudgetWatcher:
-    """Feeds a :class:`BudgetBoard` from the budgets topic until stopped."""
+# Of the reservations topic (lease traffic, days of it) a watcher that shows the fleet
+# reads only this far back: every dispatcher reports every few seconds.
+FLEET_REPORTS_SINCE_S = 60.0
 
-    def __init__(self, bootstrap: str, topics: Topics, board: BudgetBoard | None = None) -> None:
+
+class BudgetWatcher:
+    """Feeds a :class:`BudgetBoard` from the budgets and control topics until
+    stopped; with ``fleet_reports``, also the dispatchers' latest fleet reports (from
+    the reservations topic, the last :data:`FLEET_REPORTS_SINCE_S` seconds of it)."""
+
+    def __init__(
+        self,
+        bootstrap: str,
+        topics: Topics,
+        board: BudgetBoard | None = None,
+        *,
+        fleet_reports: bool = False,
+    ) -> None:
         self.bootstrap = bootstrap
         self.topics = topics
         self.board = board or BudgetBoard()
+        self.reads = [topics.budgets, topics.control]
+        self.recent = [topics.reservations] if fleet_reports else []
         self._consumer: AIOKafkaConsumer | None = None
         self.caught_up = asyncio.Event()
         self._advanced = asyncio.Event()  # set (and replaced) after each read
         self._sync_waiters: list[asyncio.Future[None]] = []
         self._sync_task: asyncio.Task[None] | None = None
+        self._told: set[str] = set()
 
     async def _started_consumer(self) -> AIOKafkaConsumer:
         consumer = AIOKafkaConsumer(
@@ -210,19 +231,32 @@ class BudgetWatcher:
                 "budgets reader: Kafka does not answer (%r); trying again", exc
             ),
         )
+        whole: list[TopicPartition] = []
+        recent: list[TopicPartition] = []
         try:
-            tps = await wait_for_partitions_aio(
-                consumer,
-                self.topics.budgets,
-                timeout=15,
-                missing=f"topic {self.topics.budgets} does not exist: run `broker up`",
-            )
+            for topic in [*self.reads, *self.recent]:
+                tps = await wait_for_partitions_aio(
+                    consumer,
+                    topic,
+                    timeout=15,
+                    missing=f"topic {topic} does not exist: run `broker up`",
+                )
+                (recent if topic in self.recent else whole).extend(tps)
         except BrokerError:
             await consumer.stop()
             raise
-        consumer.assign(tps)
-        await consumer.seek_to_beginning(*tps)
-        self._end = await consumer.end_offsets(tps)
+        consumer.assign([*whole, *recent])
+        await consumer.seek_to_beginning(*whole)
+        if recent:
+            since = int((time.time() - FLEET_REPORTS_SINCE_S) * 1000)
+            found = await consumer.offsets_for_times({tp: since for tp in recent})
+            for tp in recent:
+                at = found.get(tp)
+                if at is None:
+                    await consumer.seek_to_end(tp)
+                else:
+                    consumer.seek(tp, at.offset)
+        self._end = await consumer.end_offsets([*whole, *recent])
         self._consumer = consumer
         self.board.syncer = self.sync
 
@@ -244,10 +278,10 @@ class BudgetWatcher:
             for records in batches.values():
                 for record in records:
                     try:
-                        self.board.apply(ev.decode(record.value))
+                        self.board.apply(ev.decode(record.value, record.topic))
                     except EventDecodeError as exc:
-                        # The ledger dead-letters these; a reader just moves on.
-                        log.debug("ignoring undecodable budget event: %s", exc)
+                        # The ledger dead-letters what it reads; a reader moves on.
+                        self._refused(record, exc)
                     except Exception:
                         log.exception("applying a budget event failed; reading on")
             # Positions move when getmany hands records over, and these were applied
@@ -259,6 +293,21 @@ class BudgetWatcher:
                 if all(positions[tp] >= end for tp, end in self._end.items()):
                     self.caught_up.set()
                     self.board.live = True
+
+    def _refused(self, record: Any, exc: EventDecodeError) -> None:
+        """One line per topic, then quiet: a refused event is not applied, and a
+        topic that carries many (a writer gone astray) must not flood the log."""
+        if record.topic in self._told:
+            log.debug("refused %s[%d]@%d: %s", record.topic, record.partition, record.offset, exc)
+            return
+        self._told.add(record.topic)
+        log.warning(
+            "refused %s[%d]@%d, not applied (others of this topic are logged at DEBUG): %s",
+            record.topic,
+            record.partition,
+            record.offset,
+            exc,
+        )
 
     async def sync(self) -> None:
         """Return once every event on the budgets topic before this call is applied

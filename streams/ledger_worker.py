@@ -1,11 +1,13 @@
 """The Faust ledger worker: the single writer of per-dataset budget state.
 
-It reads completions, prompt outcomes and budget commands (all keyed by dataset,
-co-partitioned with its tables), applies :mod:`tokenbudget.streams.ledger`, and publishes
-``BudgetExceeded`` / ``BudgetRaised`` the moment a dataset crosses its line, plus a
-``LedgerSnapshot`` of every dataset that changed, a few times a second.
+It reads completions, prompt outcomes, operators' commands (the control topic) and
+lease requests (all keyed by dataset, co-partitioned with its tables), applies
+:mod:`tokenbudget.streams.ledger`, and publishes ``BudgetExceeded`` / ``BudgetRaised``
+the moment a dataset crosses its line, plus a ``LedgerSnapshot`` of every dataset that
+changed, a few times a second, on the budgets topic, which only it writes.
 
-Undecodable events go to the dead-letter topic; the worker never stops for them.
+Undecodable events, and events that do not travel on the topic they were read from,
+go to the dead-letter topic; the worker never stops for them.
 
 :class:`LedgerWorker` holds the worker's state and steps; :func:`build_app` puts it
 on a Faust app adapted by :mod:`tokenbudget.streams.faust_adapt` (read that for what differs
@@ -53,16 +55,6 @@ class LedgerSettings:
 BATCH = 1000
 BATCH_WAIT_S = 0.01
 SESSION_TIMEOUT_S = 10.0
-IGNORED = (
-    ev.BudgetExceeded,
-    ev.BudgetRaised,
-    ev.LedgerSnapshot,
-    ev.LeaseGranted,
-    ev.LeaseDenied,
-    ev.LeaseRevoked,
-    ev.DeadLetter,
-    ev.PromptEvent,
-)
 
 _partitioner = DefaultPartitioner()
 
@@ -157,7 +149,7 @@ class LedgerWorker:
             OUTCOME_TABLE, partitions=topics.partitions, key_type=str, value_type=bytes
         )
         self.datasets_changelog = self.datasets.changelog_topic.get_topic_name()
-        sources = [topics.completions, topics.outcomes, topics.budgets, topics.reservations]
+        sources = [topics.completions, topics.outcomes, topics.control, topics.reservations]
         self.ownership = faust_adapt.Ownership(
             app, sources, self.datasets_changelog, SESSION_TIMEOUT_S
         )
@@ -252,13 +244,15 @@ class LedgerWorker:
             if skipped is not None:
                 _exit_after_skipped_delivery(message.topic, message.partition, skipped)
             try:
-                decoded = ev.decode(event.value)
+                decoded = ev.decode(event.value, message.topic)
             except EventDecodeError as exc:
                 await self.send_dead_letter(event, exc)
                 continue
+            # Only what travels on its sources decodes (ev.ON_TOPIC): events without a
+            # dataset (the job's identity, the fleet's changes and reports) pass by.
             name = getattr(decoded, "dataset", None)
-            if not isinstance(name, str) or isinstance(decoded, IGNORED):
-                continue  # our own announcements and snapshots come back on this topic
+            if not isinstance(name, str):
+                continue
             state = changes.states.get(name) or self.load(name)
             if message.offset <= state.applied.get(source, -1):
                 continue  # applied before a restart

@@ -17,7 +17,7 @@ from types import ModuleType
 from typing import Any, NamedTuple
 
 from tokenbudget import version
-from tokenbudget.core import lifetime
+from tokenbudget.core import lifetime, roles
 from tokenbudget.core.errors import EXPECTED_KAFKA_ERRORS, TokenBudgetError, expected_kafka_error
 
 DESCRIPTION = "Exact per-dataset token budgets for synthetic data generation, over Kafka."
@@ -27,6 +27,8 @@ class Command(NamedTuple):
     module: str  # its add_arguments(parser) and main(args)
     group: str  # a key of GROUPS
     help: str  # one line
+    # Whose Kafka login its clients use ([[kafka.roles]]); `run` gives its parts theirs.
+    role: roles.Role = "operator"
 
 
 # The groups `tokenbudget --help` lists the commands in, in this order.
@@ -69,18 +71,22 @@ COMMANDS: dict[str, Command] = {
         "read the completions topic again: Parquet, ledger audit, another topic, recount",
     ),
     "produce": Command(
-        "tokenbudget.app.commands.produce", "role", "the prompt producer on its own"
+        "tokenbudget.app.commands.produce", "role", "the prompt producer on its own", "producer"
     ),
     "dispatch": Command(
         "tokenbudget.app.commands.dispatch",
         "role",
         "one dispatcher process (SIGTERM: finish, release)",
+        "dispatcher",
     ),
-    "ledger": Command("tokenbudget.app.commands.ledger", "role", "one Faust budget ledger worker"),
+    "ledger": Command(
+        "tokenbudget.app.commands.ledger", "role", "one Faust budget ledger worker", "ledger"
+    ),
     "sink": Command(
         "tokenbudget.app.commands.sink",
         "role",
         "the Parquet sink on its own (SIGTERM: flush, commit)",
+        "sink",
     ),
     "broker": Command(
         "tokenbudget.dev.commands.broker", "dev", "the local Kafka broker (KRaft, from Maven jars)"
@@ -228,6 +234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         configure_logging()
         argv = sys.argv[1:] if argv is None else list(argv)
         args = build_parser(argv).parse_args(argv)
+        roles.play(COMMANDS[args.command].role)
         return int(args.func(args))
     except TokenBudgetError as exc:
         print(f"tokenbudget: error: {exc}", file=sys.stderr)

@@ -94,7 +94,8 @@ def test_another_job_in_the_namespace_stops_before_producing_and_resumed_anyway_
     served = read_server_log(sim.log)
     assert len(served) == 12
     topics = Topics(namespace)
-    before = {t: end_offsets(kafka_bootstrap, t) for t in (topics.prompts, topics.budgets)}
+    watched = (topics.prompts, topics.control, topics.budgets)
+    before = {t: end_offsets(kafka_bootstrap, t) for t in watched}
     capsys.readouterr()
 
     assert run(second) == 2
@@ -106,7 +107,7 @@ def test_another_job_in_the_namespace_stops_before_producing_and_resumed_anyway_
     assert "another [kafka] namespace" in error and "--resume-changed" in error
     # nothing was produced: no request reached the server, no prompt, no budget event
     assert read_server_log(sim.log) == served
-    after = {t: end_offsets(kafka_bootstrap, t) for t in (topics.prompts, topics.budgets)}
+    after = {t: end_offsets(kafka_bootstrap, t) for t in watched}
     assert after == before
     assert rows(tmp_path / "job2" / "out") == []
 

@@ -72,7 +72,7 @@ def test_restarted_ledger_does_not_double_count(kafka_bootstrap: str, namespace:
     topics = Topics(namespace)
     kafka_admin.ensure_topics(kafka_bootstrap, topics.specs())
     first = [completion("d", f"p{i}", 100) for i in range(20)]
-    publish(kafka_bootstrap, topics.budgets, [ev.BudgetSet(dataset="d", budget=10_000)])
+    publish(kafka_bootstrap, topics.control, [ev.BudgetSet(dataset="d", budget=10_000)])
     publish(kafka_bootstrap, topics.completions, first)
 
     ledger = start_ledger_process(kafka_bootstrap, namespace, 0.2)
@@ -111,7 +111,7 @@ def test_restarted_ledger_does_not_double_count(kafka_bootstrap: str, namespace:
 def test_budget_reached_publishes_exceeded_once(kafka_bootstrap: str, namespace: str) -> None:
     topics = Topics(namespace)
     kafka_admin.ensure_topics(kafka_bootstrap, topics.specs())
-    publish(kafka_bootstrap, topics.budgets, [ev.BudgetSet(dataset="d", budget=1000)])
+    publish(kafka_bootstrap, topics.control, [ev.BudgetSet(dataset="d", budget=1000)])
     publish(kafka_bootstrap, topics.completions, [completion("d", f"p{i}", 300) for i in range(6)])
     ledger = start_ledger_process(kafka_bootstrap, namespace, 0.2)
     try:

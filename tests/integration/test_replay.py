@@ -380,7 +380,7 @@ def test_replay_ledger_detects_a_planted_discrepancy(
         # skipped, then completed: counts as completed only
         ev.PromptSkipped(prompt_id="gamma-p3", dataset="gamma", reason="halted"),
     ]
-    publish(kafka_bootstrap, topics.budgets, budgets)
+    publish(kafka_bootstrap, topics.control, budgets)
     publish(kafka_bootstrap, topics.completions, events)
     publish(kafka_bootstrap, topics.outcomes, skipped)
     per_dataset = len(firsts) // len(DATASETS)

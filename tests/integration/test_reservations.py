@@ -37,7 +37,7 @@ def test_holders_racing_for_the_last_tokens_never_overshoot(
     topics = Topics(namespace)
     kafka_admin.ensure_topics(kafka_bootstrap, topics.specs())
     budget = 20_000
-    publish(kafka_bootstrap, topics.budgets, [ev.BudgetSet(dataset="d", budget=budget)])
+    publish(kafka_bootstrap, topics.control, [ev.BudgetSet(dataset="d", budget=budget)])
     ledger = start_ledger_process(kafka_bootstrap, namespace, 0.2)
 
     async def scenario() -> list[int]:
@@ -171,7 +171,7 @@ def test_killed_dispatcher_releases_its_lease_by_expiry(
             [{"name": "d", "path": "slow.jsonl", "budget": "1M"}],
         )
         config = config_module.load(config_path, environ={})
-        publish(kafka_bootstrap, topics.budgets, [ev.BudgetSet(dataset="d", budget=1_000_000)])
+        publish(kafka_bootstrap, topics.control, [ev.BudgetSet(dataset="d", budget=1_000_000)])
         ledger = start_ledger_process(kafka_bootstrap, namespace, 0.2)
         dispatcher = subprocess.Popen(
             [sys.executable, "-m", "tokenbudget", "dispatch", "--config", str(config_path)],
@@ -287,7 +287,7 @@ async def _set_budget(bootstrap: str, topics: Topics, dataset: str, budget: int)
     await producer.start()
     try:
         event = ev.BudgetSet(dataset=dataset, budget=budget, set_at=time.time())
-        await producer.send_and_wait(topics.budgets, key=dataset.encode(), value=ev.encode(event))
+        await producer.send_and_wait(topics.control, key=dataset.encode(), value=ev.encode(event))
     finally:
         await producer.stop()
 

@@ -220,7 +220,10 @@ class FakeConsumer:
         if self.failures:
             self.failures -= 1
             raise KafkaError("fetch failed")
-        records = [SimpleNamespace(value=v) for v in self.log[self.pos :]]
+        records = [
+            SimpleNamespace(value=v, topic=self.tp.topic, partition=self.tp.partition, offset=i)
+            for i, v in enumerate(self.log[self.pos :], self.pos)
+        ]
         self.pos = len(self.log)
         return {self.tp: records} if records else {}
 
@@ -262,7 +265,7 @@ def test_the_watcher_reads_on_after_a_failed_fetch() -> None:
 
 def test_sync_returns_once_what_was_published_before_it_is_applied() -> None:
     async def main() -> None:
-        consumer = FakeConsumer(TopicPartition("t.budgets", 0))
+        consumer = FakeConsumer(TopicPartition("t.control", 0))
         watcher = watching(consumer)
         consumer.publish(ev.BudgetSet(dataset="a", budget=1000))
         consumer.publish(ev.BudgetSet(dataset="a", budget=500))

@@ -113,23 +113,39 @@ def _own_snapshot() -> ev.Event:
     return ledger.snapshot(ledger.DatasetLedger(dataset="d0", budget=5), 0.0)
 
 
+def _letters(worker: Any) -> list[tuple[Any, str]]:
+    """The worker's dead letters, kept here instead of sent."""
+    letters: list[tuple[Any, str]] = []
+
+    async def send_dead_letter(event: Any, exc: Exception) -> None:
+        letters.append((event, str(exc)))
+
+    worker.send_dead_letter = send_dead_letter
+    return letters
+
+
 def test_a_batch_is_applied_in_memory_with_offsets_and_outcomes_nothing_written() -> None:
     worker = _worker()
+    letters = _letters(worker)
     batch = [
-        _delivered(worker, "unit.budgets", 4, ev.BudgetSet(dataset="d0", budget=1000)),
+        _delivered(worker, "unit.control", 4, ev.BudgetSet(dataset="d0", budget=1000)),
         _delivered(worker, "unit.completions", 7, _completion("p1", 30)),
         _delivered(worker, "unit.completions", 8, _completion("p2", 12)),
-        # Our own snapshots come back on the budgets topic: not applied.
-        _delivered(worker, "unit.budgets", 5, _own_snapshot()),
+        # A ledger's announcement does not travel on the control topic: whoever wrote
+        # it there is not the ledger. Dead-lettered, not applied.
+        _delivered(worker, "unit.control", 5, _own_snapshot()),
     ]
     changes = asyncio.run(worker.apply_batch(batch))
     state = changes.states["d0"]
     assert (state.budget, state.completion_tokens, state.samples) == (1000, 42, 2)
-    assert state.applied == {"unit.budgets:1": 4, "unit.completions:1": 8}
+    assert state.applied == {"unit.control:1": 4, "unit.completions:1": 8}
     assert changes.partition_of == {"d0": 1}
     assert set(changes.outcome_entries) == {"p1", "p2"}
-    assert changes.per_topic == {"unit.budgets": 2, "unit.completions": 2}
+    assert changes.per_topic == {"unit.control": 2, "unit.completions": 2}
     assert worker.datasets.data == {} and worker.outcomes.data == {}
+    assert [(e.message.offset, reason) for e, reason in letters] == [
+        (5, "a 'ledger_snapshot' event does not travel on unit.control: only on unit.budgets")
+    ]
 
 
 def test_events_applied_before_a_restart_are_skipped_by_offset() -> None:

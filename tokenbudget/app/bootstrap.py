@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from tokenbudget.core import security
+from tokenbudget.core import roles, security
 from tokenbudget.core.config import Config
 from tokenbudget.core.errors import BrokerError
 from tokenbudget.core.kafka_admin import STARTUP_WAIT_S, TopicSpec, check_ready, ensure_topics
@@ -51,8 +51,11 @@ def resolve_bootstrap(config: Config, *, create_topics: bool = True) -> str:
 
     For an existing cluster this also registers ``[kafka]``'s security for the address
     and connects once, so wrong credentials fail here, as
-    :class:`~tokenbudget.core.errors.KafkaAuthError`, before any worker starts.
+    :class:`~tokenbudget.core.errors.KafkaAuthError`, before any worker starts. Topics
+    are an operator's to make ([[kafka.roles]]: a dispatcher's principal may not): a
+    process playing another role finds them made.
     """
+    create_topics = create_topics and roles.current_role() in (None, "operator")
     specs = topic_specs(config) if create_topics else []
     if config.kafka.bootstrap == "local":
         return broker.up(local_broker_settings(config), specs)

@@ -15,7 +15,7 @@ from tokenbudget.app.bootstrap import resolve_bootstrap
 from tokenbudget.app.runner import publish_budgets
 from tokenbudget.app.tables import format_table
 from tokenbudget.core import config as config_module
-from tokenbudget.core import metrics, tasks
+from tokenbudget.core import metrics, roles, tasks
 from tokenbudget.core.config import parse_budget
 from tokenbudget.core.errors import ConfigError
 from tokenbudget.core.files import write_atomic
@@ -100,8 +100,9 @@ async def produce_until_done(
     ``run``, it first settles whether this is the namespace's job (:mod:`.identity`)."""
 
     topics = Topics(config.kafka.namespace)
-    await identity.settle(config, bootstrap, resume_changed=resume_changed, command="produce")
-    await publish_budgets(config, bootstrap)
+    with roles.acting_as("operator"):  # the job's record and budgets are operators' commands
+        await identity.settle(config, bootstrap, resume_changed=resume_changed, command="produce")
+        await publish_budgets(config, bootstrap)
     interrupt = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -178,7 +179,7 @@ def _set_budget(
         set_by=precedence.SET_BY_COMMAND,
         config_budget=configured.get(dataset),
     )
-    asyncio.run(publish_events(bootstrap, topics.budgets, [event], config.kafka.compression))
+    asyncio.run(publish_events(bootstrap, topics.control, [event], config.kafka.compression))
     unit = config.budget.unit
     if dataset in configured:
         later = f"later jobs keep it while the config's {configured[dataset]:,} is unchanged"
@@ -202,6 +203,7 @@ def _show_budgets(
             latest[event.dataset] = event
 
     read_to_end(bootstrap, topics.budgets, apply)
+    read_to_end(bootstrap, topics.control, apply)
     snapshots = {n: v.snapshot for n, v in board.views.items() if v.snapshot is not None}
     choices = {c.dataset: c for c in precedence.choices(config, latest)}
     names = [*choices, *sorted(set(snapshots) - set(choices))]

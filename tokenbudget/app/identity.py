@@ -249,11 +249,11 @@ def changed_message(
     )
 
 
-# --------------------------------------------------- the record on the budgets topic
+# --------------------------------------------------- the record on the control topic
 
-# Every record goes to one partition of the budgets topic, so a rerun reads one
-# partition, not the ledger's snapshots of every dataset. The key is no dataset
-# name (those have no "@").
+# Every record goes to one partition of the control topic, so a rerun reads one
+# partition, not every dataset's budgets. The key is no dataset name (those have
+# no "@").
 RECORD_PARTITION = 0
 RECORD_KEY = b"@job"
 
@@ -266,7 +266,7 @@ def read_recorded(bootstrap: str, topics: Topics, timeout: float = 120.0) -> ev.
         if record.key != RECORD_KEY:
             return
         try:
-            event = ev.decode(record.value)
+            event = ev.decode(record.value, record.topic)
         except EventDecodeError:
             return  # a newer build's record: this one cannot compare with it
         if isinstance(event, ev.JobIdentity):
@@ -277,7 +277,7 @@ def read_recorded(bootstrap: str, topics: Topics, timeout: float = 120.0) -> ev.
     )
     try:
         tps = wait_for_partitions(
-            consumer, topics.budgets, timeout=60.0, missing=f"no metadata for {topics.budgets}"
+            consumer, topics.control, timeout=60.0, missing=f"no metadata for {topics.control}"
         )
         tp = tps[RECORD_PARTITION]
         consumer.assign([tp])
@@ -295,7 +295,7 @@ async def record(
     await producer.start()
     try:
         await producer.send_and_wait(
-            topics.budgets, ev.encode(identity), key=RECORD_KEY, partition=RECORD_PARTITION
+            topics.control, ev.encode(identity), key=RECORD_KEY, partition=RECORD_PARTITION
         )
     finally:
         await producer.stop()

@@ -89,7 +89,7 @@ def choose(
 
 
 def latest_budget_sets(bootstrap: str, topics: Topics) -> dict[str, ev.BudgetSet]:
-    """The latest ``BudgetSet`` of each dataset on the budgets topic (a dataset's
+    """The latest ``BudgetSet`` of each dataset on the control topic (a dataset's
     events are on one partition, in order). Blocking."""
     latest: dict[str, ev.BudgetSet] = {}
 
@@ -97,7 +97,7 @@ def latest_budget_sets(bootstrap: str, topics: Topics) -> dict[str, ev.BudgetSet
         if isinstance(event, ev.BudgetSet):
             latest[event.dataset] = event
 
-    read_to_end(bootstrap, topics.budgets, keep)
+    read_to_end(bootstrap, topics.control, keep)
     return latest
 
 

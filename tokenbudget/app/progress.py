@@ -17,7 +17,7 @@ show the same fields (:func:`fields`): kept/budget, % used, tokens/s, ETA, state
   up again, drained).
 
 The fleet is shown when it has several servers or one is not up, from what the
-dispatchers report on the budgets topic (:class:`~tokenbudget.app.servers.FleetTracker`).
+dispatchers report on the reservations topic (:class:`~tokenbudget.app.servers.FleetTracker`).
 """
 
 from __future__ import annotations

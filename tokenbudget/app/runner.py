@@ -35,7 +35,7 @@ from tokenbudget.app import identity, precedence, servers
 from tokenbudget.app.bootstrap import resolve_bootstrap
 from tokenbudget.app.interrupts import Interrupted, StopSignals
 from tokenbudget.app.progress import Display, ProgressMode, choose_mode, display
-from tokenbudget.core import lifetime, metrics, sizes, tasks
+from tokenbudget.core import lifetime, metrics, roles, sizes, tasks
 from tokenbudget.core.config import ENV_PREFIX, Config, Unit, servers_environment
 from tokenbudget.core.errors import ConfigError, WorkerFailedError
 from tokenbudget.core.kafka import GroupLag
@@ -361,8 +361,8 @@ async def publish_budgets(config: Config, bootstrap: str) -> list[precedence.Bud
     chosen = precedence.choices(config, latest)
     events = [precedence.config_budget_set(config, c) for c in chosen if c.source == "config"]
     if events:
-        await publish_events(bootstrap, topics.budgets, events, config.kafka.compression)
-        metrics.EVENTS_PRODUCED.labels(topic="budgets").inc(len(events))
+        await publish_events(bootstrap, topics.control, events, config.kafka.compression)
+        metrics.EVENTS_PRODUCED.labels(topic="control").inc(len(events))
     for choice in chosen:
         if (line := choice.explain()) is not None:
             print(f"tokenbudget: {line}", file=sys.stderr)
@@ -668,10 +668,11 @@ async def _start_in_process(
     keep_dispatch_log: bool,
     progress: ProgressMode,
 ) -> _InProcess:
-    """Start the watcher and wait until it has read the budgets topic (so the board
-    is current before anything is admitted), then the bars, the sink and the
-    dispatcher."""
-    watcher = BudgetWatcher(bootstrap, topics)
+    """Start the watcher and wait until it has read the budgets and control topics
+    (so the board is current before anything is admitted), then the bars, the sink
+    and the dispatcher."""
+    # The bars show the fleet as its dispatchers report it.
+    watcher = BudgetWatcher(bootstrap, topics, fleet_reports=progress != "off")
     await watcher.start()
     watch_task = asyncio.create_task(watcher.run())
     await watcher.caught_up.wait()
@@ -679,24 +680,29 @@ async def _start_in_process(
     if bars is not None:
         bars.start()
 
+    # Each part logs in to Kafka as its role's principal ([[kafka.roles]]): a task
+    # keeps the context it was created in, a thread is given its role inside.
     sink = ParquetSink(
         bootstrap,
         topics,
         SinkSettings.from_config(config),
     )
     sink_stop = threading.Event()
-    sink_thread = threading.Thread(target=sink.run, args=(sink_stop,), name="sink", daemon=True)
+    sink_thread = threading.Thread(
+        target=_as_sink, args=(sink, sink_stop), name="sink", daemon=True
+    )
     sink_thread.start()
 
-    dispatcher = Dispatcher(
-        config,
-        bootstrap,
-        watcher.board,
-        keep_log=keep_dispatch_log,
-        instance=topics.dispatcher_instance(0),
-    )
-    dispatch_stop = asyncio.Event()
-    dispatch_task = asyncio.create_task(dispatcher.run(dispatch_stop))
+    with roles.acting_as("dispatcher"):
+        dispatcher = Dispatcher(
+            config,
+            bootstrap,
+            watcher.board,
+            keep_log=keep_dispatch_log,
+            instance=topics.dispatcher_instance(0),
+        )
+        dispatch_stop = asyncio.Event()
+        dispatch_task = asyncio.create_task(dispatcher.run(dispatch_stop))
     return _InProcess(
         watcher,
         watch_task,
@@ -710,6 +716,11 @@ async def _start_in_process(
     )
 
 
+def _as_sink(sink: ParquetSink, stop: threading.Event) -> None:
+    with roles.acting_as("sink"):
+        sink.run(stop)
+
+
 @dataclass
 class _Producing:
     """The prompt producer, running as a task until ``stop`` (or ``interrupt``) is set."""
@@ -721,17 +732,18 @@ class _Producing:
 
     @classmethod
     def start(cls, config: Config, bootstrap: str, board: BudgetBoard) -> _Producing:
-        producer = PromptProducer(
-            config,
-            bootstrap,
-            board,
-            stored_prompt_ids=stored_prompt_ids(config),
-            kept_completions=functools.partial(
-                kept_completions, bootstrap, Topics(config.kafka.namespace)
-            ),
-        )
-        stop, interrupt = asyncio.Event(), asyncio.Event()
-        task = asyncio.create_task(producer.run(stop, interrupt))
+        with roles.acting_as("producer"):
+            producer = PromptProducer(
+                config,
+                bootstrap,
+                board,
+                stored_prompt_ids=stored_prompt_ids(config),
+                kept_completions=functools.partial(
+                    kept_completions, bootstrap, Topics(config.kafka.namespace)
+                ),
+            )
+            stop, interrupt = asyncio.Event(), asyncio.Event()
+            task = asyncio.create_task(producer.run(stop, interrupt))
         return cls(producer, stop, task, interrupt)
 
     async def end(self) -> None:

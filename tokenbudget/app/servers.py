@@ -3,12 +3,12 @@
 run's progress.
 
 A change (``servers add URL``, ``servers drain URL``) is an event on the
-namespace's budgets topic, like a budget set by hand: every dispatcher of the job
+namespace's control topic, like a budget set by hand: every dispatcher of the job
 reads it and applies it at once (:meth:`tokenbudget.producers.fleet.Fleet.apply`), and later
 runs of the namespace start from the config's servers with every change made so far
 applied (a server drained stays drained until added again). What each dispatcher
-sees of its servers comes the same way, every few seconds (``fleet_report``):
-:class:`FleetTracker` adds those up per server.
+sees of its servers comes on the reservations topic (the dispatchers' own), every
+few seconds (``fleet_report``): :class:`FleetTracker` adds those up per server.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING
 from tokenbudget.app.tables import format_table
 from tokenbudget.core.config import Config, check_url
 from tokenbudget.core.errors import ConfigError
-from tokenbudget.sinks.replay import read_to_end
+from tokenbudget.core.tasks import cancel_and_wait
 from tokenbudget.streams import events as ev
-from tokenbudget.streams.budget_board import BudgetBoard
+from tokenbudget.streams.budget_board import BudgetBoard, BudgetWatcher
 from tokenbudget.streams.publisher import publish_events
 from tokenbudget.streams.topics import Topics
 
@@ -197,9 +197,9 @@ def shown(rows: Sequence[ServerRow]) -> bool:
 
 
 def change(config: Config, bootstrap: str, event: ev.ServerAdded | ev.ServerDrained) -> None:
-    """Publish a change of the fleet on the namespace's budgets topic."""
+    """Publish a change of the fleet on the namespace's control topic."""
     topics = Topics(config.kafka.namespace)
-    asyncio.run(publish_events(bootstrap, topics.budgets, [event], config.kafka.compression))
+    asyncio.run(publish_events(bootstrap, topics.control, [event], config.kafka.compression))
 
 
 def added(
@@ -226,17 +226,27 @@ def drained(url: str) -> ev.ServerDrained:
     return ev.ServerDrained(url=url, at=time.time(), by="tokenbudget servers drain")
 
 
+async def _fleet_board(bootstrap: str, topics: Topics) -> BudgetBoard:
+    """A board that has read the fleet's changes and its dispatchers' latest reports."""
+    watcher = BudgetWatcher(bootstrap, topics, fleet_reports=True)
+    await watcher.start()
+    task = asyncio.create_task(watcher.run())
+    try:
+        await watcher.caught_up.wait()
+    finally:
+        await cancel_and_wait(task, ignore_errors=True)
+        await watcher.stop()
+    return watcher.board
+
+
 def listing(config: Config, bootstrap: str, as_json: bool) -> str:
     """``servers list``: the fleet as configured and changed, and as its dispatchers
     last reported it."""
     tracker = FleetTracker()
-    board = BudgetBoard()
-
-    def apply(event: ev.Event) -> None:
-        board.apply(event)
-        tracker.observe(event)
-
-    read_to_end(bootstrap, Topics(config.kafka.namespace).budgets, apply)
+    board = asyncio.run(_fleet_board(bootstrap, Topics(config.kafka.namespace)))
+    for change in board.fleet.changes:
+        tracker.observe(change)
+    tracker.follow(board)
     rows = tracker.rows(s.url for s in config.servers)
     if as_json:
         return json.dumps({"servers": [asdict(r) for r in rows]}, indent=2)

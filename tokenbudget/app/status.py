@@ -267,7 +267,7 @@ async def follow(
     fleet (``servers``: the config's URLs, and those added) follows the datasets
     when it has several servers or one is not up."""
     board = TrackingBoard()
-    watcher = BudgetWatcher(bootstrap, topics, board)
+    watcher = BudgetWatcher(bootstrap, topics, board, fleet_reports=True)
     await watcher.start()
     task = asyncio.create_task(watcher.run())
     console = Console()

@@ -8,9 +8,8 @@ stored in the config, and travel as :class:`SecretStr`, which shows ``********``
 once read, a secret is also masked in every log record (see :func:`_remember`).
 
 Each role (:mod:`tokenbudget.core.roles`) may log in as a principal of its own
-(``[[kafka.roles]]``): a client logs in as the role its code plays when it is built,
-:func:`acting_as` (a task or thread of ``run``) or :func:`play` (a whole process, such
-as ``tokenbudget ledger``), else as ``[kafka]``'s own user.
+(``[[kafka.roles]]``): a client logs in as the role its code plays when it is built
+(:func:`tokenbudget.core.roles.current_role`), else as ``[kafka]``'s own user.
 
 Security belongs to a cluster address: :func:`register` records it for a bootstrap
 address and every client builder (:func:`client_options`, :func:`faust_credentials`)
@@ -24,14 +23,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
-import contextvars
 import json
 import logging
 import os
 import ssl
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -40,7 +37,7 @@ import msgspec
 from aiokafka.conn import create_conn
 
 from tokenbudget.core.errors import ConfigError, KafkaAuthError
-from tokenbudget.core.roles import Role
+from tokenbudget.core.roles import Role, current_role
 
 if TYPE_CHECKING:
     from tokenbudget.core.config import Config
@@ -162,35 +159,6 @@ class Login(msgspec.Struct, frozen=True, kw_only=True):
 
     username: str
     password: SecretSource
-
-
-# The role the code building a client plays: set per task or thread by acting_as,
-# for the whole process by play (threads do not inherit a context variable).
-_ACTING: contextvars.ContextVar[Role | None] = contextvars.ContextVar("role", default=None)
-_PLAYED: list[Role | None] = [None]
-
-
-def play(role: Role) -> None:
-    """Every client this process builds, in any thread, logs in as ``role`` unless
-    :func:`acting_as` says otherwise (a process that plays one role: ``dispatch``,
-    ``ledger``, ``sink``, ``produce``, the operators' commands)."""
-    _PLAYED[0] = role
-
-
-@contextlib.contextmanager
-def acting_as(role: Role) -> Iterator[None]:
-    """Clients built inside (in this task or thread, and in tasks it creates) log in
-    as ``role``: how ``run`` gives its producer, dispatcher and sink their own."""
-    token = _ACTING.set(role)
-    try:
-        yield
-    finally:
-        _ACTING.reset(token)
-
-
-def current_role() -> Role | None:
-    acting = _ACTING.get()
-    return acting if acting is not None else _PLAYED[0]
 
 
 class KafkaSecurity(msgspec.Struct, frozen=True, kw_only=True):
