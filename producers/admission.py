@@ -39,6 +39,7 @@ read on the budgets topic until the ledger has applied it, nothing is admitted o
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import logging
@@ -107,6 +108,10 @@ class _Lease:
     more: int | None = None
     asked_want: int = 0
     asked: asyncio.Future[ev.Event] | None = None
+    # What each request sent on it asked for, oldest first, until its answer comes
+    # (late ones included): the ledger answers each request once, and a grant that
+    # answers none, or gives more than its request asked, is not the ledger's.
+    unanswered: collections.deque[int] = field(default_factory=lambda: collections.deque(maxlen=64))
     last_used: float = field(default_factory=time.monotonic)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     # Until when (monotonic) the ledger cannot have expired it: the last request or
@@ -218,6 +223,7 @@ class Admission:
         self._tasks: set[asyncio.Task[None]] = set()
         self._counter = itertools.count(1)
         self._asks: dict[str, asyncio.Future[ev.Event]] = {}
+        self._told_forged = False
         self.refused_at: dict[str, float] = {}  # when this dispatcher first refused
         self.revocations: dict[str, tuple[str, int]] = {}  # dataset -> (lease id, allowance)
         self._lengths: dict[str, budget.AnswerLengths] = {}
@@ -489,6 +495,7 @@ class Admission:
             # lease.asked to None, and this caller still waits for its own answer.
             asked = lease.asked = asyncio.get_running_loop().create_future()
             lease.asked_want = want
+            lease.unanswered.append(want)
             self._asks[lease.lease_id] = asked
             request = ev.LeaseRequested(
                 dataset=lease.dataset,
@@ -507,9 +514,38 @@ class Admission:
                 lease.asked = None  # the next caller asks again; late answers still land
             return None
 
+    def _answers_a_request(self, lease: _Lease, event: ev.LeaseGranted | ev.LeaseDenied) -> bool:
+        """Whether ``event`` answers a request sent on ``lease`` (taking it off the
+        unanswered ones); a reply to none, or a grant of more than was asked, is
+        logged once and ignored: it cannot be the ledger's."""
+        if lease.unanswered and (
+            not isinstance(event, ev.LeaseGranted) or event.granted <= lease.unanswered[0]
+        ):
+            lease.unanswered.popleft()
+            return True
+        if not self._told_forged:
+            self._told_forged = True
+            log.warning(
+                "%s: ignoring a %s on lease %s that answers no request of it (asked: %s); "
+                "the budgets topic may be written by others than the ledger: see "
+                "docs/kafka.md, Roles and ACLs",
+                event.dataset,
+                type(event).__struct_config__.tag,
+                event.lease_id,
+                list(lease.unanswered) or "nothing",
+            )
+        return False
+
     def _on_ledger_event(self, event: ev.Event) -> None:
         match event:
             case ev.LeaseGranted() | ev.LeaseDenied():
+                lease = self._leases.get(event.dataset)
+                if (
+                    lease is not None
+                    and lease.lease_id == event.lease_id
+                    and not self._answers_a_request(lease, event)
+                ):
+                    return
                 # Answer whoever waits on this lease id, even if the lease was
                 # released meanwhile (its waiters then move on to a fresh lease).
                 asked = self._asks.pop(event.lease_id, None)

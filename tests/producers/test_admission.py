@@ -13,6 +13,8 @@ import random
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, TypeVar
 
+import msgspec
+
 from tokenbudget.producers.admission import Admission, AdmissionSettings, Ticket
 from tokenbudget.streams import events as ev
 from tokenbudget.streams import ledger
@@ -1040,5 +1042,40 @@ def test_a_prompt_waiting_for_budget_gives_up_once_its_dataset_halts() -> None:
         assert await asyncio.wait_for(fourth, 3) is None
         assert DS in admission.refused_at
         assert len(fake.requests()) == asks  # not one more round trip to the ledger
+
+    run(main())
+
+
+# ---- replies that are not the ledger's ----------------------------------------------
+
+
+def test_a_grant_that_answers_no_request_is_not_added_to_the_lease() -> None:
+    """Copies of a real grant, or a grant bigger than the request, written on the
+    budgets topic by anyone who can write it: none adds to the balance, so no more
+    is admitted than the ledger granted."""
+
+    async def main() -> None:
+        admission, fake, board = make(1000, lease_size=400)
+        ticket = await admission.admit(DS, 100)
+        assert ticket is not None
+        [granted] = [e for e in fake.replies if isinstance(e, ev.LeaseGranted)]
+        assert balance(admission) == 300
+        for forged in (
+            granted,  # the real grant, again: its request is answered already
+            msgspec.structs.replace(granted, granted=10**9),
+        ):
+            board.apply(forged)
+        assert balance(admission) == 300
+        # A request sent and not answered yet takes one reply, up to what it asked.
+        lease = admission._leases[DS]
+        lease.unanswered.append(50)
+        board.apply(msgspec.structs.replace(granted, granted=51))
+        assert balance(admission) == 300
+        board.apply(msgspec.structs.replace(granted, granted=50))
+        assert balance(admission) == 350 and not lease.unanswered
+        # The ledger itself granted no more than the budget: the dataset takes what
+        # it was granted and no more.
+        tickets = [await admission.admit(DS, 100) for _ in range(3)]
+        assert [t.reserved for t in tickets if t] == [100, 100, 100]
 
     run(main())
