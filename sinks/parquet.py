@@ -827,6 +827,9 @@ class SinkSettings:
     flush_interval: float = 5.0
     row_group_bytes: int = 32 * 1024 * 1024
     compression: sizes.Compression = sizes.DEFAULT_COMPRESSION  # of its dead letters
+    # The job's datasets: a completion of another is dead-lettered (None: any name
+    # that passes the event's rule, for tools that read a topic without a config).
+    datasets: frozenset[str] | None = None
 
     @classmethod
     def from_config(cls, config: Config) -> SinkSettings:
@@ -837,6 +840,7 @@ class SinkSettings:
             row_group_rows=config.sink.row_group_rows,
             flush_interval=config.sink.flush_interval_s,
             compression=config.kafka.compression,
+            datasets=frozenset(d.name for d in config.datasets),
         )
 
     def writer(self) -> WriterSettings:
@@ -872,6 +876,9 @@ class ParquetSink:
         self._last_flush = time.monotonic()
         self._consumer: KafkaConsumer | None = None
         self._dlq: KafkaProducer | None = None
+        # The records it was last taking (topic, partition, first and last offset),
+        # for the line a stopped sink ends with.
+        self.at: tuple[str, int, int, int] | None = None
         # pyarrow imports pandas (when installed) at its first array conversion: up
         # to a second on a loaded box. Pay it here, before `run` starts dispatching,
         # not in the first batch, where it holds the GIL the dispatcher shares.
@@ -933,19 +940,87 @@ class ParquetSink:
 
     def _take(self, records: Sequence[Any]) -> None:
         """Decode one partition's records; dead-letter the bad ones, buffer the first
-        completion of each prompt."""
-        kept = keep_first(decode_records([record.value for record in records]), self.first)
+        completion of each prompt.
+
+        Any record is input: one that the batch's table building raises on (whatever
+        it raises) is found by taking the batch again record by record, and is
+        dead-lettered with what it raised; the others are kept as usual. Its offset
+        is committed with the batch's, so a rerun does not meet it again."""
+        self.at = (records[0].topic, records[0].partition, records[0].offset, records[-1].offset)
+        decoded = decode_records([record.value for record in records])
+        self._refuse_other_datasets(decoded)
+        pids = [r.prompt_id for r in decoded.records]
+        new = [p for p in pids if p not in self.first.seen]
+        duplicates, fenced = self.first.duplicates, set(self.first.fenced)
+        try:
+            kept = keep_first(decoded, self.first)
+        except Exception:
+            self.first.forget(new, duplicates)
+            self.first.fenced = fenced
+            for record in records:
+                self._take_one(record)
+            return
+        self._keep(records, kept)
+
+    def _take_one(self, record: Any) -> None:
+        decoded = decode_records([record.value])
+        self._refuse_other_datasets(decoded)
+        new = [r.prompt_id for r in decoded.records if r.prompt_id not in self.first.seen]
+        duplicates = self.first.duplicates
+        try:
+            kept = keep_first(decoded, self.first)
+        except Exception as exc:
+            self.first.forget(new, duplicates)
+            self._dead_letter(record, f"cannot be kept: {type(exc).__name__}: {exc}")
+            return
+        self._keep([record], kept)
+
+    def _keep(self, records: Sequence[Any], kept: Kept) -> None:
         for i, reason in kept.errors:
             self._dead_letter(records[i], reason)
         if kept.tables:
             self.writer.add(kept.tables)
 
+    def _refuse_other_datasets(self, decoded: Decoded) -> None:
+        """Completions of datasets that are not the job's (``settings.datasets``) are
+        bad records: their folder would be the writer's choice, not the job's."""
+        allowed = self.settings.datasets
+        if allowed is None:
+            return
+        keep = [i for i, r in enumerate(decoded.records) if r.dataset in allowed]
+        if len(keep) == len(decoded.records):
+            return
+        for i, record in enumerate(decoded.records):
+            if record.dataset not in allowed:
+                decoded.errors.append(
+                    (decoded.positions[i], f"dataset {record.dataset!r} is not one of this job's")
+                )
+        decoded.records = [decoded.records[i] for i in keep]
+        decoded.positions = [decoded.positions[i] for i in keep]
+        decoded.errors.sort()
+
     def _dead_letter(self, record: Any, reason: str) -> None:
         assert self._dlq is not None
         letter = ev.dead_letter_for(reason, record)
-        self._dlq.send(self.topics.dead_letter, key=record.key, value=ev.encode(letter))
+        key = letter.key.encode() if letter.key is not None else None  # cut, as the letter's
+        self._dlq.send(self.topics.dead_letter, key=key, value=ev.encode(letter))
         self._dlq.flush()
         metrics.DEAD_LETTERED.labels(topic="completions").inc()
+        log.warning(
+            "sink: dead-lettered %s[%d]@%d: %s",
+            record.topic,
+            record.partition,
+            record.offset,
+            reason,
+        )
+
+    def where(self) -> str:
+        """The records it was last taking, as a line says them."""
+        if self.at is None:
+            return "before its first record"
+        topic, partition, first, last = self.at
+        offsets = str(first) if first == last else f"{first}..{last}"
+        return f"at {topic}[{partition}]@{offsets}"
 
     def flush(self) -> None:
         """Write every buffer to its file, then commit what was read."""

@@ -37,7 +37,7 @@ from tokenbudget.app.interrupts import Interrupted, StopSignals
 from tokenbudget.app.progress import Display, ProgressMode, choose_mode, display
 from tokenbudget.core import lifetime, metrics, roles, sizes, tasks
 from tokenbudget.core.config import ENV_PREFIX, Config, Unit, servers_environment
-from tokenbudget.core.errors import ConfigError, WorkerFailedError
+from tokenbudget.core.errors import ConfigError, TokenBudgetError, WorkerFailedError
 from tokenbudget.core.kafka import GroupLag
 from tokenbudget.core.retry import retry_until_async
 from tokenbudget.core.security import subprocess_env
@@ -605,19 +605,27 @@ class _Child(Protocol):
 
 
 async def supervise(
-    drain: asyncio.Task[Any], workers: list[asyncio.Task[Any]], children: list[_Child]
+    drain: asyncio.Task[Any], workers: dict[str, asyncio.Task[Any]], children: list[_Child]
 ) -> None:
-    """Wait for ``drain``, failing as soon as an in-process worker fails, and
-    starting again a child process that ended (cancelling ``drain`` if it fails)."""
-    pending: set[asyncio.Task[Any]] = {drain, *workers}
+    """Wait for ``drain``, failing as soon as an in-process worker (by its role's
+    name) fails, and starting again a child process that ended (cancelling ``drain``
+    if it fails). A worker's error of ours is raised as it is (its line says what to
+    fix); any other is raised as the role that stopped and why."""
+    names = {task: name for name, task in workers.items()}
+    pending: set[asyncio.Task[Any]] = {drain, *workers.values()}
     try:
         while not drain.done():
             done, pending = await asyncio.wait(
                 pending, timeout=1.0, return_when=asyncio.FIRST_COMPLETED
             )
             for task in done:
-                if task is not drain and task.exception() is not None:
-                    raise task.exception()  # type: ignore[misc]
+                if task is drain or (exc := task.exception()) is None:
+                    continue
+                if isinstance(exc, TokenBudgetError):
+                    raise exc
+                raise WorkerFailedError(
+                    f"the {names[task]} stopped: {type(exc).__name__}: {exc}"
+                ) from exc
             for child in children:
                 child.check()
     finally:
@@ -653,9 +661,7 @@ class _InProcess:
     watcher: BudgetWatcher
     watch_task: asyncio.Task[None]
     bars: Display | None
-    sink: ParquetSink
-    sink_stop: threading.Event
-    sink_thread: threading.Thread
+    sink: SinkThread
     dispatcher: Dispatcher
     dispatch_stop: asyncio.Event
     dispatch_task: asyncio.Task[DispatchReport]
@@ -682,16 +688,7 @@ async def _start_in_process(
 
     # Each part logs in to Kafka as its role's principal ([[kafka.roles]]): a task
     # keeps the context it was created in, a thread is given its role inside.
-    sink = ParquetSink(
-        bootstrap,
-        topics,
-        SinkSettings.from_config(config),
-    )
-    sink_stop = threading.Event()
-    sink_thread = threading.Thread(
-        target=_as_sink, args=(sink, sink_stop), name="sink", daemon=True
-    )
-    sink_thread.start()
+    sink = SinkThread(ParquetSink(bootstrap, topics, SinkSettings.from_config(config)))
 
     with roles.acting_as("dispatcher"):
         dispatcher = Dispatcher(
@@ -708,17 +705,45 @@ async def _start_in_process(
         watch_task,
         bars,
         sink,
-        sink_stop,
-        sink_thread,
         dispatcher,
         dispatch_stop,
         dispatch_task,
     )
 
 
-def _as_sink(sink: ParquetSink, stop: threading.Event) -> None:
-    with roles.acting_as("sink"):
-        sink.run(stop)
+class SinkThread:
+    """``run``'s Parquet sink, in a thread of its own (it logs in as the sink's
+    role). :meth:`check`, called with the children's, ends the run with one line
+    naming where it was and why when the sink stopped on its own: its files and
+    offsets stop there, so the run must not go on as if it were keeping answers."""
+
+    def __init__(self, sink: ParquetSink) -> None:
+        self.sink = sink
+        self.stop = threading.Event()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="sink", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        with roles.acting_as("sink"):
+            try:
+                self.sink.run(self.stop)
+            except BaseException as exc:
+                log.debug("the sink stopped", exc_info=True)
+                self.error = exc
+
+    def check(self) -> None:
+        if self.thread.is_alive() or (self.stop.is_set() and self.error is None):
+            return
+        reason = f"{type(self.error).__name__}: {self.error}" if self.error else "it returned"
+        raise WorkerFailedError(f"the Parquet sink stopped {self.sink.where()}: {reason}")
+
+    def finish(self, timeout: float = 120) -> None:
+        """Stop it once it has read to the end of the completions topic (see
+        :meth:`ParquetSink.run`), and raise as :meth:`check` if it failed."""
+        self.stop.set()
+        self.thread.join(timeout)
+        self.check()
 
 
 @dataclass
@@ -766,13 +791,14 @@ async def _produce_until_drained(
     has applied their outcomes too."""
     watcher = running.watcher
     drain = asyncio.create_task(_wait_drained(config, bootstrap, producing.producer, watcher))
-    await supervise(drain, [producing.task, running.dispatch_task], children)
+    workers = {"prompt producer": producing.task, "dispatcher": running.dispatch_task}
+    await supervise(drain, workers, children)
     producing.stop.set()
     produced = await producing.task
     if any(report.not_sent for report in produced.values()):
         # The ledger may die here too: it is started again while we wait for it.
         applied = asyncio.create_task(_wait_ledger_applied(config, bootstrap, watcher))
-        await supervise(applied, [running.dispatch_task], children)
+        await supervise(applied, {"dispatcher": running.dispatch_task}, children)
     return produced
 
 
@@ -807,8 +833,7 @@ async def _stop_in_process(
         await running.dispatch_task
     extra_refused = await asyncio.to_thread(extra.finish, hand_back)
     refused = _refusals(extra_refused, running.dispatcher.refused_at, running.watcher.board)
-    running.sink_stop.set()
-    await asyncio.to_thread(running.sink_thread.join, 120)
+    await asyncio.to_thread(running.sink.finish)
     if running.bars is not None:
         await running.bars.stop()
     await cancel_and_wait(running.watch_task, ignore_errors=True)
@@ -828,8 +853,10 @@ async def _run_components(
     stop: StopSignals | None = None,
 ) -> RunReport:
     extra = ExtraDispatchers(config, dispatchers - 1)
-    children: list[_Child] = [extra] if ledger is None else [ledger, extra]
     running = await _start_in_process(config, bootstrap, topics, keep_dispatch_log, progress)
+    children: list[_Child] = (
+        [extra, running.sink] if ledger is None else [ledger, extra, running.sink]
+    )
     producing: _Producing | None = None
     try:
         extra.start()
@@ -838,7 +865,9 @@ async def _run_components(
             # rebalance and be generated twice: wait for the group to settle first.
             group = running.dispatcher.group_id
             joined = _wait_for_members(bootstrap, group, extra.count + 1)
-            await supervise(asyncio.create_task(joined), [running.dispatch_task], children)
+            await supervise(
+                asyncio.create_task(joined), {"dispatcher": running.dispatch_task}, children
+            )
         producing = _Producing.start(config, bootstrap, running.watcher.board)
         produced = await _produce_until_drained(config, bootstrap, producing, running, children)
     finally:
@@ -854,7 +883,7 @@ async def _run_components(
         datasets=_results(config, board),
         produced=produced,
         dispatch=running.dispatcher.report,
-        parquet_rows=dict(running.sink.rows_written),
+        parquet_rows=dict(running.sink.sink.rows_written),
         seconds=time.monotonic() - started,
         halt_seen_at={d.name: board.view(d.name).halted_at for d in config.datasets},
         refused_at=refused,

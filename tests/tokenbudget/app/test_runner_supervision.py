@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import subprocess
 import sys
+import threading
 
 import pytest
 
-from tokenbudget.app.runner import Supervised, supervise
+from tokenbudget.app.runner import SinkThread, Supervised, supervise
 from tokenbudget.core.errors import WorkerFailedError
 
 
@@ -70,7 +72,7 @@ def test_a_child_that_dies_while_run_waits_on_it_is_started_again() -> None:
                 await asyncio.sleep(0.05)
 
         waited = asyncio.create_task(needs_the_child())
-        await asyncio.wait_for(supervise(waited, [], [child]), 20)
+        await asyncio.wait_for(supervise(waited, {}, [child]), 20)
         assert [r.code for r in child.restarts] == [1]
 
     try:
@@ -131,3 +133,57 @@ def test_a_child_that_lived_past_the_window_starts_the_count_again(
         for process in started:
             process.kill()
             process.wait()
+
+
+class _Broken:
+    """A sink that stops on its own, as a full disk stops the real one."""
+
+    def run(self, stop: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    def where(self) -> str:
+        return "at ns.completions[2]@1041..1090"
+
+
+def test_a_sink_that_stops_on_its_own_stops_the_run_naming_where_and_why() -> None:
+    sink = SinkThread(_Broken())  # type: ignore[arg-type]
+    sink.thread.join(10)
+    message = (
+        "the Parquet sink stopped at ns.completions[2]@1041..1090: "
+        "OSError: [Errno 28] No space left on device"
+    )
+    with pytest.raises(WorkerFailedError, match=re.escape(message)):
+        sink.check()
+    with pytest.raises(WorkerFailedError, match=re.escape(message)):
+        sink.finish()  # also when it is found at the end of the run
+
+
+def test_a_sink_stopped_by_the_run_is_not_a_failure() -> None:
+    class Finishing(_Broken):
+        def run(self, stop: object) -> None:
+            assert isinstance(stop, threading.Event)
+            stop.wait(10)
+
+    sink = SinkThread(Finishing())  # type: ignore[arg-type]
+    sink.check()  # running
+    sink.finish()
+    sink.check()
+
+
+def test_a_worker_that_fails_ends_the_run_naming_its_role() -> None:
+    async def main() -> None:
+        async def breaks() -> None:
+            raise RuntimeError("a poison record")
+
+        async def forever() -> None:
+            await asyncio.sleep(60)
+
+        drain = asyncio.create_task(forever())
+        worker = asyncio.create_task(breaks())
+        with pytest.raises(
+            WorkerFailedError, match="the prompt producer stopped: RuntimeError: a poison record"
+        ):
+            await asyncio.wait_for(supervise(drain, {"prompt producer": worker}, []), 20)
+        assert drain.cancelled()
+
+    asyncio.run(main())
