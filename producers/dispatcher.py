@@ -122,6 +122,7 @@ class Dispatcher:
         instance: str | None = None,
     ) -> None:
         self.config = config
+        self.datasets = frozenset(d.name for d in config.datasets)
         self.bootstrap = bootstrap
         self.board = board
         self.topics = Topics(config.kafka.namespace)
@@ -435,9 +436,13 @@ class Dispatcher:
         without an outcome (:meth:`tokenbudget.producers.tries.Tries.submit`)."""
         try:
             try:
-                prompt = ev.decode(record.value)
+                prompt = ev.decode(record.value, record.topic)
                 if not isinstance(prompt, ev.PromptEvent):
                     raise EventDecodeError(f"expected a prompt, got {type(prompt).__name__}")
+                if prompt.dataset not in self.datasets:
+                    # Its settings, budget and folder are the job's: another's prompt
+                    # would be sent with defaults no one chose.
+                    raise EventDecodeError(f"dataset {prompt.dataset!r} is not one of this job's")
             except EventDecodeError as exc:
                 await self.publisher.dead_letter(str(exc), record)
             else:

@@ -118,6 +118,21 @@ def _exit_after_skipped_delivery(topic: str, partition: int, skipped: tuple[int,
     os._exit(75)
 
 
+def _exit_after_failed_apply(message: Any, exc: Exception) -> NoReturn:
+    # An event that passed the decoder's checks and still cannot be applied is a
+    # bug, not a bad record: skipping it would leave its tokens uncounted (a budget
+    # overshot). The worker stops with one line naming it, and `run` says so.
+    log.critical(
+        "ledger: applying %s[%d]@%d failed (%s: %s); exiting without committing it",
+        message.topic,
+        message.partition,
+        message.offset,
+        type(exc).__name__,
+        exc,
+    )
+    os._exit(70)
+
+
 @dataclass
 class BatchChanges:
     """What one batch of events changes, before any of it is written."""
@@ -256,7 +271,12 @@ class LedgerWorker:
             state = changes.states.get(name) or self.load(name)
             if message.offset <= state.applied.get(source, -1):
                 continue  # applied before a restart
-            transition, entries = self.apply(state, decoded, message, at, changes.outcome_entries)
+            try:
+                transition, entries = self.apply(
+                    state, decoded, message, at, changes.outcome_entries
+                )
+            except Exception as exc:
+                _exit_after_failed_apply(message, exc)
             changes.states[name] = msgspec.structs.replace(
                 transition.state, applied={**state.applied, source: message.offset}
             )

@@ -158,3 +158,29 @@ def test_events_applied_before_a_restart_are_skipped_by_offset() -> None:
         worker.apply_batch([_delivered(worker, "unit.completions", 7, _completion("p1", 30))])
     )
     assert again.states == {}
+
+
+def test_an_event_that_cannot_be_applied_stops_the_worker_naming_it(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Never skipped: its tokens would go uncounted. The worker exits before its
+    offset can be committed, with one line naming the record and the reason."""
+    worker = _worker()
+
+    def broken(*args: Any) -> Any:
+        raise KeyError("lease")
+
+    monkeypatch.setattr(worker, "apply", broken)
+    exits: list[int] = []
+
+    def exit_(code: int) -> None:
+        exits.append(code)
+        raise SystemExit(code)
+
+    monkeypatch.setattr(ledger_worker.os, "_exit", exit_)
+    with pytest.raises(SystemExit):
+        asyncio.run(
+            worker.apply_batch([_delivered(worker, "unit.completions", 7, _completion("p1", 3))])
+        )
+    assert exits == [70]
+    assert "ledger: applying unit.completions[1]@7 failed (KeyError: 'lease')" in caplog.text
