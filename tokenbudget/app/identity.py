@@ -42,6 +42,7 @@ import xxhash
 from aiokafka import AIOKafkaProducer
 from kafka import KafkaConsumer
 
+from tokenbudget.app.upgrade import move_commands
 from tokenbudget.core.config import Config, Dataset
 from tokenbudget.core.errors import DatasetError, EventDecodeError, JobChangedError
 from tokenbudget.core.kafka import (
@@ -376,6 +377,7 @@ async def settle(
     the job is recorded as it is now)."""
     topics = Topics(config.kafka.namespace)
     current = await asyncio.to_thread(identity_of, config, by=f"{command} {config.source}")
+    await asyncio.to_thread(move_commands, bootstrap, topics, config.kafka.compression)
     recorded = await asyncio.to_thread(read_recorded, bootstrap, topics)
     if recorded is None:
         await record(bootstrap, topics, current, config.kafka.compression)
