@@ -159,7 +159,7 @@ def unapplied_completions(bootstrap: str, topics: Topics, timeout: float = 60.0)
     def apply(record: Any) -> None:
         try:
             head = _completion_head(record.value)
-        except msgspec.DecodeError:
+        except Exception:  # any record is input (a RecursionError for one nested deep)
             return
         if head.type == "lease_fenced":
             fenced.add(head.lease_id)
@@ -223,8 +223,8 @@ def queued_prompt_ids(bootstrap: str, topics: Topics, group: str) -> set[str]:
     def apply(record: Any) -> None:
         try:
             head = _prompt_head(record.value)
-        except msgspec.DecodeError:
-            return  # the dispatcher dead-letters it
+        except Exception:  # any record is input: the dispatcher dead-letters it
+            return
         if head.prompt_id:
             queued.add(head.prompt_id)
 

@@ -325,7 +325,7 @@ def kept_completions(
     def apply(record: Any) -> None:
         try:
             head = _read_head(record.value)
-        except msgspec.DecodeError:
+        except Exception:  # any record is input (a RecursionError for one nested deep)
             return
         if head.dataset not in datasets:
             return
