@@ -4,7 +4,7 @@ A rerun resumes by ``prompt_id`` (the dataset's name and the row's id), so a sec
 job that shares a namespace and those names, with another file, model or output
 folder, would skip every prompt and write nothing where its user looks. So ``run``
 and ``produce`` record the job's identity (:class:`tokenbudget.streams.events.JobIdentity`, on
-the namespace's budgets topic, kept forever) and compare each rerun with it before
+the namespace's control topic, kept forever) and compare each rerun with it before
 anything is produced; NeMo Automodel's regeneration pins the same in a manifest.
 
 What counts, per dataset: its rows (a hash of the file's bytes, wherever it lies)

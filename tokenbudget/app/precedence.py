@@ -5,7 +5,7 @@ The rule: **a budget set with ``budget set`` holds until the config's own value 
 that dataset changes.** Every ``BudgetSet`` carries the config's value at the time it
 was published (``config_budget``: ``budget set`` reads the config it is given).
 When a job starts (``run``, ``produce``), each dataset's latest ``BudgetSet`` on the
-budgets topic is compared with the config (:func:`choose`):
+control topic is compared with the config (:func:`choose`):
 
 * none, one without ``config_budget`` (older, or not from tokenbudget's commands), or
   one of another unit: the config's value;

@@ -263,7 +263,7 @@ async def follow(
     planned: dict[str, str] | None = None,
     servers: Sequence[str] = (),
 ) -> int:
-    """Read the budgets topic up to now and print; with ``watch``, keep going. The
+    """Read the budgets and control topics up to now and print; with ``watch``, keep going. The
     fleet (``servers``: the config's URLs, and those added) follows the datasets
     when it has several servers or one is not up."""
     board = TrackingBoard()

@@ -26,7 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     set_cmd = sub.add_parser(
         "set",
         help="publish a new budget: raise resumes, lower halts",
-        description="Publish a dataset's new budget on the budgets topic: a running job "
+        description="Publish a dataset's new budget on the control topic: a running job "
         "applies it at once, and later jobs keep it while the config's value for the "
         "dataset is unchanged (docs/running.md, Budgets set by hand).",
         epilog=examples("tokenbudget budget set B2 12M --config job.toml"),

@@ -15,7 +15,7 @@ from tokenbudget.streams import events as ev
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (
         "Change the job's fleet of inference servers, with or without a job running: a "
-        "change is an event on the budgets topic that every dispatcher of the job applies "
+        "change is an event on the control topic that every dispatcher of the job applies "
         "at once, and later runs of the namespace keep (a drained server stays drained "
         "until added again); or list the fleet as its dispatchers last reported it."
     )
