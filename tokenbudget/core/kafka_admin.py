@@ -193,6 +193,18 @@ def _wanted_replication(spec: TopicSpec, default: int | None) -> int:
     return default if default is not None else -1
 
 
+def refused(bootstrap: str, doing: str, why: str, fix: str) -> KafkaAuthError:
+    """The cluster's authorizer refusing the user we log in as ``doing`` (``why``:
+    Kafka's error, ``fix``: what to do)."""
+    settings = security.security_for(bootstrap)
+    login = settings.login()
+    who = f"user {login.username!r}" if login is not None else "this client"
+    return KafkaAuthError(
+        f"the Kafka cluster at {bootstrap} does not let {who} {doing} ({why}): {fix}",
+        keys=settings.auth_keys(),
+    )
+
+
 def _create_topics(
     admin: Any, bootstrap: str, specs: Sequence[TopicSpec], default: int | None, timeout_ms: int
 ) -> list[str]:
@@ -209,6 +221,15 @@ def _create_topics(
         timeout_ms=timeout_ms,
         raise_errors=False,
     )
+    denied = sorted(t["name"] for t in result.get("topics", []) if t.get("error_code") == 29)
+    if denied:  # TOPIC_AUTHORIZATION_FAILED
+        raise refused(
+            bootstrap,
+            f"create topics {', '.join(denied)}",
+            "TopicAuthorizationFailed",
+            "create them as the operator role, whose ACLs allow it (`tokenbudget acls "
+            "--config F` prints them)",
+        )
     raced, failed = set(), []
     for topic in result.get("topics", []):
         code = topic.get("error_code", 0)
@@ -543,14 +564,12 @@ def _acl_error(bootstrap: str, doing: str, error: BaseException | type[BaseExcep
             "on its brokers (docs/kafka.md, Roles and ACLs)"
         )
     if name == "ClusterAuthorizationFailedError":
-        settings = security.security_for(bootstrap)
-        login = settings.login()
-        who = f"user {login.username!r}" if login is not None else "this client"
-        return KafkaAuthError(
-            f"the Kafka cluster at {bootstrap} does not let {who} {doing} "
-            "(ClusterAuthorizationFailed): log in as a principal allowed to alter ACLs "
-            "(Alter on the cluster, or one of the brokers' super.users)",
-            keys=settings.auth_keys(),
+        return refused(
+            bootstrap,
+            doing,
+            "ClusterAuthorizationFailed",
+            "log in as a principal allowed to alter ACLs (Alter on the cluster, or one of "
+            "the brokers' super.users)",
         )
     return BrokerError(f"cannot {doing} on {bootstrap}: {name}: {error}")
 

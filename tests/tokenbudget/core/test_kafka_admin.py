@@ -265,3 +265,24 @@ def test_a_cluster_without_an_authorizer_or_a_user_who_may_not_is_named_with_the
     _serving(monkeypatch, Failing())
     with pytest.raises(KafkaAuthError, match="does not let user 'bob' create ACLs"):
         kafka_admin.apply_acls("k:9092", BINDINGS)
+
+
+def test_topics_the_user_may_not_create_are_named_with_the_role_that_may(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    class Denying:
+        def create_topics(self, topics: dict[str, Any], **_: Any) -> dict[str, Any]:
+            return {
+                "topics": [
+                    {"name": name, "error_code": 29, "error_message": "Authorization failed."}
+                    for name in topics
+                ]
+            }
+
+    specs = [TopicSpec("N.prompts"), TopicSpec("N.control")]
+    with pytest.raises(KafkaAuthError) as info:
+        kafka_admin._create_topics(Denying(), "k:9092", specs, None, 1000)
+    message = str(info.value)
+    assert "does not let this client create topics N.control, N.prompts" in message
+    assert "(TopicAuthorizationFailed): create them as the operator role" in message
+    assert "tokenbudget acls --config F" in message and "error 29" not in message
