@@ -74,7 +74,7 @@ LONGEST_FIRST = (
 # Modules whose tests share a costly module fixture (a three-node cluster, a secured
 # broker, Prometheus with Alertmanager, simulators of every wire format): one worker
 # runs all of a module's tests, one after the other, so the fixture starts once.
-ONE_WORKER = ("test_backends", "test_cluster", "test_observability", "test_security")
+ONE_WORKER = ("test_acls", "test_backends", "test_cluster", "test_observability", "test_security")
 
 
 def _order(item: pytest.Item) -> tuple[int, int]:

@@ -70,6 +70,11 @@ COMMANDS: dict[str, Command] = {
         "job",
         "read the completions topic again: Parquet, ledger audit, another topic, recount",
     ),
+    "acls": Command(
+        "tokenbudget.app.commands.acls",
+        "job",
+        "the Kafka ACLs that keep each role to its topics: printed, or applied",
+    ),
     "produce": Command(
         "tokenbudget.app.commands.produce", "role", "the prompt producer on its own", "producer"
     ),

@@ -21,11 +21,14 @@ succeeds (an open port is not readiness). The JVM is detached (own session), so 
 outlives the Python process that started it; ``down`` stops it.
 
 With ``BrokerSettings.sasl_ssl`` the broker also opens a SASL_SSL listener (TLS from a
-PKCS12 keystore; SCRAM-SHA-256/512 and PLAIN users), for testing secured clients. The
-PLAINTEXT listener stays: readiness probes and topic creation use it. SCRAM users are
-written into the metadata when the storage is first formatted (StorageTool
-``--add-scram``), so adding users later needs a wiped home. The rendered
-server.properties then holds passwords and is written readable by its owner only.
+PKCS12 keystore; SCRAM-SHA-256/512 and PLAIN users), for testing secured clients, and
+with ``sasl_plaintext`` a SASL_PLAINTEXT one (the same users, no TLS). The PLAINTEXT
+listener stays: readiness probes and topic creation use it. SCRAM users are written
+into the metadata when the storage is first formatted (StorageTool ``--add-scram``),
+so adding users later needs a wiped home. The rendered server.properties then holds
+passwords and is written readable by its owner only. ``BrokerSettings.authorizer``
+turns Kafka's ACLs on (KRaft's StandardAuthorizer, refusing what no ACL allows); the
+PLAINTEXT listener is then a super user's door without a password, on 127.0.0.1.
 
     python -m tokenbudget.localkafka.broker up|status|down|wipe
 """
@@ -56,7 +59,13 @@ from typing import Any
 from tokenbudget.core import security
 from tokenbudget.core.errors import BrokerError, ConfigError
 from tokenbudget.core.files import locked, write_atomic
-from tokenbudget.core.kafka_admin import TopicSpec, check_ready, ensure_topics, warm_up_groups
+from tokenbudget.core.kafka_admin import (
+    STANDARD_AUTHORIZER,
+    TopicSpec,
+    check_ready,
+    ensure_topics,
+    warm_up_groups,
+)
 from tokenbudget.core.retry import retry_until
 from tokenbudget.localkafka import jars as kafka_jars
 from tokenbudget.localkafka.java import find_java
@@ -117,6 +126,21 @@ def _default_jars_root() -> Path:
 _SAFE_TOKEN = re.compile(r"[A-Za-z0-9_.\-]+")
 
 
+def _check_tokens(values: Mapping[str, str]) -> None:
+    """Each value (passwords, by the key that names them) is written unquoted."""
+    for key, value in values.items():
+        if not _SAFE_TOKEN.fullmatch(value):  # never quote the value itself
+            raise ConfigError(key, "use letters, digits, '_', '-' and '.' only")
+
+
+def _check_users(key: str, users: Mapping[str, str]) -> None:
+    """A listener's users (``key``: ``sasl_ssl.users`` ...): names and passwords."""
+    _check_tokens({f"{key}.{name}": password for name, password in users.items()})
+    for name in users:
+        if not _SAFE_TOKEN.fullmatch(name):
+            raise ConfigError(key, f"{name!r}: letters, digits, '_-.' only")
+
+
 @dataclass(frozen=True)
 class SaslSslListener:
     """A SASL_SSL listener on 127.0.0.1:``port`` beside the PLAINTEXT one.
@@ -140,22 +164,55 @@ class SaslSslListener:
         return [v for v in values if v]
 
     def check(self) -> None:
-        passwords = {
-            "sasl_ssl.keystore_password": self.keystore_password,
-            **{f"sasl_ssl.users.{name}": pw for name, pw in self.users.items()},
-        }
+        stores = {"sasl_ssl.keystore_password": self.keystore_password}
         if self.truststore is not None:
-            passwords["sasl_ssl.truststore_password"] = self.truststore_password
-        for key, value in passwords.items():
-            if not _SAFE_TOKEN.fullmatch(value):  # never quote the value itself
-                raise ConfigError(key, "use letters, digits, '_', '-' and '.' only")
-        for name in self.users:
-            if not _SAFE_TOKEN.fullmatch(name):
-                raise ConfigError("sasl_ssl.users", f"{name!r}: letters, digits, '_-.' only")
-        stores = {"sasl_ssl.keystore": self.keystore, "sasl_ssl.truststore": self.truststore}
-        for key, path in stores.items():
+            stores["sasl_ssl.truststore_password"] = self.truststore_password
+        _check_tokens(stores)
+        _check_users("sasl_ssl.users", self.users)
+        paths = {"sasl_ssl.keystore": self.keystore, "sasl_ssl.truststore": self.truststore}
+        for key, path in paths.items():
             if path is not None and not path.is_file():
                 raise ConfigError(key, f"{path} is not a file")
+
+
+@dataclass(frozen=True)
+class SaslPlaintextListener:
+    """A SASL_PLAINTEXT listener on 127.0.0.1:``port`` beside the PLAINTEXT one: the
+    ``users`` log in as with :class:`SaslSslListener` (SCRAM or PLAIN), without TLS,
+    so no keystore is needed. For tests of principals and ACLs (:class:`Authorizer`);
+    passwords cross the loopback in the clear (PLAIN) or hashed (SCRAM)."""
+
+    port: int
+    users: Mapping[str, str] = field(default_factory=dict, repr=False)
+
+    def secrets(self) -> list[str]:
+        return [v for v in self.users.values() if v]
+
+    def check(self) -> None:
+        _check_users("sasl_plaintext.users", self.users)
+
+
+@dataclass(frozen=True)
+class Authorizer:
+    """Kafka's own ACLs on the broker: KRaft's StandardAuthorizer, refusing what no
+    ACL allows (``allow.everyone.if.no.acl.found=false``).
+
+    ``super_users`` (user names, such as an admin who applies the ACLs) may do
+    anything. So may every client of the PLAINTEXT and CONTROLLER listeners: they
+    authenticate no one, so their principal is ``User:ANONYMOUS``, and the broker
+    reaches its controller and itself through them; refused, it could not start.
+    The PLAINTEXT listener (readiness probes, topic creation in tests) is then a door
+    that needs no password: it listens on 127.0.0.1 only, and this is for tests.
+    """
+
+    super_users: tuple[str, ...] = ()
+
+    def check(self) -> None:
+        for name in self.super_users:
+            if not _SAFE_TOKEN.fullmatch(name):
+                raise ConfigError(
+                    "authorizer.super_users", f"{name!r}: letters, digits, '_-.' only"
+                )
 
 
 @dataclass(frozen=True)
@@ -173,6 +230,8 @@ class BrokerSettings:
     heap_mb: int = 768
     jars_root: Path = field(default_factory=_default_jars_root)
     sasl_ssl: SaslSslListener | None = None  # None: PLAINTEXT only
+    sasl_plaintext: SaslPlaintextListener | None = None
+    authorizer: Authorizer | None = None  # None: every client may do anything
     # One node of a cluster (tokenbudget.dev.cluster): its id, every controller as
     # ``id@host:port`` ("": this node alone), and the cluster's replication defaults.
     node_id: int = 1
@@ -188,6 +247,28 @@ class BrokerSettings:
     @property
     def sasl_ssl_bootstrap(self) -> str | None:
         return f"127.0.0.1:{self.sasl_ssl.port}" if self.sasl_ssl else None
+
+    @property
+    def sasl_plaintext_bootstrap(self) -> str | None:
+        return f"127.0.0.1:{self.sasl_plaintext.port}" if self.sasl_plaintext else None
+
+    @property
+    def sasl_users(self) -> dict[str, str]:
+        """Every SASL user of the listeners: SCRAM keeps one password per user, for
+        the whole cluster."""
+        users: dict[str, str] = {}
+        for key, listener in (("sasl_ssl", self.sasl_ssl), ("sasl_plaintext", self.sasl_plaintext)):
+            for name, password in (listener.users if listener else {}).items():
+                if users.setdefault(name, password) != password:
+                    raise ConfigError(
+                        f"{key}.users.{name}",
+                        "the user has another password on the other listener: give it one",
+                    )
+        return users
+
+    def secrets(self) -> list[str]:
+        """Every password of the listeners, to mask them in anything we show."""
+        return [s for lst in (self.sasl_ssl, self.sasl_plaintext) if lst for s in lst.secrets()]
 
     @property
     def libs_dir(self) -> Path:
@@ -279,13 +360,7 @@ def render_properties(settings: BrokerSettings, template: str | None = None) -> 
         )
     else:
         extra = "# Kafka 3.x: no share-coordinator settings.\n"
-    secure = _secure_placeholders(settings.sasl_ssl)
-    if settings.sasl_ssl is not None and "${secure_listener}" not in template:
-        raise BrokerError(
-            "server.properties.template has no secure_listener placeholder: it predates "
-            "SASL_SSL support; use the packaged "
-            "tokenbudget/localkafka/kafka_resources/server.properties.template"
-        )
+    _check_template(settings, template)
     try:
         return string.Template(template).substitute(
             port=settings.port,
@@ -297,32 +372,38 @@ def render_properties(settings: BrokerSettings, template: str | None = None) -> 
             or f"{settings.node_id}@127.0.0.1:{settings.controller_port}",
             replication_factor=settings.replication_factor,
             min_insync_replicas=settings.min_insync_replicas,
-            **secure,
+            authorizer=_authorizer_settings(settings.authorizer),
+            **_secure_placeholders(settings),
         )
     except (KeyError, ValueError) as exc:
         raise BrokerError(f"server.properties.template has a bad placeholder: {exc}") from exc
 
 
-_LISTENER = "SASL_SSL"
+def _check_template(settings: BrokerSettings, template: str) -> None:
+    """A template without a placeholder for what ``settings`` asks would silently
+    drop it: a broker without its secure listener, or without its authorizer."""
+    asked = {
+        "secure_listener": settings.sasl_ssl or settings.sasl_plaintext,
+        "authorizer": settings.authorizer,
+    }
+    for placeholder, wanted in asked.items():
+        if wanted is not None and f"${{{placeholder}}}" not in template:
+            raise BrokerError(
+                f"server.properties.template has no {placeholder} placeholder (it is older "
+                "than this tokenbudget): use the packaged "
+                "tokenbudget/localkafka/kafka_resources/server.properties.template"
+            )
+
+
 _SCRAM_MECHANISMS = ("SCRAM-SHA-256", "SCRAM-SHA-512")
 
 
-def _secure_placeholders(listener: SaslSslListener | None) -> dict[str, str]:
-    """The template's secure_* values: empty strings without a SASL_SSL listener."""
-    if listener is None:
-        return dict.fromkeys(
-            ("secure_listener", "secure_advertised", "secure_protocol", "secure_settings"), ""
-        )
-    listener.check()
-    prefix = f"listener.name.{_LISTENER.lower()}"
-    plain_users = " ".join(f'user_{name}="{pw}"' for name, pw in listener.users.items())
-    lines = [
-        "# SASL_SSL listener (BrokerSettings.sasl_ssl): TLS, then SCRAM or PLAIN.",
+def _sasl_settings(listener: str, users: Mapping[str, str]) -> list[str]:
+    """The SASL mechanisms of ``listener`` and how it checks ``users``' passwords."""
+    prefix = f"listener.name.{listener.lower()}"
+    plain_users = " ".join(f'user_{name}="{pw}"' for name, pw in users.items())
+    return [
         f"{prefix}.sasl.enabled.mechanisms=PLAIN,{','.join(_SCRAM_MECHANISMS)}",
-        f"{prefix}.ssl.keystore.type=PKCS12",
-        f"{prefix}.ssl.keystore.location={listener.keystore.resolve()}",
-        f"{prefix}.ssl.keystore.password={listener.keystore_password}",
-        f"{prefix}.ssl.key.password={listener.keystore_password}",
         # PLAIN checks passwords against this JAAS entry; SCRAM against the credentials
         # StorageTool wrote into the metadata.
         f"{prefix}.plain.sasl.jaas.config="
@@ -333,6 +414,18 @@ def _secure_placeholders(listener: SaslSslListener | None) -> dict[str, str]:
             for mechanism in _SCRAM_MECHANISMS
         ),
     ]
+
+
+def _sasl_ssl_settings(listener: SaslSslListener) -> list[str]:
+    prefix = "listener.name.sasl_ssl"
+    lines = [
+        "# SASL_SSL listener (BrokerSettings.sasl_ssl): TLS, then SCRAM or PLAIN.",
+        *_sasl_settings("SASL_SSL", listener.users),
+        f"{prefix}.ssl.keystore.type=PKCS12",
+        f"{prefix}.ssl.keystore.location={listener.keystore.resolve()}",
+        f"{prefix}.ssl.keystore.password={listener.keystore_password}",
+        f"{prefix}.ssl.key.password={listener.keystore_password}",
+    ]
     if listener.truststore is not None:
         lines += [
             f"{prefix}.ssl.client.auth=required",
@@ -342,21 +435,51 @@ def _secure_placeholders(listener: SaslSslListener | None) -> dict[str, str]:
         ]
     else:
         lines.append(f"{prefix}.ssl.client.auth=none")
-    address = f"{_LISTENER}://127.0.0.1:{listener.port}"
+    return lines
+
+
+def _secure_placeholders(settings: BrokerSettings) -> dict[str, str]:
+    """The template's secure_* values: empty strings without a SASL listener."""
+    listeners: list[tuple[str, int, list[str]]] = []
+    if settings.sasl_ssl is not None:
+        settings.sasl_ssl.check()
+        listeners.append(
+            ("SASL_SSL", settings.sasl_ssl.port, _sasl_ssl_settings(settings.sasl_ssl))
+        )
+    if settings.sasl_plaintext is not None:
+        plain = settings.sasl_plaintext
+        plain.check()
+        lines = [
+            "# SASL_PLAINTEXT listener (BrokerSettings.sasl_plaintext): SCRAM or PLAIN, no TLS.",
+            *_sasl_settings("SASL_PLAINTEXT", plain.users),
+        ]
+        listeners.append(("SASL_PLAINTEXT", plain.port, lines))
+    addresses = "".join(f",{name}://127.0.0.1:{port}" for name, port, _ in listeners)
     return {
-        "secure_listener": f",{address}",
-        "secure_advertised": f",{address}",
-        "secure_protocol": f",{_LISTENER}:{_LISTENER}",
-        "secure_settings": "\n".join(lines) + "\n",
+        "secure_listener": addresses,
+        "secure_advertised": addresses,
+        "secure_protocol": "".join(f",{name}:{name}" for name, _, _ in listeners),
+        "secure_settings": "".join("\n".join(lines) + "\n" for _, _, lines in listeners),
     }
 
 
-def _scram_arguments(listener: SaslSslListener | None) -> list[str]:
+def _authorizer_settings(authorizer: Authorizer | None) -> str:
+    if authorizer is None:
+        return "# No authorizer (BrokerSettings.authorizer): every client may do anything.\n"
+    authorizer.check()
+    # The PLAINTEXT and CONTROLLER listeners' clients, the broker itself among them.
+    supers = ["User:ANONYMOUS", *(f"User:{name}" for name in authorizer.super_users)]
+    return (
+        f"authorizer.class.name={STANDARD_AUTHORIZER}\n"
+        "allow.everyone.if.no.acl.found=false\n"
+        f"super.users={';'.join(supers)}\n"
+    )
+
+
+def _scram_arguments(settings: BrokerSettings) -> list[str]:
     """StorageTool ``--add-scram`` arguments creating every user for both SCRAM hashes."""
-    if listener is None:
-        return []
     args = []
-    for name, password in listener.users.items():
+    for name, password in settings.sasl_users.items():
         for mechanism in _SCRAM_MECHANISMS:
             args += ["--add-scram", f"{mechanism}=[name={name},password={password}]"]
     return args
@@ -697,7 +820,7 @@ def _version_tuple(version: str) -> tuple[int, ...]:
 
 def _format_storage(settings: BrokerSettings, java: str) -> None:
     home = settings.home.resolve()
-    users = sorted(settings.sasl_ssl.users) if settings.sasl_ssl else []
+    users = sorted(settings.sasl_users)
     if (home / _DATA_DIR / "meta.properties").is_file():
         try:
             formatted = json.loads((home / _FORMAT_FILE).read_text())
@@ -739,9 +862,9 @@ def _format_storage(settings: BrokerSettings, java: str) -> None:
         cluster_id,
         "-c",
         str(home / _PROPS_FILE),
-        *_scram_arguments(settings.sasl_ssl),
+        *_scram_arguments(settings),
     ]
-    secrets = settings.sasl_ssl.secrets() if settings.sasl_ssl else []
+    secrets = settings.secrets()
     try:
         proc = subprocess.run(
             cmd, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL
@@ -776,6 +899,9 @@ def _check_ports(settings: BrokerSettings) -> None:
     ]
     if settings.sasl_ssl is not None:
         ports.append(("sasl_ssl.port", settings.sasl_ssl.port, "BrokerSettings.sasl_ssl"))
+    if settings.sasl_plaintext is not None:
+        port = settings.sasl_plaintext.port
+        ports.append(("sasl_plaintext.port", port, "BrokerSettings.sasl_plaintext"))
     for name, port, env in ports:
         if not _port_free(port):
             raise BrokerError(
@@ -803,15 +929,45 @@ def _start(settings: BrokerSettings, java: str, described: str = "") -> int:
     write_atomic(home / _PID_FILE, f"{proc.pid}\n")
     state = {
         "pid": proc.pid,
-        "kafka_version": settings.kafka_version,
-        "port": settings.port,
-        "controller_port": settings.controller_port,
-        "sasl_ssl_port": settings.sasl_ssl.port if settings.sasl_ssl else None,
+        **_started_with(settings),
         "java": described or java,
         "started_at": time.time(),
     }
     write_atomic(home / _STATE_FILE, json.dumps(state, indent=1))
     return proc.pid
+
+
+def _started_with(settings: BrokerSettings) -> dict[str, Any]:
+    """What a running broker must have been started with to be the one ``settings``
+    asks for (recorded in broker.json)."""
+    return {
+        "kafka_version": settings.kafka_version,
+        "port": settings.port,
+        "controller_port": settings.controller_port,
+        "sasl_ssl_port": settings.sasl_ssl.port if settings.sasl_ssl else None,
+        "sasl_plaintext_port": settings.sasl_plaintext.port if settings.sasl_plaintext else None,
+        "super_users": list(settings.authorizer.super_users) if settings.authorizer else None,
+    }
+
+
+def _check_started_as_asked(settings: BrokerSettings, pid: int) -> None:
+    state = _read_state(settings)
+    asked = _started_with(settings)
+    # A broker.json written before a setting existed: the broker ran without it.
+    started = {
+        key: state.get(key, None if key.startswith(("sasl", "super")) else value)
+        for key, value in asked.items()
+    }
+    if started != asked:
+        differ = ", ".join(
+            f"{key} {started[key]} (asked: {asked[key]})"
+            for key in asked
+            if started[key] != asked[key]
+        )
+        raise BrokerError(
+            f"the broker of {settings.home.resolve()} (pid {pid}) runs with {differ}; "
+            "run down first"
+        )
 
 
 def launch(settings: BrokerSettings) -> int:
@@ -823,8 +979,8 @@ def launch(settings: BrokerSettings) -> int:
     runtime = find_java()
     java = runtime.path
     ensure_jars(settings)
-    # With a SASL_SSL listener the file holds passwords: owner only.
-    mode = 0o600 if settings.sasl_ssl else 0o666
+    # With a SASL listener the file holds passwords: owner only.
+    mode = 0o600 if settings.secrets() else 0o666
     write_atomic(home / _PROPS_FILE, render_properties(settings), mode)
     shutil.copyfile(_infra_file(_LOG4J_FILE), home / _LOG4J_FILE)
     _format_storage(settings, java)
@@ -859,21 +1015,7 @@ def up(
     with locked(home / _LOCK_FILE):
         pid = _running_pid(settings)
         if pid is not None:
-            state = _read_state(settings)
-            sasl_port = settings.sasl_ssl.port if settings.sasl_ssl else None
-            started = (
-                state.get("kafka_version", settings.kafka_version),
-                state.get("port", settings.port),
-                state.get("controller_port", settings.controller_port),
-                state.get("sasl_ssl_port"),
-            )
-            asked = (settings.kafka_version, settings.port, settings.controller_port, sasl_port)
-            if started != asked:
-                raise BrokerError(
-                    f"the broker of {home} (pid {pid}) runs Kafka {started[0]} on ports "
-                    f"{started[1]}/{started[2]} (SASL_SSL: {started[3]}), not Kafka {asked[0]} "
-                    f"on {asked[1]}/{asked[2]} (SASL_SSL: {asked[3]}); run down first"
-                )
+            _check_started_as_asked(settings, pid)
             wait_ready(settings.bootstrap, timeout, pid=pid, log_path=home / _LOG_FILE)
         else:
             launched = time.monotonic()

@@ -416,8 +416,8 @@ def test_truststore_requires_client_certificates(tmp_path: Path) -> None:
 
 
 def test_scram_users_are_added_at_format_time(tmp_path: Path) -> None:
-    assert broker._scram_arguments(None) == []
-    assert broker._scram_arguments(_secured(tmp_path).sasl_ssl) == [
+    assert broker._scram_arguments(BrokerSettings(home=tmp_path)) == []
+    assert broker._scram_arguments(_secured(tmp_path)) == [
         "--add-scram", "SCRAM-SHA-256=[name=alice,password=alice-pw-1]",
         "--add-scram", "SCRAM-SHA-512=[name=alice,password=alice-pw-1]",
         "--add-scram", "SCRAM-SHA-256=[name=bob,password=bob-pw-2]",
@@ -461,6 +461,114 @@ def test_users_added_after_the_first_format_are_refused(tmp_path: Path) -> None:
     )
     with pytest.raises(BrokerError, match=r"SCRAM users bob .*wipe"):
         broker._format_storage(settings, "java-is-not-called")
+
+
+# --------------------------------------------------------------------------- SASL_PLAINTEXT, ACLs
+
+
+def _authorized(tmp_path: Path, **settings: Any) -> BrokerSettings:
+    options: dict[str, Any] = {
+        "home": tmp_path / "h",
+        "port": 29092,
+        "controller_port": 29093,
+        "sasl_plaintext": broker.SaslPlaintextListener(29095, {"admin": "a-1", "disp": "d-2"}),
+        "authorizer": broker.Authorizer(("admin",)),
+        **settings,
+    }
+    return BrokerSettings(**options)
+
+
+def test_properties_with_a_sasl_plaintext_listener_and_the_authorizer(tmp_path: Path) -> None:
+    settings = _authorized(tmp_path)
+    props = _props(broker.render_properties(settings))
+    assert props["listeners"] == (
+        "PLAINTEXT://127.0.0.1:29092,CONTROLLER://127.0.0.1:29093,SASL_PLAINTEXT://127.0.0.1:29095"
+    )
+    assert props["advertised.listeners"] == (
+        "PLAINTEXT://127.0.0.1:29092,SASL_PLAINTEXT://127.0.0.1:29095"
+    )
+    assert props["listener.security.protocol.map"] == (
+        "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT,SASL_PLAINTEXT:SASL_PLAINTEXT"
+    )
+    prefix = "listener.name.sasl_plaintext."
+    assert props[prefix + "sasl.enabled.mechanisms"] == "PLAIN,SCRAM-SHA-256,SCRAM-SHA-512"
+    plain = props[prefix + "plain.sasl.jaas.config"]
+    assert 'user_admin="a-1"' in plain and 'user_disp="d-2"' in plain
+    assert props[prefix + "scram-sha-256.sasl.jaas.config"].startswith(
+        "org.apache.kafka.common.security.scram.ScramLoginModule required"
+    )
+    assert not any(key.startswith("listener.name.sasl_ssl.") for key in props)  # no TLS
+    assert props["authorizer.class.name"] == (
+        "org.apache.kafka.metadata.authorizer.StandardAuthorizer"
+    )
+    assert props["allow.everyone.if.no.acl.found"] == "false"
+    # the broker reaches its controller and itself as ANONYMOUS, on the PLAINTEXT and
+    # CONTROLLER listeners: refused, it would not start
+    assert props["super.users"] == "User:ANONYMOUS;User:admin"
+    assert props["inter.broker.listener.name"] == "PLAINTEXT"
+    assert settings.sasl_plaintext_bootstrap == "127.0.0.1:29095"
+    assert broker._scram_arguments(settings) == [
+        "--add-scram", "SCRAM-SHA-256=[name=admin,password=a-1]",
+        "--add-scram", "SCRAM-SHA-512=[name=admin,password=a-1]",
+        "--add-scram", "SCRAM-SHA-256=[name=disp,password=d-2]",
+        "--add-scram", "SCRAM-SHA-512=[name=disp,password=d-2]",
+    ]  # fmt: skip
+    assert "a-1" not in repr(settings) and "d-2" not in repr(settings)
+
+
+def test_without_an_authorizer_every_client_may_do_anything(tmp_path: Path) -> None:
+    props = _props(broker.render_properties(_authorized(tmp_path, authorizer=None)))
+    assert not {"authorizer.class.name", "super.users"} & set(props)
+    assert props["listener.name.sasl_plaintext.sasl.enabled.mechanisms"]  # the listener stays
+
+
+def test_both_sasl_listeners_share_their_users_one_password_each(tmp_path: Path) -> None:
+    secured = _secured(tmp_path)
+    both = _authorized(tmp_path, sasl_ssl=secured.sasl_ssl)
+    props = _props(broker.render_properties(both))
+    assert props["listeners"].endswith(
+        ",SASL_SSL://127.0.0.1:29094,SASL_PLAINTEXT://127.0.0.1:29095"
+    )
+    assert props["listener.security.protocol.map"].endswith(
+        ",SASL_SSL:SASL_SSL,SASL_PLAINTEXT:SASL_PLAINTEXT"
+    )
+    names = [arg.split("name=")[1].split(",")[0] for arg in broker._scram_arguments(both)[1::2]]
+    assert names == ["alice"] * 2 + ["bob"] * 2 + ["admin"] * 2 + ["disp"] * 2
+    twice = broker.SaslPlaintextListener(29095, {"alice": "other-pw"})
+    with pytest.raises(ConfigError) as info:
+        broker._scram_arguments(
+            _authorized(tmp_path, sasl_ssl=secured.sasl_ssl, sasl_plaintext=twice)
+        )
+    assert info.value.key == "sasl_plaintext.users.alice" and "other-pw" not in str(info.value)
+
+
+def test_bad_user_names_and_a_template_without_the_authorizer_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"authorizer\.super_users"):
+        broker.render_properties(_authorized(tmp_path, authorizer=broker.Authorizer(("a;b",))))
+    listener = broker.SaslPlaintextListener(29095, {"disp": 'pw"'})
+    with pytest.raises(ConfigError) as info:
+        broker.render_properties(_authorized(tmp_path, sasl_plaintext=listener))
+    assert info.value.key == "sasl_plaintext.users.disp" and 'pw"' not in str(info.value)
+    # a template of its own that would silently drop the authorizer
+    template = broker._infra_file("server.properties.template").read_text()
+    with pytest.raises(BrokerError, match="no authorizer placeholder"):
+        broker.render_properties(_authorized(tmp_path), template.replace("${authorizer}", ""))
+
+
+def test_a_running_broker_without_the_authorizer_asked_for_is_not_taken(tmp_path: Path) -> None:
+    settings = _authorized(tmp_path)
+    settings.home.mkdir()
+    started = {**broker._started_with(settings), "super_users": None}
+    (settings.home / "broker.json").write_text(json.dumps(started))
+    with pytest.raises(BrokerError, match=r"super_users None \(asked: \['admin'\]\).*down first"):
+        broker._check_started_as_asked(settings, 4242)
+    # broker.json of a broker started before these settings existed: it had neither
+    older = {k: v for k, v in started.items() if not k.startswith(("sasl", "super"))}
+    (settings.home / "broker.json").write_text(json.dumps(older))
+    with pytest.raises(BrokerError, match="sasl_plaintext_port None"):
+        broker._check_started_as_asked(settings, 4242)
+    plain = BrokerSettings(home=settings.home, port=29092, controller_port=29093)
+    broker._check_started_as_asked(plain, 4242)  # the broker it is
 
 
 # --------------------------------------------------------------------------- real broker
