@@ -81,10 +81,12 @@ def servers_command(config: Path, *args: str) -> None:
     assert done.returncode == 0, done.stderr
 
 
-def reservation_events(bootstrap: str, namespace: str) -> list[ev.Event]:
-    """The dispatchers' topic, where their fleet reports are."""
+def fleet_events(bootstrap: str, namespace: str) -> list[ev.Event]:
+    """The fleet's changes (the control topic), then the dispatchers' reports (their
+    reservations topic)."""
     found: list[ev.Event] = []
-    read_to_end(bootstrap, Topics(namespace).reservations, found.append)
+    for topic in (Topics(namespace).control, Topics(namespace).reservations):
+        read_to_end(bootstrap, topic, found.append)
     return found
 
 
@@ -172,7 +174,7 @@ def test_a_job_over_a_changing_fleet_of_unequal_servers_stays_exact(
     # its window was cut (as the dispatchers reported it), and no prompt failed.
     assert any(r["fault"] == "busy" for r in requests(busy))
     assert len(answered(busy)) < len(answered(fast))
-    events = reservation_events(kafka_bootstrap, namespace)
+    events = fleet_events(kafka_bootstrap, namespace)
     reports = [e for e in events if isinstance(e, ev.FleetReport)]
     seen = [s for r in reports for s in r.servers if s.url == busy.url]
     assert min(s.limit for s in seen) < CONCURRENCY
