@@ -112,6 +112,7 @@ class _Lease:
     # (late ones included): the ledger answers each request once, and a grant that
     # answers none, or gives more than its request asked, is not the ledger's.
     unanswered: collections.deque[int] = field(default_factory=lambda: collections.deque(maxlen=64))
+    told: bool = False  # that a reply answered none
     last_used: float = field(default_factory=time.monotonic)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     # Until when (monotonic) the ledger cannot have expired it: the last request or
@@ -126,6 +127,28 @@ class _Lease:
     def holding(self, ticket: Ticket) -> int:
         """What ``ticket`` of this lease holds: what it reserved and what it grew by."""
         return ticket.reserved + self.grown.get(ticket.serial, 0)
+
+    def answered_by(self, reply: ev.LeaseGranted | ev.LeaseDenied) -> bool:
+        """Whether ``reply`` answers a request sent on the lease (taking that request
+        off the unanswered ones): the ledger answers each once, and grants no more
+        than it asked. A reply to none, or a bigger grant, is not the ledger's."""
+        if self.unanswered and (
+            not isinstance(reply, ev.LeaseGranted) or reply.granted <= self.unanswered[0]
+        ):
+            self.unanswered.popleft()
+            return True
+        if not self.told:  # said once per lease
+            self.told = True
+            log.warning(
+                "%s: ignoring a %s on lease %s that answers no request of it (asked: %s); "
+                "the budgets topic may be written by others than the ledger: see "
+                "docs/kafka.md, Roles and ACLs",
+                reply.dataset,
+                type(reply).__struct_config__.tag,
+                reply.lease_id,
+                list(self.unanswered) or "nothing",
+            )
+        return False
 
 
 def _next_change(lease: _Lease) -> Awaitable[None]:
@@ -223,7 +246,6 @@ class Admission:
         self._tasks: set[asyncio.Task[None]] = set()
         self._counter = itertools.count(1)
         self._asks: dict[str, asyncio.Future[ev.Event]] = {}
-        self._told_forged = False
         self.refused_at: dict[str, float] = {}  # when this dispatcher first refused
         self.revocations: dict[str, tuple[str, int]] = {}  # dataset -> (lease id, allowance)
         self._lengths: dict[str, budget.AnswerLengths] = {}
@@ -514,43 +536,16 @@ class Admission:
                 lease.asked = None  # the next caller asks again; late answers still land
             return None
 
-    def _answers_a_request(self, lease: _Lease, event: ev.LeaseGranted | ev.LeaseDenied) -> bool:
-        """Whether ``event`` answers a request sent on ``lease`` (taking it off the
-        unanswered ones); a reply to none, or a grant of more than was asked, is
-        logged once and ignored: it cannot be the ledger's."""
-        if lease.unanswered and (
-            not isinstance(event, ev.LeaseGranted) or event.granted <= lease.unanswered[0]
-        ):
-            lease.unanswered.popleft()
-            return True
-        if not self._told_forged:
-            self._told_forged = True
-            log.warning(
-                "%s: ignoring a %s on lease %s that answers no request of it (asked: %s); "
-                "the budgets topic may be written by others than the ledger: see "
-                "docs/kafka.md, Roles and ACLs",
-                event.dataset,
-                type(event).__struct_config__.tag,
-                event.lease_id,
-                list(lease.unanswered) or "nothing",
-            )
-        return False
-
     def _on_ledger_event(self, event: ev.Event) -> None:
         match event:
             case ev.LeaseGranted() | ev.LeaseDenied():
                 lease = self._leases.get(event.dataset)
-                if (
-                    lease is not None
-                    and lease.lease_id == event.lease_id
-                    and not self._answers_a_request(lease, event)
-                ):
-                    return
+                current = lease is not None and lease.lease_id == event.lease_id
+                if current and not lease.answered_by(event):  # type: ignore[union-attr]
+                    return  # not the ledger's
                 # Answer whoever waits on this lease id, even if the lease was
                 # released meanwhile (its waiters then move on to a fresh lease).
                 asked = self._asks.pop(event.lease_id, None)
-                lease = self._leases.get(event.dataset)
-                current = lease is not None and lease.lease_id == event.lease_id
                 if current and event.remaining >= 0:
                     assert lease is not None
                     lease.more = event.remaining

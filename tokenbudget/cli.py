@@ -27,8 +27,9 @@ class Command(NamedTuple):
     module: str  # its add_arguments(parser) and main(args)
     group: str  # a key of GROUPS
     help: str  # one line
-    # Whose Kafka login its clients use ([[kafka.roles]]); `run` gives its parts theirs.
-    role: roles.Role = "operator"
+    # Whose Kafka login its clients use ([[kafka.roles]]; None: [kafka]'s own, an
+    # admin's for `acls --apply`); `run` gives its parts theirs.
+    role: roles.Role | None = "operator"
 
 
 # The groups `tokenbudget --help` lists the commands in, in this order.
@@ -74,6 +75,7 @@ COMMANDS: dict[str, Command] = {
         "tokenbudget.app.commands.acls",
         "job",
         "the Kafka ACLs that keep each role to its topics: printed, or applied",
+        None,
     ),
     "produce": Command(
         "tokenbudget.app.commands.produce", "role", "the prompt producer on its own", "producer"
@@ -235,6 +237,7 @@ def configure_logging(environ: Mapping[str, str] | None = None) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     lifetime.watch_parent()  # a child of `run` (or the demo) ends with it
+    played = roles.play(None)  # given back at the end (called in-process: tests, tools)
     try:
         configure_logging()
         argv = sys.argv[1:] if argv is None else list(argv)
@@ -255,3 +258,5 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return EXIT_ERROR
+    finally:
+        roles.play(played)

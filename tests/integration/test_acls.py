@@ -28,7 +28,7 @@ from kafka.errors import GroupAuthorizationFailedError, TopicAuthorizationFailed
 from tokenbudget import cli
 from tokenbudget.app.runner import cli_command, stop_process
 from tokenbudget.core import config as config_module
-from tokenbudget.core import kafka_admin, lifetime, security
+from tokenbudget.core import kafka_admin, lifetime, roles, security
 from tokenbudget.core.errors import KafkaAuthError
 from tokenbudget.core.kafka import (
     GroupLag,
@@ -122,7 +122,7 @@ def acl_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AclBroker]:
             applied = _applied(config)
             sec = security.KafkaSecurity.from_config(config_module.load(config))
             security.register(bootstrap, sec)
-            with security.acting_as("operator"):
+            with roles.acting_as("operator"):
                 kafka_admin.ensure_topics(bootstrap, topics.specs())
             yield AclBroker(bootstrap, settings.bootstrap, topics, config, sec, applied)
         finally:
@@ -143,7 +143,7 @@ def _applied(config: Path) -> str:
 def produce(b: AclBroker, role: Role, topic: str, value: bytes = b"{}") -> int:
     """One record written as ``role``'s principal by an idempotent producer (as every
     producer of ours is: the table grants no IdempotentWrite); its offset."""
-    with security.acting_as(role):
+    with roles.acting_as(role):
         options = kafka_python_options(client_options(b.bootstrap))
     producer = KafkaProducer(**options, acks="all", enable_idempotence=True)
     try:
@@ -172,7 +172,7 @@ def end_offsets(b: AclBroker, topic: str) -> int:
 
 
 def _consumer(b: AclBroker, role: Role, **options: Any) -> KafkaConsumer:
-    with security.acting_as(role):
+    with roles.acting_as(role):
         built = kafka_python_options(consumer_options(b.bootstrap))
     return KafkaConsumer(**built, enable_auto_commit=False, **options)
 
@@ -255,7 +255,7 @@ def test_a_dispatcher_reads_prompts_in_its_group_and_writes_answers(
     prompts = [json.dumps({"prompt_id": f"p{i}"}).encode() for i in range(3)]
     for prompt in prompts:
         produce(b, "producer", t.prompts, prompt)
-    with security.acting_as("operator"):  # run's drain check: the group's committed offsets
+    with roles.acting_as("operator"):  # run's drain check: the group's committed offsets
         lag = GroupLag(b.bootstrap)
     try:
         written = end_offsets(b, t.prompts)  # these, and any another test wrote
@@ -298,13 +298,13 @@ def test_an_operator_writes_commands_and_creates_and_checks_the_topics(
     # The fixture made the topics as the operator; checking them again reads the
     # cluster's and the topics' configs, which it may.
     caplog.set_level(logging.WARNING, logger="tokenbudget.core.kafka_admin")
-    with security.acting_as("operator"):
+    with roles.acting_as("operator"):
         kafka_admin.ensure_topics(b.bootstrap, b.topics.specs())
     assert "cannot read" not in caplog.text
     assert {spec.name for spec in b.topics.specs()} <= door_topics(b)
     # A dispatcher creates none, in a namespace of its own or not.
     other = Topics(f"x{uuid.uuid4().hex[:8]}")
-    with security.acting_as("dispatcher"), pytest.raises(KafkaAuthError) as info:
+    with roles.acting_as("dispatcher"), pytest.raises(KafkaAuthError) as info:
         kafka_admin.ensure_topics(b.bootstrap, other.specs())
     assert f"does not let user '{USERS['dispatcher']}' create topics" in str(info.value)
     assert not {spec.name for spec in other.specs()} & door_topics(b)
@@ -331,7 +331,7 @@ def test_the_sink_reads_no_prompts(acl_broker: AclBroker) -> None:
 
 def _snapshot(b: AclBroker, dataset: str, samples: int, timeout: float = 90) -> ev.LedgerSnapshot:
     async def watch() -> ev.LedgerSnapshot:
-        with security.acting_as("sink"):
+        with roles.acting_as("sink"):
             watcher = BudgetWatcher(b.bootstrap, b.topics)
             await watcher.start()
         task = asyncio.create_task(watcher.run())
@@ -392,15 +392,15 @@ def test_the_ledger_counts_under_its_principal_and_a_rerun_reads_what_it_recorde
         assert ledger.poll() is None
     finally:
         stop_process(ledger)
-    with security.acting_as("producer"):
+    with roles.acting_as("producer"):
         assert resume.outcome_records(b.bootstrap, t, timeout=30).get("counted-1") == "completed"
         resume.queued_prompt_ids(b.bootstrap, t, t.dispatch_group)
-    with security.acting_as("dispatcher"):
+    with roles.acting_as("dispatcher"):
         view = resume.OutcomeView(b.bootstrap, t)
         try:
             view.refresh(30)
             assert "counted-1" in view.completed
         finally:
             view.close()
-    with security.acting_as("sink"), pytest.raises(GroupAuthorizationFailedError):
+    with roles.acting_as("sink"), pytest.raises(GroupAuthorizationFailedError):
         resume.queued_prompt_ids(b.bootstrap, t, t.dispatch_group)

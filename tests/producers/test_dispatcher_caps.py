@@ -115,6 +115,8 @@ def make_dispatcher(
             "kafka": {"bootstrap": "127.0.0.1:1", "namespace": TOPICS.namespace},
             "inference": {"url": "http://sim", "stream": stream, "concurrency": 8},
             "budget": {"reserve": reserve},
+            # the job's one dataset: a dispatcher takes prompts of its job's datasets only
+            "datasets": [{"name": DS, "path": "unread.jsonl", "budget": budget}],
         },
         environ={},
     )

@@ -28,11 +28,13 @@ _ACTING: contextvars.ContextVar[Role | None] = contextvars.ContextVar("role", de
 _PLAYED: list[Role | None] = [None]
 
 
-def play(role: Role) -> None:
+def play(role: Role | None) -> Role | None:
     """Every client this process builds, in any thread, logs in as ``role`` unless
     :func:`acting_as` says otherwise (a process that plays one role: ``dispatch``,
-    ``ledger``, ``sink``, ``produce``, the operators' commands)."""
-    _PLAYED[0] = role
+    ``ledger``, ``sink``, ``produce``, the operators' commands; None: ``[kafka]``'s
+    own login). Returns the role played before."""
+    before, _PLAYED[0] = _PLAYED[0], role
+    return before
 
 
 @contextlib.contextmanager
