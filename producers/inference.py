@@ -28,7 +28,9 @@ reasoning_tokens`` in ``reasoning_tokens``. ``completion_tokens`` counts both.
 Counts come from the server (``usage`` / ``meta_info``, else the token ids it returned:
 vLLM's ``return_token_ids``). A server that returns neither is counted with the
 model's tokenizer (``[inference] tokenizer``), and the result says so in
-``count_source``.
+``count_source``. A count the server sends is a JSON integer within 0..:data:`MAX_COUNT`
+(:func:`count_of`), or the answer is refused (never charged: a negative cost would
+give budget back).
 
 HTTP status codes and malformed bodies are translated here, and only here, into the
 :class:`~tokenbudget.core.errors.InferenceError` tree (a failed connection already is,
@@ -53,6 +55,7 @@ import httpx
 import msgspec
 
 from tokenbudget.core.errors import (
+    InferenceBadCountError,
     InferenceError,
     InferenceProtocolError,
     InferenceRequestError,
@@ -182,14 +185,36 @@ def reasoning_of(message: Any) -> str:
     return ""
 
 
-def reasoning_tokens_of(usage: Any, completion_tokens: int) -> int | None:
+#: the largest token count a server may report: no answer or prompt is longer, and
+#: every count of an event fits int32 (as its token ids do)
+MAX_COUNT = 2**31 - 1
+
+
+def count_of(value: Any, name: str, where: str) -> int:
+    """``value`` as a token count: a JSON integer within 0..:data:`MAX_COUNT`. Anything
+    else (negative, a float, a bool, a string, null, beyond any answer) raises
+    :class:`~tokenbudget.core.errors.InferenceBadCountError` naming the field
+    (``name``) and the server (``where``): the answer is refused, not charged."""
+    if type(value) is int and 0 <= value <= MAX_COUNT:
+        return value
+    shown = repr(value)
+    shown = shown if len(shown) <= 40 else f"{shown[:40]}..."
+    raise InferenceBadCountError(
+        f"{where}: {name} is {shown}, not a token count (an integer within "
+        f"0..{MAX_COUNT}): the answer is refused, not charged"
+    )
+
+
+def reasoning_tokens_of(usage: Any, completion_tokens: int, where: str) -> int | None:
     """``usage.completion_tokens_details.reasoning_tokens`` (vLLM, newer SGLang), at
-    most ``completion_tokens``, which counts thinking and answer; None when absent."""
+    most ``completion_tokens``, which counts thinking and answer; None when absent
+    (or null). One that is not a count raises, as :func:`count_of` does."""
     details = usage.get("completion_tokens_details") if isinstance(usage, dict) else None
     value = details.get("reasoning_tokens") if isinstance(details, dict) else None
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+    if value is None:
         return None
-    return min(value, completion_tokens)
+    name = "usage.completion_tokens_details.reasoning_tokens"
+    return min(count_of(value, name, where), completion_tokens)
 
 
 # Chat answers that end by calling functions: the model ended its turn.
@@ -594,11 +619,13 @@ class SGLangBackend(InferenceBackend):
             raise InferenceProtocolError(
                 "SGLang response has no output_ids: use a build that returns them"
             )
-        completion_tokens = int(_field(meta, "completion_tokens"))
+        where = self.base_url + "/generate"
         return GenerationResult(
             rid=request.rid,
-            prompt_tokens=int(_field(meta, "prompt_tokens")),
-            completion_tokens=completion_tokens,
+            prompt_tokens=count_of(_field(meta, "prompt_tokens"), "meta_info.prompt_tokens", where),
+            completion_tokens=count_of(
+                _field(meta, "completion_tokens"), "meta_info.completion_tokens", where
+            ),
             output_ids=output_ids,
             text=text,
             finish_reason=_as_finish(meta.get("finish_reason")),
@@ -778,9 +805,12 @@ class _OpenAIBackend(InferenceBackend):
     ) -> GenerationResult:
         """The answer, counted. ``reasoning`` "" means the server sent none."""
         prompt_tokens = completion_tokens = None
+        where = self.base_url + self.path
         if usage:  # present: it must be whole
-            prompt_tokens = int(_field(usage, "prompt_tokens"))
-            completion_tokens = int(_field(usage, "completion_tokens"))
+            prompt_tokens = count_of(_field(usage, "prompt_tokens"), "usage.prompt_tokens", where)
+            completion_tokens = count_of(
+                _field(usage, "completion_tokens"), "usage.completion_tokens", where
+            )
         prompt, completion, source = self._counts(
             request,
             prompt_tokens=prompt_tokens,
@@ -801,7 +831,7 @@ class _OpenAIBackend(InferenceBackend):
             model=model,
             prompt_ids=prompt_ids,
             reasoning=reasoning or None,
-            reasoning_tokens=reasoning_tokens_of(usage, completion) if usage else None,
+            reasoning_tokens=reasoning_tokens_of(usage, completion, where) if usage else None,
             tool_calls=tool_calls,
         )
 

@@ -13,9 +13,10 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.producers.canned import CannedClient
+from tests.producers.canned import CannedClient, CannedTurns, answer_body
 from tests.producers.retries import generate_with_retries
 from tokenbudget.core.errors import (
+    InferenceBadCountError,
     InferenceError,
     InferenceProtocolError,
     InferenceRequestError,
@@ -310,6 +311,68 @@ def test_unexpected_shapes_are_protocol_errors(api: str, payload: Any, match: st
         asyncio.run(_generate(backend))
 
 
+# What a buggy or hostile server may send for a count: each is refused.
+NOT_COUNTS = [-1_000_000, -1, 3.5, 2.0, True, False, 2**31, 2**63, "7", None, [2]]
+# Where each API carries its counts, as the error names them.
+COUNT_FIELDS = {
+    "sglang": {
+        "prompt_tokens": "meta_info.prompt_tokens",
+        "completion_tokens": "meta_info.completion_tokens",
+    },
+    "openai-completions": {
+        "prompt_tokens": "usage.prompt_tokens",
+        "completion_tokens": "usage.completion_tokens",
+        "reasoning_tokens": "usage.completion_tokens_details.reasoning_tokens",
+    },
+    "openai-chat": {
+        "prompt_tokens": "usage.prompt_tokens",
+        "completion_tokens": "usage.completion_tokens",
+        "reasoning_tokens": "usage.completion_tokens_details.reasoning_tokens",
+    },
+}
+PATHS = {"sglang": "/generate", "openai-completions": "/v1/completions",
+         "openai-chat": "/v1/chat/completions"}  # fmt: skip
+
+
+def _hostile(api: str, stream: bool, **counts: Any) -> InferenceBackend:
+    client = CannedTurns([answer_body(api, stream=stream, **counts)])
+    return make_backend(api, client, "http://hostile:1", stream=stream)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+@pytest.mark.parametrize("api", APIS)
+def test_an_answer_with_counts_is_read_with_them(api: str, stream: bool) -> None:
+    """The answers the refusals below are made of, with honest counts, are read as sent."""
+    result = asyncio.run(_generate(_hostile(api, stream, reasoning_tokens=1)))
+    assert (result.prompt_tokens, result.completion_tokens) == (3, 2)
+    assert (result.output_ids, result.text) == ([7, 8], " a b")
+    assert result.reasoning_tokens == (None if api == "sglang" else 1)  # SGLang sends none
+
+
+@pytest.mark.parametrize("value", NOT_COUNTS, ids=repr)
+@pytest.mark.parametrize(
+    ("api", "count"),
+    [(api, count) for api, fields in COUNT_FIELDS.items() for count in fields],
+)
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_a_count_that_is_not_one_is_refused_naming_the_field_and_the_server(
+    api: str, count: str, stream: bool, value: Any
+) -> None:
+    """Negative, not an integer (a float, even a whole one; a bool; a string; null where
+    a count is required) or beyond any answer: refused as a malformed answer (tried
+    again, within ``retries``), naming where it was; a reasoning count of null is none."""
+    backend = _hostile(api, stream, **{count: value})
+    if count == "reasoning_tokens" and value is None:
+        assert asyncio.run(_generate(backend)).reasoning_tokens is None
+        return
+    with pytest.raises(InferenceBadCountError) as raised:
+        asyncio.run(_generate(backend))
+    message = str(raised.value)
+    assert message.startswith(f"http://hostile:1{PATHS[api]}: {COUNT_FIELDS[api][count]} is ")
+    assert "not a token count" in message and len(message) < 300
+    assert raised.value.retryable and not raised.value.server_away
+
+
 def test_old_sglang_token_ids_field_is_accepted() -> None:
     payload = {
         "text": " w1 w2",
@@ -450,12 +513,13 @@ USAGE = {"prompt_tokens": 4, "completion_tokens": 9}
          {**USAGE, "completion_tokens_details": {"reasoning_tokens": 6}}, "six times seven", 6),
         # vLLM while renaming the field sends both
         ({"content": "42", "reasoning": "hmm", "reasoning_content": "hmm"}, USAGE, "hmm", None),
-        # details missing, empty, null, or not a count: no split known
+        # details missing, empty or null: no split known (one not a count is refused:
+        # test_a_count_that_is_not_one_is_refused_naming_the_field_and_the_server)
         ({"content": "42", "reasoning_content": "hmm"},
          {**USAGE, "completion_tokens_details": None}, "hmm", None),
         ({"content": "42"}, {**USAGE, "completion_tokens_details": {}}, None, None),
         ({"content": "42"},
-         {**USAGE, "completion_tokens_details": {"reasoning_tokens": "6"}}, None, None),
+         {**USAGE, "completion_tokens_details": {"reasoning_tokens": None}}, None, None),
         # a count above the answer's is the answer's (all of it thinking)
         ({"content": None, "reasoning_content": "hmm"},
          {**USAGE, "completion_tokens_details": {"reasoning_tokens": 12}}, "hmm", 9),

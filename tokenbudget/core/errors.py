@@ -23,9 +23,11 @@
     │   │   └── WrongModelError          the server serves another model than
     │   │                                [inference] model (tokenbudget.producers.inference)
     │   └── InferenceProtocolError    the body is not the wire format we expect (retried)
-    │       └── InferenceCountError      neither usage nor token ids, and no tokenizer
-    │                                    to count with (not retried;
-    │                                    tokenbudget.producers.inference)
+    │       ├── InferenceCountError      neither usage nor token ids, and no tokenizer
+    │       │                            to count with (not retried;
+    │       │                            tokenbudget.producers.inference)
+    │       └── InferenceBadCountError   a token count that is negative, not an integer
+    │                                    or absurd: refused, never charged (retried)
     ├── ServerOutageError      every inference server stayed away longer than allowed
     ├── WorkerFailedError      a worker process of ``run`` kept exiting on its own
     ├── ExportError            kept rows cannot be exported as asked (and what to fix)
@@ -193,6 +195,13 @@ class InferenceProtocolError(InferenceError):
     """The server's answer is not the wire format the configured API speaks."""
 
     retryable = True
+
+
+class InferenceBadCountError(InferenceProtocolError):
+    """A token count in the answer (``usage``, ``meta_info``) is negative, not an
+    integer (a float, a bool, a string, null) or beyond any answer's: the answer is
+    refused, never charged (a negative cost would give budget back), and the prompt
+    tried again as for any malformed body."""
 
 
 class ServerOutageError(TokenBudgetError):
