@@ -306,9 +306,13 @@ class InferenceBackend(ABC):
             raise InferenceServerError(message)
         raise InferenceRequestError(message)
 
-    async def _request(self, method: str, path: str, body: dict[str, Any] | None) -> Any:
+    async def _request(
+        self, method: str, path: str, body: dict[str, Any] | None, tokens: int = 0
+    ) -> Any:
+        """The JSON of the reply (``tokens``: the answer's ``max_new_tokens``, for its
+        time limit)."""
         url = self.base_url + path
-        reply = await self.client.request(method, url, body, self.headers)
+        reply = await self.client.request(method, url, body, self.headers, tokens=tokens)
         self._raise_for_status(method, url, reply)
         if not reply.content:
             return None
@@ -319,19 +323,25 @@ class InferenceBackend(ABC):
                 f"{method} {url}: body is not JSON: {reply.text[:120]!r}"
             ) from exc
 
-    async def _events(self, path: str, body: dict[str, Any]) -> AsyncIterator[list[Any]]:
+    async def _events(
+        self, path: str, body: dict[str, Any], tokens: int
+    ) -> AsyncIterator[list[Any]]:
         """POST and yield the JSON of the server-sent events each network read
         completes, until ``data: [DONE]`` or the end of the body."""
         url = self.base_url + path
-        async for batch in self._data(path, body):
+        async for batch in self._data(path, body, tokens):
             yield [_stream_event(url, data) for data in batch]
 
-    async def _data(self, path: str, body: dict[str, Any]) -> AsyncIterator[list[bytes]]:
+    async def _data(
+        self, path: str, body: dict[str, Any], tokens: int
+    ) -> AsyncIterator[list[bytes]]:
         """POST and yield the data of the server-sent events each network read
         completes, undecoded (none: nothing is yielded), until ``data: [DONE]`` or the
-        end of the body."""
+        end of the body; ``tokens``, the answer's ``max_new_tokens``, sets its time
+        limit."""
         url = self.base_url + path
-        async with self.client.stream("POST", url, body, self.headers) as streamed:
+        streamed_reply = self.client.stream("POST", url, body, self.headers, tokens=tokens)
+        async with streamed_reply as streamed:
             if streamed.status >= 400:
                 refusal = Reply(streamed.status, streamed.headers, await streamed.read())
                 self._raise_for_status("POST", url, refusal)
@@ -577,7 +587,7 @@ class SGLangBackend(InferenceBackend):
         body = self._body(request)
         first_token_at: float | None = None
         if not self.stream:
-            data = await self._request("POST", "/generate", body)
+            data = await self._request("POST", "/generate", body, request.max_new_tokens)
             meta = _field(data, "meta_info")
             output_ids = data.get("output_ids") if isinstance(data, dict) else None
             if output_ids is None:
@@ -587,7 +597,7 @@ class SGLangBackend(InferenceBackend):
             url = self.base_url + "/generate"
             acc = _SGLangStream()
             last = b""  # the latest cumulative chunk, decoded in full only at the end
-            async for batch in self._data("/generate", body):
+            async for batch in self._data("/generate", body, request.max_new_tokens):
                 for data in batch:
                     if acc.incremental is False:
                         # Cumulative: each chunk repeats the answer so far; reading only
@@ -703,7 +713,7 @@ class _OpenAIBackend(InferenceBackend):
         body = self._full_body(request)
         if self.stream:
             return await self._generate_streaming(request, body)
-        data = await self._request("POST", self.path, body)
+        data = await self._request("POST", self.path, body, request.max_new_tokens)
         choice = _field(data, "choices", 0)
         usage = data.get("usage")
         prompt_ids = _int_list(choice.get("prompt_token_ids", data.get("prompt_token_ids")))
@@ -735,7 +745,7 @@ class _OpenAIBackend(InferenceBackend):
         content_chunks = 0
         first_token_at: float | None = None
         calls = _StreamedCalls()
-        async for events in self._events(self.path, body):
+        async for events in self._events(self.path, body, request.max_new_tokens):
             for chunk in events:
                 if not isinstance(chunk, dict):
                     raise InferenceProtocolError(
@@ -1088,7 +1098,8 @@ async def check_server(
     url = server.url
     key = api_key_of(server)
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    async with HttpClient(2, Timeouts(inference.connect_timeout_s, timeout)) as client:
+    client = HttpClient(2, Timeouts.of(inference, read=timeout), inference.max_reply_bytes)
+    async with client:
 
         async def get(path: str) -> Reply:
             try:

@@ -62,6 +62,8 @@ class CannedClient(HttpClient):
         url: str,
         body: Any = None,
         headers: Mapping[str, str] | None = None,
+        *,
+        tokens: int = 0,
     ) -> Reply:
         self.sent.append((method, url, body))
         return self._reply(method)
@@ -73,6 +75,8 @@ class CannedClient(HttpClient):
         url: str,
         body: Any = None,
         headers: Mapping[str, str] | None = None,
+        *,
+        tokens: int = 0,
     ) -> AsyncIterator[CannedStream]:
         self.sent.append((method, url, body))
         yield CannedStream(self._reply(method), self.chunk)

@@ -15,12 +15,14 @@ import pytest
 
 from tests.producers.canned import CannedClient, CannedTurns, answer_body
 from tests.producers.retries import generate_with_retries
+from tests.producers.test_http import Hostile, serve
 from tokenbudget.core.errors import (
     InferenceBadCountError,
     InferenceError,
     InferenceProtocolError,
     InferenceRequestError,
     InferenceServerError,
+    InferenceTimeLimitError,
     InferenceTransportError,
     InferenceUnavailableError,
 )
@@ -174,6 +176,31 @@ def _closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+@pytest.mark.parametrize("api", APIS)
+def test_an_answer_that_trickles_for_ever_times_out_by_its_max_new_tokens(
+    api: str, stream: bool
+) -> None:
+    """A byte every 0.2 s: the request for 3 tokens at 10 tokens/s is given 1 s (0.2 +
+    0.5 + 3 / 10), then ends as a timed-out attempt."""
+    server = Hostile(None, piece=1, gap=0.2, headers={"Content-Type": "text/event-stream"})
+
+    async def body(url: str) -> Any:
+        timeouts = Timeouts(connect=0.2, read=0.5, min_tokens_per_s=10.0)
+        async with HttpClient(2, timeouts) as client:
+            backend = make_backend(api, client, url, stream=stream)
+            try:
+                with pytest.raises(InferenceTimeLimitError) as raised:
+                    await backend.generate(request("slow", max_new_tokens=3))
+                return raised.value
+            finally:
+                await server.finished()
+
+    error = serve(server, body)
+    assert "within 1 s: 3 tokens at [inference] min_tokens_per_s = 10" in str(error)
+    assert server.cut
 
 
 @pytest.mark.parametrize("api", APIS)
