@@ -1335,10 +1335,23 @@ class _SimServer:
             [
                 *_SGLangRoutes(self.engine, self.faults).routes(),
                 *_OpenAIRoutes(self.engine).routes(),
-                web.get("/sim/log", self.log.handle_log),
-                web.post("/sim/outage", self.faults.handle_outage),
+                web.get("/sim/log", self._keyed(self.log.handle_log)),
+                web.post("/sim/outage", self._keyed(self.faults.handle_outage)),
             ]
         )
+
+    def _keyed(
+        self, handler: Callable[[web.Request], Awaitable[web.Response]]
+    ) -> Callable[[web.Request], Awaitable[web.Response]]:
+        """``handler`` behind the API key, as generation is: the log holds what every
+        request asked, an outage stops the server."""
+
+        async def checked(request: web.Request) -> web.Response:
+            if not self.engine.authorized(request):
+                return _error("sglang", 401, "Unauthorized")
+            return await handler(request)
+
+        return checked
 
     async def shutdown(self) -> None:
         await self.engine.shutdown()
