@@ -20,6 +20,7 @@ from tokenbudget.core.errors import (
     InferenceBadCountError,
     InferenceError,
     InferenceProtocolError,
+    InferenceReplyTooLargeError,
     InferenceRequestError,
     InferenceServerError,
     InferenceTimeLimitError,
@@ -398,6 +399,30 @@ def test_a_count_that_is_not_one_is_refused_naming_the_field_and_the_server(
     assert message.startswith(f"http://hostile:1{PATHS[api]}: {COUNT_FIELDS[api][count]} is ")
     assert "not a token count" in message and len(message) < 300
     assert raised.value.retryable and not raised.value.server_away
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+@pytest.mark.parametrize("api", APIS)
+def test_the_simulator_s_hostile_answers_are_refused(api: str, stream: bool) -> None:
+    """Its lying counts (each of simulator.BAD_COUNTS, in either count) and its endless
+    bodies: every backend refuses them as such, and its log says which it sent."""
+
+    async def refused(config: SimulatorConfig, error: type[InferenceError]) -> list[str]:
+        sim = await simulator.start(config)
+        try:
+            async with HttpClient(4, Timeouts(read=10.0), 256 * 1024) as client:
+                backend = make_backend(api, client, sim.url, stream=stream)
+                for i in range(12):
+                    with pytest.raises(error):
+                        await backend.generate(request(f"r{i}"))
+            return [record.fault for record in sim.log]
+        finally:
+            await sim.stop()
+
+    lying = SimulatorConfig(port=0, seed=5, faults=Faults(bad_counts=1.0))
+    assert asyncio.run(refused(lying, InferenceBadCountError)) == ["bad_counts"] * 12
+    endless = SimulatorConfig(port=0, faults=Faults(endless=1.0))
+    assert asyncio.run(refused(endless, InferenceReplyTooLargeError)) == ["endless"] * 12
 
 
 def test_old_sglang_token_ids_field_is_accepted() -> None:
