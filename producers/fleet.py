@@ -409,7 +409,7 @@ class Fleet:
         """The fleet ``config`` names, each server with an HTTP client of its own
         sized to its concurrency, gated by ``[inference]``'s pause and outage keys."""
         inference = config.inference
-        timeouts = Timeouts(inference.connect_timeout_s, inference.read_timeout_s)
+        timeouts = Timeouts.of(inference)
         settings = GateSettings(
             pause_after=inference.pause_after_failures,
             health_interval_s=inference.health_interval_s,
@@ -424,7 +424,7 @@ class Fleet:
         fleet: Fleet
 
         def open_server(spec: ServerSpec) -> Server:
-            client = HttpClient(spec.concurrency, timeouts)
+            client = HttpClient(spec.concurrency, timeouts, inference.max_reply_bytes)
             backend = factory(client, spec)
             return Server(
                 spec, backend, settings, backoff=backoff, client=client, on_change=fleet.changed

@@ -28,7 +28,9 @@ reasoning_tokens`` in ``reasoning_tokens``. ``completion_tokens`` counts both.
 Counts come from the server (``usage`` / ``meta_info``, else the token ids it returned:
 vLLM's ``return_token_ids``). A server that returns neither is counted with the
 model's tokenizer (``[inference] tokenizer``), and the result says so in
-``count_source``.
+``count_source``. A count the server sends is a JSON integer within 0..:data:`MAX_COUNT`
+(:func:`count_of`), or the answer is refused (never charged: a negative cost would
+give budget back).
 
 HTTP status codes and malformed bodies are translated here, and only here, into the
 :class:`~tokenbudget.core.errors.InferenceError` tree (a failed connection already is,
@@ -53,6 +55,7 @@ import httpx
 import msgspec
 
 from tokenbudget.core.errors import (
+    InferenceBadCountError,
     InferenceError,
     InferenceProtocolError,
     InferenceRequestError,
@@ -182,14 +185,36 @@ def reasoning_of(message: Any) -> str:
     return ""
 
 
-def reasoning_tokens_of(usage: Any, completion_tokens: int) -> int | None:
+#: the largest token count a server may report: no answer or prompt is longer, and
+#: every count of an event fits int32 (as its token ids do)
+MAX_COUNT = 2**31 - 1
+
+
+def count_of(value: Any, name: str, where: str) -> int:
+    """``value`` as a token count: a JSON integer within 0..:data:`MAX_COUNT`. Anything
+    else (negative, a float, a bool, a string, null, beyond any answer) raises
+    :class:`~tokenbudget.core.errors.InferenceBadCountError` naming the field
+    (``name``) and the server (``where``): the answer is refused, not charged."""
+    if type(value) is int and 0 <= value <= MAX_COUNT:
+        return value
+    shown = repr(value)
+    shown = shown if len(shown) <= 40 else f"{shown[:40]}..."
+    raise InferenceBadCountError(
+        f"{where}: {name} is {shown}, not a token count (an integer within "
+        f"0..{MAX_COUNT}): the answer is refused, not charged"
+    )
+
+
+def reasoning_tokens_of(usage: Any, completion_tokens: int, where: str) -> int | None:
     """``usage.completion_tokens_details.reasoning_tokens`` (vLLM, newer SGLang), at
-    most ``completion_tokens``, which counts thinking and answer; None when absent."""
+    most ``completion_tokens``, which counts thinking and answer; None when absent
+    (or null). One that is not a count raises, as :func:`count_of` does."""
     details = usage.get("completion_tokens_details") if isinstance(usage, dict) else None
     value = details.get("reasoning_tokens") if isinstance(details, dict) else None
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+    if value is None:
         return None
-    return min(value, completion_tokens)
+    name = "usage.completion_tokens_details.reasoning_tokens"
+    return min(count_of(value, name, where), completion_tokens)
 
 
 # Chat answers that end by calling functions: the model ended its turn.
@@ -281,9 +306,13 @@ class InferenceBackend(ABC):
             raise InferenceServerError(message)
         raise InferenceRequestError(message)
 
-    async def _request(self, method: str, path: str, body: dict[str, Any] | None) -> Any:
+    async def _request(
+        self, method: str, path: str, body: dict[str, Any] | None, tokens: int = 0
+    ) -> Any:
+        """The JSON of the reply (``tokens``: the answer's ``max_new_tokens``, for its
+        time limit)."""
         url = self.base_url + path
-        reply = await self.client.request(method, url, body, self.headers)
+        reply = await self.client.request(method, url, body, self.headers, tokens=tokens)
         self._raise_for_status(method, url, reply)
         if not reply.content:
             return None
@@ -294,19 +323,25 @@ class InferenceBackend(ABC):
                 f"{method} {url}: body is not JSON: {reply.text[:120]!r}"
             ) from exc
 
-    async def _events(self, path: str, body: dict[str, Any]) -> AsyncIterator[list[Any]]:
+    async def _events(
+        self, path: str, body: dict[str, Any], tokens: int
+    ) -> AsyncIterator[list[Any]]:
         """POST and yield the JSON of the server-sent events each network read
         completes, until ``data: [DONE]`` or the end of the body."""
         url = self.base_url + path
-        async for batch in self._data(path, body):
+        async for batch in self._data(path, body, tokens):
             yield [_stream_event(url, data) for data in batch]
 
-    async def _data(self, path: str, body: dict[str, Any]) -> AsyncIterator[list[bytes]]:
+    async def _data(
+        self, path: str, body: dict[str, Any], tokens: int
+    ) -> AsyncIterator[list[bytes]]:
         """POST and yield the data of the server-sent events each network read
         completes, undecoded (none: nothing is yielded), until ``data: [DONE]`` or the
-        end of the body."""
+        end of the body; ``tokens``, the answer's ``max_new_tokens``, sets its time
+        limit."""
         url = self.base_url + path
-        async with self.client.stream("POST", url, body, self.headers) as streamed:
+        streamed_reply = self.client.stream("POST", url, body, self.headers, tokens=tokens)
+        async with streamed_reply as streamed:
             if streamed.status >= 400:
                 refusal = Reply(streamed.status, streamed.headers, await streamed.read())
                 self._raise_for_status("POST", url, refusal)
@@ -552,7 +587,7 @@ class SGLangBackend(InferenceBackend):
         body = self._body(request)
         first_token_at: float | None = None
         if not self.stream:
-            data = await self._request("POST", "/generate", body)
+            data = await self._request("POST", "/generate", body, request.max_new_tokens)
             meta = _field(data, "meta_info")
             output_ids = data.get("output_ids") if isinstance(data, dict) else None
             if output_ids is None:
@@ -562,7 +597,7 @@ class SGLangBackend(InferenceBackend):
             url = self.base_url + "/generate"
             acc = _SGLangStream()
             last = b""  # the latest cumulative chunk, decoded in full only at the end
-            async for batch in self._data("/generate", body):
+            async for batch in self._data("/generate", body, request.max_new_tokens):
                 for data in batch:
                     if acc.incremental is False:
                         # Cumulative: each chunk repeats the answer so far; reading only
@@ -594,11 +629,13 @@ class SGLangBackend(InferenceBackend):
             raise InferenceProtocolError(
                 "SGLang response has no output_ids: use a build that returns them"
             )
-        completion_tokens = int(_field(meta, "completion_tokens"))
+        where = self.base_url + "/generate"
         return GenerationResult(
             rid=request.rid,
-            prompt_tokens=int(_field(meta, "prompt_tokens")),
-            completion_tokens=completion_tokens,
+            prompt_tokens=count_of(_field(meta, "prompt_tokens"), "meta_info.prompt_tokens", where),
+            completion_tokens=count_of(
+                _field(meta, "completion_tokens"), "meta_info.completion_tokens", where
+            ),
             output_ids=output_ids,
             text=text,
             finish_reason=_as_finish(meta.get("finish_reason")),
@@ -676,7 +713,7 @@ class _OpenAIBackend(InferenceBackend):
         body = self._full_body(request)
         if self.stream:
             return await self._generate_streaming(request, body)
-        data = await self._request("POST", self.path, body)
+        data = await self._request("POST", self.path, body, request.max_new_tokens)
         choice = _field(data, "choices", 0)
         usage = data.get("usage")
         prompt_ids = _int_list(choice.get("prompt_token_ids", data.get("prompt_token_ids")))
@@ -708,7 +745,7 @@ class _OpenAIBackend(InferenceBackend):
         content_chunks = 0
         first_token_at: float | None = None
         calls = _StreamedCalls()
-        async for events in self._events(self.path, body):
+        async for events in self._events(self.path, body, request.max_new_tokens):
             for chunk in events:
                 if not isinstance(chunk, dict):
                     raise InferenceProtocolError(
@@ -778,9 +815,12 @@ class _OpenAIBackend(InferenceBackend):
     ) -> GenerationResult:
         """The answer, counted. ``reasoning`` "" means the server sent none."""
         prompt_tokens = completion_tokens = None
+        where = self.base_url + self.path
         if usage:  # present: it must be whole
-            prompt_tokens = int(_field(usage, "prompt_tokens"))
-            completion_tokens = int(_field(usage, "completion_tokens"))
+            prompt_tokens = count_of(_field(usage, "prompt_tokens"), "usage.prompt_tokens", where)
+            completion_tokens = count_of(
+                _field(usage, "completion_tokens"), "usage.completion_tokens", where
+            )
         prompt, completion, source = self._counts(
             request,
             prompt_tokens=prompt_tokens,
@@ -801,7 +841,7 @@ class _OpenAIBackend(InferenceBackend):
             model=model,
             prompt_ids=prompt_ids,
             reasoning=reasoning or None,
-            reasoning_tokens=reasoning_tokens_of(usage, completion) if usage else None,
+            reasoning_tokens=reasoning_tokens_of(usage, completion, where) if usage else None,
             tool_calls=tool_calls,
         )
 
@@ -1058,7 +1098,8 @@ async def check_server(
     url = server.url
     key = api_key_of(server)
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    async with HttpClient(2, Timeouts(inference.connect_timeout_s, timeout)) as client:
+    client = HttpClient(2, Timeouts.of(inference, read=timeout), inference.max_reply_bytes)
+    async with client:
 
         async def get(path: str) -> Reply:
             try:

@@ -108,13 +108,17 @@ class ScriptedBackend(InferenceBackend):
 
 
 def make_dispatcher(
-    *, stream: bool, budget: int = 10_000, reserve: ReserveMode = "whole"
+    *,
+    stream: bool,
+    budget: int = 10_000,
+    reserve: ReserveMode = "whole",
+    unit: ev.BudgetUnit = "completion_tokens",
 ) -> tuple[Dispatcher, ScriptedBackend, FakeLedger, BudgetBoard, Recorder]:
     config = config_module.build(
         {
             "kafka": {"bootstrap": "127.0.0.1:1", "namespace": TOPICS.namespace},
             "inference": {"url": "http://sim", "stream": stream, "concurrency": 8},
-            "budget": {"reserve": reserve},
+            "budget": {"reserve": reserve, "unit": unit},
             # the job's one dataset: a dispatcher takes prompts of its job's datasets only
             "datasets": [{"name": DS, "path": "unread.jsonl", "budget": budget}],
         },
@@ -132,7 +136,7 @@ def make_dispatcher(
         TOPICS,
         "d1",
         board,
-        AdmissionSettings(lease_size=1000, reserve=reserve),
+        AdmissionSettings(unit=unit, lease_size=1000, reserve=reserve),
     )
     dispatcher.compose(recorder, admission, Fleet.of(backend))  # type: ignore[arg-type]
     return dispatcher, backend, fake, board, recorder

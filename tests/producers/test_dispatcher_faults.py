@@ -15,6 +15,7 @@ import msgspec
 import pytest
 from aiokafka.errors import KafkaConnectionError
 
+from tests.producers.canned import CannedTurns, answer_body
 from tests.producers.test_admission import DS, run, until
 from tests.producers.test_dispatcher_caps import Recorder, dispatch, make_dispatcher, prompt, serve
 from tokenbudget.core import metrics
@@ -31,6 +32,7 @@ from tokenbudget.producers.inference import (
     GenerationResult,
     InferenceBackend,
     RetryPolicy,
+    make_backend,
 )
 from tokenbudget.producers.server_gate import GateSettings
 from tokenbudget.streams import events as ev
@@ -286,6 +288,42 @@ def test_an_answer_longer_than_asked_is_cut_to_the_request_and_counted() -> None
         assert completion.finish_reason == "length"
         after = metrics.SERVER_COUNT_CORRECTIONS.labels(kind="over_request")._value.get()
         assert after == before + 1
+
+    run(main())
+
+
+@pytest.mark.parametrize("value", [-1_000_000, 3.5, True, 2**63], ids=repr)
+@pytest.mark.parametrize("count", ["prompt_tokens", "completion_tokens"])
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+@pytest.mark.parametrize("api", ["sglang", "openai-completions", "openai-chat"])
+def test_an_answer_whose_counts_are_not_counts_is_refused_and_never_charged(
+    api: str, stream: bool, count: str, value: object
+) -> None:
+    """A server answering a count that is negative (-1,000,000 prompt tokens would give
+    a million tokens back to the lease), not an integer or absurd: the answer is
+    refused, counted as a failed attempt of its own kind, and asked again; only the
+    honest answer that follows is published and charged (budgets in total_tokens,
+    which charge the prompt too)."""
+
+    async def main() -> None:
+        dispatcher, _, fake, _, recorder = make_dispatcher(stream=stream, unit="total_tokens")
+        with_retry(dispatcher, retries=1)
+        hostile = answer_body(api, stream=stream, **{count: value})
+        client = CannedTurns([hostile, answer_body(api, stream=stream)])
+        backend = make_backend(api, client, "http://hostile", stream=stream)
+        kind = metrics.INFERENCE_ERRORS.labels(kind="InferenceBadCountError")
+        before = kind._value.get()
+        await dispatch(dispatcher, backend, prompt(0))
+        [completion] = recorder.completions()
+        assert (completion.prompt_tokens, completion.completion_tokens) == (3, 2)
+        assert completion.cost == 5 and completion.attempts == 2
+        assert [method for method, _, _ in client.sent].count("POST") == 2
+        assert kind._value.get() == before + 1
+        # The lease gave up what the one answer cost, and took nothing back.
+        [lease] = fake.state().leases.values()
+        held = dispatcher.admission._leases[DS]  # type: ignore[union-attr]
+        assert held.spent == 5 and held.in_flight == 0
+        assert held.balance == lease.granted - 5
 
     run(main())
 

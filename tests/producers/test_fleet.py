@@ -23,6 +23,7 @@ from tests.producers.test_dispatcher_caps import (
     prompt,
     serve,
 )
+from tokenbudget.core import config as config_module
 from tokenbudget.core.config import Server as ServerSpec
 from tokenbudget.core.errors import (
     InferenceTransportError,
@@ -30,6 +31,7 @@ from tokenbudget.core.errors import (
     ServerOutageError,
 )
 from tokenbudget.producers.fleet import Fleet, Server
+from tokenbudget.producers.http import Timeouts
 from tokenbudget.producers.server_gate import GateSettings
 from tokenbudget.streams import events as ev
 
@@ -220,3 +222,22 @@ def test_the_dispatchers_places_follow_what_the_fleet_can_take() -> None:
         await fleet.close()
 
     run(main())
+
+
+def test_each_server_s_client_reads_replies_within_the_config_s_limits() -> None:
+    config = config_module.build(
+        {
+            "inference": {
+                "servers": [{"url": "http://a:1"}, {"url": "http://b:1"}],
+                "read_timeout_s": 9.0,
+                "min_tokens_per_s": 7.5,
+                "max_reply_bytes": 12_345,
+            }
+        },
+        environ={},
+    )
+    fleet = Fleet.for_config(config)
+    clients = [server.client for server in fleet.servers.values()]
+    assert [(c.timeouts, c.max_reply_bytes) for c in clients if c is not None] == [
+        (Timeouts(connect=5.0, read=9.0, min_tokens_per_s=7.5), 12_345)
+    ] * 2

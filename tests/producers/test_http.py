@@ -17,8 +17,19 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from tokenbudget.core.errors import InferenceTransportError
-from tokenbudget.producers.http import HttpClient, Timeouts, lines_of, tls_context
+from tokenbudget.core.errors import (
+    InferenceError,
+    InferenceReplyTooLargeError,
+    InferenceTimeLimitError,
+    InferenceTransportError,
+)
+from tokenbudget.producers.http import (
+    ERROR_BODY_BYTES,
+    HttpClient,
+    Timeouts,
+    lines_of,
+    tls_context,
+)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -131,6 +142,206 @@ def test_lines_of_come_together_as_each_chunk_completes_them() -> None:
     ]
 
 
+# --- replies a server may not send: too large, too slow -------------------------------
+
+MB = 1_000_000
+LIMIT = 1024 * 1024  # the client's max_reply_bytes in these tests
+
+
+class Hostile:
+    """A server that writes ``size`` bytes (``head`` first, then filler; None: for
+    ever) after ``status`` and ``headers``, ``gap`` seconds between writes of ``piece``
+    bytes, and keeps what happened: the bytes it wrote, and whether the client hung up
+    before it was done (``cut``)."""
+
+    def __init__(
+        self,
+        size: int | None,
+        *,
+        status: int = 200,
+        head: bytes = b"",
+        headers: dict[str, str] | None = None,
+        piece: int = 65_536,
+        gap: float = 0.0,
+    ) -> None:
+        self.size, self.status, self.head, self.headers = size, status, head, headers or {}
+        self.piece, self.gap = piece, gap
+        self.written = 0
+        self.cut = False
+        self.done = asyncio.Event()
+
+    async def __call__(self, request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(status=self.status, headers=self.headers)
+        try:
+            await response.prepare(request)
+            pending = self.head
+            while self.size is None or self.written < self.size:
+                room = (
+                    self.piece if self.size is None else min(self.piece, self.size - self.written)
+                )
+                chunk = pending[:room] or b"x" * room
+                pending = pending[len(chunk) :]
+                await response.write(chunk)
+                self.written += len(chunk)
+                if self.gap:
+                    await asyncio.sleep(self.gap)
+            await response.write_eof()
+        except ConnectionError:
+            self.cut = True
+        finally:
+            self.done.set()
+        return response
+
+    async def finished(self) -> None:
+        await asyncio.wait_for(self.done.wait(), 10)
+
+
+def _hostile(server: Hostile, read: Callable[[HttpClient, str], Awaitable[Any]]) -> Any:
+    """What ``read`` gets from ``server`` with a client of :data:`LIMIT` bytes, once the
+    server is done (cut or not): the reply, or the error raised."""
+
+    async def body(url: str) -> Any:
+        async with HttpClient(2, Timeouts(connect=1.0, read=5.0), LIMIT) as client:
+            try:
+                return await read(client, url)
+            except InferenceError as exc:
+                return exc
+            finally:
+                await server.finished()
+
+    return serve(server, body)
+
+
+async def _whole(client: HttpClient, url: str) -> Any:
+    return await client.request("POST", url + "/generate", {})
+
+
+async def _lines(client: HttpClient, url: str) -> Any:
+    async with client.stream("POST", url + "/generate", {}, tokens=100) as streamed:
+        return [line async for lines in streamed.lines() for line in lines]
+
+
+@pytest.mark.parametrize(
+    "headers", [{}, {"Content-Length": str(50 * MB)}], ids=["chunked", "content-length"]
+)
+def test_a_body_over_the_limit_is_refused_at_the_limit_and_not_read_further(
+    headers: dict[str, str],
+) -> None:
+    """A 50 MB answer, sent with its length or without: refused naming the key and the
+    size seen, and the server hears the client hang up long before it is through."""
+    server = Hostile(50 * MB, headers=headers)
+    error = _hostile(server, _whole)
+    assert isinstance(error, InferenceReplyTooLargeError), error
+    assert "max_reply_bytes = 1,048,576" in str(error) and "bytes" in str(error)
+    assert server.cut and server.written < 50 * MB
+
+
+def test_a_streamed_line_over_the_limit_is_refused_at_the_limit_and_not_read_further() -> None:
+    """50 MB of one server-sent event that never ends its line."""
+    server = Hostile(
+        50 * MB, head=b'data: {"text": "', headers={"Content-Type": "text/event-stream"}
+    )
+    error = _hostile(server, _lines)
+    assert isinstance(error, InferenceReplyTooLargeError), error
+    assert "a streamed line over [inference] max_reply_bytes = 1,048,576" in str(error)
+    assert server.cut and server.written < 50 * MB
+
+
+def test_lines_of_refuses_a_line_over_the_limit_ended_or_not() -> None:
+    async def read(parts: list[bytes]) -> list[bytes]:
+        return [line async for lines in lines_of(_chunks(parts), 10) for line in lines]
+
+    assert asyncio.run(read([b"0123456789\n", b"01234", b"5678\r\n", b"0123456789"])) == [
+        b"0123456789", b"012345678", b"0123456789"
+    ]  # fmt: skip
+    for parts in ([b"012345", b"67890"], [b"01234567890\n"], [b"0\n01234567890"],
+                  [b"01234", b"567890\n"]):  # fmt: skip
+        with pytest.raises(InferenceReplyTooLargeError, match="a stream: a streamed line over"):
+            asyncio.run(read(parts))
+
+
+def test_the_default_limit_holds_a_350000_token_answer_as_sglang_streams_it() -> None:
+    """The last cumulative chunk of an answer as long as a completion event holds (its
+    whole text and ids): ids of six digits, and two CJK characters a token escaped as
+    Python's json escapes them (12 bytes a token), well within the default."""
+    tokens = 350_000
+    chunk = {"text": "中文" * tokens, "output_ids": [151_935] * tokens,
+             "meta_info": {"prompt_tokens": 100_000, "completion_tokens": tokens}}  # fmt: skip
+    line = b"data: " + json.dumps(chunk).encode()
+    parts = [line[i : i + 65_536] for i in range(0, len(line), 65_536)] + [b"\n\n"]
+
+    async def read() -> list[bytes]:
+        return [line async for lines in lines_of(_chunks(parts)) for line in lines]
+
+    assert asyncio.run(read()) == [line, b""]
+    assert len(line) > 6 * MB  # as long as it says
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_an_error_body_of_megabytes_is_read_only_for_its_message(stream: bool) -> None:
+    """A 500 with 50 MB of body (a proxy's page, a dump): its first bytes are the
+    reply, the rest is never read."""
+    server = Hostile(50 * MB, status=500, head=b"oops: " + b"e" * 100_000)
+
+    async def read(client: HttpClient, url: str) -> Any:
+        if not stream:
+            return await client.request("POST", url + "/generate", {})
+        async with client.stream("POST", url + "/generate", {}) as streamed:
+            return await streamed.read()
+
+    reply = _hostile(server, read)
+    content = reply if stream else reply.content
+    assert content.startswith(b"oops: eee") and len(content) <= ERROR_BODY_BYTES
+    assert server.cut and server.written < 50 * MB
+
+
+TRICKLE = Timeouts(connect=0.5, read=1.0, min_tokens_per_s=10.0)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_reply_that_trickles_for_ever_ends_at_its_time_limit(stream: bool) -> None:
+    """A byte every 0.2 s, never silent for the read timeout: the request for 5 tokens
+    at 10 tokens/s ends within its 2 s (0.5 + 1 + 5 / 10) as a timed-out attempt,
+    retried like any timeout, naming the key."""
+    server = Hostile(None, piece=1, gap=0.2, headers={"Content-Type": "text/event-stream"})
+
+    async def read(client: HttpClient, url: str) -> Any:
+        if not stream:
+            return await client.request("POST", url + "/generate", {}, tokens=5)
+        async with client.stream("POST", url + "/generate", {}, tokens=5) as streamed:
+            return [line async for lines in streamed.lines() for line in lines]
+
+    async def body(url: str) -> Any:
+        async with HttpClient(2, TRICKLE) as client:
+            try:
+                return await read(client, url)
+            except InferenceTransportError as exc:
+                return exc
+            finally:
+                await server.finished()
+
+    error = serve(server, body)
+    assert isinstance(error, InferenceTimeLimitError), error
+    assert "within 2 s: 5 tokens at [inference] min_tokens_per_s = 10" in str(error)
+    assert error.retryable and error.server_away  # as any timeout
+    assert server.cut  # the client hung up: the server was still trickling
+
+
+def test_a_slow_steady_stream_within_its_time_limit_is_read_whole() -> None:
+    """Slower in all than the connect and read timeouts together, but within its 20
+    tokens at 10 tokens/s: an honest slow server is waited for."""
+
+    def body(url: str) -> Awaitable[list[bytes]]:
+        return _streamed_lines(url, TRICKLE, tokens=20)
+
+    assert serve(_slow_stream([0.1] * 20), body) == [f"data: {n}".encode() for n in range(20)]
+
+
+def test_a_time_limit_of_zero_tokens_per_second_is_none() -> None:
+    assert Timeouts(connect=1.0, read=2.0, min_tokens_per_s=0.0).total(10**6) is None
+    assert Timeouts(connect=1.0, read=2.0, min_tokens_per_s=4.0).total(10) == 5.5
+
+
 def _closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -178,9 +389,13 @@ def _slow_stream(gaps: list[float]) -> Handler:
     return handler
 
 
-async def _streamed_lines(url: str, timeouts: Timeouts) -> list[bytes]:
+async def _streamed_lines(url: str, timeouts: Timeouts, tokens: int = 1000) -> list[bytes]:
+    """The lines of a stream asked for ``tokens`` (by default its time limit is far off)."""
     got: list[bytes] = []
-    async with HttpClient(2, timeouts) as client, client.stream("POST", url, {}) as streamed:
+    async with (
+        HttpClient(2, timeouts) as client,
+        client.stream("POST", url, {}, tokens=tokens) as streamed,
+    ):
         async for lines in streamed.lines():
             got.extend(line for line in lines if line)
     return got

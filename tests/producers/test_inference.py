@@ -13,13 +13,17 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.producers.canned import CannedClient
+from tests.producers.canned import CannedClient, CannedTurns, answer_body
 from tests.producers.retries import generate_with_retries
+from tests.producers.test_http import Hostile, serve
 from tokenbudget.core.errors import (
+    InferenceBadCountError,
     InferenceError,
     InferenceProtocolError,
+    InferenceReplyTooLargeError,
     InferenceRequestError,
     InferenceServerError,
+    InferenceTimeLimitError,
     InferenceTransportError,
     InferenceUnavailableError,
 )
@@ -175,6 +179,31 @@ def _closed_port() -> int:
         return int(s.getsockname()[1])
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+@pytest.mark.parametrize("api", APIS)
+def test_an_answer_that_trickles_for_ever_times_out_by_its_max_new_tokens(
+    api: str, stream: bool
+) -> None:
+    """A byte every 0.2 s: the request for 3 tokens at 10 tokens/s is given 1 s (0.2 +
+    0.5 + 3 / 10), then ends as a timed-out attempt."""
+    server = Hostile(None, piece=1, gap=0.2, headers={"Content-Type": "text/event-stream"})
+
+    async def body(url: str) -> Any:
+        timeouts = Timeouts(connect=0.2, read=0.5, min_tokens_per_s=10.0)
+        async with HttpClient(2, timeouts) as client:
+            backend = make_backend(api, client, url, stream=stream)
+            try:
+                with pytest.raises(InferenceTimeLimitError) as raised:
+                    await backend.generate(request("slow", max_new_tokens=3))
+                return raised.value
+            finally:
+                await server.finished()
+
+    error = serve(server, body)
+    assert "within 1 s: 3 tokens at [inference] min_tokens_per_s = 10" in str(error)
+    assert server.cut
+
+
 @pytest.mark.parametrize("api", APIS)
 def test_connection_refused_is_a_transport_error(api: str) -> None:
     async def main() -> InferenceError:
@@ -308,6 +337,92 @@ def test_unexpected_shapes_are_protocol_errors(api: str, payload: Any, match: st
     backend = _answering(payload)(api)
     with pytest.raises(InferenceProtocolError, match=match):
         asyncio.run(_generate(backend))
+
+
+# What a buggy or hostile server may send for a count: each is refused.
+NOT_COUNTS = [-1_000_000, -1, 3.5, 2.0, True, False, 2**31, 2**63, "7", None, [2]]
+# Where each API carries its counts, as the error names them.
+COUNT_FIELDS = {
+    "sglang": {
+        "prompt_tokens": "meta_info.prompt_tokens",
+        "completion_tokens": "meta_info.completion_tokens",
+    },
+    "openai-completions": {
+        "prompt_tokens": "usage.prompt_tokens",
+        "completion_tokens": "usage.completion_tokens",
+        "reasoning_tokens": "usage.completion_tokens_details.reasoning_tokens",
+    },
+    "openai-chat": {
+        "prompt_tokens": "usage.prompt_tokens",
+        "completion_tokens": "usage.completion_tokens",
+        "reasoning_tokens": "usage.completion_tokens_details.reasoning_tokens",
+    },
+}
+PATHS = {"sglang": "/generate", "openai-completions": "/v1/completions",
+         "openai-chat": "/v1/chat/completions"}  # fmt: skip
+
+
+def _hostile(api: str, stream: bool, **counts: Any) -> InferenceBackend:
+    client = CannedTurns([answer_body(api, stream=stream, **counts)])
+    return make_backend(api, client, "http://hostile:1", stream=stream)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+@pytest.mark.parametrize("api", APIS)
+def test_an_answer_with_counts_is_read_with_them(api: str, stream: bool) -> None:
+    """The answers the refusals below are made of, with honest counts, are read as sent."""
+    result = asyncio.run(_generate(_hostile(api, stream, reasoning_tokens=1)))
+    assert (result.prompt_tokens, result.completion_tokens) == (3, 2)
+    assert (result.output_ids, result.text) == ([7, 8], " a b")
+    assert result.reasoning_tokens == (None if api == "sglang" else 1)  # SGLang sends none
+
+
+@pytest.mark.parametrize("value", NOT_COUNTS, ids=repr)
+@pytest.mark.parametrize(
+    ("api", "count"),
+    [(api, count) for api, fields in COUNT_FIELDS.items() for count in fields],
+)
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_a_count_that_is_not_one_is_refused_naming_the_field_and_the_server(
+    api: str, count: str, stream: bool, value: Any
+) -> None:
+    """Negative, not an integer (a float, even a whole one; a bool; a string; null where
+    a count is required) or beyond any answer: refused as a malformed answer (tried
+    again, within ``retries``), naming where it was; a reasoning count of null is none."""
+    backend = _hostile(api, stream, **{count: value})
+    if count == "reasoning_tokens" and value is None:
+        assert asyncio.run(_generate(backend)).reasoning_tokens is None
+        return
+    with pytest.raises(InferenceBadCountError) as raised:
+        asyncio.run(_generate(backend))
+    message = str(raised.value)
+    assert message.startswith(f"http://hostile:1{PATHS[api]}: {COUNT_FIELDS[api][count]} is ")
+    assert "not a token count" in message and len(message) < 300
+    assert raised.value.retryable and not raised.value.server_away
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+@pytest.mark.parametrize("api", APIS)
+def test_the_simulator_s_hostile_answers_are_refused(api: str, stream: bool) -> None:
+    """Its lying counts (each of simulator.BAD_COUNTS, in either count) and its endless
+    bodies: every backend refuses them as such, and its log says which it sent."""
+
+    async def refused(config: SimulatorConfig, error: type[InferenceError]) -> list[str]:
+        sim = await simulator.start(config)
+        try:
+            async with HttpClient(4, Timeouts(read=10.0), 256 * 1024) as client:
+                backend = make_backend(api, client, sim.url, stream=stream)
+                for i in range(12):
+                    with pytest.raises(error):
+                        await backend.generate(request(f"r{i}"))
+            return [record.fault for record in sim.log]
+        finally:
+            await sim.stop()
+
+    lying = SimulatorConfig(port=0, seed=5, faults=Faults(bad_counts=1.0))
+    assert asyncio.run(refused(lying, InferenceBadCountError)) == ["bad_counts"] * 12
+    endless = SimulatorConfig(port=0, faults=Faults(endless=1.0))
+    assert asyncio.run(refused(endless, InferenceReplyTooLargeError)) == ["endless"] * 12
 
 
 def test_old_sglang_token_ids_field_is_accepted() -> None:
@@ -450,12 +565,13 @@ USAGE = {"prompt_tokens": 4, "completion_tokens": 9}
          {**USAGE, "completion_tokens_details": {"reasoning_tokens": 6}}, "six times seven", 6),
         # vLLM while renaming the field sends both
         ({"content": "42", "reasoning": "hmm", "reasoning_content": "hmm"}, USAGE, "hmm", None),
-        # details missing, empty, null, or not a count: no split known
+        # details missing, empty or null: no split known (one not a count is refused:
+        # test_a_count_that_is_not_one_is_refused_naming_the_field_and_the_server)
         ({"content": "42", "reasoning_content": "hmm"},
          {**USAGE, "completion_tokens_details": None}, "hmm", None),
         ({"content": "42"}, {**USAGE, "completion_tokens_details": {}}, None, None),
         ({"content": "42"},
-         {**USAGE, "completion_tokens_details": {"reasoning_tokens": "6"}}, None, None),
+         {**USAGE, "completion_tokens_details": {"reasoning_tokens": None}}, None, None),
         # a count above the answer's is the answer's (all of it thinking)
         ({"content": None, "reasoning_content": "hmm"},
          {**USAGE, "completion_tokens_details": {"reasoning_tokens": 12}}, "hmm", 9),

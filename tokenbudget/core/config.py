@@ -296,6 +296,22 @@ class InferenceConfig(_Sampling, frozen=True, forbid_unknown_fields=True, kw_onl
             "noticed within a quarter more"
         ),
     ] = 600.0
+    min_tokens_per_s: Annotated[
+        float,
+        doc(
+            "the slowest answer waited for: a request may take its `max_new_tokens` at "
+            "this speed, plus `connect_timeout_s` and `read_timeout_s`, then it is a "
+            "timed-out attempt, retried as one (0: no total limit)"
+        ),
+    ] = 1.0
+    max_reply_bytes: Annotated[
+        int,
+        doc(
+            "the most a reply read whole, or one line of a streamed reply, may take: "
+            "beyond, it is not read further and the attempt fails as a malformed answer "
+            "(16 MiB by default: a 350,000-token answer as SGLang writes it, ids and all)"
+        ),
+    ] = sizes.REPLY_BYTES
     # Failures of one prompt that do not say the server is away (another HTTP 5xx, a
     # malformed answer) before it fails for good; "away" ones (429/408/502/503/504,
     # refused, reset, timed out) are retried for as long as the server is away.
@@ -1321,12 +1337,20 @@ def _check_ranges(raw: _RawConfig, source: str) -> None:
         # 0 once meant no read timeout to aiohttp, a negative one failed every read.
         "inference.connect_timeout_s": raw.inference.connect_timeout_s,
         "inference.read_timeout_s": raw.inference.read_timeout_s,
+        "inference.max_reply_bytes": raw.inference.max_reply_bytes,
         "sink.rotate_rows": raw.sink.rotate_rows,
         "sink.row_group_rows": raw.sink.row_group_rows,
     }
     for key, value in positive.items():
         if value <= 0:
             raise ConfigError(key, f"must be positive, got {value}", source=source)
+    rate = raw.inference.min_tokens_per_s
+    if not (math.isfinite(rate) and rate >= 0):
+        raise ConfigError(
+            "inference.min_tokens_per_s",
+            f"must be a finite number >= 0 (0: no total time limit), got {rate}",
+            source=source,
+        )
     if raw.budget.min_new_tokens < 1:
         raise ConfigError("budget.min_new_tokens", "must be >= 1", source=source)
     if not 1 <= raw.producer.max_prompt_bytes <= sizes.PROMPT_EVENT_BYTES:

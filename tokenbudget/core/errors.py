@@ -15,6 +15,8 @@
     ├── FaustVersionError      faust-streaming, mode or aiokafka is not the pinned version
     ├── InferenceError         the inference server failed a request
     │   ├── InferenceTransportError   connection refused/reset, timeout (server away)
+    │   │   ├── InferenceTimeLimitError  the answer took longer than its request may
+    │   │   │                            ([inference] min_tokens_per_s)
     │   │   └── ServerUnreachableError   the check before a run could not reach the
     │   │                                server (tokenbudget.producers.inference)
     │   ├── InferenceUnavailableError HTTP 429, 408, 502, 503, 504 (server away)
@@ -23,9 +25,13 @@
     │   │   └── WrongModelError          the server serves another model than
     │   │                                [inference] model (tokenbudget.producers.inference)
     │   └── InferenceProtocolError    the body is not the wire format we expect (retried)
-    │       └── InferenceCountError      neither usage nor token ids, and no tokenizer
-    │                                    to count with (not retried;
-    │                                    tokenbudget.producers.inference)
+    │       ├── InferenceCountError      neither usage nor token ids, and no tokenizer
+    │       │                            to count with (not retried;
+    │       │                            tokenbudget.producers.inference)
+    │       ├── InferenceBadCountError   a token count that is negative, not an integer
+    │       │                            or absurd: refused, never charged (retried)
+    │       └── InferenceReplyTooLargeError  a body or a streamed line over
+    │                                        [inference] max_reply_bytes (retried)
     ├── ServerOutageError      every inference server stayed away longer than allowed
     ├── WorkerFailedError      a worker process of ``run`` kept exiting on its own
     ├── ExportError            kept rows cannot be exported as asked (and what to fix)
@@ -164,6 +170,13 @@ class InferenceTransportError(InferenceError):
     server_away = True
 
 
+class InferenceTimeLimitError(InferenceTransportError):
+    """The answer was not read whole within its request's time limit: its
+    ``max_new_tokens`` at ``[inference] min_tokens_per_s``, plus the connect and read
+    timeouts (a server that trickles its answer, or stalls short of the read timeout
+    again and again). Retried as any timeout is."""
+
+
 class InferenceUnavailableError(InferenceError):
     """The server is overloaded, restarting or behind a failing proxy (HTTP 429, 408,
     502, 503, 504); ``retry_after`` is its ``Retry-After``, when it sent one."""
@@ -193,6 +206,19 @@ class InferenceProtocolError(InferenceError):
     """The server's answer is not the wire format the configured API speaks."""
 
     retryable = True
+
+
+class InferenceBadCountError(InferenceProtocolError):
+    """A token count in the answer (``usage``, ``meta_info``) is negative, not an
+    integer (a float, a bool, a string, null) or beyond any answer's: the answer is
+    refused, never charged (a negative cost would give budget back), and the prompt
+    tried again as for any malformed body."""
+
+
+class InferenceReplyTooLargeError(InferenceProtocolError):
+    """A reply read whole, or one line of a streamed reply, is over ``[inference]
+    max_reply_bytes``: it is not read further, and the prompt is tried again as for
+    any malformed body."""
 
 
 class ServerOutageError(TokenBudgetError):

@@ -10,6 +10,11 @@ from it.
 * A prompt event may take at most :data:`PROMPT_EVENT_BYTES`, half a message: its
   completion carries the prompt back (text and ids), and the other half is left
   for the answer (4 MiB, some 350,000 tokens of ids and text).
+* A reply of an inference server read whole, and one line of a streamed reply (a
+  cumulative SGLang chunk repeats the whole answer so far), may take at most
+  ``[inference] max_reply_bytes`` (default :data:`REPLY_BYTES`, four times an
+  answer's share of a message): an answer that fits a completion event fits it with
+  its ids and text as the server writes them, escapes and counts included.
 * A row whose prompt is over ``[producer] max_prompt_bytes`` of UTF-8 (default
   :data:`DEFAULT_PROMPT_BYTES`), or ``max_prompt_tokens`` once templated, is a bad
   row: skipped and dead-lettered with an excerpt of :data:`EXCERPT_CHARS`, or it
@@ -36,6 +41,9 @@ MESSAGE_BYTES = 8 * MiB
 MESSAGE_BYTES_CONFIG = "max.message.bytes"
 #: the most a prompt event (its text or messages, and its template ids) may take
 PROMPT_EVENT_BYTES = MESSAGE_BYTES // 2
+#: ``[inference] max_reply_bytes`` by default: 16 MiB, where the 4 MiB an answer may
+#: take in a completion hold ~350,000 tokens of ids and text
+REPLY_BYTES = 4 * (MESSAGE_BYTES - PROMPT_EVENT_BYTES)
 #: ``[producer] max_prompt_bytes`` by default: beyond any model's context window
 DEFAULT_PROMPT_BYTES = 1 * MiB
 #: characters of a bad row kept in its dead letter

@@ -108,6 +108,9 @@ class Faults:
     (``retry_after_s``), as an overloaded or restarting server does; ``reset_mid_stream``
     sends part of a streamed answer, then drops the connection (the request decodes on,
     its tokens are wasted, as when a proxy between client and server restarts).
+    ``bad_counts`` answers a token whose count (prompt or completion, drawn) is one
+    of :data:`BAD_COUNTS`, as a buggy or hostile server might; ``endless`` sends a
+    200 whose body (streamed: its first line) never ends, until the client hangs up.
     """
 
     http_500: float = 0.0
@@ -117,6 +120,8 @@ class Faults:
     busy: float = 0.0
     unavailable: float = 0.0
     reset_mid_stream: float = 0.0
+    bad_counts: float = 0.0
+    endless: float = 0.0
     retry_after_s: float = 1.0
 
     def shares(self) -> dict[str, float]:
@@ -128,7 +133,14 @@ class Faults:
             "busy": self.busy,
             "unavailable": self.unavailable,
             "reset_mid_stream": self.reset_mid_stream,
+            "bad_counts": self.bad_counts,
+            "endless": self.endless,
         }
+
+
+#: what the ``bad_counts`` fault sends for a count: negative (which, charged, would give
+#: budget back), not an integer, beyond any answer
+BAD_COUNTS: tuple[Any, ...] = (-1_000_000, 3.5, True, 2**63)
 
 
 @dataclass(frozen=True)
@@ -619,6 +631,12 @@ class _Faults:
             _drop(request)
             # aiohttp swallows the ConnectionError from writing this to a dead transport.
             return web.Response()
+        if kind == "bad_counts":
+            count = self.fault_rng.choice(("prompt_tokens", "completion_tokens"))
+            lie = {count: self.fault_rng.choice(BAD_COUNTS)}
+            return await _lying(request, api, parsed, lie, self.config.model)
+        if kind == "endless":
+            return await _endless(request, parsed.stream)
         # malformed: a 200 whose body breaks off mid-JSON.
         if parsed.stream:
             resp = _sse_response()
@@ -1335,10 +1353,23 @@ class _SimServer:
             [
                 *_SGLangRoutes(self.engine, self.faults).routes(),
                 *_OpenAIRoutes(self.engine).routes(),
-                web.get("/sim/log", self.log.handle_log),
-                web.post("/sim/outage", self.faults.handle_outage),
+                web.get("/sim/log", self._keyed(self.log.handle_log)),
+                web.post("/sim/outage", self._keyed(self.faults.handle_outage)),
             ]
         )
+
+    def _keyed(
+        self, handler: Callable[[web.Request], Awaitable[web.Response]]
+    ) -> Callable[[web.Request], Awaitable[web.Response]]:
+        """``handler`` behind the API key, as generation is: the log holds what every
+        request asked, an outage stops the server."""
+
+        async def checked(request: web.Request) -> web.Response:
+            if not self.engine.authorized(request):
+                return _error("sglang", 401, "Unauthorized")
+            return await handler(request)
+
+        return checked
 
     async def shutdown(self) -> None:
         await self.engine.shutdown()
@@ -1377,6 +1408,54 @@ def _drop(request: web.Request) -> None:
     if transport is not None:
         # abort(), not close(): no graceful flush, the client just sees the socket die.
         transport.abort()
+
+
+async def _lying(
+    request: web.Request, api: str, parsed: _Parsed, lie: dict[str, Any], model: str
+) -> web.StreamResponse:
+    """An answer of one token, whole or streamed in the API's shape, whose counts are
+    ``lie`` where it names them (else the true ones)."""
+    counts = {"prompt_tokens": parsed.prompt_tokens, "completion_tokens": 1, **lie}
+    if api == "sglang":
+        meta = {"id": parsed.rid, **counts, "finish_reason": {"type": "stop", "matched": None}}
+        answer: dict[str, Any] = {"text": " w1", "output_ids": [1], "meta_info": meta}
+        chunks = [answer]
+    else:
+        usage = {**counts, "total_tokens": 0}
+        chat = api == "openai-chat"
+        whole = {"message": {"role": "assistant", "content": " w1"}} if chat else {"text": " w1"}
+        part = {"delta": {"content": " w1"}} if chat else {"text": " w1"}
+        ending = {"index": 0, "finish_reason": "stop", "token_ids": [1]}
+        head = {"id": parsed.rid, "model": model}
+        answer = {**head, "choices": [{**ending, **whole}], "usage": usage}
+        chunks = [
+            {**head, "choices": [{**ending, **part}]},
+            {**head, "choices": [], "usage": usage},
+        ]
+    if not parsed.stream:
+        return _json(answer)
+    resp = _sse_response()
+    with contextlib.suppress(ConnectionError):
+        await resp.prepare(request)
+        await resp.write(b"".join(map(_sse, chunks)) + b"data: [DONE]\n\n")
+        await resp.write_eof()
+    return resp
+
+
+async def _endless(request: web.Request, stream: bool) -> web.StreamResponse:
+    """A 200 whose body, or streamed first line, begins as an answer and never ends:
+    written until the client hangs up (or the server stops)."""
+    if stream:
+        resp, head = _sse_response(), b'data: {"text": "'
+    else:
+        resp, head = web.StreamResponse(headers={"Content-Type": "application/json"}), b'{"text": "'
+    filler = b" w1" * 21_845  # 64 KiB less a byte
+    with contextlib.suppress(ConnectionError):
+        await resp.prepare(request)
+        await resp.write(head)
+        while True:
+            await resp.write(filler)
+    return resp
 
 
 def _sglang_finish(job: _Job, finish: str | None, produced: int) -> dict[str, Any] | None:

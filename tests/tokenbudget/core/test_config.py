@@ -866,3 +866,24 @@ def test_growing_reservations_with_streamed_answers_are_accepted() -> None:
 def test_a_timeout_that_is_not_positive_is_refused_naming_its_key(key: str, value: float) -> None:
     error = config_error({"inference": {key: value}})
     assert error.key == f"inference.{key}" and "must be positive" in str(error)
+
+
+@pytest.mark.parametrize("value", [0, -1])
+def test_a_reply_limit_that_is_not_positive_is_refused_naming_its_key(value: int) -> None:
+    error = config_error({"inference": {"max_reply_bytes": value}})
+    assert error.key == "inference.max_reply_bytes" and "must be positive" in str(error)
+
+
+@pytest.mark.parametrize("value", [-1.0, float("nan"), float("inf")])
+def test_a_floor_speed_that_is_negative_or_not_finite_is_refused_naming_its_key(
+    value: float,
+) -> None:
+    error = config_error({"inference": {"min_tokens_per_s": value}})
+    assert error.key == "inference.min_tokens_per_s" and "finite number >= 0" in str(error)
+
+
+def test_reply_limits_default_to_a_long_answer_and_a_token_a_second() -> None:
+    inference = build({"inference": {"min_tokens_per_s": 0}}, environ=NO_ENV).inference
+    assert inference.min_tokens_per_s == 0  # no total limit
+    defaults = build({}, environ=NO_ENV).inference
+    assert (defaults.max_reply_bytes, defaults.min_tokens_per_s) == (sizes.REPLY_BYTES, 1.0)

@@ -554,6 +554,26 @@ def test_an_outage_answers_503_to_everything_health_included_until_it_ends() -> 
     run(FAST, body)
 
 
+def test_a_simulator_with_a_key_keeps_its_log_and_outages_behind_it() -> None:
+    keyed = replace(FAST, api_key="s3cret")
+
+    async def body(sim: RunningSimulator, c: httpx.AsyncClient) -> None:
+        key = {"Authorization": "Bearer s3cret"}
+        wrong = {"Authorization": "Bearer guess"}
+        assert (await c.post("/generate", json={"text": "x"}, headers=key)).status_code == 200
+        for headers in ({}, wrong):
+            assert (await c.get("/sim/log", headers=headers)).status_code == 401
+            outage = await c.post("/sim/outage", json={"seconds": 60}, headers=headers)
+            assert outage.status_code == 401
+        assert (await c.get("/health")).status_code == 200  # no outage began
+        [record] = (await c.get("/sim/log", headers=key)).json()
+        assert record["text_head"] == "x"
+        assert (await c.post("/sim/outage", json={"seconds": 60}, headers=key)).status_code == 200
+        assert (await c.get("/health")).status_code == 503
+
+    run(keyed, body)
+
+
 def test_the_request_log_file_is_the_servers_own_account(tmp_path: Any) -> None:
     log_file = tmp_path / "requests.jsonl"
 

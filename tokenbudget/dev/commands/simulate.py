@@ -17,6 +17,8 @@ FAULTS = {
     "busy": "a 429 with Retry-After",
     "unavailable": "a 503 with Retry-After",
     "reset-mid-stream": "part of a streamed answer, then the connection dropped",
+    "bad-counts": "an answer whose prompt or completion count is negative, not an integer or huge",
+    "endless": "a 200 whose body (streamed: its first line) never ends",
 }
 
 
@@ -131,6 +133,8 @@ def main(args: argparse.Namespace) -> int:
         busy=args.fail_busy,
         unavailable=args.fail_unavailable,
         reset_mid_stream=args.fail_reset_mid_stream,
+        bad_counts=args.fail_bad_counts,
+        endless=args.fail_endless,
         retry_after_s=args.retry_after,
     )
     simulator.serve(
