@@ -318,7 +318,7 @@ class InferenceBackend(ABC):
             return None
         try:
             return json.loads(reply.content)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        except (ValueError, RecursionError) as exc:  # not JSON, not UTF-8, nested too deep
             raise InferenceProtocolError(
                 f"{method} {url}: body is not JSON: {reply.text[:120]!r}"
             ) from exc
@@ -421,12 +421,12 @@ def _stream_event(url: str, data: bytes) -> Any:
     an error the server sends in the stream is the server's."""
     try:
         event = _decode(data)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         # What msgspec refuses and Python's decoder reads as before: invalid UTF-8
-        # (replaced), NaN and Infinity.
+        # (replaced), NaN and Infinity; JSON nested too deep for either is not JSON.
         try:
             event = json.loads(data.decode("utf-8", "replace"))
-        except json.JSONDecodeError as exc:
+        except (json.JSONDecodeError, RecursionError) as exc:
             raise _not_json(url, data) from exc
     if isinstance(event, dict) and ("error" in event or event.get("object") == "error"):
         raise _error_in_stream(url, data)
@@ -469,7 +469,7 @@ def _head(data: bytes) -> _ChunkHead:
     if at > 0 and data[at - 1 : at] != b"\\":
         try:
             return _read_head(b"{" + data[at:])
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):
             pass
     return _read_head(data)
 
@@ -520,7 +520,7 @@ class _SGLangStream:
         read refuses is read as any other chunk."""
         try:
             last = _read_last(data)
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):
             self.add(_stream_event(url, data))
             return
         if last.meta_info is not None:
@@ -604,7 +604,7 @@ class SGLangBackend(InferenceBackend):
                         # its counts keeps a long answer's stream linear, not quadratic.
                         try:
                             head = _head(data)
-                        except msgspec.DecodeError as exc:
+                        except (msgspec.DecodeError, RecursionError) as exc:
                             raise _not_json(url, data) from exc
                         if head.error is not None or head.object == "error":
                             raise _error_in_stream(url, data)
@@ -1180,7 +1180,7 @@ async def _one_token(config: Config, client: HttpClient, url: str, key: str | No
 def _json_or_none(content: bytes) -> Any:
     try:
         return json.loads(content)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
 
 

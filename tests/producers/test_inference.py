@@ -788,3 +788,20 @@ def test_stream_chunks_msgspec_refuses_are_read_as_pythons_decoder_reads_them() 
     backend = make_backend("openai-chat", client, "http://server", stream=True)
     result = asyncio.run(_generate(backend))
     assert (result.text, result.completion_tokens) == ("caf\ufffd!", 2)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("api", APIS)
+def test_a_reply_nested_past_the_parser_is_a_protocol_error(api: str, stream: bool) -> None:
+    """JSON nested 100,000 deep makes Python's and msgspec's decoders raise a
+    RecursionError: a malformed answer (retried within ``retries``), not a bug."""
+    nested = b'{"text": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    if stream:
+        content = b"data: " + nested + b"\n\ndata: [DONE]\n\n"
+        headers = {"Content-Type": "text/event-stream"}
+    else:
+        content, headers = nested, {"Content-Type": "application/json"}
+    client = CannedClient(200, content=content, headers=headers, chunk=1 << 20)
+    backend = make_backend(api, client, "http://server", stream=stream)
+    with pytest.raises(InferenceProtocolError, match="is not JSON"):
+        asyncio.run(backend.generate(request("deep")))
