@@ -205,6 +205,29 @@ def count_of(value: Any, name: str, where: str) -> int:
     )
 
 
+def token_ids_of(value: Any, name: str, where: str) -> list[int] | None:
+    """``value`` as token ids (None: the server sent none): a list of integers within
+    0..:data:`MAX_COUNT` (an integral float, as some servers write one, is taken as
+    its integer). Anything else raises
+    :class:`~tokenbudget.core.errors.InferenceProtocolError` naming the field and the
+    server: an id past int32 would fail only when the completion is encoded, a bool or
+    a fraction is no token."""
+    if value is None:
+        return None
+    if isinstance(value, list):
+        if all(type(i) is int for i in value):
+            if not value or (min(value) >= 0 and max(value) <= MAX_COUNT):
+                return value
+        elif all(type(i) in (int, float) and i == int(i) for i in value):
+            return token_ids_of([int(i) for i in value], name, where)
+    shown = repr(value)
+    shown = shown if len(shown) <= 60 else f"{shown[:60]}..."
+    raise InferenceProtocolError(
+        f"{where}: {name} is {shown}, not token ids (integers within 0..{MAX_COUNT}): "
+        "the answer is refused, not charged"
+    )
+
+
 def reasoning_tokens_of(usage: Any, completion_tokens: int, where: str) -> int | None:
     """``usage.completion_tokens_details.reasoning_tokens`` (vLLM, newer SGLang), at
     most ``completion_tokens``, which counts thinking and answer; None when absent
@@ -245,8 +268,10 @@ def _field(body: Any, *path: str | int) -> Any:
     return node
 
 
-def _int_list(value: Any) -> list[int] | None:
-    return [int(i) for i in value] if isinstance(value, list) else None
+def _int_list(value: Any) -> list[Any] | None:
+    """A list the server sent as ids, as it is (checked once the answer is whole:
+    :func:`token_ids_of`), or None."""
+    return value if isinstance(value, list) else None
 
 
 class InferenceBackend(ABC):
@@ -625,11 +650,12 @@ class SGLangBackend(InferenceBackend):
                 )
             output_ids = acc.ids if acc.has_ids else None
             text = acc.text
-        if not isinstance(output_ids, list):
+        where = self.base_url + "/generate"
+        output_ids = token_ids_of(output_ids, "output_ids", where)
+        if output_ids is None:
             raise InferenceProtocolError(
                 "SGLang response has no output_ids: use a build that returns them"
             )
-        where = self.base_url + "/generate"
         return GenerationResult(
             rid=request.rid,
             prompt_tokens=count_of(_field(meta, "prompt_tokens"), "meta_info.prompt_tokens", where),
@@ -816,6 +842,8 @@ class _OpenAIBackend(InferenceBackend):
         """The answer, counted. ``reasoning`` "" means the server sent none."""
         prompt_tokens = completion_tokens = None
         where = self.base_url + self.path
+        output_ids = token_ids_of(output_ids, "token_ids", where)
+        prompt_ids = token_ids_of(prompt_ids, "prompt_token_ids", where)
         if usage:  # present: it must be whole
             prompt_tokens = count_of(_field(usage, "prompt_tokens"), "usage.prompt_tokens", where)
             completion_tokens = count_of(

@@ -805,3 +805,27 @@ def test_a_reply_nested_past_the_parser_is_a_protocol_error(api: str, stream: bo
     backend = make_backend(api, client, "http://server", stream=stream)
     with pytest.raises(InferenceProtocolError, match="is not JSON"):
         asyncio.run(backend.generate(request("deep")))
+
+
+@pytest.mark.parametrize("bad", ["-8", "2147483648", "true", '"8"', "8.5", "null"])
+@pytest.mark.parametrize(("api", "stream"), [(api, False) for api in APIS] + [("sglang", True)])
+def test_token_ids_that_are_not_token_ids_are_refused_naming_the_field(
+    api: str, stream: bool, bad: str
+) -> None:
+    """An id past int32 failed only when the completion was encoded (the prompt then
+    failed as a dispatch error), a bool or a fraction was taken as an int."""
+    body = answer_body(api, stream=stream).replace(b"[7, 8]", f"[7, {bad}]".encode())
+    headers = {"Content-Type": "text/event-stream" if stream else "application/json"}
+    client = CannedClient(200, content=body, headers=headers)
+    backend = make_backend(api, client, "http://server", stream=stream)
+    field = "output_ids" if api == "sglang" else "token_ids"
+    with pytest.raises(InferenceProtocolError, match=rf"{field} is \[7, .*not token ids"):
+        asyncio.run(backend.generate(request("ids")))
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_integral_float_ids_are_taken_as_their_integers(api: str) -> None:
+    body = answer_body(api, stream=False).replace(b"[7, 8]", b"[7.0, 8]")
+    client = CannedClient(200, content=body, headers={"Content-Type": "application/json"})
+    result = asyncio.run(make_backend(api, client, "http://server").generate(request("f")))
+    assert result.output_ids == [7, 8] and all(type(i) is int for i in result.output_ids)
