@@ -38,9 +38,13 @@ from tokenbudget.core.kafka import (
     wait_for_partitions,
 )
 from tokenbudget.core.roles import ROLES, Role
+from tokenbudget.dev import oracle
+from tokenbudget.dev.jobs import end_run, start_run, start_simulator, wait_until, write_job
+from tokenbudget.dev.oracle import read_server_log
 from tokenbudget.dev.ports import free_ports
 from tokenbudget.localkafka import broker
 from tokenbudget.producers import resume
+from tokenbudget.sinks.replay import read_to_end
 from tokenbudget.streams import acls
 from tokenbudget.streams import events as ev
 from tokenbudget.streams.budget_board import BudgetWatcher
@@ -404,3 +408,118 @@ def test_the_ledger_counts_under_its_principal_and_a_rerun_reads_what_it_recorde
             view.close()
     with roles.acting_as("sink"), pytest.raises(GroupAuthorizationFailedError):
         resume.queued_prompt_ids(b.bootstrap, t, t.dispatch_group)
+
+
+# ---------------------------------------------------------------- a whole job under ACLs
+
+
+def job_under_acls(folder: Path, b: AclBroker, namespace: str, url: str) -> tuple[Path, dict]:
+    """A job of two datasets whose every role logs in as its own principal."""
+    datasets = {}
+    for name, budget in (("a", 1500), ("b", 1200)):
+        data = folder / f"{name}.jsonl"
+        data.write_text(
+            "".join(json.dumps({"prompt": f"#short {name} {i}"}) + "\n" for i in range(60))
+        )
+        datasets[name] = (data, budget)
+    config = write_job(folder, b.bootstrap, namespace, url, datasets)
+    roles_ = [
+        "",
+        *(
+            f'[[kafka.roles]]\nrole = "{role}"\nsasl_username = "{user}"\n'
+            f'sasl_password_env = "{_password_env(user)}"'
+            for role, user in USERS.items()
+        ),
+    ]
+    text = config.read_text().replace(
+        "[kafka]\n",
+        "[kafka]\n"
+        'security_protocol = "SASL_PLAINTEXT"\n'
+        'sasl_mechanism = "SCRAM-SHA-512"\n'
+        f'sasl_username = "{ADMIN}"\n'
+        f'sasl_password_env = "{_password_env(ADMIN)}"\n',
+        1,
+    )
+    config.write_text(text + "\n".join(roles_) + "\n")
+    return config, datasets
+
+
+def test_a_job_whose_roles_log_in_as_their_own_principals_ends_exact_refusing_forgeries(
+    acl_broker: AclBroker, tmp_path: Path
+) -> None:
+    """``run`` with two dispatcher processes, every part of it (its producer, its own
+    dispatcher, the sink, the ledger process, the extra dispatcher) logged in as its
+    role's principal under the table's ACLs: a part that used another's login, or an
+    ACL missing, would be refused by Kafka and the run would fail. Meanwhile the
+    dispatcher's principal tries to write a budget, a grant and a server: Kafka
+    refuses each. Graded from the server's own log and the Parquet files."""
+    namespace = f"t{uuid.uuid4().hex[:10]}"
+    sim = start_simulator(tmp_path, "--tokens-per-second", "20000")
+    evil = start_simulator(tmp_path, name="evil")
+    run = None
+    try:
+        config, datasets = job_under_acls(tmp_path, acl_broker, namespace, sim.url)
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert cli.main(["acls", "--config", str(config), "--apply"]) == 0
+        run = start_run(config, "--dispatchers", "2", log=tmp_path / "run.out")
+        topics = Topics(namespace)
+        wait_until(
+            lambda: bool(read_server_log(sim.log)) or run.poll() is not None, "the first answer"
+        )
+        forged = {
+            topics.budgets: ev.BudgetExceeded(dataset="a", budget=1, used=1, epoch=2**62),
+            topics.control: ev.ServerAdded(url=evil.url, api_key_env="TOKENBUDGET_API_KEY"),
+        }
+        for topic, event in forged.items():
+            with pytest.raises(TopicAuthorizationFailedError):
+                produce(acl_broker, "dispatcher", topic, ev.encode(event))
+        grant = ev.LeaseGranted(
+            dataset="a", lease_id="l", holder="h", granted=10**6, expires_at=1e9
+        )
+        with pytest.raises(TopicAuthorizationFailedError):
+            produce(acl_broker, "dispatcher", topics.budgets, ev.encode(grant))
+        assert run.wait(300) == 0, (tmp_path / "run.out").read_text()[-3000:]
+    finally:
+        end_run(run)
+        sim.stop()
+        evil.stop()
+    verdict = oracle.judge(tmp_path / "out", sim.log, datasets)
+    assert verdict.ok, "\n".join(verdict.lines())
+    assert {n: d.kept_tokens for n, d in verdict.datasets.items()} == {"a": 1500, "b": 1200}
+    assert not evil.log.exists() or evil.log.read_text() == ""
+    # Nothing forged reached the ledger's and the operators' topics.
+    announced: list[ev.Event] = []
+    read_to_end(acl_broker.door, topics.budgets, announced.append)
+    assert not any(isinstance(e, ev.BudgetExceeded) and e.epoch == 2**62 for e in announced)
+
+
+def test_a_role_refused_by_kafka_ends_the_run_with_one_line_instead_of_waiting(
+    acl_broker: AclBroker, tmp_path: Path
+) -> None:
+    """The ACLs applied for the job, then its dispatcher given the sink's login (a
+    config's slip): Kafka refuses it the dispatchers' group, and no attempt can
+    change that. The run says so in one line and exits, sending nothing."""
+    namespace = f"t{uuid.uuid4().hex[:10]}"
+    sim = start_simulator(tmp_path, "--tokens-per-second", "20000")
+    run = None
+    try:
+        config, _ = job_under_acls(tmp_path, acl_broker, namespace, sim.url)
+        with contextlib.redirect_stdout(io.StringIO()):
+            assert cli.main(["acls", "--config", str(config), "--apply"]) == 0
+        own = f'role = "dispatcher"\nsasl_username = "{USERS["dispatcher"]}"\n'
+        own += f'sasl_password_env = "{_password_env(USERS["dispatcher"])}"'
+        slip = f'role = "dispatcher"\nsasl_username = "{USERS["sink"]}"\n'
+        slip += f'sasl_password_env = "{_password_env(USERS["sink"])}"'
+        assert own in config.read_text()
+        config.write_text(config.read_text().replace(own, slip))
+        run = start_run(config, log=tmp_path / "run.out")
+        assert run.wait(120) == 2
+    finally:
+        end_run(run)
+        sim.stop()
+    lines = (tmp_path / "run.out").read_text().splitlines()
+    errors = [line for line in lines if "tokenbudget: error" in line]
+    assert len(errors) == 1, errors
+    assert "Kafka refused the dispatcher's principal: GroupAuthorizationFailedError" in errors[0]
+    assert read_server_log(sim.log) == {}  # nothing was sent

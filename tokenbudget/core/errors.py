@@ -131,6 +131,18 @@ class KafkaAuthError(TokenBudgetError):
         super().__init__(f"{message}; check config keys {', '.join(keys)}")
 
 
+class KafkaRefusedError(TokenBudgetError):
+    """Kafka's authorizer refused what a role does: its principal has no ACL for it
+    (docs/kafka.md, Roles and ACLs). Asking again cannot help, so nothing waits on it."""
+
+
+def refused_by_kafka(exc: BaseException) -> bool:
+    """Whether ``exc`` is Kafka's authorizer saying no (a topic, group, cluster or
+    transactional id the principal has no ACL for), in kafka-python's or aiokafka's
+    words: they name these errors alike."""
+    return type(exc).__name__.endswith("AuthorizationFailedError")
+
+
 class KafkaLimitsError(TokenBudgetError):
     """A Kafka cluster refuses the message size every topic of ours must accept
     (:mod:`tokenbudget.core.sizes`): a topic's ``max.message.bytes`` cannot be raised,

@@ -12,6 +12,9 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TypedDict, TypeVar, Unpack
 
+from tokenbudget.core import roles
+from tokenbudget.core.errors import KafkaRefusedError, refused_by_kafka
+
 T = TypeVar("T")
 
 Errors = type[BaseException] | tuple[type[BaseException], ...]
@@ -42,7 +45,16 @@ class _Schedule:
         self.give_up = options.get("give_up")
 
     def next_delay(self, error: BaseException) -> float:
-        """Seconds to wait before the next attempt; raises once the time is up."""
+        """Seconds to wait before the next attempt; raises once the time is up, and
+        at once for what no attempt can change (Kafka's ACLs refusing the role)."""
+        if refused_by_kafka(error):
+            role = roles.current_role()
+            who = f"the {role}'s principal" if role else "this process's principal"
+            raise KafkaRefusedError(
+                f"Kafka refused {who}: {error!r}: its ACLs are missing, or it logs in as "
+                "another role's user; `tokenbudget acls --config FILE` prints (and with "
+                "--apply creates) what each role needs (docs/kafka.md, Roles and ACLs)"
+            ) from error
         now = time.monotonic()
         if self.deadline is not None and now >= self.deadline:
             if self.give_up is None:

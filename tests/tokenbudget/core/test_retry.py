@@ -8,8 +8,10 @@ import types
 from collections.abc import Iterator
 
 import pytest
+from kafka.errors import KafkaError
 
-from tokenbudget.core import retry
+from tokenbudget.core import retry, roles
+from tokenbudget.core.errors import KafkaRefusedError
 from tokenbudget.core.retry import retry_until, retry_until_async
 
 
@@ -153,3 +155,32 @@ def test_a_wait_of_the_callers_own_may_end_the_asking(clock: Clock) -> None:
         retry_until(f.attempt, timeout=None, retry_on=ConnectionError, interval=2, sleep=wait)
     assert waits == [2, 2] and f.calls == 2
     assert clock.sleeps == []  # time.sleep was not used
+
+
+class GroupAuthorizationFailedError(KafkaError):
+    """As kafka-python and aiokafka name Kafka's refusal of a group."""
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_refusal_of_kafkas_authorizer_is_raised_at_once_naming_the_role(
+    asynchronous: bool,
+) -> None:
+    """No attempt can change an ACL: waiting on one hung a dispatcher whose principal
+    was refused its group, asking again every 5 s for ever."""
+    calls: list[int] = []
+
+    def attempt() -> None:
+        calls.append(1)
+        raise GroupAuthorizationFailedError("ns-dispatch")
+
+    async def attempt_async() -> None:
+        attempt()
+
+    with roles.acting_as("dispatcher"), pytest.raises(KafkaRefusedError) as info:
+        if asynchronous:
+            asyncio.run(retry_until_async(attempt_async, timeout=None, retry_on=KafkaError))
+        else:
+            retry_until(attempt, timeout=None, retry_on=KafkaError, sleep=lambda s: None)
+    assert calls == [1]
+    assert str(info.value).startswith("Kafka refused the dispatcher's principal: ")
+    assert "tokenbudget acls --config FILE" in str(info.value)
