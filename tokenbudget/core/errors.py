@@ -11,6 +11,7 @@
     ├── EventDecodeError       bytes on a topic are not a known event of a known version
     ├── BrokerError            the local Kafka broker cannot be fetched, started or reached
     ├── KafkaAuthError         a Kafka broker refused our credentials, or TLS failed
+    ├── KafkaRefusedError      Kafka's ACLs refuse what a role does (its principal lacks a right)
     ├── KafkaLimitsError       a Kafka cluster refuses the message sizes tokenbudget needs
     ├── FaustVersionError      faust-streaming, mode or aiokafka is not the pinned version
     ├── InferenceError         the inference server failed a request
