@@ -523,3 +523,24 @@ def test_a_role_refused_by_kafka_ends_the_run_with_one_line_instead_of_waiting(
     assert len(errors) == 1, errors
     assert "Kafka refused the dispatcher's principal: GroupAuthorizationFailedError" in errors[0]
     assert read_server_log(sim.log) == {}  # nothing was sent
+
+
+def test_a_wrong_password_of_any_role_stops_run_before_it_starts_naming_its_key(
+    acl_broker: AclBroker, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``run`` logs in once as every role it will play (its ledger's included) before
+    anything starts: the sink's wrong password is one line naming its keys, not a
+    sink thread that cannot connect once the job runs."""
+    config, _ = job_under_acls(tmp_path, acl_broker, f"t{uuid.uuid4().hex[:10]}", "http://h:1")
+    config.write_text(
+        config.read_text().replace("[inference]\n", "[inference]\ncheck_server = false\n", 1)
+    )
+    monkeypatch.setenv(_password_env(USERS["sink"]), "not-the-password")
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert cli.main(["run", "--config", str(config)]) == 2
+    line = err.getvalue().strip().splitlines()[-1]
+    assert f"refused user '{USERS['sink']}'" in line
+    index = list(USERS).index("sink")
+    assert f"kafka.roles[{index}].sasl_username" in line
+    assert f"kafka.roles[{index}].sasl_password_env" in line

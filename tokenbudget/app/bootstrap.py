@@ -63,7 +63,16 @@ def resolve_bootstrap(config: Config, *, create_topics: bool = True) -> str:
     security.register(bootstrap, security.KafkaSecurity.from_config(config))
 
     def ready() -> None:
-        security.check_credentials(bootstrap)
+        # Every login this process will use: `run` (the operator) starts every role.
+        played = roles.current_role()
+        checked: set[str] = set()
+        for role in roles.ROLES if played in (None, "operator") else (played,):
+            login = security.security_for(bootstrap).login(role)
+            user = login.username if login is not None else ""
+            if user not in checked:
+                checked.add(user)
+                with roles.acting_as(role):
+                    security.check_credentials(bootstrap)
         if create_topics:
             check_ready(bootstrap, _ATTEMPT_S)
             ensure_topics(bootstrap, specs)
