@@ -122,6 +122,7 @@ class Dispatcher:
         instance: str | None = None,
     ) -> None:
         self.config = config
+        # The job's datasets (none named: a dispatcher's own config, which takes any).
         self.datasets = frozenset(d.name for d in config.datasets)
         self.bootstrap = bootstrap
         self.board = board
@@ -439,7 +440,7 @@ class Dispatcher:
                 prompt = ev.decode(record.value, record.topic)
                 if not isinstance(prompt, ev.PromptEvent):
                     raise EventDecodeError(f"expected a prompt, got {type(prompt).__name__}")
-                if prompt.dataset not in self.datasets:
+                if self.datasets and prompt.dataset not in self.datasets:
                     # Its settings, budget and folder are the job's: another's prompt
                     # would be sent with defaults no one chose.
                     raise EventDecodeError(f"dataset {prompt.dataset!r} is not one of this job's")

@@ -840,7 +840,8 @@ class SinkSettings:
             row_group_rows=config.sink.row_group_rows,
             flush_interval=config.sink.flush_interval_s,
             compression=config.kafka.compression,
-            datasets=frozenset(d.name for d in config.datasets),
+            # a config of the sink alone may name none: then any name is taken
+            datasets=frozenset(d.name for d in config.datasets) or None,
         )
 
     def writer(self) -> WriterSettings:
