@@ -61,6 +61,14 @@ ReasoningMode = Literal["save", "disable"]
 # thinking; a template ignores the key it does not read.
 NO_THINKING = {"enable_thinking": False, "thinking": False}
 
+# Bounds declared with their keys (``Annotated[int, doc(...), POSITIVE]``): msgspec
+# checks them as it reads the config, and _from_msgspec words a refusal as ours
+# ("must be positive, got -1"). On top, one walk (_check_numbers) refuses any float
+# key that is not finite and any integer past the events' range.
+POSITIVE = msgspec.Meta(gt=0)
+NOT_NEGATIVE = msgspec.Meta(ge=0)
+PORT = msgspec.Meta(ge=1, le=65535)
+
 ENV_PREFIX = "TOKENBUDGET__"
 # The server a config that names none is sent to.
 DEFAULT_URL = "http://127.0.0.1:30000"
@@ -111,7 +119,9 @@ class KafkaConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=Tru
         ),
     ] = "tokenbudget"
     local_port: Annotated[
-        int, doc("client port of the local broker (`TOKENBUDGET_KAFKA_PORT` wins when set)")
+        int,
+        doc("client port of the local broker (`TOKENBUDGET_KAFKA_PORT` wins when set)"),
+        PORT,
     ] = 9092
     local_controller_port: Annotated[
         int,
@@ -119,6 +129,7 @@ class KafkaConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=Tru
             "controller port of the local broker (`TOKENBUDGET_KAFKA_CONTROLLER_PORT` wins "
             "when `TOKENBUDGET_KAFKA_PORT` is set)"
         ),
+        PORT,
     ] = 9093
     prompt_retention_ms: Annotated[
         int, doc("retention of the prompts topic when tokenbudget creates it (7 days); -1: forever")
@@ -220,7 +231,7 @@ class ServerConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=Tr
 
     url: Annotated[str, doc("the server (http or https): its root, or a router's")]
     concurrency: Annotated[
-        int | None,
+        Annotated[int, POSITIVE] | None,
         doc("its requests in flight at once, per dispatcher (unset: [inference]'s)"),
     ] = None
     api_key_env: Annotated[
@@ -284,17 +295,20 @@ class InferenceConfig(_Sampling, frozen=True, forbid_unknown_fields=True, kw_onl
             "requests in flight at once per server and dispatcher, for the servers that do "
             "not set their own; cut while a server answers 429/503 or slows down"
         ),
+        POSITIVE,
     ] = 64
     max_new_tokens: Annotated[
-        int, doc("per request, unless the dataset sets its own; the budget may lower it")
+        int, doc("per request, unless the dataset sets its own; the budget may lower it"), POSITIVE
     ] = 4096
-    connect_timeout_s: Annotated[float, doc("seconds to connect to the server")] = 5.0
+    # 0 once meant no timeout to aiohttp, and a negative one failed every request.
+    connect_timeout_s: Annotated[float, doc("seconds to connect to the server"), POSITIVE] = 5.0
     read_timeout_s: Annotated[
         float,
         doc(
             "seconds to wait for (the next part of) an answer; a stream's silence is "
             "noticed within a quarter more"
         ),
+        POSITIVE,
     ] = 600.0
     # Failures of one prompt that do not say the server is away (another HTTP 5xx, a
     # malformed answer) before it fails for good; "away" ones (429/408/502/503/504,
@@ -306,11 +320,12 @@ class InferenceConfig(_Sampling, frozen=True, forbid_unknown_fields=True, kw_onl
             "the server is busy or away (a 500, a stream reset, a malformed body); an answer "
             "that says the request itself is wrong (400-style) fails it at once"
         ),
+        NOT_NEGATIVE,
     ] = 3
     backoff_s: Annotated[
-        float, doc("first retry delay (a `Retry-After` the server sends wins)")
+        float, doc("first retry delay (a `Retry-After` the server sends wins)"), NOT_NEGATIVE
     ] = 0.5
-    backoff_max_s: Annotated[float, doc("longest retry delay")] = 10.0
+    backoff_max_s: Annotated[float, doc("longest retry delay"), NOT_NEGATIVE] = 10.0
     pause_after_failures: Annotated[
         int,
         doc(
@@ -320,7 +335,9 @@ class InferenceConfig(_Sampling, frozen=True, forbid_unknown_fields=True, kw_onl
             "those answers are retried without limit, on the other servers"
         ),
     ] = 5
-    health_interval_s: Annotated[float, doc("how often a paused server's `/health` is asked")] = 2.0
+    health_interval_s: Annotated[
+        float, doc("how often a paused server's `/health` is asked"), POSITIVE
+    ] = 2.0
     outage_timeout_s: Annotated[
         float,
         doc(
@@ -361,7 +378,7 @@ class InferenceConfig(_Sampling, frozen=True, forbid_unknown_fields=True, kw_onl
         bool, doc("check the server (and `model`) before a run: `/health` or `/v1/models`")
     ] = True
     n: Annotated[
-        int, doc("answers per prompt, for every dataset that does not set its own `n`")
+        int, doc("answers per prompt, for every dataset that does not set its own `n`"), POSITIVE
     ] = 1
     reasoning_end: Annotated[
         str,
@@ -384,7 +401,9 @@ class BudgetConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=Tr
         ),
     ] = "completion_tokens"
     snapshot_interval_s: Annotated[
-        float, doc("how often the ledger publishes snapshots of the datasets that changed")
+        float,
+        doc("how often the ledger publishes snapshots of the datasets that changed"),
+        POSITIVE,
     ] = 0.5
     admission: Annotated[
         AdmissionMode,
@@ -456,12 +475,12 @@ class SinkConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True
             "rows already there count as done"
         ),
     ] = "out"
-    rotate_rows: Annotated[int, doc("rows buffered before a file is written")] = 2000
-    rotate_bytes: Annotated[int, doc("bytes buffered before a file is written (64 MiB)")] = (
-        64 * 1024 * 1024
-    )
-    row_group_rows: Annotated[int, doc("rows per Parquet row group")] = 1000
-    flush_interval_s: Annotated[float, doc("the longest rows stay buffered")] = 5.0
+    rotate_rows: Annotated[int, doc("rows buffered before a file is written"), POSITIVE] = 2000
+    rotate_bytes: Annotated[
+        int, doc("bytes buffered before a file is written (64 MiB)"), POSITIVE
+    ] = 64 * 1024 * 1024
+    row_group_rows: Annotated[int, doc("rows per Parquet row group"), POSITIVE] = 1000
+    flush_interval_s: Annotated[float, doc("the longest rows stay buffered"), POSITIVE] = 5.0
 
 
 class ProducerConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -473,6 +492,7 @@ class ProducerConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=
             "prompts a dataset may be ahead of its recorded outcomes (0: four times "
             "`inference.concurrency`), so a halt leaves at most that many to skip"
         ),
+        NOT_NEGATIVE,
     ] = 0
     on_bad_row: Annotated[
         Literal["skip", "fail"],
@@ -508,6 +528,7 @@ class MetricsConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=T
             "`run` serves `/metrics` here (the next free block when taken; it says where), "
             "its ledger worker on port + 1, extra dispatchers and ledgers after it; 0: none"
         ),
+        msgspec.Meta(ge=0, le=65535),
     ] = 9464
     progress_interval_s: Annotated[
         float,
@@ -572,7 +593,7 @@ class DatasetConfig(_Sampling, frozen=True, forbid_unknown_fields=True, kw_only=
         str, doc("the field holding the row's id, from which its `prompt_id` is made")
     ] = "id"
     max_new_tokens: Annotated[
-        int | None, doc("per request (unset: `inference.max_new_tokens`)")
+        Annotated[int, POSITIVE] | None, doc("per request (unset: `inference.max_new_tokens`)")
     ] = None
     limit: Annotated[int | None, doc("publish at most this many prompts")] = None
     template: Annotated[
@@ -769,6 +790,10 @@ def parse_budget(value: object, key: str = "budget") -> int:
         raise ConfigError(key, f"expected a token count such as 10M or 250k, got {value!r}")
     if number <= 0:
         raise ConfigError(key, f"must be positive, got {value!r}")
+    if number > sizes.COUNT_MAX:
+        raise ConfigError(
+            key, f"must be at most {sizes.COUNT_MAX:,} (the events' 64-bit integers), got {value!r}"
+        )
     return number
 
 
@@ -812,11 +837,24 @@ def _literal_values(key: str) -> tuple[Any, ...]:
     )
 
 
-def _from_msgspec(exc: msgspec.ValidationError, source: str) -> ConfigError:
-    """msgspec's error as ours: the key named and, for a key with a fixed set of
-    values, every value it takes."""
+_BOUND_RE = re.compile(r"Expected `(int|float)` (>=|>|<=|<) (\S+) - at ")
+
+
+def _from_msgspec(
+    exc: msgspec.ValidationError, source: str, data: Mapping[str, Any] | None = None
+) -> ConfigError:
+    """msgspec's error as ours: the key named; for a key with a fixed set of values,
+    every value it takes; for a bound declared with the key, the bound and the value
+    given (from ``data``, what was read)."""
     message = str(exc)
     key = _key_from_msgspec(message)
+    bound = _BOUND_RE.match(message)
+    if bound is not None:
+        kind, op, limit = bound.group(1), bound.group(2), float(bound.group(3))
+        # msgspec says an integer's gt=0 as >= 1
+        positive = (op, limit) == (">", 0) or (kind, op, limit) == ("int", ">=", 1)
+        words = "positive" if positive else f"{op} {limit:g}"
+        return ConfigError(key, f"must be {words}, got {_given(data, key)}", source=source)
     values = _literal_values(key)
     if values:
         what = message.split(" - at ")[0]
@@ -824,6 +862,42 @@ def _from_msgspec(exc: msgspec.ValidationError, source: str) -> ConfigError:
         problem = f"{given.group(1)} is not a valid value" if given else what
         message = f"{problem}; use one of {', '.join(map(repr, values))}"
     return ConfigError(key, message, source=source)
+
+
+def _given(data: Mapping[str, Any] | None, key: str) -> str:
+    """The value ``data`` holds at ``key`` (``datasets[0].max_new_tokens``), shown."""
+    value: Any = data
+    for part in re.findall(r"[^.\[\]]+|\[\d+\]", key):
+        try:
+            value = value[int(part[1:-1])] if part.startswith("[") else value[part]
+        except (KeyError, IndexError, TypeError, ValueError):
+            return "?"
+    return repr(value)
+
+
+def _check_numbers(section: msgspec.Struct, key: str, source: str) -> None:
+    """Every float key finite and every integer within the events' range, in every
+    section and table: NaN passes every comparison and inf every lower bound (a
+    timeout of inf never fires), and an integer past :data:`sizes.COUNT_MAX` is
+    refused by the events' readers later (a budget over it leaves its dataset with
+    none). Free-form tables (``extra_body``) go to the server as they are."""
+    for name in section.__struct_fields__:
+        value = getattr(section, name)
+        where = f"{key}.{name}" if key else name
+        items = list(enumerate(value)) if isinstance(value, list) else [(None, value)]
+        for index, item in items:
+            at = where if index is None else f"{where}[{index}]"
+            if isinstance(item, msgspec.Struct):
+                _check_numbers(item, at, source)
+            elif isinstance(item, float) and not math.isfinite(item):
+                raise ConfigError(at, f"must be a finite number, got {item}", source=source)
+            elif isinstance(item, int) and abs(item) > sizes.COUNT_MAX:
+                raise ConfigError(
+                    at,
+                    f"must be within ±{sizes.COUNT_MAX:,} (the events' 64-bit integers), "
+                    f"got {item:,}",
+                    source=source,
+                )
 
 
 def _apply_env(data: dict[str, Any], environ: Mapping[str, str]) -> None:
@@ -913,7 +987,8 @@ def build(
     try:
         raw = msgspec.convert(data, _RawConfig)
     except msgspec.ValidationError as exc:
-        raise _from_msgspec(exc, source) from exc
+        raise _from_msgspec(exc, source, data) from exc
+    _check_numbers(raw, "", source)
     base = base_dir or Path(".").resolve()
     datasets: list[Dataset] = []
     seen: set[str] = set()
@@ -1314,19 +1389,8 @@ def untemplated_chat(
 
 
 def _check_ranges(raw: _RawConfig, source: str) -> None:
-    positive = {
-        "inference.concurrency": raw.inference.concurrency,
-        "inference.n": raw.inference.n,
-        "inference.max_new_tokens": raw.inference.max_new_tokens,
-        # 0 once meant no read timeout to aiohttp, a negative one failed every read.
-        "inference.connect_timeout_s": raw.inference.connect_timeout_s,
-        "inference.read_timeout_s": raw.inference.read_timeout_s,
-        "sink.rotate_rows": raw.sink.rotate_rows,
-        "sink.row_group_rows": raw.sink.row_group_rows,
-    }
-    for key, value in positive.items():
-        if value <= 0:
-            raise ConfigError(key, f"must be positive, got {value}", source=source)
+    """Bounds that take more than the ones declared with the keys (a hint, a range
+    tied to another limit, or to the broker's)."""
     if raw.budget.min_new_tokens < 1:
         raise ConfigError("budget.min_new_tokens", "must be >= 1", source=source)
     if not 1 <= raw.producer.max_prompt_bytes <= sizes.PROMPT_EVENT_BYTES:
@@ -1342,12 +1406,8 @@ def _check_ranges(raw: _RawConfig, source: str) -> None:
         raise ConfigError("budget.lease_tokens", "must be >= 0 (0: automatic)", source=source)
     if raw.budget.lease_ttl_s < 2:
         raise ConfigError("budget.lease_ttl_s", "must be >= 2 seconds", source=source)
-    if raw.inference.retries < 0:
-        raise ConfigError("inference.retries", "must be >= 0", source=source)
     if raw.inference.pause_after_failures < 1:
         raise ConfigError("inference.pause_after_failures", "must be >= 1", source=source)
-    if raw.inference.health_interval_s <= 0:
-        raise ConfigError("inference.health_interval_s", "must be > 0", source=source)
     if raw.metrics.progress_interval_s < 0:
         raise ConfigError("metrics.progress_interval_s", "must be >= 0 (0: none)", source=source)
     if raw.inference.outage_timeout_s < 0:
@@ -1409,10 +1469,6 @@ def _servers(inference: InferenceConfig, source: str) -> tuple[Server, ...]:
                 source=source,
             )
         concurrency = inference.concurrency if entry.concurrency is None else entry.concurrency
-        if concurrency <= 0:
-            raise ConfigError(
-                f"{key}.concurrency", f"must be positive, got {concurrency}", source=source
-            )
         if not (entry.weight > 0 and math.isfinite(entry.weight)):
             raise ConfigError(
                 f"{key}.weight", f"must be a positive number, got {entry.weight}", source=source
@@ -1469,6 +1525,12 @@ def _check_bootstrap(bootstrap: str, source: str) -> None:
 
 
 def _check_replication(kafka: KafkaConfig, source: str) -> None:
+    for key in ("prompt_retention_ms", "completion_retention_ms", "budget_retention_ms"):
+        value = getattr(kafka, key)
+        if value == 0 or value < -1:
+            raise ConfigError(
+                f"kafka.{key}", f"must be positive, or -1 for forever; got {value}", source=source
+            )
     if not 1 <= kafka.partitions <= 1000:
         raise ConfigError("kafka.partitions", "must be within 1..1000", source=source)
     for key in ("replication_factor", "min_insync_replicas"):

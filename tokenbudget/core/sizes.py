@@ -40,6 +40,9 @@ PROMPT_EVENT_BYTES = MESSAGE_BYTES // 2
 DEFAULT_PROMPT_BYTES = 1 * MiB
 #: characters of a bad row kept in its dead letter
 EXCERPT_CHARS = 2000
+#: the largest count an event may carry (a 64-bit integer, as msgpack and Arrow hold
+#: it): a budget or any other integer of the config past it is refused where it enters
+COUNT_MAX = 2**63 - 1
 
 #: ``[kafka] compression``: what every producer of ours compresses its batches with
 Compression = Literal["zstd", "lz4", "gzip", "none"]
