@@ -16,6 +16,7 @@ from tokenbudget.core.columns import Columns, PromptTemplate
 from tokenbudget.core.config import (
     _RawConfig,
     build,
+    in_clear,
     load,
     one_server_per_url,
     parse_budget,
@@ -992,3 +993,40 @@ def test_a_budget_past_the_events_range_is_refused_naming_it(budget: object) -> 
     assert error.key == "datasets[0].budget" and "9,223,372,036,854,775,807" in str(error)
     largest = build({"datasets": [dataset(budget=2**63 - 1)]}, environ=NO_ENV)
     assert largest.datasets[0].budget == sizes.COUNT_MAX == 2**63 - 1
+
+
+# ---- URLs hold nothing secret: they are shown in logs, metrics, events and status -----
+
+
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        ("http://user:s3cret@gpu1:30000", "holds a user or password"),
+        ("https://s3cret@gpu1:30000/v1", "holds a user or password"),
+        ("http://gpu1:30000/?key=s3cret", "has a query string or fragment"),
+        ("http://gpu1:30000/generate?api_key=s3cret&x=1", "has a query string or fragment"),
+        ("http://gpu1:30000/#s3cret", "has a query string or fragment"),
+    ],
+)
+@pytest.mark.parametrize("where", ["inference.url", "inference.servers[0].url", "--server"])
+def test_a_url_with_credentials_or_a_query_is_refused_naming_its_key_not_the_secret(
+    url: str, says: str, where: str
+) -> None:
+    if where == "--server":
+        with pytest.raises(ConfigError) as info:
+            with_servers(build({}, environ=NO_ENV), [url])
+        error = info.value
+    else:
+        error = config_error(setting(where, url))
+    assert error.key == where and says in str(error)
+    assert "api_key_env" in str(error) and "s3cret" not in str(error)
+    assert "gpu1:30000" in str(error)  # which URL, without what it held
+
+
+def test_a_plain_http_url_is_taken_and_said_to_be_in_clear_off_this_machine_only() -> None:
+    clear = ["http://gpu1:30000", "http://10.0.0.7:30000", "http://[fe80::1]:30000"]
+    local = ["http://127.0.0.1:30000", "http://localhost:30000", "http://[::1]:30000"]
+    config = build({"inference": {"servers": [{"url": u} for u in clear + local]}}, environ={})
+    assert [in_clear(s.url) for s in config.servers] == [True] * 3 + [False] * 3
+    assert not in_clear("https://gpu1:30000")
+
