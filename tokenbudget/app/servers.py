@@ -21,7 +21,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
-from tokenbudget.app.tables import format_table
+from tokenbudget.app.tables import format_table, printable
 from tokenbudget.core.config import Config, check_url
 from tokenbudget.core.errors import ConfigError
 from tokenbudget.core.tasks import cancel_and_wait
@@ -43,7 +43,12 @@ def start_table(checks: Sequence[ServerCheck]) -> str:
     """``tokenbudget: 3 inference servers, 2 up`` and a line per server."""
     up = sum(check.up for check in checks)
     rows = [
-        [c.url, "up" if c.up else "down", ", ".join(c.models) or "-", c.problem or "-"]
+        [
+            c.url,
+            "up" if c.up else "down",
+            printable(", ".join(c.models)) or "-",  # as the server named them
+            printable(c.problem) or "-",
+        ]
         for c in checks
     ]
     head = f"tokenbudget: {len(checks)} inference server(s), {up} up"
@@ -144,7 +149,7 @@ HEADERS = ["server", "state", "in flight", "window", "requests", "tokens", "toke
 def cells(row: ServerRow) -> list[str]:
     window = f"{row.limit:,}/{row.concurrency:,}" if row.concurrency else "-"
     return [
-        row.url,
+        printable(row.url),  # as a change on the topic wrote it
         row.state,
         f"{row.in_flight:,}",
         window,
@@ -165,7 +170,7 @@ def table(rows: Sequence[ServerRow]) -> str:
 def progress_line(row: ServerRow) -> str:
     """``server http://gpu1:30000: up, 128/128 in flight, 5,120 tokens/s, 3 errors``."""
     return (
-        f"server {row.url}: {row.state}, {row.in_flight:,}/{row.limit:,} in flight, "
+        f"server {printable(row.url)}: {row.state}, {row.in_flight:,}/{row.limit:,} in flight, "
         f"{row.tokens_per_s:,.0f} tokens/s, {row.errors:,} errors"
     )
 
@@ -176,8 +181,8 @@ def state_line(row: ServerRow, before: str) -> str | None:
     if row.state == before or row.state == "-" or (row.state == "up" and before == "-"):
         return None
     if row.state == "up":
-        return f"server {row.url}: up again"
-    return f"server {row.url}: {row.state}"
+        return f"server {printable(row.url)}: up again"
+    return f"server {printable(row.url)}: {row.state}"
 
 
 def summary(rows: Sequence[ServerRow]) -> str:
