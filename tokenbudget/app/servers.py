@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 from tokenbudget.app.tables import format_table, printable
-from tokenbudget.core.config import Config, check_url
+from tokenbudget.core.config import Config, check_added_server
 from tokenbudget.core.errors import ConfigError
 from tokenbudget.core.tasks import cancel_and_wait
 from tokenbudget.streams import events as ev
@@ -208,10 +208,17 @@ def change(config: Config, bootstrap: str, event: ev.ServerAdded | ev.ServerDrai
 
 
 def added(
-    url: str, *, concurrency: int | None, weight: float | None, key_env: str | None
+    config: Config,
+    url: str,
+    *,
+    concurrency: int | None,
+    weight: float | None,
+    key_env: str | None,
 ) -> ev.ServerAdded:
-    """The event ``servers add`` publishes, its URL checked as ``--server``'s."""
-    check_url(url, "URL")  # the argument, as run's --server is checked
+    """The event ``servers add`` publishes, refused before it is (as every dispatcher
+    would refuse it) when the config does not take the server or its key variable;
+    without ``key_env`` the server gets no key."""
+    check_added_server(config, url, key_env)
     if concurrency is not None and concurrency <= 0:
         raise ConfigError("--concurrency", f"must be positive, got {concurrency}")
     if weight is not None and not weight > 0:

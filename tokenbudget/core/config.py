@@ -365,9 +365,26 @@ class InferenceConfig(_Sampling, frozen=True, forbid_unknown_fields=True, kw_onl
         str,
         doc(
             "the environment variable whose value is sent as a Bearer token, when set "
-            "(the key itself is never read from the config)"
+            "(the key itself is never read from the config), to every configured server "
+            "that names none of its own"
         ),
     ] = "TOKENBUDGET_API_KEY"
+    added_servers: Annotated[
+        list[str],
+        doc(
+            "URL prefixes a server added at run time (`servers add`) must start with to be "
+            'accepted, e.g. `["https://gpu-"]`; empty: any (a drained configured server '
+            "may always come back)"
+        ),
+    ] = []
+    added_server_keys: Annotated[
+        list[str],
+        doc(
+            "environment variables a server added at run time may name as its key "
+            "(`servers add --api-key-env`), besides `api_key_env` and the "
+            "`[[inference.servers]]` entries' own; an added server naming none gets no key"
+        ),
+    ] = []
     tokenizer: Annotated[
         str,
         doc(
@@ -1029,6 +1046,7 @@ def build(
     _check_ranges(raw, source)
     _check_reserve(raw.budget, raw.inference, source)
     servers = _servers(raw.inference, source)
+    _check_added_servers(raw.inference, source)
     _check_kafka_security(raw.kafka, source)
     if raw.inference.tokenizer and not _resolve(base, raw.inference.tokenizer).is_dir():
         raise ConfigError(
@@ -1479,6 +1497,61 @@ def _servers(inference: InferenceConfig, source: str) -> tuple[Server, ...]:
             Server(url=url, concurrency=concurrency, api_key_env=key_env, weight=entry.weight)
         )
     return tuple(servers)
+
+
+_ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _check_added_servers(inference: InferenceConfig, source: str) -> None:
+    for i, prefix in enumerate(inference.added_servers):
+        if not prefix.startswith(("http://", "https://")) or len(prefix.split()) != 1:
+            raise ConfigError(
+                f"inference.added_servers[{i}]",
+                f'{prefix!r} is not the start of an http(s) URL (e.g. "https://gpu-")',
+                source=source,
+            )
+    for i, name in enumerate(inference.added_server_keys):
+        if not _ENV_NAME_RE.fullmatch(name):
+            raise ConfigError(
+                f"inference.added_server_keys[{i}]",
+                f"{name!r} is not the name of an environment variable",
+                source=source,
+            )
+
+
+def check_added_server(config: Config, url: str, api_key_env: str | None) -> None:
+    """Raise a ConfigError naming the key to change unless a server added at run time
+    (a ``server_added`` event, ``servers add``) may join ``config``'s fleet: its URL
+    as :func:`check_url` takes it; outside the config's servers, one that starts
+    with an ``[inference] added_servers`` prefix when there are any (a drained
+    configured server may always come back); and its key, if it names one, a
+    variable the config names: its ``api_key_env``, a configured server's, or one of
+    ``added_server_keys``. Only the names are compared: no variable is read here."""
+    check_url(url, "URL", config.source)
+    prefixes = config.inference.added_servers
+    configured = any(server.url == url for server in config.servers)
+    if prefixes and not configured and not url.startswith(tuple(prefixes)):
+        raise ConfigError(
+            "inference.added_servers",
+            f"{url} is not a server this job takes: it starts with none of "
+            f"{', '.join(map(repr, prefixes))}; add its prefix there to accept it",
+            source=config.source,
+        )
+    if api_key_env and api_key_env not in key_variables(config):
+        named = ", ".join(sorted(key_variables(config))) or "none"
+        raise ConfigError(
+            "inference.added_server_keys",
+            f"{url} would be sent the key in ${api_key_env}, a variable the config does not "
+            f"name (it names {named}): list it there to let servers added at run time use it",
+            source=config.source,
+        )
+
+
+def key_variables(config: Config) -> frozenset[str]:
+    """The environment variables ``config`` names as inference keys."""
+    names = {config.inference.api_key_env, *config.inference.added_server_keys}
+    names.update(server.api_key_env for server in config.servers)
+    return frozenset(names - {""})
 
 
 def with_servers(config: Config, urls: Sequence[str]) -> Config:

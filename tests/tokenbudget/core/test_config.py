@@ -1030,3 +1030,9 @@ def test_a_plain_http_url_is_taken_and_said_to_be_in_clear_off_this_machine_only
     assert [in_clear(s.url) for s in config.servers] == [True] * 3 + [False] * 3
     assert not in_clear("https://gpu1:30000")
 
+
+def test_added_server_keys_are_checked_as_they_are_read() -> None:
+    prefix = config_error({"inference": {"added_servers": ["gpu-"]}})
+    assert prefix.key == "inference.added_servers[0]" and "https://gpu-" in str(prefix)
+    name = config_error({"inference": {"added_server_keys": ["GPU KEY"]}})
+    assert name.key == "inference.added_server_keys[0]" and "environment variable" in str(name)
