@@ -543,6 +543,15 @@ def _batch_rows(
         yield number, row
 
 
+def _row_of(batch: Any) -> Callable[[int], Any]:
+    """Row ``i`` of a record batch, converted alone."""
+
+    def one(i: int) -> Any:
+        return batch.slice(i, 1).to_pylist()[0]
+
+    return one
+
+
 class ParquetReader(DatasetReader):
     def rows(self) -> Iterator[tuple[int, Any | DatasetError]]:
         try:
@@ -561,11 +570,7 @@ class ParquetReader(DatasetReader):
             if batch is None:
                 return
             yield from _batch_rows(
-                self.name,
-                number,
-                batch.num_rows,
-                batch.to_pylist,
-                lambda i, batch=batch: batch.slice(i, 1).to_pylist()[0],
+                self.name, number, batch.num_rows, batch.to_pylist, _row_of(batch)
             )
             number += batch.num_rows
 
@@ -625,17 +630,25 @@ class HFDiskReader(DatasetReader):
         dataset = self._load()
         for start in range(0, len(dataset), _HF_BATCH):
             count = min(_HF_BATCH, len(dataset) - start)
+            yield from _batch_rows(self.name, start, count, *_hf_batch(dataset, start, count))
 
-            def whole(start: int = start, count: int = count) -> list[Any]:
-                columns = dataset[start : start + count]
-                return [
-                    dict(zip(columns, values, strict=True))
-                    for values in zip(*columns.values(), strict=True)
-                ]
 
-            yield from _batch_rows(
-                self.name, start, count, whole, lambda i, start=start: dataset[start + i]
-            )
+def _hf_batch(
+    dataset: Any, start: int, count: int
+) -> tuple[Callable[[], list[Any]], Callable[[int], Any]]:
+    """The rows ``start``.. of a Hugging Face dataset, all at once and one at a time."""
+
+    def whole() -> list[Any]:
+        columns = dataset[start : start + count]
+        return [
+            dict(zip(columns, values, strict=True))
+            for values in zip(*columns.values(), strict=True)
+        ]
+
+    def one(i: int) -> Any:
+        return dataset[start + i]
+
+    return whole, one
 
 
 def _is_hf_folder(path: Path) -> bool:
