@@ -309,5 +309,5 @@ def test_a_server_added_without_a_key_variable_is_sent_no_key_and_one_naming_ano
     assert {r["authorization_crc"] for r in requests(configured)} == {main_key}
     assert answered(added), "the added server got no request"
     assert {r["authorization_crc"] for r in requests(added)} == {0}
-    adds = [e for e in budget_events(kafka_bootstrap, namespace) if isinstance(e, ev.ServerAdded)]
+    adds = [e for e in fleet_events(kafka_bootstrap, namespace) if isinstance(e, ev.ServerAdded)]
     assert [(e.url, e.api_key_env) for e in adds] == [(added.url, None)]

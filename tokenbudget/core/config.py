@@ -69,6 +69,9 @@ NO_THINKING = {"enable_thinking": False, "thinking": False}
 POSITIVE = msgspec.Meta(gt=0)
 NOT_NEGATIVE = msgspec.Meta(ge=0)
 PORT = msgspec.Meta(ge=1, le=65535)
+# A count one request carries (its max_new_tokens, a server's concurrency): positive,
+# and no wider than the events' decoders take it.
+REQUEST_COUNT = msgspec.Meta(gt=0, le=sizes.MAX_COUNT)
 
 ENV_PREFIX = "TOKENBUDGET__"
 # The server a config that names none is sent to.
@@ -232,7 +235,7 @@ class ServerConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=Tr
 
     url: Annotated[str, doc("the server (http or https): its root, or a router's")]
     concurrency: Annotated[
-        Annotated[int, POSITIVE] | None,
+        Annotated[int, REQUEST_COUNT] | None,
         doc("its requests in flight at once, per dispatcher (unset: [inference]'s)"),
     ] = None
     api_key_env: Annotated[
@@ -296,10 +299,12 @@ class InferenceConfig(_Sampling, frozen=True, forbid_unknown_fields=True, kw_onl
             "requests in flight at once per server and dispatcher, for the servers that do "
             "not set their own; cut while a server answers 429/503 or slows down"
         ),
-        POSITIVE,
+        REQUEST_COUNT,
     ] = 64
     max_new_tokens: Annotated[
-        int, doc("per request, unless the dataset sets its own; the budget may lower it"), POSITIVE
+        int,
+        doc("per request, unless the dataset sets its own; the budget may lower it"),
+        REQUEST_COUNT,
     ] = 4096
     # 0 once meant no timeout to aiohttp, and a negative one failed every request.
     connect_timeout_s: Annotated[float, doc("seconds to connect to the server"), POSITIVE] = 5.0
@@ -396,7 +401,9 @@ class InferenceConfig(_Sampling, frozen=True, forbid_unknown_fields=True, kw_onl
         bool, doc("check the server (and `model`) before a run: `/health` or `/v1/models`")
     ] = True
     n: Annotated[
-        int, doc("answers per prompt, for every dataset that does not set its own `n`"), POSITIVE
+        int,
+        doc("answers per prompt, for every dataset that does not set its own `n`"),
+        REQUEST_COUNT,
     ] = 1
     reasoning_end: Annotated[
         str,
@@ -611,7 +618,7 @@ class DatasetConfig(_Sampling, frozen=True, forbid_unknown_fields=True, kw_only=
         str, doc("the field holding the row's id, from which its `prompt_id` is made")
     ] = "id"
     max_new_tokens: Annotated[
-        Annotated[int, POSITIVE] | None, doc("per request (unset: `inference.max_new_tokens`)")
+        Annotated[int, REQUEST_COUNT] | None, doc("per request (unset: `inference.max_new_tokens`)")
     ] = None
     limit: Annotated[int | None, doc("publish at most this many prompts")] = None
     template: Annotated[
@@ -808,9 +815,10 @@ def parse_budget(value: object, key: str = "budget") -> int:
         raise ConfigError(key, f"expected a token count such as 10M or 250k, got {value!r}")
     if number <= 0:
         raise ConfigError(key, f"must be positive, got {value!r}")
-    if number > sizes.COUNT_MAX:
+    if number > sizes.MAX_TOKENS:
         raise ConfigError(
-            key, f"must be at most {sizes.COUNT_MAX:,} (the events' 64-bit integers), got {value!r}"
+            key,
+            f"must be at most {sizes.MAX_TOKENS:,} (the events' 64-bit integers), got {value!r}",
         )
     return number
 
@@ -871,7 +879,8 @@ def _from_msgspec(
         kind, op, limit = bound.group(1), bound.group(2), float(bound.group(3))
         # msgspec says an integer's gt=0 as >= 1
         positive = (op, limit) == (">", 0) or (kind, op, limit) == ("int", ">=", 1)
-        words = "positive" if positive else f"{op} {limit:g}"
+        shown = f"{int(limit):,}" if limit.is_integer() else f"{limit:g}"
+        words = "positive" if positive else f"{op} {shown}"
         return ConfigError(key, f"must be {words}, got {_given(data, key)}", source=source)
     values = _literal_values(key)
     if values:
@@ -896,7 +905,7 @@ def _given(data: Mapping[str, Any] | None, key: str) -> str:
 def _check_numbers(section: msgspec.Struct, key: str, source: str) -> None:
     """Every float key finite and every integer within the events' range, in every
     section and table: NaN passes every comparison and inf every lower bound (a
-    timeout of inf never fires), and an integer past :data:`sizes.COUNT_MAX` is
+    timeout of inf never fires), and an integer past :data:`sizes.MAX_TOKENS` is
     refused by the events' readers later (a budget over it leaves its dataset with
     none). Free-form tables (``extra_body``) go to the server as they are."""
     for name in section.__struct_fields__:
@@ -909,10 +918,10 @@ def _check_numbers(section: msgspec.Struct, key: str, source: str) -> None:
                 _check_numbers(item, at, source)
             elif isinstance(item, float) and not math.isfinite(item):
                 raise ConfigError(at, f"must be a finite number, got {item}", source=source)
-            elif isinstance(item, int) and abs(item) > sizes.COUNT_MAX:
+            elif isinstance(item, int) and abs(item) > sizes.MAX_TOKENS:
                 raise ConfigError(
                     at,
-                    f"must be within ±{sizes.COUNT_MAX:,} (the events' 64-bit integers), "
+                    f"must be within ±{sizes.MAX_TOKENS:,} (the events' 64-bit integers), "
                     f"got {item:,}",
                     source=source,
                 )

@@ -40,9 +40,12 @@ PROMPT_EVENT_BYTES = MESSAGE_BYTES // 2
 DEFAULT_PROMPT_BYTES = 1 * MiB
 #: characters of a bad row kept in its dead letter
 EXCERPT_CHARS = 2000
-#: the largest count an event may carry (a 64-bit integer, as msgpack and Arrow hold
-#: it): a budget or any other integer of the config past it is refused where it enters
-COUNT_MAX = 2**63 - 1
+#: budgets and totals: the largest count an event carries, what int64 (Parquet, msgpack)
+#: holds; the events' decoders refuse more, and the config any integer past it
+MAX_TOKENS = 2**63 - 1
+#: one request's counts and lengths (its max_new_tokens, a server's concurrency), as
+#: wide as a token id: the events' decoders refuse more, and so does the config
+MAX_COUNT = 2**31 - 1
 
 #: ``[kafka] compression``: what every producer of ours compresses its batches with
 Compression = Literal["zstd", "lz4", "gzip", "none"]

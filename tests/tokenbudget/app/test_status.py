@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -21,6 +20,7 @@ from tokenbudget.app.status import (
 )
 from tokenbudget.cli import build_parser
 from tokenbudget.streams import events as ev
+from tokenbudget.streams.budget_board import BudgetBoard
 
 
 def snap(dataset: str, at: float, tokens: int, **kw: object) -> ev.LedgerSnapshot:
@@ -246,10 +246,18 @@ def events_on_the_topic() -> list[ev.Event]:
 
 
 class TopicWatcher:
-    """The budgets topic, as :class:`BudgetWatcher` reads it to ``status``."""
+    """The job's topics, as :class:`BudgetWatcher` reads them to ``status`` and
+    ``servers list``."""
 
-    def __init__(self, bootstrap: str, topics: object, board: TrackingBoard) -> None:
-        self.board = board
+    def __init__(
+        self,
+        bootstrap: str,
+        topics: object,
+        board: BudgetBoard | None = None,
+        *,
+        fleet_reports: bool = False,
+    ) -> None:
+        self.board = board or BudgetBoard()
         self.caught_up = asyncio.Event()
 
     async def start(self) -> None:
@@ -315,11 +323,7 @@ def test_servers_list_prints_urls_read_from_the_topic_with_escapes_visible(
     from tokenbudget.app import servers
     from tokenbudget.core.config import build
 
-    def read_to_end(bootstrap: str, topic: str, apply: Callable[[ev.Event], None]) -> None:
-        for event in events_on_the_topic():
-            apply(event)
-
-    monkeypatch.setattr(servers, "read_to_end", read_to_end)
+    monkeypatch.setattr(servers, "BudgetWatcher", TopicWatcher)
     text = servers.listing(build({}, environ={}), "k:9092", as_json=False)
     assert "\x1b" not in text and "http://gpu9:1/\\x1b[31m[red]x" in text
     tracker = servers.FleetTracker()

@@ -972,12 +972,15 @@ def test_nan_and_inf_written_in_toml_or_the_environment_are_refused_too(tmp_path
         ("inference.health_interval_s", 0.0, "must be positive, got 0.0"),
         ("inference.servers[0].concurrency", -1, "must be positive, got -1"),
         ("kafka.local_port", 0, "must be positive, got 0"),
-        ("kafka.local_controller_port", 70_000, "must be <= 65535, got 70000"),
+        ("kafka.local_controller_port", 70_000, "must be <= 65,535, got 70000"),
         ("metrics.port", -1, "must be >= 0, got -1"),
         ("kafka.prompt_retention_ms", 0, "must be positive, or -1 for forever; got 0"),
         ("datasets[0].max_new_tokens", -5, "must be positive, got -5"),
         ("datasets[0].max_new_tokens", 0, "must be positive, got 0"),
-        ("inference.max_new_tokens", 2**63, "within ±9,223,372,036,854,775,807"),
+        ("inference.max_new_tokens", 2**31, "must be <= 2,147,483,647, got 2147483648"),
+        ("datasets[0].max_new_tokens", 2**31, "must be <= 2,147,483,647, got 2147483648"),
+        ("inference.servers[0].concurrency", 2**31, "must be <= 2,147,483,647"),
+        ("budget.lease_tokens", 2**63, "within ±9,223,372,036,854,775,807"),
     ],
 )
 def test_a_size_or_count_that_cannot_work_is_refused_naming_it(
@@ -992,7 +995,7 @@ def test_a_budget_past_the_events_range_is_refused_naming_it(budget: object) -> 
     error = config_error({"datasets": [dataset(budget=budget)]})
     assert error.key == "datasets[0].budget" and "9,223,372,036,854,775,807" in str(error)
     largest = build({"datasets": [dataset(budget=2**63 - 1)]}, environ=NO_ENV)
-    assert largest.datasets[0].budget == sizes.COUNT_MAX == 2**63 - 1
+    assert largest.datasets[0].budget == sizes.MAX_TOKENS == 2**63 - 1
 
 
 # ---- URLs hold nothing secret: they are shown in logs, metrics, events and status -----
