@@ -35,7 +35,11 @@ the same ids on every run, in any order (``order``, ``shuffle_seed``:
 Bad rows raise :class:`DatasetError` naming file and line, with an excerpt of the
 row for its dead letter; :func:`read_prompts` either skips them (reporting each
 through ``on_bad_row``) or stops, per config. A prompt over ``max_prompt_bytes`` of
-UTF-8 (or ``max_prompt_tokens`` once templated) is a bad row too.
+UTF-8 (or ``max_prompt_tokens`` once templated) is a bad row too, and so is a row the
+readers refuse before any rule sees it: a JSONL line over :data:`ROW_BYTES` (found
+by its length: never held whole), one nested deeper than :data:`MAX_ROW_DEPTH`, and
+any row whose parsing or conversion raised (a 5,000-digit number, a Parquet date
+past the year 9999): whatever went wrong, only that row is lost.
 Before a job starts, :func:`check_datasets` reads the first rows of every dataset
 and stops with the config key to fix when a dataset cannot work at all.
 """
@@ -51,7 +55,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, BinaryIO, Literal
 
 import pyarrow.parquet as pq
 from msgspec.structs import replace as msgspec_replace
@@ -203,8 +207,12 @@ def parse_tools(row: Any, path: str, line: int) -> list[dict[str, Any]] | None:
     if isinstance(value, str):
         try:
             value = json.loads(value) if value.strip() else None
-        except json.JSONDecodeError as exc:
+        except RecursionError:
+            value = _TOO_DEEP
+        except ValueError as exc:
             raise DatasetError(path, f"'tools' is not valid JSON: {exc}", line=line) from None
+        if value is _TOO_DEEP or _deeper_than(value, MAX_ROW_DEPTH):
+            raise DatasetError(path, f"'tools' {TOO_DEEP}", line=line)
     if value is None or value == []:
         return None
     if not isinstance(value, list) or not all(isinstance(tool, dict) for tool in value):
@@ -398,46 +406,181 @@ class DatasetReader(ABC):
     def rows(self) -> Iterator[tuple[int, Any | DatasetError]]: ...
 
 
+# A JSONL line longer than this is a bad row found by its length, never parsed: what
+# a row gives its prompt event (prompt, id, kept columns, tools) takes at most
+# PROMPT_EVENT_BYTES once the event is encoded, and a file may write each of those
+# bytes as a JSON escape of up to six ("\u0041" for "A"), so a longer line cannot
+# give an event that fits unless most of it is fields the job never reads (drop those).
+ROW_BYTES = 6 * sizes.PROMPT_EVENT_BYTES
+# Deeper rows are bad rows: parsers, encoders and the event decoders that read a row's
+# values again (kept columns, tools) recurse once per level, and real rows (chat
+# turns, tool schemas) nest a dozen levels at most.
+MAX_ROW_DEPTH = 64
+TOO_DEEP = f"nested more than {MAX_ROW_DEPTH} deep; flatten the row or drop it"
+_TOO_DEEP = object()  # what a value nested past the parser's recursion limit reads as
+# What a line is read in, so that one over ROW_BYTES is never held whole.
+_PIECE_BYTES = 1024 * 1024
+
+
 class JsonlReader(DatasetReader):
+    """Lines are read in bounded pieces: one over :data:`ROW_BYTES` is a bad row
+    and its remainder is passed over unread into memory; a line that cannot be
+    parsed, or nests deeper than :data:`MAX_ROW_DEPTH`, is a bad row, whatever the
+    parser raised."""
+
     def rows(self) -> Iterator[tuple[int, Any | DatasetError]]:
         try:
             handle = self.path.open("rb")
         except OSError as exc:
             raise DatasetError(str(self.path), f"cannot open: {exc.strerror}") from exc
         with handle:
-            for number, raw in enumerate(handle, start=1):
-                if not raw.strip():
-                    continue
-                try:
-                    yield number, json.loads(raw)
-                except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                    yield (
-                        number,
-                        DatasetError(
-                            str(self.path),
-                            f"not valid JSON: {exc}",
-                            line=number,
-                            excerpt=sizes.excerpt(raw.decode("utf-8", "replace").rstrip("\n")),
-                            size=len(raw),
-                        ),
-                    )
+            number = 0
+            while line := _bounded_line(handle):
+                number += 1
+                if len(line) - line.endswith(b"\n") > ROW_BYTES:
+                    yield number, self._too_long(line, handle, number)
+                elif line.strip():
+                    yield number, self._parsed(line, number)
+
+    def _parsed(self, raw: bytearray, number: int) -> Any | DatasetError:
+        try:
+            row = json.loads(raw)
+        except RecursionError:
+            message = TOO_DEEP
+        except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError, 5,000-digit ints
+            message = f"not valid JSON: {exc}"
+        except Exception as exc:  # MemoryError and the like: still this row's problem
+            message = f"cannot be parsed: {type(exc).__name__}: {exc}"
+        else:
+            if not (_may_nest(raw) and _deeper_than(row, MAX_ROW_DEPTH)):
+                return row
+            message = TOO_DEEP
+        text = raw.decode("utf-8", "replace").rstrip("\n")
+        return DatasetError(
+            str(self.path), message, line=number, excerpt=sizes.excerpt(text), size=len(raw)
+        )
+
+    def _too_long(self, head: bytearray, handle: BinaryIO, number: int) -> DatasetError:
+        """The bad row of a line over :data:`ROW_BYTES` (``head``: what was read of
+        it), its remainder read past and dropped piece by piece."""
+        size = len(head)
+        while not head.endswith(b"\n") and (piece := handle.readline(_PIECE_BYTES)):
+            size += len(piece)
+            if piece.endswith(b"\n"):
+                break
+        shown = head[: sizes.EXCERPT_CHARS].decode("utf-8", "ignore")
+        return DatasetError(
+            str(self.path),
+            f"the line is {size:,} bytes, over the {ROW_BYTES:,} a row may take (six times "
+            f"the {sizes.PROMPT_EVENT_BYTES:,} of its prompt event); split the row, or drop "
+            "the fields the job does not read",
+            line=number,
+            excerpt=f"{shown}... (the rest of its {size:,} bytes not read)",
+            size=size,
+        )
+
+
+def _bounded_line(handle: BinaryIO) -> bytearray:
+    """The next line, or as much of it as goes past :data:`ROW_BYTES` (empty at the
+    end of the file), read in pieces so that no more is ever held."""
+    line = bytearray()
+    while len(line) <= ROW_BYTES and (piece := handle.readline(_PIECE_BYTES)):
+        line += piece
+        if line.endswith(b"\n"):
+            break
+    return line
+
+
+def _may_nest(raw: bytearray) -> bool:
+    """Whether a line holds enough brackets to nest past :data:`MAX_ROW_DEPTH` (the
+    common row does not, and is not walked)."""
+    return raw.count(b"[") + raw.count(b"{") > MAX_ROW_DEPTH
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    """Whether ``value`` (parsed JSON) nests lists and objects more than ``limit``
+    deep; walked without recursion. (Parquet and Hugging Face rows need no walk:
+    pyarrow refuses a Parquet schema nested past 49 lists, and ``datasets`` one past
+    about 60, both under :data:`MAX_ROW_DEPTH`, and such a file is unreadable.)"""
+    stack = [(value, 1)] if isinstance(value, (dict, list)) else []
+    while stack:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node
+        for child in children:
+            if isinstance(child, (dict, list)):
+                if depth >= limit:
+                    return True
+                stack.append((child, depth + 1))
+    return False
+
+
+def _batch_rows(
+    name: str,
+    before: int,
+    count: int,
+    whole: Callable[[], list[Any]],
+    one: Callable[[int], Any],
+) -> Iterator[tuple[int, Any | DatasetError]]:
+    """The rows of a batch of a table (rows ``before + 1`` on), converted to Python
+    at once, or one by one when that fails (``one(i)``: its row ``i``), so that a
+    value Python cannot hold (a date past the year 9999) is a bad row with its
+    number, not the end of the reader."""
+    try:
+        rows: list[Any] | None = whole()
+    except Exception:
+        rows = None
+    if rows is not None and len(rows) != count:
+        rows = None
+    for i in range(count):
+        number = before + i + 1
+        if rows is not None:
+            yield number, rows[i]
+            continue
+        try:
+            row = one(i)
+        except Exception as exc:
+            row = _as_row_error(exc, name, number)
+        yield number, row
+
+
+def _row_of(batch: Any) -> Callable[[int], Any]:
+    """Row ``i`` of a record batch, converted alone."""
+
+    def one(i: int) -> Any:
+        return batch.slice(i, 1).to_pylist()[0]
+
+    return one
 
 
 class ParquetReader(DatasetReader):
     def rows(self) -> Iterator[tuple[int, Any | DatasetError]]:
         try:
             parquet = pq.ParquetFile(self.path)
-        except (OSError, ValueError) as exc:
+        except Exception as exc:  # OSError, ArrowInvalid, a schema nested too deep
             raise DatasetError(str(self.path), f"cannot read as Parquet: {exc}") from exc
         number = 0
-        for batch in parquet.iter_batches(batch_size=1024):
-            for row in batch.to_pylist():
-                number += 1
-                yield number, row
+        batches = parquet.iter_batches(batch_size=1024)
+        while True:
+            try:
+                batch = next(batches, None)
+            except (OSError, ValueError) as exc:  # a corrupt page: the rest is unreadable
+                raise DatasetError(
+                    str(self.path), f"cannot read past row {number:,}: {exc}"
+                ) from exc
+            if batch is None:
+                return
+            yield from _batch_rows(
+                self.name, number, batch.num_rows, batch.to_pylist, _row_of(batch)
+            )
+            number += batch.num_rows
 
 
 class SplitError(DatasetError):
     """A saved Hugging Face dataset has no such split, or needs one chosen."""
+
+
+# Rows of a saved Hugging Face dataset converted at once.
+_HF_BATCH = 1024
 
 
 class HFDiskReader(DatasetReader):
@@ -461,7 +604,7 @@ class HFDiskReader(DatasetReader):
         datasets = require("datasets", f"{self.path}: format 'hf'")
         try:
             loaded = datasets.load_from_disk(str(self.path))
-        except (FileNotFoundError, OSError, ValueError) as exc:
+        except Exception as exc:  # OSError, ValueError, RecursionError of a deep schema
             raise DatasetError(
                 str(self.path), f"cannot load with datasets.load_from_disk: {exc}"
             ) from exc
@@ -485,7 +628,27 @@ class HFDiskReader(DatasetReader):
 
     def rows(self) -> Iterator[tuple[int, Any | DatasetError]]:
         dataset = self._load()
-        yield from enumerate(dataset, start=1)
+        for start in range(0, len(dataset), _HF_BATCH):
+            count = min(_HF_BATCH, len(dataset) - start)
+            yield from _batch_rows(self.name, start, count, *_hf_batch(dataset, start, count))
+
+
+def _hf_batch(
+    dataset: Any, start: int, count: int
+) -> tuple[Callable[[], list[Any]], Callable[[int], Any]]:
+    """The rows ``start``.. of a Hugging Face dataset, all at once and one at a time."""
+
+    def whole() -> list[Any]:
+        columns = dataset[start : start + count]
+        return [
+            dict(zip(columns, values, strict=True))
+            for values in zip(*columns.values(), strict=True)
+        ]
+
+    def one(i: int) -> Any:
+        return dataset[start + i]
+
+    return whole, one
 
 
 def _is_hf_folder(path: Path) -> bool:
@@ -541,6 +704,12 @@ def _with_excerpt(exc: DatasetError, row: Any) -> DatasetError:
     return exc
 
 
+def _as_row_error(exc: Exception, name: str, line: int) -> DatasetError:
+    if isinstance(exc, DatasetError):
+        return exc
+    return DatasetError(name, f"cannot be read: {type(exc).__name__}: {exc}", line=line)
+
+
 def _in_file_order(
     dataset: str,
     reader: DatasetReader,
@@ -562,10 +731,11 @@ def _in_file_order(
                 [(-1, messages)] if messages is None else select_turns(messages, turns, name, line)
             )
             tools = parse_tools(row, name, line)
-        except DatasetError as exc:
+        except Exception as exc:  # a DatasetError, or what no rule foresaw: this row only
+            error = _with_excerpt(_as_row_error(exc, name, line), row)
             if on_bad_row is None:
-                raise
-            on_bad_row(_with_excerpt(exc, row))
+                raise error from (None if error is exc else exc)
+            on_bad_row(error)
             continue
         identity = f"id:{row_id}" if row_id is not None else _content_identity(text, messages)
         seen = occurrences.get(identity, 0)

@@ -33,7 +33,9 @@ Contract, for the steps of a prompt's path:
   reports how the request went (:meth:`Visit.failed`, :meth:`Visit.succeeded`) and
   frees the place on every path (:meth:`Visit.done`, which the answer calls first);
 * :meth:`Fleet.apply` takes a change read on the budgets topic (every dispatcher of
-  the namespace reads the same changes, so they drive the same fleet);
+  the namespace reads the same changes, so they drive the same fleet); a server
+  added that the config does not take is refused with one line, the fleet as it
+  was, and an added server gets no key unless the change names one the config names;
 * ``on_capacity`` hears how many requests the fleet can take at once whenever that
   changes (the dispatcher's places follow it), ``on_idle`` that no server is up any
   more (idle leases go back to the ledger), ``on_outage`` that the fleet is out.
@@ -52,9 +54,14 @@ from collections.abc import Awaitable, Callable, Collection, Iterable
 from typing import Protocol
 
 from tokenbudget.core import metrics
-from tokenbudget.core.config import Config, RoutingPolicy
+from tokenbudget.core.config import Config, RoutingPolicy, check_added_server, in_clear
 from tokenbudget.core.config import Server as ServerSpec
-from tokenbudget.core.errors import InferenceError, InferenceTransportError, ServerOutageError
+from tokenbudget.core.errors import (
+    ConfigError,
+    InferenceError,
+    InferenceTransportError,
+    ServerOutageError,
+)
 from tokenbudget.producers import routing
 from tokenbudget.producers.http import HttpClient, Timeouts
 from tokenbudget.producers.inference import (
@@ -62,6 +69,7 @@ from tokenbudget.producers.inference import (
     GenerationResult,
     InferenceBackend,
     RetryPolicy,
+    api_key_of,
     backend_for_server,
 )
 from tokenbudget.producers.server_gate import GateSettings, ServerGate
@@ -367,6 +375,21 @@ class Server:
             self._shown = state
 
 
+def say_key_in_clear(spec: ServerSpec, warned: set[str]) -> None:
+    """One line, once per server (``warned``: those told): its key would go over plain
+    http to a host off this machine."""
+    if spec.url in warned or not in_clear(spec.url) or api_key_of(spec) is None:
+        return
+    warned.add(spec.url)
+    log.warning(
+        "the inference server %s is sent its key ($%s) over plain http, readable on the "
+        "way: use https://, or reach it through a loopback address (an SSH tunnel: ssh -L "
+        "PORT:127.0.0.1:PORT HOST, then http://127.0.0.1:PORT)",
+        spec.url,
+        spec.api_key_env,
+    )
+
+
 class Fleet:
     """The servers one dispatcher drives (see the module's docstring). ``open_server``
     makes the server of a URL added at run time (None: none can be added);
@@ -391,8 +414,10 @@ class Fleet:
         self._was_up = True
         self._dropped: set[str] = set()
         self._closing: set[asyncio.Task[None]] = set()
-        # [inference]'s concurrency and key env, for servers added at run time
-        self.defaults: tuple[int, str] = (64, "")
+        # The job's config: which servers added at run time it takes, and what they
+        # take from it (None: any, at 64 requests in flight, without a key).
+        self.config: Config | None = None
+        self.warned: set[str] = set()  # servers told their key crosses in clear
         self.on_capacity: Callable[[int], None] | None = None
         self.on_idle: Callable[[], Awaitable[None]] | None = None
         self.on_outage: Callable[[], None] | None = None
@@ -424,6 +449,7 @@ class Fleet:
         fleet: Fleet
 
         def open_server(spec: ServerSpec) -> Server:
+            say_key_in_clear(spec, fleet.warned)
             client = HttpClient(spec.concurrency, timeouts, inference.max_reply_bytes)
             backend = factory(client, spec)
             return Server(
@@ -431,7 +457,7 @@ class Fleet:
             )
 
         fleet = cls(open_server=open_server, policy=POLICIES[inference.routing]())
-        fleet.defaults = (inference.concurrency, inference.api_key_env)
+        fleet.config = config
         for spec in config.servers:
             fleet._join(open_server(spec))
         return fleet
@@ -515,7 +541,9 @@ class Fleet:
     # ---- the fleet's changes ----------------------------------------------------------
 
     def apply(self, event: ev.ServerAdded | ev.ServerDrained) -> None:
-        """A change read on the budgets topic (``tokenbudget servers add|drain``)."""
+        """A change read on the budgets topic (``tokenbudget servers add|drain``). An
+        added server the config does not take (:func:`check_added_server`) is refused
+        with one line, and the fleet stays as it was."""
         server = self.servers.get(event.url)
         if isinstance(event, ev.ServerDrained):
             if server is not None and not server.draining:
@@ -524,13 +552,11 @@ class Fleet:
                 )
                 server.drain()
             return
-        concurrency, key_env = self.defaults
-        spec = ServerSpec(
-            url=event.url,
-            concurrency=event.concurrency or (server.spec.concurrency if server else concurrency),
-            api_key_env=event.api_key_env if event.api_key_env is not None else key_env,
-            weight=event.weight or (server.spec.weight if server else 1.0),
-        )
+        try:
+            spec = self._added(event, server)
+        except ConfigError as exc:
+            log.warning("a server added at run time is refused (%s): %s", event.by or "?", exc)
+            return
         if server is not None and server.state != "dropped":
             if server.draining:
                 log.warning("the inference server %s is back in the fleet", event.url)
@@ -544,6 +570,26 @@ class Fleet:
         joined = self._open_server(spec)
         self._join(joined)
         joined.gate.down(InferenceTransportError("added: not probed yet"))
+
+    def _added(self, event: ev.ServerAdded, server: Server | None) -> ServerSpec:
+        """The settings of a server added at run time: the event's, else those it had
+        (else ``[inference]``'s concurrency). Its key is only the one the event names,
+        or a configured server's own: never another server's because the event names
+        none. Raises ConfigError when the config does not take it."""
+        configured = None
+        concurrency = 64
+        if self.config is not None:
+            check_added_server(self.config, event.url, event.api_key_env)
+            configured = next((s for s in self.config.servers if s.url == event.url), None)
+            concurrency = self.config.inference.concurrency
+        before = server.spec if server is not None else configured
+        key_env = configured.api_key_env if configured is not None else ""
+        return ServerSpec(
+            url=event.url,
+            concurrency=event.concurrency or (before.concurrency if before else concurrency),
+            api_key_env=key_env if event.api_key_env is None else event.api_key_env,
+            weight=event.weight or (before.weight if before else 1.0),
+        )
 
     async def start(self) -> None:
         """Probe every server once: those that do not answer start paused."""

@@ -36,6 +36,7 @@ from typing import Annotated, Any, Literal, overload
 import msgspec
 import numpy as np
 
+from tokenbudget.core import sizes
 from tokenbudget.core.config import Unit as BudgetUnit
 from tokenbudget.core.errors import DatasetError, EventDecodeError
 from tokenbudget.core.names import DATASET_NAME_PATTERN, MAX_DATASET_NAME
@@ -57,8 +58,8 @@ PROMPT_VERSIONS = frozenset({1, 2})
 # (EventDecodeError, a dead letter), never applied. Events come from anyone who can
 # write a topic: a count, budget or epoch out of range would overflow a Parquet
 # int64 or the ledger's msgpack, a negative one be added back to a balance.
-MAX_TOKENS = 2**63 - 1  # budgets and totals: what int64 (Parquet, msgpack) holds
-MAX_COUNT = 2**31 - 1  # one request's counts and lengths, as wide as a token id
+MAX_TOKENS = sizes.MAX_TOKENS  # budgets and totals: what int64 (Parquet, msgpack) holds
+MAX_COUNT = sizes.MAX_COUNT  # one request's counts and lengths, as wide as a token id
 MAX_ID = 512  # characters of an id: prompt, request, lease, holder
 MAX_TTL_S = 86_400.0
 MAX_AT = 1e10  # seconds since 1970: the year 2286

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import subprocess
 import time
+import zlib
 from pathlib import Path
 
 import pytest
@@ -249,3 +250,64 @@ def test_every_server_away_past_the_timeout_ends_the_run_in_one_line_and_a_rerun
     outcomes = outcome_records(kafka_bootstrap, Topics(namespace))
     verdict = oracle.judge(tmp_path / "out", [s.log for s in sims], jobs, outcomes)
     assert_exact(verdict, jobs)
+
+
+@pytest.mark.timeout(300)
+def test_a_server_added_without_a_key_variable_is_sent_no_key_and_one_naming_another_is_refused(
+    tmp_path: Path, kafka_bootstrap: str, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    kafka_admin.ensure_topics(kafka_bootstrap, Topics(namespace).specs())
+    monkeypatch.setenv("TOKENBUDGET_API_KEY", "the-jobs-main-key")  # run inherits it
+    monkeypatch.setenv("OTHER_SECRET", "not-for-servers")
+    jobs = {"code": (rows(tmp_path / "code.jsonl", "#code", 60), 30_000)}
+    configured = start_simulator(tmp_path, "--tokens-per-second", "150", name="configured")
+    added = start_simulator(tmp_path, "--tokens-per-second", "150", name="added")
+    config = write_job(
+        tmp_path,
+        kafka_bootstrap,
+        namespace,
+        [configured.url],
+        jobs,
+        inference={"concurrency": CONCURRENCY},
+    )
+    watch = Watch(kafka_bootstrap, namespace)
+    log = tmp_path / "run.out"
+    run = start_run(config, log=log)
+    try:
+        wait_until(lambda: kept_tokens(watch) >= 6_000 or run.poll() is not None, "a start")
+        assert run.poll() is None, log.read_text()[-3000:]
+        # Naming a variable the config does not name: refused before it is published.
+        refused = subprocess.run(
+            cli_command(
+                "servers",
+                "add",
+                "http://127.0.0.1:9",
+                "--api-key-env",
+                "OTHER_SECRET",
+                "--config",
+                str(config),
+            ),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert refused.returncode == 2
+        assert "inference.added_server_keys" in refused.stderr and "$OTHER_SECRET" in refused.stderr
+        servers_command(config, "add", added.url)  # no --api-key-env
+        assert run.wait(240) == 0, log.read_text()[-3000:]
+    finally:
+        end_run(run)
+        watch.close()
+        configured.stop()
+        added.stop()
+    outcomes = outcome_records(kafka_bootstrap, Topics(namespace))
+    verdict = oracle.judge(tmp_path / "out", [configured.log, added.log], jobs, outcomes)
+    assert_exact(verdict, jobs)
+    # What each server received, from its own log: the configured one the job's key,
+    # the added one none at all.
+    main_key = zlib.crc32(b"Bearer the-jobs-main-key")
+    assert {r["authorization_crc"] for r in requests(configured)} == {main_key}
+    assert answered(added), "the added server got no request"
+    assert {r["authorization_crc"] for r in requests(added)} == {0}
+    adds = [e for e in fleet_events(kafka_bootstrap, namespace) if isinstance(e, ev.ServerAdded)]
+    assert [(e.url, e.api_key_env) for e in adds] == [(added.url, None)]

@@ -127,6 +127,55 @@ def test_with_on_bad_row_fail_the_run_stops_with_one_line_naming_dataset_line_an
     assert letter.source == f"{data}:3"
 
 
+HUGE_LINE = 200_000_000  # bytes: a line no row may be, written as a sparse file
+
+
+def hostile_rows(path: Path) -> list[str]:
+    """Ordinary rows, with a 200 MB line as the third line and a row nested 10,000
+    deep as the sixth."""
+    ordinary = [f"#short hostile task {i}" for i in range(6)]
+    lines = [json.dumps({"prompt": text}).encode() + b"\n" for text in ordinary]
+    with path.open("wb") as handle:
+        for number, line in enumerate(lines, start=1):
+            if number == 3:
+                handle.write(b'{"prompt": "HUGE ')
+                handle.seek(HUGE_LINE - len(b'{"prompt": "HUGE ') - len(b'"}\n'), 1)
+                handle.write(b'"}\n')
+            if number == 5:
+                handle.write(b'{"prompt": "DEEP", "x": ' + b"[" * 10_000 + b"]" * 10_000 + b"}\n")
+            handle.write(line)
+    return ordinary
+
+
+@pytest.mark.timeout(600)
+def test_a_200_mb_line_and_a_row_nested_10000_deep_are_bad_rows_and_the_rest_is_answered(
+    tmp_path: Path, kafka_bootstrap: str, namespace: str
+) -> None:
+    data = tmp_path / "hostile.jsonl"
+    ordinary = hostile_rows(data)
+    server = start_simulator(tmp_path, "--tokens-per-second", "100000")
+    try:
+        config = write_job(
+            tmp_path, kafka_bootstrap, namespace, server.url, {"hostile": (data, 1_000_000)}
+        )
+        done = run_job(config)
+    finally:
+        server.stop()
+
+    assert done.returncode == 0, done.stderr[-3000:]
+    heads = served_heads(server.log)  # the server's own account
+    assert sorted(heads) == sorted(ordinary)
+    kept = read_rows(tmp_path / "out").to_pylist()
+    assert sorted(row["prompt"] for row in kept) == sorted(ordinary)
+    huge, deep = sorted(dead_letters(kafka_bootstrap, namespace), key=lambda d: d.source)
+    assert (huge.source, huge.size) == (f"{data}:3", HUGE_LINE)
+    assert "a row may take" in huge.reason and len(huge.payload) < 10_000
+    assert deep.source == f"{data}:6" and "nested more than 64 deep" in deep.reason
+    report = json.loads(done.stdout)
+    assert report["datasets"]["hostile"]["bad_rows"] == 2
+    assert report["datasets"]["hostile"]["samples"] == len(ordinary)
+
+
 def long_rows(path: Path, count: int, prompt_bytes: int) -> None:
     """``count`` prompts of about ``prompt_bytes`` of words each."""
     with path.open("w") as handle:

@@ -239,6 +239,28 @@ def test_hf_bad_folder_and_bad_row(tmp_path: Path) -> None:
     assert f"{folder}:2" in str(info.value)
 
 
+def test_an_hf_value_python_cannot_hold_is_a_bad_row_and_the_reader_goes_on(
+    tmp_path: Path,
+) -> None:
+    import datasets
+    import pyarrow as pa
+
+    count = 1030  # two batches of the reader; the bad row in the second
+    days = [0] * count
+    days[1025] = 2**31 - 1  # row 1,026: past the year 9999
+    table = pa.table(
+        {"prompt": [f"p{i}" for i in range(count)], "day": pa.array(days, pa.date32())}
+    )
+    folder = tmp_path / "hf"
+    datasets.Dataset(datasets.table.InMemoryTable(table)).save_to_disk(str(folder))
+    reported: list[DatasetError] = []
+    got = read(folder, format="hf", on_bad_row=reported.append)
+    assert len(got) == count - 1 and got[-1].source == f"{folder}:{count}"
+    assert [r.text for r in got[1024:1026]] == ["p1024", "p1026"]
+    (bad,) = reported
+    assert bad.where == f"{folder}:1026" and "OverflowError" in bad.message
+
+
 def test_a_folder_is_only_read_as_hf(tmp_path: Path) -> None:
     with pytest.raises(DatasetError, match="Hugging Face"):
         reader_for(tmp_path)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,14 @@ import pytest
 
 from tokenbudget.core import sizes
 from tokenbudget.core.errors import DatasetError
-from tokenbudget.producers.datasets import PromptRow, read_prompts, reader_for, stable_prompt_id
+from tokenbudget.producers.datasets import (
+    MAX_ROW_DEPTH,
+    ROW_BYTES,
+    PromptRow,
+    read_prompts,
+    reader_for,
+    stable_prompt_id,
+)
 from tokenbudget.streams.events import ChatMessage
 
 ROWS: list[dict[str, Any]] = [
@@ -365,3 +373,80 @@ def test_a_templated_prompt_over_max_prompt_tokens_is_a_bad_row(tmp_path: Path) 
     assert bad.line == 2
     assert "5 tokens, over [producer] max_prompt_tokens = 4" in bad.message
     assert bad.excerpt == "a b c d e"
+
+
+# ---- rows bounded before they are parsed, and rows no parser takes -----------------------
+
+
+def test_a_line_over_the_row_limit_is_a_bad_row_found_by_its_length_in_bounded_memory(
+    tmp_path: Path,
+) -> None:
+    line = 200_000_000  # bytes, its newline included
+    path = tmp_path / "d.jsonl"
+    with path.open("wb") as handle:
+        handle.write(b'{"prompt": "before"}\n{"prompt": "')
+        handle.seek(line - len(b'{"prompt": "') - len(b'"}\n'), 1)  # a hole: no disk used
+        handle.write(b'"}\n{"prompt": "after"}\n')
+    reported: list[DatasetError] = []
+    tracemalloc.start()
+    try:
+        rows = read("ds", path, on_bad_row=reported.append)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert [(r.text, r.source) for r in rows] == [("before", f"{path}:1"), ("after", f"{path}:3")]
+    (bad,) = reported
+    assert (bad.line, bad.size) == (2, line)
+    assert f"the line is {line:,} bytes, over the {ROW_BYTES:,} a row may take" in bad.message
+    assert bad.excerpt.startswith('{"prompt": "') and len(bad.excerpt) < sizes.EXCERPT_CHARS + 80
+    assert peak < line // 4, f"{peak:,} bytes held reading a {line:,}-byte line"
+    with pytest.raises(DatasetError, match="a row may take") as info:
+        read("ds", path)  # without the callback it stops the read, at its line
+    assert info.value.line == 2
+
+
+def nested(depth: int) -> str:
+    """A row whose ``deep`` field makes it ``depth`` levels deep, the row's own included."""
+    return '{"prompt": "deep", "deep": ' + "[" * (depth - 1) + "1" + "]" * (depth - 1) + "}"
+
+
+def test_rows_no_parser_takes_are_bad_rows_with_their_line_and_the_reader_goes_on(
+    tmp_path: Path,
+) -> None:
+    deep_tools = json.dumps(nested(10_000))  # the tools as JSON text, nested as deep
+    lines = [
+        '{"prompt": "first"}',
+        nested(10_000),  # RecursionError in the parser
+        nested(MAX_ROW_DEPTH + 1),  # parses, but deeper than any row is let through
+        '{"prompt": "big", "n": ' + "9" * 5000 + "}",  # ValueError: past int's digits
+        '{"prompt": "tools", "tools": ' + deep_tools + "}",
+        nested(MAX_ROW_DEPTH),  # at the limit: a row
+        '{"prompt": "last"}',
+    ]
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    reported: list[DatasetError] = []
+    rows = read("ds", path, on_bad_row=reported.append)
+    assert [(r.text, r.source) for r in rows] == [
+        ("first", f"{path}:1"),
+        ("deep", f"{path}:6"),
+        ("last", f"{path}:7"),
+    ]
+    assert [e.where for e in reported] == [f"{path}:{n}" for n in (2, 3, 4, 5)]
+    too_deep = f"nested more than {MAX_ROW_DEPTH} deep"
+    assert [too_deep in e.message for e in reported] == [True, True, False, True]
+    assert "not valid JSON" in reported[2].message and "digits" in reported[2].message
+    assert all(len(e.excerpt) < sizes.EXCERPT_CHARS + 80 for e in reported)
+
+
+def test_a_parquet_value_python_cannot_hold_is_a_bad_row_and_the_reader_goes_on(
+    tmp_path: Path,
+) -> None:
+    parquet = tmp_path / "d.parquet"
+    days = pa.array([0, 2**31 - 1, 1], pa.date32())  # row 2: past the year 9999
+    pq.write_table(pa.table({"prompt": ["a", "b", "c"], "day": days}), parquet)
+    reported: list[DatasetError] = []
+    rows = read("ds", parquet, on_bad_row=reported.append)
+    assert [(r.text, r.source) for r in rows] == [("a", f"{parquet}:1"), ("c", f"{parquet}:3")]
+    (bad,) = reported
+    assert bad.where == f"{parquet}:2" and "OverflowError" in bad.message

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+from typing import Any
 
 import msgspec
 import pytest
+from aiohttp import web
 
 from tests.producers.test_admission import DS, run, until
 from tests.producers.test_dispatcher_caps import (
@@ -25,12 +28,13 @@ from tests.producers.test_dispatcher_caps import (
 )
 from tokenbudget.core import config as config_module
 from tokenbudget.core.config import Server as ServerSpec
+from tokenbudget.core.config import build
 from tokenbudget.core.errors import (
     InferenceTransportError,
     InferenceUnavailableError,
     ServerOutageError,
 )
-from tokenbudget.producers.fleet import Fleet, Server
+from tokenbudget.producers.fleet import Fleet, Server, say_key_in_clear
 from tokenbudget.producers.http import Timeouts
 from tokenbudget.producers.server_gate import GateSettings
 from tokenbudget.streams import events as ev
@@ -182,7 +186,7 @@ def test_a_server_added_at_run_time_joins_once_it_answers_its_health_check() -> 
             return Server(spec, backend, QUICK, backoff=NO_BACKOFF)
 
         fleet = Fleet(open_server=open_server)
-        fleet.defaults = (4, "")
+        fleet.config = build({"inference": {"concurrency": 4}}, environ={})
         capacities: list[int] = []
         fleet.on_capacity = capacities.append
         fleet.apply(ev.ServerAdded(url="http://a"))  # [inference]'s concurrency: 4
@@ -241,3 +245,142 @@ def test_each_server_s_client_reads_replies_within_the_config_s_limits() -> None
     assert [(c.timeouts, c.max_reply_bytes) for c in clients if c is not None] == [
         (Timeouts(connect=5.0, read=9.0, min_tokens_per_s=7.5), 12_345)
     ] * 2
+
+
+# ---- servers added at run time: which the config takes, and what key they get --------
+
+
+class KeyLog:
+    """Fake servers that answer every request and keep the Authorization header of
+    each, per server: what each server received is the ground truth."""
+
+    def __init__(self) -> None:
+        self.received: dict[str, list[str | None]] = {}
+        self._runners: list[web.AppRunner] = []
+
+    async def start(self, count: int) -> list[str]:
+        urls = []
+        for _ in range(count):
+            app = web.Application()
+            runner = web.AppRunner(app, access_log=None)
+            app.router.add_route("*", "/{tail:.*}", self._handler)
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+            urls.append(f"http://127.0.0.1:{port}")
+            self.received[urls[-1]] = []
+            self._runners.append(runner)
+        return urls
+
+    async def _handler(self, request: web.Request) -> web.Response:
+        self.received[f"http://{request.host}"].append(request.headers.get("Authorization"))
+        return web.json_response({})
+
+    async def stop(self) -> None:
+        for runner in self._runners:
+            await runner.cleanup()
+
+
+class ReadEnviron(dict[str, str]):
+    """The environment, noting every variable read by name."""
+
+    def __init__(self, values: dict[str, str]) -> None:
+        super().__init__(values)
+        self.read: list[str] = []
+
+    def get(self, key: str, default: Any = None) -> Any:  # type: ignore[override]
+        self.read.append(key)
+        return super().get(key, default)
+
+    def __getitem__(self, key: str) -> str:
+        self.read.append(key)
+        return super().__getitem__(key)
+
+
+def test_a_server_added_at_run_time_gets_no_key_unless_its_change_names_one_the_config_names(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    environ = ReadEnviron(
+        {"TOKENBUDGET_API_KEY": "main-key", "GPU_KEY": "gpu-key", "OTHER_SECRET": "other"}
+    )
+    monkeypatch.setattr(os, "environ", environ)
+    servers = KeyLog()
+
+    async def main() -> list[str]:
+        configured, plain, keyed, other = await servers.start(4)
+        config = build(
+            {"inference": {"url": configured, "added_server_keys": ["GPU_KEY"]}}, environ={}
+        )
+        fleet = Fleet.for_config(config)
+        fleet.apply(ev.ServerAdded(url=plain, by="tokenbudget servers add"))
+        fleet.apply(ev.ServerAdded(url=keyed, api_key_env="GPU_KEY"))
+        fleet.apply(ev.ServerAdded(url=other, api_key_env="OTHER_SECRET", by="forged"))
+        assert list(fleet.servers) == [configured, plain, keyed]  # the refused one is not
+        for server in fleet.servers.values():
+            await server.backend.health()
+        await fleet.close()
+        await servers.stop()
+        return [configured, plain, keyed, other]
+
+    with caplog.at_level(logging.WARNING, logger="tokenbudget.producers.fleet"):
+        configured, plain, keyed, other = run(main())
+    assert servers.received == {
+        configured: ["Bearer main-key"],  # a configured server: [inference]'s key
+        plain: [None],  # added without a key variable: none, not [inference]'s
+        keyed: ["Bearer gpu-key"],
+        other: [],
+    }
+    assert "OTHER_SECRET" not in environ.read  # named by an event, never read
+    (refused,) = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+    assert "(forged)" in refused and other in refused and "$OTHER_SECRET" in refused
+    assert "'inference.added_server_keys'" in refused
+
+
+def test_an_added_server_outside_the_configs_prefixes_is_refused_and_the_fleet_stays() -> None:
+    config = build(
+        {
+            "inference": {
+                "servers": [{"url": "http://a:1"}, {"url": "http://b:1"}],
+                "added_servers": ["https://gpu-"],
+            }
+        },
+        environ={},
+    )
+
+    async def main() -> None:
+        fleet = Fleet.for_config(config)
+        fleet.apply(ev.ServerAdded(url="https://cpu-1:30000"))  # outside: refused
+        fleet.apply(ev.ServerAdded(url="http://gpu-1:30000"))  # not https: refused
+        assert list(fleet.servers) == ["http://a:1", "http://b:1"]
+        fleet.apply(ev.ServerAdded(url="https://gpu-1:30000", concurrency=2))  # inside
+        assert fleet.servers["https://gpu-1:30000"].spec.concurrency == 2
+        fleet.apply(ev.ServerDrained(url="http://b:1"))
+        assert fleet.servers["http://b:1"].draining
+        fleet.apply(ev.ServerAdded(url="http://b:1"))  # a configured one comes back
+        assert not fleet.servers["http://b:1"].draining
+        assert list(fleet.servers) == ["http://a:1", "http://b:1", "https://gpu-1:30000"]
+        await fleet.close()
+
+    run(main())
+
+
+def test_a_key_sent_over_plain_http_off_this_machine_is_warned_once_per_server(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("TOKENBUDGET_API_KEY", "main-key")
+    urls = ["http://gpu-a:1", "http://127.0.0.1:2", "http://localhost:3", "https://gpu-c:4"]
+    config = build({"inference": {"servers": [{"url": u} for u in urls]}}, environ={})
+
+    async def main() -> None:
+        fleet = Fleet.for_config(config)
+        fleet.apply(ev.ServerAdded(url="http://gpu-b:5"))  # no key: nothing to warn about
+        fleet.apply(ev.ServerAdded(url="http://gpu-d:6", api_key_env="TOKENBUDGET_API_KEY"))
+        say_key_in_clear(fleet.servers["http://gpu-d:6"].spec, fleet.warned)  # said already
+        await fleet.close()
+
+    with caplog.at_level(logging.WARNING, logger="tokenbudget.producers.fleet"):
+        run(main())
+    warned = [r.getMessage() for r in caplog.records if "plain http" in r.getMessage()]
+    assert [line.split()[3] for line in warned] == ["http://gpu-a:1", "http://gpu-d:6"]
+    assert all("use https://" in line and "SSH tunnel" in line for line in warned)

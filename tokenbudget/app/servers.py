@@ -21,8 +21,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
-from tokenbudget.app.tables import format_table
-from tokenbudget.core.config import Config, check_url
+from tokenbudget.app.tables import format_table, printable
+from tokenbudget.core.config import Config, check_added_server
 from tokenbudget.core.errors import ConfigError
 from tokenbudget.core.tasks import cancel_and_wait
 from tokenbudget.streams import events as ev
@@ -43,7 +43,12 @@ def start_table(checks: Sequence[ServerCheck]) -> str:
     """``tokenbudget: 3 inference servers, 2 up`` and a line per server."""
     up = sum(check.up for check in checks)
     rows = [
-        [c.url, "up" if c.up else "down", ", ".join(c.models) or "-", c.problem or "-"]
+        [
+            c.url,
+            "up" if c.up else "down",
+            printable(", ".join(c.models)) or "-",  # as the server named them
+            printable(c.problem) or "-",
+        ]
         for c in checks
     ]
     head = f"tokenbudget: {len(checks)} inference server(s), {up} up"
@@ -144,7 +149,7 @@ HEADERS = ["server", "state", "in flight", "window", "requests", "tokens", "toke
 def cells(row: ServerRow) -> list[str]:
     window = f"{row.limit:,}/{row.concurrency:,}" if row.concurrency else "-"
     return [
-        row.url,
+        printable(row.url),  # as a change on the topic wrote it
         row.state,
         f"{row.in_flight:,}",
         window,
@@ -165,7 +170,7 @@ def table(rows: Sequence[ServerRow]) -> str:
 def progress_line(row: ServerRow) -> str:
     """``server http://gpu1:30000: up, 128/128 in flight, 5,120 tokens/s, 3 errors``."""
     return (
-        f"server {row.url}: {row.state}, {row.in_flight:,}/{row.limit:,} in flight, "
+        f"server {printable(row.url)}: {row.state}, {row.in_flight:,}/{row.limit:,} in flight, "
         f"{row.tokens_per_s:,.0f} tokens/s, {row.errors:,} errors"
     )
 
@@ -176,8 +181,8 @@ def state_line(row: ServerRow, before: str) -> str | None:
     if row.state == before or row.state == "-" or (row.state == "up" and before == "-"):
         return None
     if row.state == "up":
-        return f"server {row.url}: up again"
-    return f"server {row.url}: {row.state}"
+        return f"server {printable(row.url)}: up again"
+    return f"server {printable(row.url)}: {row.state}"
 
 
 def summary(rows: Sequence[ServerRow]) -> str:
@@ -203,10 +208,17 @@ def change(config: Config, bootstrap: str, event: ev.ServerAdded | ev.ServerDrai
 
 
 def added(
-    url: str, *, concurrency: int | None, weight: float | None, key_env: str | None
+    config: Config,
+    url: str,
+    *,
+    concurrency: int | None,
+    weight: float | None,
+    key_env: str | None,
 ) -> ev.ServerAdded:
-    """The event ``servers add`` publishes, its URL checked as ``--server``'s."""
-    check_url(url, "URL")  # the argument, as run's --server is checked
+    """The event ``servers add`` publishes, refused before it is (as every dispatcher
+    would refuse it) when the config does not take the server or its key variable;
+    without ``key_env`` the server gets no key."""
+    check_added_server(config, url, key_env)
     if concurrency is not None and concurrency <= 0:
         raise ConfigError("--concurrency", f"must be positive, got {concurrency}")
     if weight is not None and not weight > 0:

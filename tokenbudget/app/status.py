@@ -23,7 +23,7 @@ from rich.table import Table
 from rich.text import Text
 
 from tokenbudget.app import servers as fleet
-from tokenbudget.app.tables import format_table
+from tokenbudget.app.tables import format_table, printable
 from tokenbudget.core.tasks import cancel_and_wait
 from tokenbudget.streams import budget as policy
 from tokenbudget.streams import events as ev
@@ -193,7 +193,7 @@ def cells(r: StatusRow) -> list[str]:
         return "-" if value is None else f"{value:,}"
 
     return [
-        r.dataset,
+        printable(r.dataset),  # a dataset the ledger knows may be any name an event gave
         n(r.budget),
         n(r.kept),
         n(r.reserved),
@@ -247,7 +247,7 @@ def table(rows: Sequence[StatusRow], width: int = 200) -> Table:
             min_width=column_width,
         )
     for row in body:
-        out.add_row(*row)
+        out.add_row(*map(Text, row))  # text, not rich markup: "[red]" stays as written
     return out
 
 

@@ -11,6 +11,7 @@ the config file's folder.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import math
 import os
@@ -60,6 +61,17 @@ ReasoningMode = Literal["save", "disable"]
 # enable_thinking, DeepSeek V3.1's and Kimi K2.5's (and vLLM's parsers for them)
 # thinking; a template ignores the key it does not read.
 NO_THINKING = {"enable_thinking": False, "thinking": False}
+
+# Bounds declared with their keys (``Annotated[int, doc(...), POSITIVE]``): msgspec
+# checks them as it reads the config, and _from_msgspec words a refusal as ours
+# ("must be positive, got -1"). On top, one walk (_check_numbers) refuses any float
+# key that is not finite and any integer past the events' range.
+POSITIVE = msgspec.Meta(gt=0)
+NOT_NEGATIVE = msgspec.Meta(ge=0)
+PORT = msgspec.Meta(ge=1, le=65535)
+# A count one request carries (its max_new_tokens, a server's concurrency): positive,
+# and no wider than the events' decoders take it.
+REQUEST_COUNT = msgspec.Meta(gt=0, le=sizes.MAX_COUNT)
 
 ENV_PREFIX = "TOKENBUDGET__"
 # The server a config that names none is sent to.
@@ -111,7 +123,9 @@ class KafkaConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=Tru
         ),
     ] = "tokenbudget"
     local_port: Annotated[
-        int, doc("client port of the local broker (`TOKENBUDGET_KAFKA_PORT` wins when set)")
+        int,
+        doc("client port of the local broker (`TOKENBUDGET_KAFKA_PORT` wins when set)"),
+        PORT,
     ] = 9092
     local_controller_port: Annotated[
         int,
@@ -119,6 +133,7 @@ class KafkaConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=Tru
             "controller port of the local broker (`TOKENBUDGET_KAFKA_CONTROLLER_PORT` wins "
             "when `TOKENBUDGET_KAFKA_PORT` is set)"
         ),
+        PORT,
     ] = 9093
     prompt_retention_ms: Annotated[
         int, doc("retention of the prompts topic when tokenbudget creates it (7 days); -1: forever")
@@ -220,7 +235,7 @@ class ServerConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=Tr
 
     url: Annotated[str, doc("the server (http or https): its root, or a router's")]
     concurrency: Annotated[
-        int | None,
+        Annotated[int, REQUEST_COUNT] | None,
         doc("its requests in flight at once, per dispatcher (unset: [inference]'s)"),
     ] = None
     api_key_env: Annotated[
@@ -284,17 +299,22 @@ class InferenceConfig(_Sampling, frozen=True, forbid_unknown_fields=True, kw_onl
             "requests in flight at once per server and dispatcher, for the servers that do "
             "not set their own; cut while a server answers 429/503 or slows down"
         ),
+        REQUEST_COUNT,
     ] = 64
     max_new_tokens: Annotated[
-        int, doc("per request, unless the dataset sets its own; the budget may lower it")
+        int,
+        doc("per request, unless the dataset sets its own; the budget may lower it"),
+        REQUEST_COUNT,
     ] = 4096
-    connect_timeout_s: Annotated[float, doc("seconds to connect to the server")] = 5.0
+    # 0 once meant no timeout to aiohttp, and a negative one failed every request.
+    connect_timeout_s: Annotated[float, doc("seconds to connect to the server"), POSITIVE] = 5.0
     read_timeout_s: Annotated[
         float,
         doc(
             "seconds to wait for (the next part of) an answer; a stream's silence is "
             "noticed within a quarter more"
         ),
+        POSITIVE,
     ] = 600.0
     min_tokens_per_s: Annotated[
         float,
@@ -303,6 +323,7 @@ class InferenceConfig(_Sampling, frozen=True, forbid_unknown_fields=True, kw_onl
             "this speed, plus `connect_timeout_s` and `read_timeout_s`, then it is a "
             "timed-out attempt, retried as one (0: no total limit)"
         ),
+        NOT_NEGATIVE,
     ] = 1.0
     max_reply_bytes: Annotated[
         int,
@@ -311,6 +332,7 @@ class InferenceConfig(_Sampling, frozen=True, forbid_unknown_fields=True, kw_onl
             "beyond, it is not read further and the attempt fails as a malformed answer "
             "(16 MiB by default: a 350,000-token answer as SGLang writes it, ids and all)"
         ),
+        POSITIVE,
     ] = sizes.REPLY_BYTES
     # Failures of one prompt that do not say the server is away (another HTTP 5xx, a
     # malformed answer) before it fails for good; "away" ones (429/408/502/503/504,
@@ -322,11 +344,12 @@ class InferenceConfig(_Sampling, frozen=True, forbid_unknown_fields=True, kw_onl
             "the server is busy or away (a 500, a stream reset, a malformed body); an answer "
             "that says the request itself is wrong (400-style) fails it at once"
         ),
+        NOT_NEGATIVE,
     ] = 3
     backoff_s: Annotated[
-        float, doc("first retry delay (a `Retry-After` the server sends wins)")
+        float, doc("first retry delay (a `Retry-After` the server sends wins)"), NOT_NEGATIVE
     ] = 0.5
-    backoff_max_s: Annotated[float, doc("longest retry delay")] = 10.0
+    backoff_max_s: Annotated[float, doc("longest retry delay"), NOT_NEGATIVE] = 10.0
     pause_after_failures: Annotated[
         int,
         doc(
@@ -336,7 +359,9 @@ class InferenceConfig(_Sampling, frozen=True, forbid_unknown_fields=True, kw_onl
             "those answers are retried without limit, on the other servers"
         ),
     ] = 5
-    health_interval_s: Annotated[float, doc("how often a paused server's `/health` is asked")] = 2.0
+    health_interval_s: Annotated[
+        float, doc("how often a paused server's `/health` is asked"), POSITIVE
+    ] = 2.0
     outage_timeout_s: Annotated[
         float,
         doc(
@@ -363,9 +388,26 @@ class InferenceConfig(_Sampling, frozen=True, forbid_unknown_fields=True, kw_onl
         str,
         doc(
             "the environment variable whose value is sent as a Bearer token, when set "
-            "(the key itself is never read from the config)"
+            "(the key itself is never read from the config), to every configured server "
+            "that names none of its own"
         ),
     ] = "TOKENBUDGET_API_KEY"
+    added_servers: Annotated[
+        list[str],
+        doc(
+            "URL prefixes a server added at run time (`servers add`) must start with to be "
+            'accepted, e.g. `["https://gpu-"]`; empty: any (a drained configured server '
+            "may always come back)"
+        ),
+    ] = []
+    added_server_keys: Annotated[
+        list[str],
+        doc(
+            "environment variables a server added at run time may name as its key "
+            "(`servers add --api-key-env`), besides `api_key_env` and the "
+            "`[[inference.servers]]` entries' own; an added server naming none gets no key"
+        ),
+    ] = []
     tokenizer: Annotated[
         str,
         doc(
@@ -377,7 +419,9 @@ class InferenceConfig(_Sampling, frozen=True, forbid_unknown_fields=True, kw_onl
         bool, doc("check the server (and `model`) before a run: `/health` or `/v1/models`")
     ] = True
     n: Annotated[
-        int, doc("answers per prompt, for every dataset that does not set its own `n`")
+        int,
+        doc("answers per prompt, for every dataset that does not set its own `n`"),
+        REQUEST_COUNT,
     ] = 1
     reasoning_end: Annotated[
         str,
@@ -400,7 +444,9 @@ class BudgetConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=Tr
         ),
     ] = "completion_tokens"
     snapshot_interval_s: Annotated[
-        float, doc("how often the ledger publishes snapshots of the datasets that changed")
+        float,
+        doc("how often the ledger publishes snapshots of the datasets that changed"),
+        POSITIVE,
     ] = 0.5
     admission: Annotated[
         AdmissionMode,
@@ -472,12 +518,12 @@ class SinkConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True
             "rows already there count as done"
         ),
     ] = "out"
-    rotate_rows: Annotated[int, doc("rows buffered before a file is written")] = 2000
-    rotate_bytes: Annotated[int, doc("bytes buffered before a file is written (64 MiB)")] = (
-        64 * 1024 * 1024
-    )
-    row_group_rows: Annotated[int, doc("rows per Parquet row group")] = 1000
-    flush_interval_s: Annotated[float, doc("the longest rows stay buffered")] = 5.0
+    rotate_rows: Annotated[int, doc("rows buffered before a file is written"), POSITIVE] = 2000
+    rotate_bytes: Annotated[
+        int, doc("bytes buffered before a file is written (64 MiB)"), POSITIVE
+    ] = 64 * 1024 * 1024
+    row_group_rows: Annotated[int, doc("rows per Parquet row group"), POSITIVE] = 1000
+    flush_interval_s: Annotated[float, doc("the longest rows stay buffered"), POSITIVE] = 5.0
 
 
 class ProducerConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -489,6 +535,7 @@ class ProducerConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=
             "prompts a dataset may be ahead of its recorded outcomes (0: four times "
             "`inference.concurrency`), so a halt leaves at most that many to skip"
         ),
+        NOT_NEGATIVE,
     ] = 0
     on_bad_row: Annotated[
         Literal["skip", "fail"],
@@ -524,6 +571,7 @@ class MetricsConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=T
             "`run` serves `/metrics` here (the next free block when taken; it says where), "
             "its ledger worker on port + 1, extra dispatchers and ledgers after it; 0: none"
         ),
+        msgspec.Meta(ge=0, le=65535),
     ] = 9464
     progress_interval_s: Annotated[
         float,
@@ -588,7 +636,7 @@ class DatasetConfig(_Sampling, frozen=True, forbid_unknown_fields=True, kw_only=
         str, doc("the field holding the row's id, from which its `prompt_id` is made")
     ] = "id"
     max_new_tokens: Annotated[
-        int | None, doc("per request (unset: `inference.max_new_tokens`)")
+        Annotated[int, REQUEST_COUNT] | None, doc("per request (unset: `inference.max_new_tokens`)")
     ] = None
     limit: Annotated[int | None, doc("publish at most this many prompts")] = None
     template: Annotated[
@@ -785,6 +833,11 @@ def parse_budget(value: object, key: str = "budget") -> int:
         raise ConfigError(key, f"expected a token count such as 10M or 250k, got {value!r}")
     if number <= 0:
         raise ConfigError(key, f"must be positive, got {value!r}")
+    if number > sizes.MAX_TOKENS:
+        raise ConfigError(
+            key,
+            f"must be at most {sizes.MAX_TOKENS:,} (the events' 64-bit integers), got {value!r}",
+        )
     return number
 
 
@@ -828,11 +881,25 @@ def _literal_values(key: str) -> tuple[Any, ...]:
     )
 
 
-def _from_msgspec(exc: msgspec.ValidationError, source: str) -> ConfigError:
-    """msgspec's error as ours: the key named and, for a key with a fixed set of
-    values, every value it takes."""
+_BOUND_RE = re.compile(r"Expected `(int|float)` (>=|>|<=|<) (\S+) - at ")
+
+
+def _from_msgspec(
+    exc: msgspec.ValidationError, source: str, data: Mapping[str, Any] | None = None
+) -> ConfigError:
+    """msgspec's error as ours: the key named; for a key with a fixed set of values,
+    every value it takes; for a bound declared with the key, the bound and the value
+    given (from ``data``, what was read)."""
     message = str(exc)
     key = _key_from_msgspec(message)
+    bound = _BOUND_RE.match(message)
+    if bound is not None:
+        kind, op, limit = bound.group(1), bound.group(2), float(bound.group(3))
+        # msgspec says an integer's gt=0 as >= 1
+        positive = (op, limit) == (">", 0) or (kind, op, limit) == ("int", ">=", 1)
+        shown = f"{int(limit):,}" if limit.is_integer() else f"{limit:g}"
+        words = "positive" if positive else f"{op} {shown}"
+        return ConfigError(key, f"must be {words}, got {_given(data, key)}", source=source)
     values = _literal_values(key)
     if values:
         what = message.split(" - at ")[0]
@@ -840,6 +907,42 @@ def _from_msgspec(exc: msgspec.ValidationError, source: str) -> ConfigError:
         problem = f"{given.group(1)} is not a valid value" if given else what
         message = f"{problem}; use one of {', '.join(map(repr, values))}"
     return ConfigError(key, message, source=source)
+
+
+def _given(data: Mapping[str, Any] | None, key: str) -> str:
+    """The value ``data`` holds at ``key`` (``datasets[0].max_new_tokens``), shown."""
+    value: Any = data
+    for part in re.findall(r"[^.\[\]]+|\[\d+\]", key):
+        try:
+            value = value[int(part[1:-1])] if part.startswith("[") else value[part]
+        except (KeyError, IndexError, TypeError, ValueError):
+            return "?"
+    return repr(value)
+
+
+def _check_numbers(section: msgspec.Struct, key: str, source: str) -> None:
+    """Every float key finite and every integer within the events' range, in every
+    section and table: NaN passes every comparison and inf every lower bound (a
+    timeout of inf never fires), and an integer past :data:`sizes.MAX_TOKENS` is
+    refused by the events' readers later (a budget over it leaves its dataset with
+    none). Free-form tables (``extra_body``) go to the server as they are."""
+    for name in section.__struct_fields__:
+        value = getattr(section, name)
+        where = f"{key}.{name}" if key else name
+        items = list(enumerate(value)) if isinstance(value, list) else [(None, value)]
+        for index, item in items:
+            at = where if index is None else f"{where}[{index}]"
+            if isinstance(item, msgspec.Struct):
+                _check_numbers(item, at, source)
+            elif isinstance(item, float) and not math.isfinite(item):
+                raise ConfigError(at, f"must be a finite number, got {item}", source=source)
+            elif isinstance(item, int) and abs(item) > sizes.MAX_TOKENS:
+                raise ConfigError(
+                    at,
+                    f"must be within ±{sizes.MAX_TOKENS:,} (the events' 64-bit integers), "
+                    f"got {item:,}",
+                    source=source,
+                )
 
 
 def _apply_env(data: dict[str, Any], environ: Mapping[str, str]) -> None:
@@ -929,7 +1032,8 @@ def build(
     try:
         raw = msgspec.convert(data, _RawConfig)
     except msgspec.ValidationError as exc:
-        raise _from_msgspec(exc, source) from exc
+        raise _from_msgspec(exc, source, data) from exc
+    _check_numbers(raw, "", source)
     base = base_dir or Path(".").resolve()
     datasets: list[Dataset] = []
     seen: set[str] = set()
@@ -969,6 +1073,7 @@ def build(
     _check_ranges(raw, source)
     _check_reserve(raw.budget, raw.inference, source)
     servers = _servers(raw.inference, source)
+    _check_added_servers(raw.inference, source)
     _check_kafka_security(raw.kafka, source)
     if raw.inference.tokenizer and not _resolve(base, raw.inference.tokenizer).is_dir():
         raise ConfigError(
@@ -1330,27 +1435,8 @@ def untemplated_chat(
 
 
 def _check_ranges(raw: _RawConfig, source: str) -> None:
-    positive = {
-        "inference.concurrency": raw.inference.concurrency,
-        "inference.n": raw.inference.n,
-        "inference.max_new_tokens": raw.inference.max_new_tokens,
-        # 0 once meant no read timeout to aiohttp, a negative one failed every read.
-        "inference.connect_timeout_s": raw.inference.connect_timeout_s,
-        "inference.read_timeout_s": raw.inference.read_timeout_s,
-        "inference.max_reply_bytes": raw.inference.max_reply_bytes,
-        "sink.rotate_rows": raw.sink.rotate_rows,
-        "sink.row_group_rows": raw.sink.row_group_rows,
-    }
-    for key, value in positive.items():
-        if value <= 0:
-            raise ConfigError(key, f"must be positive, got {value}", source=source)
-    rate = raw.inference.min_tokens_per_s
-    if not (math.isfinite(rate) and rate >= 0):
-        raise ConfigError(
-            "inference.min_tokens_per_s",
-            f"must be a finite number >= 0 (0: no total time limit), got {rate}",
-            source=source,
-        )
+    """Bounds that take more than the ones declared with the keys (a hint, a range
+    tied to another limit, or to the broker's)."""
     if raw.budget.min_new_tokens < 1:
         raise ConfigError("budget.min_new_tokens", "must be >= 1", source=source)
     if not 1 <= raw.producer.max_prompt_bytes <= sizes.PROMPT_EVENT_BYTES:
@@ -1366,12 +1452,8 @@ def _check_ranges(raw: _RawConfig, source: str) -> None:
         raise ConfigError("budget.lease_tokens", "must be >= 0 (0: automatic)", source=source)
     if raw.budget.lease_ttl_s < 2:
         raise ConfigError("budget.lease_ttl_s", "must be >= 2 seconds", source=source)
-    if raw.inference.retries < 0:
-        raise ConfigError("inference.retries", "must be >= 0", source=source)
     if raw.inference.pause_after_failures < 1:
         raise ConfigError("inference.pause_after_failures", "must be >= 1", source=source)
-    if raw.inference.health_interval_s <= 0:
-        raise ConfigError("inference.health_interval_s", "must be > 0", source=source)
     if raw.metrics.progress_interval_s < 0:
         raise ConfigError("metrics.progress_interval_s", "must be >= 0 (0: none)", source=source)
     if raw.inference.outage_timeout_s < 0:
@@ -1433,10 +1515,6 @@ def _servers(inference: InferenceConfig, source: str) -> tuple[Server, ...]:
                 source=source,
             )
         concurrency = inference.concurrency if entry.concurrency is None else entry.concurrency
-        if concurrency <= 0:
-            raise ConfigError(
-                f"{key}.concurrency", f"must be positive, got {concurrency}", source=source
-            )
         if not (entry.weight > 0 and math.isfinite(entry.weight)):
             raise ConfigError(
                 f"{key}.weight", f"must be a positive number, got {entry.weight}", source=source
@@ -1446,6 +1524,61 @@ def _servers(inference: InferenceConfig, source: str) -> tuple[Server, ...]:
             Server(url=url, concurrency=concurrency, api_key_env=key_env, weight=entry.weight)
         )
     return tuple(servers)
+
+
+_ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _check_added_servers(inference: InferenceConfig, source: str) -> None:
+    for i, prefix in enumerate(inference.added_servers):
+        if not prefix.startswith(("http://", "https://")) or len(prefix.split()) != 1:
+            raise ConfigError(
+                f"inference.added_servers[{i}]",
+                f'{prefix!r} is not the start of an http(s) URL (e.g. "https://gpu-")',
+                source=source,
+            )
+    for i, name in enumerate(inference.added_server_keys):
+        if not _ENV_NAME_RE.fullmatch(name):
+            raise ConfigError(
+                f"inference.added_server_keys[{i}]",
+                f"{name!r} is not the name of an environment variable",
+                source=source,
+            )
+
+
+def check_added_server(config: Config, url: str, api_key_env: str | None) -> None:
+    """Raise a ConfigError naming the key to change unless a server added at run time
+    (a ``server_added`` event, ``servers add``) may join ``config``'s fleet: its URL
+    as :func:`check_url` takes it; outside the config's servers, one that starts
+    with an ``[inference] added_servers`` prefix when there are any (a drained
+    configured server may always come back); and its key, if it names one, a
+    variable the config names: its ``api_key_env``, a configured server's, or one of
+    ``added_server_keys``. Only the names are compared: no variable is read here."""
+    check_url(url, "URL", config.source)
+    prefixes = config.inference.added_servers
+    configured = any(server.url == url for server in config.servers)
+    if prefixes and not configured and not url.startswith(tuple(prefixes)):
+        raise ConfigError(
+            "inference.added_servers",
+            f"{url} is not a server this job takes: it starts with none of "
+            f"{', '.join(map(repr, prefixes))}; add its prefix there to accept it",
+            source=config.source,
+        )
+    if api_key_env and api_key_env not in key_variables(config):
+        named = ", ".join(sorted(key_variables(config))) or "none"
+        raise ConfigError(
+            "inference.added_server_keys",
+            f"{url} would be sent the key in ${api_key_env}, a variable the config does not "
+            f"name (it names {named}): list it there to let servers added at run time use it",
+            source=config.source,
+        )
+
+
+def key_variables(config: Config) -> frozenset[str]:
+    """The environment variables ``config`` names as inference keys."""
+    names = {config.inference.api_key_env, *config.inference.added_server_keys}
+    names.update(server.api_key_env for server in config.servers)
+    return frozenset(names - {""})
 
 
 def with_servers(config: Config, urls: Sequence[str]) -> Config:
@@ -1462,18 +1595,73 @@ def with_servers(config: Config, urls: Sequence[str]) -> Config:
 
 
 def check_url(url: str, key: str, source: str | None = None) -> None:
-    """Raise a ConfigError naming ``key`` unless ``url`` is one http(s) URL of a host."""
+    """Raise a ConfigError naming ``key`` unless ``url`` is one http(s) URL of a host
+    with nothing secret in it: a server's URL is shown in logs, metrics' ``server``
+    label, the fleet's events and ``status``, so it takes no user or password and no
+    query string or fragment (a key there would be shown too; keys come from the
+    environment). The error never shows what such a URL holds."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError as exc:
+        raise ConfigError(key, f"{_masked(url)!r} is not a URL: {exc}", source=source) from None
+    if "@" in parts.netloc:
+        raise ConfigError(
+            key,
+            f"{_masked(url)!r} holds a user or password, which a URL shown in logs, metrics "
+            f"and status would show too: drop it, and name the environment variable holding "
+            f"the server's key in api_key_env ({_KEY_FLAG})",
+            source=source,
+        )
+    if "?" in url or "#" in url:
+        raise ConfigError(
+            key,
+            f"{_masked(url)!r} has a query string or fragment, which a URL shown in logs, "
+            "metrics and status would show too (a key in it with them): drop it; a server's "
+            f"key comes from the environment variable named in api_key_env ({_KEY_FLAG})",
+            source=source,
+        )
     if "," in url or len(url.split()) > 1:
         raise ConfigError(key, one_server_per_url(url), source=source)
     if not url.startswith(("http://", "https://")):
         raise ConfigError(key, f"{url!r} is not an http(s) URL", source=source)
-    parts = urllib.parse.urlsplit(url)
     try:
         parts.port  # noqa: B018 - parsing the port is the check
     except ValueError as exc:
         raise ConfigError(key, f"{url!r}: {exc}", source=source) from None
     if not parts.hostname:
         raise ConfigError(key, f"{url!r} names no host", source=source)
+
+
+# Where a server added at run time says the same.
+_KEY_FLAG = "`servers add --api-key-env` for a server added at run time"
+
+
+def _masked(url: str) -> str:
+    """``url`` as an error may show it: no user or password, no query or fragment."""
+    scheme, has_slashes, rest = url.partition("://")
+    if not has_slashes:
+        scheme, rest = "", url
+    authority, slash, path = rest.partition("/")
+    if "@" in authority:
+        authority = "…@" + authority.rpartition("@")[2]
+    shown = f"{scheme}://" * bool(scheme) + authority + slash + path
+    cut = min((i for i in (shown.find("?"), shown.find("#")) if i >= 0), default=-1)
+    return shown if cut < 0 else shown[:cut] + shown[cut] + "…"
+
+
+def in_clear(url: str) -> bool:
+    """Whether what is sent to ``url`` can be read on the way: plain http to a host
+    other than this machine's loopback (the end of an SSH tunnel is loopback)."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme != "http":
+        return False
+    host = (parts.hostname or "").lower()
+    if host == "localhost" or host.endswith(".localhost"):
+        return False
+    try:
+        return not ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return True  # a name: whatever it resolves to, the key crosses a network
 
 
 _ADDRESS_RE = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.\-]+):\d{1,5}$")
@@ -1493,6 +1681,12 @@ def _check_bootstrap(bootstrap: str, source: str) -> None:
 
 
 def _check_replication(kafka: KafkaConfig, source: str) -> None:
+    for key in ("prompt_retention_ms", "completion_retention_ms", "budget_retention_ms"):
+        value = getattr(kafka, key)
+        if value == 0 or value < -1:
+            raise ConfigError(
+                f"kafka.{key}", f"must be positive, or -1 for forever; got {value}", source=source
+            )
     if not 1 <= kafka.partitions <= 1000:
         raise ConfigError("kafka.partitions", "must be within 1..1000", source=source)
     for key in ("replication_factor", "min_insync_replicas"):

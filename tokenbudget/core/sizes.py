@@ -48,6 +48,12 @@ REPLY_BYTES = 4 * (MESSAGE_BYTES - PROMPT_EVENT_BYTES)
 DEFAULT_PROMPT_BYTES = 1 * MiB
 #: characters of a bad row kept in its dead letter
 EXCERPT_CHARS = 2000
+#: budgets and totals: the largest count an event carries, what int64 (Parquet, msgpack)
+#: holds; the events' decoders refuse more, and the config any integer past it
+MAX_TOKENS = 2**63 - 1
+#: one request's counts and lengths (its max_new_tokens, a server's concurrency), as
+#: wide as a token id: the events' decoders refuse more, and so does the config
+MAX_COUNT = 2**31 - 1
 
 #: ``[kafka] compression``: what every producer of ours compresses its batches with
 Compression = Literal["zstd", "lz4", "gzip", "none"]

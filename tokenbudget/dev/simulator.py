@@ -212,6 +212,9 @@ class RequestRecord:
     # A chat request's messages (message_digest), and the ids of the calls sent back.
     messages: list[dict[str, Any]] = field(default_factory=list)
     call_ids: list[str] = field(default_factory=list)
+    # crc32 of the request's Authorization header (0: it had none): which key a
+    # server was sent, without the log holding it
+    authorization_crc: int = 0
 
 
 PROFILES: dict[str, tuple[LengthRule, ...]] = {
@@ -427,6 +430,7 @@ class _Job:
     tool: str | None = None  # the tool it answers with a call to
     query: str = ""  # the user's turn the call passes on
     messages: list[dict[str, Any]] = field(default_factory=list)  # chat: as logged
+    authorization_crc: int = 0
 
     def notify(self) -> None:
         # Swap in a fresh event before setting the old one so waiters never miss a tick
@@ -451,6 +455,7 @@ class _Parsed:
     # chat: the content of the user's turn that ends the request (None: it does not
     # end with one, e.g. it ends with a tool's result)
     query: str | None = None
+    authorization_crc: int = 0  # RequestRecord.authorization_crc
 
 
 @dataclass(frozen=True)
@@ -612,6 +617,7 @@ class _Faults:
                 sampling=parsed.sampling,
                 extra=parsed.extra,
                 messages=parsed.messages,
+                authorization_crc=parsed.authorization_crc,
             )
         )
         retry_after = {"Retry-After": f"{self.config.faults.retry_after_s:g}"}
@@ -716,6 +722,7 @@ class _Engine:
             tool=first_tool(parsed.extra) if self._calls_tool(api, parsed) else None,
             query=parsed.query or "",
             messages=parsed.messages,
+            authorization_crc=parsed.authorization_crc,
         )
         self.jobs[job.rid] = job
         # A task of its own, not the handler's coroutine: decoding must outlive a client
@@ -796,6 +803,7 @@ class _Engine:
                 tool_calls=len(sent.tool_calls),
                 messages=job.messages,
                 call_ids=[call["id"] for call in sent.tool_calls],
+                authorization_crc=job.authorization_crc,
             )
         )
         job.done.set()
@@ -882,6 +890,7 @@ class _Engine:
                 return _error(api, 401, "Unauthorized")
             parsed = parse(payload, request)
             parsed.sampling, parsed.extra = requested_settings(api, payload)
+            parsed.authorization_crc = _crc(request.headers.get("Authorization"))
             fault = self.faults.draw(parsed.stream)
             if fault is not None and fault != "reset_mid_stream":
                 return await self.faults.respond(fault, request, api, parsed, received_at)

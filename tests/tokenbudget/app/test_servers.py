@@ -81,13 +81,50 @@ def test_changes_add_servers_and_drain_them() -> None:
 
 
 def test_added_checks_its_arguments() -> None:
-    event = servers.added("http://c:1/", concurrency=16, weight=None, key_env=None)
-    assert (event.url, event.concurrency) == ("http://c:1", 16)
+    config = build({}, environ={})
+    event = servers.added(config, "http://c:1", concurrency=16, weight=None, key_env=None)
+    assert (event.url, event.concurrency, event.api_key_env) == ("http://c:1", 16, None)
     with pytest.raises(ConfigError) as info:
-        servers.added("c:1", concurrency=None, weight=None, key_env=None)
+        servers.added(config, "c:1", concurrency=None, weight=None, key_env=None)
     assert info.value.key == "URL"
     with pytest.raises(ConfigError):
-        servers.added("http://c:1", concurrency=0, weight=None, key_env=None)
+        servers.added(config, "http://c:1", concurrency=0, weight=None, key_env=None)
+
+
+ALLOWING = {
+    "inference": {
+        "servers": [{"url": "http://a:1"}, {"url": "http://b:1", "api_key_env": "B_KEY"}],
+        "added_servers": ["https://gpu-"],
+        "added_server_keys": ["GPU_KEY"],
+    }
+}
+
+
+@pytest.mark.parametrize(
+    ("url", "key_env", "refused_by"),
+    [
+        ("https://gpu-7:30000", None, None),
+        ("https://gpu-7:30000", "GPU_KEY", None),
+        ("https://gpu-7:30000", "B_KEY", None),  # a configured server's
+        ("https://gpu-7:30000", "TOKENBUDGET_API_KEY", None),  # [inference]'s, named
+        ("http://a:1", None, None),  # a configured server may always come back
+        ("https://cpu-7:30000", None, "inference.added_servers"),
+        ("http://gpu-7:30000", None, "inference.added_servers"),  # the prefix says https
+        ("https://gpu-7:30000", "HOME", "inference.added_server_keys"),
+        ("http://a:1", "AWS_SECRET_ACCESS_KEY", "inference.added_server_keys"),
+    ],
+)
+def test_servers_add_is_refused_before_it_publishes_what_dispatchers_would_refuse(
+    url: str, key_env: str | None, refused_by: str | None
+) -> None:
+    config = build(ALLOWING, environ={})
+    if refused_by is None:
+        event = servers.added(config, url, concurrency=None, weight=None, key_env=key_env)
+        assert (event.url, event.api_key_env) == (url, key_env)
+        return
+    with pytest.raises(ConfigError) as info:
+        servers.added(config, url, concurrency=None, weight=None, key_env=key_env)
+    assert info.value.key == refused_by and url in str(info.value)
 
 
 def test_progress_lines_show_the_fleet_and_its_changes_of_state() -> None:

