@@ -54,6 +54,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import msgspec
 
+from tokenbudget.core import sizes
 from tokenbudget.core.errors import (
     InferenceBadCountError,
     InferenceError,
@@ -185,9 +186,9 @@ def reasoning_of(message: Any) -> str:
     return ""
 
 
-#: the largest token count a server may report: no answer or prompt is longer, and
-#: every count of an event fits int32 (as its token ids do)
-MAX_COUNT = 2**31 - 1
+#: the largest token count a server may report: the events' own bound
+#: (:data:`tokenbudget.core.sizes.MAX_COUNT`), as wide as a token id
+MAX_COUNT = sizes.MAX_COUNT
 
 
 def count_of(value: Any, name: str, where: str) -> int:
