@@ -541,7 +541,7 @@ class Fleet:
     # ---- the fleet's changes ----------------------------------------------------------
 
     def apply(self, event: ev.ServerAdded | ev.ServerDrained) -> None:
-        """A change read on the budgets topic (``tokenbudget servers add|drain``). An
+        """A change read on the control topic (``tokenbudget servers add|drain``). An
         added server the config does not take (:func:`check_added_server`) is refused
         with one line, and the fleet stays as it was."""
         server = self.servers.get(event.url)
