@@ -36,7 +36,12 @@ from tokenbudget.core.columns import (
 )
 from tokenbudget.core.errors import ConfigError
 from tokenbudget.core.keydoc import doc
-from tokenbudget.core.names import dataset_name_problem
+from tokenbudget.core.names import (
+    UNNAMED_JOB,
+    dataset_name_problem,
+    job_name_of,
+    namespace_problem,
+)
 from tokenbudget.core.roles import Role
 from tokenbudget.core.sampling import SAMPLING_KEYS, Sampling
 
@@ -118,10 +123,12 @@ class KafkaConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=Tru
     namespace: Annotated[
         str,
         doc(
-            "prefix of every topic and of the ledger's app id (letters, digits, `_`, `-`); "
-            "a new job gets a namespace of its own"
+            "prefix of every topic and group of the job (letters, digits, `_`, `-`); "
+            '`""`: the job\'s name (`[job] name`). Set it to share a cluster by a '
+            'convention of your own, or `"tokenbudget"` to resume a job that ran before '
+            "jobs had names"
         ),
-    ] = "tokenbudget"
+    ] = ""
     local_port: Annotated[
         int,
         doc("client port of the local broker (`TOKENBUDGET_KAFKA_PORT` wins when set)"),
@@ -561,6 +568,20 @@ class ProducerConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=
     ] = 0
 
 
+class JobConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The job a config is (docs/running.md, Jobs): a rerun of the same job resumes
+    it, another job starts anew beside it on the same broker."""
+
+    name: Annotated[
+        str,
+        doc(
+            "the job's name (letters, digits, `_`, `-`), and the namespace of its "
+            'topics unless `[kafka] namespace` sets one; `""`: the config file\'s stem and '
+            "a short hash of its path, e.g. `job-3f9a1c2e`"
+        ),
+    ] = ""
+
+
 class MetricsConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """Prometheus metrics and progress lines (docs/monitoring.md)."""
 
@@ -707,6 +728,7 @@ class DatasetConfig(_Sampling, frozen=True, forbid_unknown_fields=True, kw_only=
 
 
 class _RawConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    job: JobConfig = JobConfig()
     kafka: KafkaConfig = KafkaConfig()
     inference: InferenceConfig = InferenceConfig()
     budget: BudgetConfig = BudgetConfig()
@@ -765,6 +787,9 @@ class Server(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Config(msgspec.Struct, frozen=True, kw_only=True):
+    # The job's name as given, else derived from its file (tokenbudget.core.names);
+    # ``kafka.namespace`` is the one it runs under: the name, unless it sets one.
+    job: JobConfig
     kafka: KafkaConfig
     inference: InferenceConfig
     # The inference servers the job starts with: [[inference.servers]], else
@@ -1025,7 +1050,9 @@ def build(
     source: str = "<dict>",
     base_dir: Path | None = None,
     environ: Mapping[str, str] | None = None,
+    file: Path | None = None,
 ) -> Config:
+    """The config of ``data``; ``file``: where it was read (it names an unnamed job)."""
     data = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items()}
     _apply_env(data, os.environ if environ is None else environ)
     _reject_inline_secrets(data, source)
@@ -1081,10 +1108,10 @@ def build(
             f"{_resolve(base, raw.inference.tokenizer)} is not a folder with a saved tokenizer",
             source=source,
         )
-    # Clients split the list on commas only: " h2:9092" would be a host with a space.
-    bootstrap = ",".join(item.strip() for item in raw.kafka.bootstrap.split(","))
+    job, kafka = _named(raw, file)
     return Config(
-        kafka=msgspec.structs.replace(raw.kafka, bootstrap=bootstrap),
+        job=job,
+        kafka=kafka,
         inference=raw.inference,
         servers=servers,
         budget=raw.budget,
@@ -1095,6 +1122,18 @@ def build(
         source=source,
         base_dir=base,
     )
+
+
+def _named(raw: _RawConfig, file: Path | None) -> tuple[JobConfig, KafkaConfig]:
+    """The job's name (given, else its file's: :func:`job_name_of`) and its Kafka
+    settings: the namespace it runs under (``[kafka] namespace``, else that name)."""
+    name = raw.job.name or (job_name_of(file) if file is not None else UNNAMED_JOB)
+    # Clients split the list on commas only: " h2:9092" would be a host with a space.
+    bootstrap = ",".join(item.strip() for item in raw.kafka.bootstrap.split(","))
+    kafka = msgspec.structs.replace(
+        raw.kafka, namespace=raw.kafka.namespace or name, bootstrap=bootstrap
+    )
+    return msgspec.structs.replace(raw.job, name=name), kafka
 
 
 # Keys a user may try for a secret, and the key whose *_env / *_file replaces them.
@@ -1466,8 +1505,9 @@ def _check_ranges(raw: _RawConfig, source: str) -> None:
             "must be within 6..1800 seconds (the broker's group.min/max.session.timeout.ms)",
             source=source,
         )
-    if not re.fullmatch(r"[A-Za-z0-9_\-]+", raw.kafka.namespace):
-        raise ConfigError("kafka.namespace", "use letters, digits, '_' and '-'", source=source)
+    for key, name in (("job.name", raw.job.name), ("kafka.namespace", raw.kafka.namespace)):
+        if name and (problem := namespace_problem(name)) is not None:
+            raise ConfigError(key, problem, source=source)
     _check_replication(raw.kafka, source)
     _check_bootstrap(raw.kafka.bootstrap, source)
 
@@ -1724,4 +1764,4 @@ def load(path: str | Path, *, environ: Mapping[str, str] | None = None) -> Confi
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError("<file>", f"not valid TOML: {exc}", source=str(path)) from exc
-    return build(data, source=str(path), base_dir=path.resolve().parent, environ=environ)
+    return build(data, source=str(path), base_dir=path.resolve().parent, environ=environ, file=path)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import types
 import typing
 from pathlib import Path
@@ -1060,3 +1061,47 @@ def test_added_server_keys_are_checked_as_they_are_read() -> None:
     assert prefix.key == "inference.added_servers[0]" and "https://gpu-" in str(prefix)
     name = config_error({"inference": {"added_server_keys": ["GPU KEY"]}})
     assert name.key == "inference.added_server_keys[0]" and "environment variable" in str(name)
+
+
+# ---- a job is its config: its name, and the namespace it runs under -------------------
+
+
+def _job_file(folder: Path, text: str = "", name: str = "job.toml") -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / name
+    path.write_text(text)
+    return path
+
+
+def test_a_config_that_names_no_job_is_the_job_of_its_file(tmp_path: Path) -> None:
+    first = load(_job_file(tmp_path / "a"), environ={})
+    second = load(_job_file(tmp_path / "b"), environ={})
+    again = load(tmp_path / "a" / "job.toml", environ={})
+    copied = load(_job_file(tmp_path / "a", name="job-v2.toml"), environ={})
+    names = [c.kafka.namespace for c in (first, second, again, copied)]
+    assert names[0] == again.kafka.namespace == first.job.name  # a rerun: the same job
+    assert len({names[0], names[1], names[3]}) == 3  # two folders, or another file: others
+    assert names[0].startswith("job-") and names[3].startswith("job-v2-")
+    # relative or not, the same file is the same job
+    relative = Path(os.path.relpath(tmp_path / "a" / "job.toml"))
+    assert load(relative, environ={}).kafka.namespace == names[0]
+
+
+def test_a_jobs_name_is_its_namespace_unless_kafka_namespace_says_otherwise(
+    tmp_path: Path,
+) -> None:
+    named = load(_job_file(tmp_path, '[job]\nname = "regen-dec"\n'), environ={})
+    assert (named.job.name, named.kafka.namespace) == ("regen-dec", "regen-dec")
+    both = '[job]\nname = "regen-dec"\n[kafka]\nnamespace = "tokenbudget"\n'
+    kept = load(_job_file(tmp_path, both), environ={})
+    assert (kept.job.name, kept.kafka.namespace) == ("regen-dec", "tokenbudget")
+    assert build({}, environ=NO_ENV).kafka.namespace == "tokenbudget"  # no file: as before
+
+
+@pytest.mark.parametrize(("section", "key"), [("job", "name"), ("kafka", "namespace")])
+def test_a_job_name_or_namespace_that_cannot_name_topics_is_refused_naming_its_key(
+    section: str, key: str
+) -> None:
+    for bad in ("a.b", "a b", "x" * 101, "../x"):
+        error = config_error({section: {key: bad}})
+        assert error.key == f"{section}.{key}" and "letters, digits" in str(error)
