@@ -543,6 +543,7 @@ class JobIdentity(_Event, tag="job_identity", frozen=True):
     first_at: At  # the namespace's first run
     recorded_at: At = 0.0
     recorded_by: str = ""
+    config: str = ""  # the config file, absolute, when it was recorded ("": none known)
 
 
 # What the fleet's changes and reports are keyed by on the budgets topic: one key, so

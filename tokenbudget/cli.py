@@ -50,6 +50,9 @@ COMMANDS: dict[str, Command] = {
         "tokenbudget.app.commands.plan", "job", "what each budget will buy, before it is spent"
     ),
     "run": Command("tokenbudget.app.commands.run", "job", "run a job to its budgets"),
+    "jobs": Command(
+        "tokenbudget.app.commands.jobs", "job", "the jobs on a broker: kept, budget, state"
+    ),
     "status": Command(
         "tokenbudget.app.commands.status", "job", "per-dataset budget, kept, rate, ETA, state"
     ),

@@ -103,7 +103,7 @@ def test_another_job_in_the_namespace_stops_before_producing_and_resumed_anyway_
     assert error.count("\n") == 1, error
     assert f"sink.path {tmp_path / 'job1' / 'out'} → {tmp_path / 'job2' / 'out'}" in error
     assert "datasets[0] d: second.jsonl content changed" in error
-    assert f"since the first run of namespace {namespace} (" in error
+    assert f"since the first run of job {namespace} (" in error
     assert "another [kafka] namespace" in error and "--resume-changed" in error
     # nothing was produced: no request reached the server, no prompt, no budget event
     assert read_server_log(sim.log) == served
@@ -126,7 +126,7 @@ def test_another_job_in_the_namespace_stops_before_producing_and_resumed_anyway_
 
     # Recorded as the job from now on: the same command again resumes it.
     assert run(second) == 0
-    resumed = "resuming the job unchanged since the run that last recorded it of namespace"
+    resumed = "resuming the job unchanged since the run that last recorded it of job"
     assert f"{resumed} {namespace} (" in capsys.readouterr().err
     assert read_server_log(sim.log) == now
 
@@ -158,9 +158,7 @@ def test_a_rerun_that_matches_resumes_without_regenerating_a_finished_prompt(
     )
     assert run(again) == 0
     printed = capsys.readouterr()
-    assert f"resuming the job unchanged since the first run of namespace {namespace} (" in (
-        printed.err
-    )
+    assert f"resuming the job unchanged since the first run of job {namespace} (" in (printed.err)
     assert json.loads(printed.out)["datasets"]["d"]["already_done"] == len(done)
     asked = [text for rid, text in prompts_served(sim.log).items() if rid not in first]
     # no finished prompt was sent again; the others and the new dataset were

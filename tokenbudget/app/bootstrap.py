@@ -10,7 +10,7 @@ import logging
 
 from tokenbudget.core import roles, security
 from tokenbudget.core.config import Config
-from tokenbudget.core.errors import BrokerError
+from tokenbudget.core.errors import BrokerError, TokenBudgetError
 from tokenbudget.core.kafka_admin import STARTUP_WAIT_S, TopicSpec, check_ready, ensure_topics
 from tokenbudget.core.retry import retry_until
 from tokenbudget.localkafka import broker
@@ -86,3 +86,41 @@ def resolve_bootstrap(config: Config, *, create_topics: bool = True) -> str:
         on_retry=lambda exc: log.warning("%s; trying again for up to %.0f s", exc, STARTUP_WAIT_S),
     )
     return bootstrap
+
+
+def reading_bootstrap(config: Config | None, bootstrap: str = "") -> str:
+    """The address of the broker or cluster a read-only command reads (``status``,
+    ``jobs``): ``bootstrap`` when given, else the config's (its security registered),
+    else the local broker's. A local broker that is not running is not started: a
+    TokenBudgetError says so, with the command that starts it."""
+    if bootstrap:
+        return bootstrap
+    if config is not None and config.kafka.bootstrap != "local":
+        return resolve_bootstrap(config, create_topics=False)  # registers TLS/SASL
+    settings = (
+        local_broker_settings(config) if config is not None else broker.BrokerSettings.from_env()
+    )
+    state = broker.status(settings)
+    if not state.ready:
+        how = "is starting" if state.running else "is not running"
+        job = (
+            f"the job with `tokenbudget run --config {config.source}`"
+            if config
+            else ("a job with `tokenbudget run --config FILE`")
+        )
+        raise TokenBudgetError(
+            f"the local broker ({state.bootstrap}) {how}, so no job runs on it; start it "
+            f"with `{broker_up_command(settings)}`, or start {job}"
+        )
+    return state.bootstrap
+
+
+def broker_up_command(settings: broker.BrokerSettings) -> str:
+    """The command that starts this broker: ``broker up`` reads its ports from the
+    environment only, not from ``[kafka] local_port``."""
+    if settings.port == broker.BrokerSettings.from_env().port:
+        return "tokenbudget broker up"
+    return (
+        f"TOKENBUDGET_KAFKA_PORT={settings.port} "
+        f"TOKENBUDGET_KAFKA_CONTROLLER_PORT={settings.controller_port} tokenbudget broker up"
+    )

@@ -40,7 +40,7 @@ import msgspec
 import pyarrow.parquet as pq
 import xxhash
 from aiokafka import AIOKafkaProducer
-from kafka import KafkaConsumer
+from kafka import KafkaConsumer, TopicPartition
 
 from tokenbudget.app.upgrade import move_commands
 from tokenbudget.core.config import Config, Dataset
@@ -168,6 +168,7 @@ def identity_of(config: Config, *, at: float | None = None, by: str = "") -> ev.
         first_at=at,
         recorded_at=at,
         recorded_by=by,
+        config=str(Path(config.source).resolve()) if Path(config.source).is_file() else "",
     )
 
 
@@ -235,18 +236,23 @@ def since(recorded: ev.JobIdentity, namespace: str) -> str:
     """The run whose record a rerun was compared with, for its messages."""
     first = recorded.recorded_at <= recorded.first_at
     run = "the first run" if first else "the run that last recorded it"
-    return f"{run} of namespace {namespace} ({_when(recorded.recorded_at)})"
+    return f"{run} of job {namespace} ({_when(recorded.recorded_at)})"
 
 
 def changed_message(
-    changes: list[str], recorded: ev.JobIdentity, namespace: str, command: Command
+    changes: list[str], recorded: ev.JobIdentity, config: Config, command: Command
 ) -> str:
-    """The one line a rerun that differs stops with: what changed, and the ways on."""
+    """The one line a rerun that differs stops with: what changed, and the ways on,
+    a new job first (the way its name is given), then this one resumed anyway."""
     shown = "; ".join(changes[:3]) + (f"; and {len(changes) - 3} more" if len(changes) > 3 else "")
+    if config.kafka.namespace != config.job.name:
+        new = "set another [kafka] namespace"
+    else:
+        new = "give it another name: [job] name, or save the config under another file name"
     return (
-        f"{shown} since {since(recorded, namespace)}: for a new job set another "
-        f"[kafka] namespace; to resume this one anyway, `tokenbudget {command} "
-        "--resume-changed` (records the job as it is now)"
+        f"{shown} since {since(recorded, config.kafka.namespace)}: for a new job, {new}; "
+        f"to resume this one anyway, `tokenbudget {command} --resume-changed` (records "
+        "the job as it is now)"
     )
 
 
@@ -259,15 +265,33 @@ RECORD_PARTITION = 0
 RECORD_KEY = b"@job"
 
 
-def read_recorded(bootstrap: str, topics: Topics, timeout: float = 120.0) -> ev.JobIdentity | None:
-    """The namespace's latest job record, None before its first run (blocking)."""
+def read_recorded(
+    bootstrap: str, topics: Topics, timeout: float = 120.0, *, legacy: bool = False
+) -> ev.JobIdentity | None:
+    """The namespace's latest job record, None before its first run (blocking).
+    ``legacy``: also look on the budgets topic, where a namespace made before the
+    control topic has it (``tokenbudget jobs``; a run moves it first,
+    :mod:`tokenbudget.app.upgrade`), and give up on a topic that is not there at
+    once instead of waiting for its metadata."""
+    found = _latest_record(bootstrap, topics.control, timeout, wait=not legacy)
+    if found is None and legacy:
+        found = _latest_record(bootstrap, topics.budgets, timeout, wait=False)
+    return found
+
+
+def _latest_record(
+    bootstrap: str, topic: str, timeout: float, *, wait: bool
+) -> ev.JobIdentity | None:
     found: list[ev.JobIdentity] = []
+    # A record is believed from the control topic only; an older namespace's, read
+    # on its budgets topic, is the operators' of that time.
+    where = topic if topic.endswith(".control") else None
 
     def keep(record: Any) -> None:
         if record.key != RECORD_KEY:
             return
         try:
-            event = ev.decode(record.value, record.topic)
+            event = ev.decode(record.value, where)
         except EventDecodeError:
             return  # a newer build's record: this one cannot compare with it
         if isinstance(event, ev.JobIdentity):
@@ -277,9 +301,15 @@ def read_recorded(bootstrap: str, topics: Topics, timeout: float = 120.0) -> ev.
         **kafka_python_options(client_options(bootstrap)), group_id=None, enable_auto_commit=False
     )
     try:
-        tps = wait_for_partitions(
-            consumer, topics.control, timeout=60.0, missing=f"no metadata for {topics.control}"
-        )
+        if wait:
+            tps = wait_for_partitions(
+                consumer, topic, timeout=60.0, missing=f"no metadata for {topic}"
+            )
+        else:
+            parts = consumer.partitions_for_topic(topic)
+            if not parts:
+                return None
+            tps = [TopicPartition(topic, p) for p in sorted(parts)]
         tp = tps[RECORD_PARTITION]
         consumer.assign([tp])
         consumer.seek_to_beginning(tp)
@@ -384,7 +414,7 @@ async def settle(
         return
     changes = differences(recorded, current)
     if changes and not resume_changed:
-        raise JobChangedError(changed_message(changes, recorded, topics.namespace, command))
+        raise JobChangedError(changed_message(changes, recorded, config, command))
     old_path = recorded.settings.get("sink.path")
     if changes and old_path != current.settings["sink.path"]:
         await _fill_moved_sink(config, bootstrap, str(old_path), command)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 import tomllib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -149,11 +148,9 @@ def config_text(
     folder: Path,
     *,
     budget: str | None = None,
-    namespace: str = "",
 ) -> str:
     chat = any(f.shape.chat for f in found)
     choice = choose_api(server, chat, local_tokenizer(server))
-    namespace = namespace or "job-" + time.strftime("%Y%m%d-%H%M%S")
     lines = [
         f"# A tokenbudget job, written by `tokenbudget init` from {len(found)} dataset(s) and",
         f"# the server at {server.url}. Set each budget (and max_new_tokens), then see what",
@@ -162,9 +159,11 @@ def config_text(
         "#   tokenbudget run --config <this file>",
         "# Every key is in docs/reference/config.md (`tokenbudget --help`: the commands).",
         "",
+        "# The job is this file: a rerun of it resumes the job, a copy of it under another",
+        "# name is another job ([job] name = \"...\" names it otherwise).",
+        "",
         "[kafka]",
         'bootstrap = "local"  # the project\'s own broker, started when needed; or "HOST:PORT"',
-        f"namespace = {_toml(namespace)}  # a new one per job: a rerun with it resumes the job",
         "",
         "[inference]",
         f"url = {_toml(server.url)}",

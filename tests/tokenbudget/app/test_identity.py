@@ -207,20 +207,29 @@ def test_the_refusal_is_one_line_naming_what_changed_and_the_ways_on(
     write(tmp_path / "data.jsonl", rows=4)
     current = job(tmp_path, B1, sink={"path": "out2"})
     changes = identity.differences(base, current)
-    message = identity.changed_message(changes, base, "tokenbudget", "run")
+    (tmp_path / "job.toml").write_text("")  # a job that names neither job nor namespace
+    config = config_module.load(tmp_path / "job.toml", environ={})
+    message = identity.changed_message(changes, base, config, "run")
     assert "\n" not in message
     assert message.startswith(
         f"sink.path {tmp_path / 'out'} → {tmp_path / 'out2'}; "
-        "datasets[0] B1: data.jsonl content changed since the first run of namespace "
-        "tokenbudget ("
+        "datasets[0] B1: data.jsonl content changed since the first run of job "
+        f"{config.kafka.namespace} ("
     )
-    assert "another [kafka] namespace" in message
-    assert "`tokenbudget run --resume-changed`" in message
+    # The new job's way first: the config names neither its job nor its namespace.
+    new = message.index("for a new job, give it another name: [job] name, or save the config")
+    assert new < message.index("`tokenbudget run --resume-changed`")
     later = msgspec.structs.replace(base, recorded_at=base.first_at + 60)
-    assert "since the run that last recorded it of namespace" in identity.changed_message(
-        changes, later, "tokenbudget", "produce"
+    assert "since the run that last recorded it of job" in identity.changed_message(
+        changes, later, config, "produce"
     )
-    many = identity.changed_message([f"c{i}" for i in range(5)], base, "ns", "run")
+    named = msgspec.structs.replace(
+        config, kafka=msgspec.structs.replace(config.kafka, namespace="shared")
+    )
+    assert "for a new job, set another [kafka] namespace;" in identity.changed_message(
+        changes, base, named, "run"
+    )
+    many = identity.changed_message([f"c{i}" for i in range(5)], base, config, "run")
     assert many.startswith("c0; c1; c2; and 2 more since")
 
 

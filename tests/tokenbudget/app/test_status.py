@@ -203,7 +203,7 @@ def test_with_the_local_broker_down_status_says_so_and_how_to_start_it(
     assert out == ""
     assert err == (
         "tokenbudget: error: the local broker (127.0.0.1:9092) is not running, so no job "
-        "of this config runs; start it with `tokenbudget broker up`, or start the job with "
+        "runs on it; start it with `tokenbudget broker up`, or start the job with "
         f"`tokenbudget run --config {config}`\n"
     )
 
@@ -219,7 +219,7 @@ def test_status_of_a_namespace_that_never_ran_says_so_in_one_line(
     monkeypatch.delenv("TOKENBUDGET_LOG", raising=False)
     config = status_config(tmp_path, kafka_bootstrap, namespace)
     said = (
-        f"namespace '{namespace}' has never run on {kafka_bootstrap} (no topic "
+        f"job '{namespace}' has never run on {kafka_bootstrap} (no topic "
         f"{namespace}.budgets): nothing to show; `tokenbudget run --config {config}` "
         "starts it\n"
     )
