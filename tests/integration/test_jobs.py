@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from tokenbudget import cli
+from tokenbudget.app import identity
 from tokenbudget.dev import oracle
 from tokenbudget.dev.jobs import Simulator, start_simulator, write_job
 from tokenbudget.sinks.parquet import read_rows
@@ -111,3 +112,34 @@ def test_two_jobs_in_two_folders_each_resume_their_own_and_are_listed(
     assert cli.main(["status", name, "--bootstrap", kafka_bootstrap, "--json"]) == 0
     row = json.loads(capsys.readouterr().out)["datasets"]["d"]
     assert row["kept"] == 700 and row["budget"] == 700
+
+
+def test_a_job_that_ran_before_jobs_had_names_is_not_started_again_unasked(
+    tmp_path: Path,
+    kafka_bootstrap: str,
+    sim: Simulator,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    namespace: str,
+) -> None:
+    """Every config that named no namespace ran in "tokenbudget" before; run again
+    now, it would be a new job of its file's name and spend its budgets again."""
+    monkeypatch.setattr(identity, "UNNAMED_NAMESPACE", namespace)  # the shared default
+    config = unnamed_job(tmp_path / "old", kafka_bootstrap, sim.url, "O", 600)
+    text = config.read_text()
+    config.write_text(text.replace("[kafka]\n", f'[kafka]\nnamespace = "{namespace}"\n', 1))
+    assert run(config, capsys)[0] == 0  # as it ran then, in the shared namespace
+    served = len(oracle.read_server_log(sim.log))
+
+    config.write_text(text)  # the config as its user wrote it: no namespace
+    code, err = run(config, capsys)
+    assert code == 2
+    [line] = [line for line in err.splitlines() if "error" in line]
+    assert "this config's job ran before jobs had names, in namespace" in line
+    assert f'to resume it, set [kafka] namespace = "{namespace}"' in line
+    assert len(oracle.read_server_log(sim.log)) == served  # nothing sent
+
+    config.write_text(text.replace("[kafka]\n", f'[kafka]\nnamespace = "{namespace}"\n', 1))
+    code, err = run(config, capsys)
+    assert code == 0 and "resuming the job unchanged" in err
+    assert kept(config.parent / "out") == 600

@@ -52,6 +52,7 @@ from tokenbudget.core.kafka import (
     read_to_ends,
     wait_for_partitions,
 )
+from tokenbudget.core.names import UNNAMED_JOB, job_name_of
 from tokenbudget.core.sampling import SAMPLING_KEYS
 from tokenbudget.core.sizes import Compression
 from tokenbudget.sinks.parquet import output_files
@@ -410,6 +411,9 @@ async def settle(
     await asyncio.to_thread(move_commands, bootstrap, topics, config.kafka.compression)
     recorded = await asyncio.to_thread(read_recorded, bootstrap, topics)
     if recorded is None:
+        earlier = await asyncio.to_thread(ran_unnamed, config, bootstrap, current)
+        if earlier is not None:
+            raise JobChangedError(unnamed_message(config, earlier))
         await record(bootstrap, topics, current, config.kafka.compression)
         return
     changes = differences(recorded, current)
@@ -420,7 +424,7 @@ async def settle(
         await _fill_moved_sink(config, bootstrap, str(old_path), command)
     if changes:
         _say(
-            f"resuming namespace {topics.namespace} although {'; '.join(changes)} since "
+            f"resuming job {topics.namespace} although {'; '.join(changes)} since "
             f"{since(recorded, topics.namespace)}: recorded as its job from now on"
         )
     else:
@@ -428,6 +432,37 @@ async def settle(
     job = merged(recorded, current)
     if not same_record(recorded, job):
         await record(bootstrap, topics, job, config.kafka.compression)
+
+
+# Where every job ran before jobs had names: a config that names neither its job nor
+# a namespace ran there then, and runs under its file's name now.
+UNNAMED_NAMESPACE = UNNAMED_JOB
+
+
+def ran_unnamed(config: Config, bootstrap: str, current: ev.JobIdentity) -> ev.JobIdentity | None:
+    """The record of this very job in :data:`UNNAMED_NAMESPACE`, when the config names
+    neither its job nor a namespace (so it ran there before jobs had names) and that
+    namespace's job is this one, unchanged; else None (blocking). Started anew under
+    its file's name, it would spend its budgets a second time."""
+    source = Path(config.source)
+    if not source.is_file() or config.kafka.namespace in (UNNAMED_NAMESPACE, ""):
+        return None
+    if config.job.name != job_name_of(source) or config.kafka.namespace != config.job.name:
+        return None  # named by its user: that is the job they mean
+    earlier = read_recorded(bootstrap, Topics(UNNAMED_NAMESPACE), legacy=True)
+    if earlier is None or differences(earlier, current):
+        return None
+    return earlier
+
+
+def unnamed_message(config: Config, earlier: ev.JobIdentity) -> str:
+    """The one line a first run of a job that ran before jobs had names stops with."""
+    return (
+        f"this config's job ran before jobs had names, in namespace {UNNAMED_NAMESPACE} "
+        f"(first run {_when(earlier.first_at)}): to resume it, set [kafka] namespace = "
+        f'"{UNNAMED_NAMESPACE}"; to start it anew as job {config.job.name}, set [job] '
+        f'name = "{config.job.name}"'
+    )
 
 
 async def _fill_moved_sink(config: Config, bootstrap: str, old_path: str, command: Command) -> None:

@@ -160,7 +160,7 @@ def config_text(
         "# Every key is in docs/reference/config.md (`tokenbudget --help`: the commands).",
         "",
         "# The job is this file: a rerun of it resumes the job, a copy of it under another",
-        "# name is another job ([job] name = \"...\" names it otherwise).",
+        '# name is another job ([job] name = "..." names it otherwise).',
         "",
         "[kafka]",
         'bootstrap = "local"  # the project\'s own broker, started when needed; or "HOST:PORT"',
