@@ -960,6 +960,20 @@ class _Engine:
             await asyncio.gather(*self.tasks, return_exceptions=True)
 
 
+def keyed(
+    engine: _Engine, handler: Callable[[web.Request], Awaitable[web.Response]]
+) -> Callable[[web.Request], Awaitable[web.Response]]:
+    """``handler`` behind the API key, as generation is: the log holds what every
+    request asked, an outage stops the server, an abort stops an answer."""
+
+    async def checked(request: web.Request) -> web.Response:
+        if not engine.authorized(request):
+            return _error("sglang", 401, "Unauthorized")
+        return await handler(request)
+
+    return checked
+
+
 class _SGLangRoutes:
     """SGLang's native API: ``/generate``, ``/abort_request``, ``/get_model_info`` and
     its Prometheus ``/metrics``; and ``/health`` (``/health_generate``), which vLLM
@@ -973,10 +987,12 @@ class _SGLangRoutes:
     def routes(self) -> list[web.RouteDef]:
         return [
             web.post("/generate", self.handle_generate),
-            web.post("/abort_request", self.handle_abort),
+            # Behind the key as generation is (SGLang's --api-key guards every route but
+            # the health checks): an abort stops someone's answer, the info names the model.
+            web.post("/abort_request", keyed(self.engine, self.handle_abort)),
             web.get("/health", self.handle_health),
             web.get("/health_generate", self.handle_health),
-            web.get("/get_model_info", self.handle_model_info),
+            web.get("/get_model_info", keyed(self.engine, self.handle_model_info)),
             web.get("/metrics", self.handle_metrics),
         ]
 
@@ -1362,23 +1378,10 @@ class _SimServer:
             [
                 *_SGLangRoutes(self.engine, self.faults).routes(),
                 *_OpenAIRoutes(self.engine).routes(),
-                web.get("/sim/log", self._keyed(self.log.handle_log)),
-                web.post("/sim/outage", self._keyed(self.faults.handle_outage)),
+                web.get("/sim/log", keyed(self.engine, self.log.handle_log)),
+                web.post("/sim/outage", keyed(self.engine, self.faults.handle_outage)),
             ]
         )
-
-    def _keyed(
-        self, handler: Callable[[web.Request], Awaitable[web.Response]]
-    ) -> Callable[[web.Request], Awaitable[web.Response]]:
-        """``handler`` behind the API key, as generation is: the log holds what every
-        request asked, an outage stops the server."""
-
-        async def checked(request: web.Request) -> web.Response:
-            if not self.engine.authorized(request):
-                return _error("sglang", 401, "Unauthorized")
-            return await handler(request)
-
-        return checked
 
     async def shutdown(self) -> None:
         await self.engine.shutdown()

@@ -554,7 +554,7 @@ def test_an_outage_answers_503_to_everything_health_included_until_it_ends() -> 
     run(FAST, body)
 
 
-def test_a_simulator_with_a_key_keeps_its_log_and_outages_behind_it() -> None:
+def test_a_simulator_with_a_key_keeps_its_log_outages_aborts_and_model_behind_it() -> None:
     keyed = replace(FAST, api_key="s3cret")
 
     async def body(sim: RunningSimulator, c: httpx.AsyncClient) -> None:
@@ -565,6 +565,10 @@ def test_a_simulator_with_a_key_keeps_its_log_and_outages_behind_it() -> None:
             assert (await c.get("/sim/log", headers=headers)).status_code == 401
             outage = await c.post("/sim/outage", json={"seconds": 60}, headers=headers)
             assert outage.status_code == 401
+            abort = await c.post("/abort_request", json={"rid": "r"}, headers=headers)
+            assert abort.status_code == 401
+            assert (await c.get("/get_model_info", headers=headers)).status_code == 401
+        assert (await c.get("/get_model_info", headers=key)).status_code == 200
         assert (await c.get("/health")).status_code == 200  # no outage began
         [record] = (await c.get("/sim/log", headers=key)).json()
         assert record["text_head"] == "x"
