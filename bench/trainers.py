@@ -195,9 +195,9 @@ def installed_versions() -> dict[str, str]:
         [str(venv_python()), "-c", code, *PINS, *UNPINNED],
         capture_output=True,
         text=True,
-        check=True,
     )
-    versions: dict[str, str] = json.loads(out.stdout)
+    # a venv that cannot say (half made, its python gone) is made again
+    versions: dict[str, str] = json.loads(out.stdout) if out.returncode == 0 else {}
     return versions
 
 
@@ -211,16 +211,25 @@ def ensure_venv() -> dict[str, str]:
     started = time.monotonic()
     print(f"installing the trainers into {VENV} (once; torch is a few GB)", flush=True)
     if not venv_python().exists():
-        subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
+        step([sys.executable, "-m", "venv", str(VENV)])
     pip = [str(venv_python()), "-m", "pip", "install", "--quiet"]
     constraints = VENV / "constraints.txt"
     constraints.write_text("".join(f"{name}=={pin}\n" for name, pin in PINS.items()))
     with_deps = [f"{n}=={p}" for n, p in PINS.items() if n not in NO_DEPS]
-    subprocess.run([*pip, "-c", str(constraints), *with_deps, *UNPINNED], check=True)
-    no_deps = [f"{n}=={p}" for n, p in PINS.items() if n in NO_DEPS]
-    subprocess.run([*pip, "--no-deps", *no_deps], check=True)
+    step([*pip, "-c", str(constraints), *with_deps, *UNPINNED])
+    step([*pip, "--no-deps", *[f"{n}=={p}" for n, p in PINS.items() if n in NO_DEPS]])
     print(f"installed in {time.monotonic() - started:.0f} s", flush=True)
     return installed_versions()
+
+
+def step(command: list[str]) -> None:
+    """One step of making the venv; a failure ends the bench with one line (pip has
+    said why above it)."""
+    if subprocess.run(command).returncode != 0:
+        raise SystemExit(
+            f"bench/trainers: {' '.join(command[:4])} ... failed: fix it, or remove {VENV} "
+            "(TOKENBUDGET_TRAINERS_VENV) to start the venv anew"
+        )
 
 
 # --------------------------------------------------------------------------------------
