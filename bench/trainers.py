@@ -450,6 +450,9 @@ class Verdict:
     read: int = 0
     error: str | None = None
     equal: int = 0  # samples whose loss is exactly a server answer
+    # text samples whose loss is only tool calls, which the template renders from the
+    # call (the simulator's ids for a call are not its text): not compared
+    calls: int = 0
     covered: int = 0  # kept answers the file gives the trainer so
     expected: int = 0  # kept answers that could be compared
 
@@ -461,7 +464,7 @@ class Verdict:
     def ok(self) -> bool:
         if self.error is not None or self.export.error is not None or self.dropped:
             return False
-        return self.equal == self.read and self.covered == self.expected
+        return self.equal + self.calls == self.read and self.covered == self.expected
 
 
 def spans(ids: list[int], mask: list[int]) -> list[list[int]]:
@@ -508,7 +511,10 @@ def judge(
             if remaining_words[words] > 0:
                 remaining_words[words] -= 1
                 matched += 1
-        verdict.equal += int(bool(compared) and matched == len(compared))
+        if not compared:
+            verdict.calls += 1
+        elif matched == len(compared):
+            verdict.equal += 1
     verdict.covered = verdict.expected - sum(remaining_words.values())
     return verdict
 
@@ -525,6 +531,7 @@ def print_report(verdicts: list[Verdict], exports: list[Export]) -> None:
     for v in verdicts:
         variant = v.export.variant
         how = "ids" if variant.carries_ids else "text"
+        calls = f" (+{v.calls} calls)" if v.calls else ""
         rows.append([
             v.loader,
             f"{v.export.job.name}/{variant.name}.jsonl",
@@ -532,7 +539,7 @@ def print_report(verdicts: list[Verdict], exports: list[Export]) -> None:
             v.export.written,
             "-" if v.error else v.read,
             "-" if v.error else v.dropped,
-            "-" if v.error else f"{how} {v.equal}/{v.read}",
+            "-" if v.error else f"{how} {v.equal}/{v.read - v.calls}" + calls,
             "-" if v.error else f"{v.covered}/{v.expected}",
             "-" if variant.baseline else ("yes" if v.ok else "NO"),
         ])  # fmt: skip
