@@ -377,6 +377,7 @@ class Export:
     path: Path
     error: str | None = None
     written: int = 0
+    keys: Counter[str] = field(default_factory=Counter)  # top-level keys, in how many records
 
 
 def export(job: Job, variant: Variant, folder: Path) -> Export:
@@ -392,7 +393,9 @@ def export(job: Job, variant: Variant, folder: Path) -> Export:
         lines = [line for line in done.stderr.splitlines() if line.strip()]
         result.error = lines[-1] if lines else f"exit {done.returncode}"
     else:
-        result.written = sum(1 for line in path.read_text().splitlines() if line.strip())
+        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        result.written = len(records)
+        result.keys.update(key for record in records for key in record)
     return result
 
 
@@ -545,6 +548,11 @@ def print_report(verdicts: list[Verdict], exports: list[Export]) -> None:
         ])  # fmt: skip
     print()
     print(format_table(headers, rows))
+    print()
+    for e in exports:
+        if e.error is None:
+            keys = ", ".join(k if n == e.written else f"{k} ({n})" for k, n in e.keys.items())
+            print(f"{e.job.name}/{e.variant.name}.jsonl, keys: {keys}")
     refused = [e for e in exports if e.error is not None]
     failed = [v for v in verdicts if v.error is not None]
     if refused or failed:
