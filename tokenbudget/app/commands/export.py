@@ -15,7 +15,7 @@ from tokenbudget.app.bootstrap import resolve_bootstrap
 from tokenbudget.app.commands import add_config, examples
 from tokenbudget.core import config as config_module
 from tokenbudget.core.errors import ExportError
-from tokenbudget.core.tokenizer import load_pretrained
+from tokenbudget.core.tokenizer import TRUST_FLAG, load_pretrained
 from tokenbudget.sinks.export import FORMATS, Decode, ExportOptions, ExportSummary, export
 from tokenbudget.sinks.replay import ReplayOptions, replay
 from tokenbudget.streams.topics import Topics
@@ -82,6 +82,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a local tokenizer folder that decodes answers cut at the budget's line, kept as "
         "ids only (default: [inference] tokenizer)",
     )
+    parser.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="run the tokenizer code the --tokenizer folder ships, if any (its auto_map; "
+        "default: [inference] trust_remote_code)",
+    )
     parser.add_argument("--json", action="store_true", help="print a JSON summary")
 
 
@@ -96,7 +102,13 @@ def main(args: argparse.Namespace) -> int:
     )
     decode: Decode | None = None
     if tokenizer_path:
-        tokenizer = load_pretrained(Path(tokenizer_path), "export --tokenizer")
+        tokenizer = load_pretrained(
+            Path(tokenizer_path),
+            "export --tokenizer",
+            trust_remote_code=args.trust_remote_code
+            or bool(config and config.inference.trust_remote_code),
+            trusted_by=TRUST_FLAG,
+        )
         decode = functools.partial(tokenizer.decode, skip_special_tokens=False)
     options = ExportOptions(
         format=args.format,
