@@ -213,8 +213,9 @@ def _print_summary(summary: ExportSummary, options: ExportOptions, as_json: bool
             print(f"of them conversations regenerated turn by turn, one record each: {whole}")
         else:
             print(
-                f"of them {sum(summary.conversation_records.values())} of conversations "
-                f"regenerated turn by turn, one per answer: {whole} conversations"
+                f"of them {sum(summary.conversation_records.values())} of the "
+                f"{sum(summary.conversations.values())} conversations regenerated turn by "
+                f"turn, one record per answer ({whole})"
             )
     if summary.incomplete:
         dropped = ", ".join(f"{name} {n}" for name, n in sorted(summary.incomplete.items()))
