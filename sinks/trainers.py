@@ -34,15 +34,21 @@ What each trainer's loader reads (their sources, August 2026):
 Ids are unique across datasets, samples and turns, and stable across reruns and
 replays: a record's is its dataset's name and its conversation's id (turn by turn
 regeneration) or its prompt's (one per sample), hashes of the dataset row's own
-identity; an answer's adds its turn. Nothing positional, no clock.
+identity (one that could not name a file, from elsewhere, hashed again); an answer's
+adds its turn. Nothing positional, no clock.
 """
 
 from __future__ import annotations
 
+import hashlib
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 TrainerFormat = Literal["specforge", "speculators", "modelopt"]
+# What of a prompt's or conversation's id goes into a record's id as it is: ours are
+# 32 hex digits; any other (an event from elsewhere) is hashed, as it may not name a file.
+_FILE_SAFE = re.compile(r"[0-9A-Za-z_.-]{1,64}")
 
 
 @dataclass(frozen=True)
@@ -72,7 +78,10 @@ def unit_id(row: dict[str, Any]) -> str:
     """The record's id: its dataset, then its conversation's id or (one answer) its
     prompt's (hex; each sample's prompt has its own). Letters, digits, ``_ . -``
     only (a dataset's name is such), so it can name a file."""
-    return f"{row['dataset']}-{row['conversation_id'] or row['prompt_id']}"
+    key: str = row["conversation_id"] or row["prompt_id"]
+    if not _FILE_SAFE.fullmatch(key):
+        key = hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
+    return f"{row['dataset']}-{key}"
 
 
 def answer_id(unit: str, row: dict[str, Any]) -> str:

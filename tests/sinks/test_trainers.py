@@ -159,6 +159,17 @@ def test_modelopt_records_name_their_conversation_and_leave_tools_out(tmp_path: 
     assert not (tmp_path / "x.jsonl").exists()
 
 
+def test_an_id_that_cannot_name_a_file_is_hashed_the_same_every_time(tmp_path: Path) -> None:
+    """Model-Optimizer names a file after each conversation_id: a prompt id from
+    elsewhere than tokenbudget (whose ids are hex) must not reach a path as it is."""
+    write_rows(tmp_path / "out", [completion(0, prompt_id="../../etc/x y")])
+    [first], _ = export_to(tmp_path, "a.jsonl", "modelopt")
+    [again], _ = export_to(tmp_path, "b.jsonl", "modelopt")
+    loaders.modelopt_record(first)
+    assert first["conversation_id"] == again["conversation_id"]
+    assert first["conversation_id"].startswith("chat-") and "/" not in first["conversation_id"]
+
+
 def test_per_turn_is_refused_where_the_format_has_no_such_records(tmp_path: Path) -> None:
     write_rows(tmp_path / "out", WHOLE)
     for format in ("messages", "modelopt", "speculators"):
