@@ -108,8 +108,9 @@ class ExportSummary:
     decoded: int = 0  # cut answers whose text came from their ids
     unfinished: Counter[str] = field(default_factory=Counter)  # left out, per dataset
     conversations: Counter[str] = field(default_factory=Counter)  # records that are
-    conversation_records: Counter[str] = field(default_factory=Counter)  # one per answer?
     incomplete: Counter[str] = field(default_factory=Counter)  # conversations left out
+    # the records written of the conversations: more than them when one per answer
+    conversation_records: Counter[str] = field(default_factory=Counter)
     encoded: int = 0  # prompts whose ids came from their text, with the tokenizer
     split: int = 0  # answers whose inline thinking went to reasoning_content
     tools_dropped: Counter[str] = field(default_factory=Counter)  # records, per dataset
@@ -271,9 +272,7 @@ def trainer_unit(
     for k, row in enumerate(rows):
         history = prompt_turns(row)
         for j in range(k):
-            _put(
-                history, at[j], {key: v for key, v in said[j].items() if key != "reasoning_content"}
-            )
+            _put(history, at[j], _visible(said[j]))
         answers.append(
             trainers.Answer(
                 trainers.answer_id(uid, row), row["turn"] or 0, [*history, said[k]], row
@@ -288,6 +287,12 @@ def trainer_unit(
 def _put(turns: list[dict[str, Any]], at: int, said: dict[str, Any]) -> None:
     if at < len(turns) and turns[at]["role"] == "assistant":
         turns[at] = said
+
+
+def _visible(said: dict[str, Any]) -> dict[str, Any]:
+    """An earlier answer as a later turn's history shows it: without its thinking
+    (what the chat templates of thinking models render, and what went back)."""
+    return {key: value for key, value in said.items() if key != "reasoning_content"}
 
 
 def _assistant_turn(
@@ -325,7 +330,8 @@ def conversation_record(
         raise ExportError(
             f"--with-ids: dataset {rows[0]['dataset']!r} holds conversations regenerated "
             "turn by turn, whose token ids are per turn: export them with --format parquet "
-            "--with-ids (one row per turn, each with its input_ids and loss_mask)"
+            "--with-ids (one row per turn, each with its input_ids and loss_mask), or with "
+            "--format speculators or --format specforge --with-ids (one record per answer)"
         )
     last = rows[-1]
     turns = [*prompt_turns(last), reply(last, options, summary)]
