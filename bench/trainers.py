@@ -20,8 +20,9 @@ What it does, in one run:
    tokenizer, a thinking model that calls tools: ``chat`` (``api = "openai-chat"``:
    single-turn answers, ``n = 2``, thinking off; a thinking model's answers, ``n =
    2``; conversations regenerated turn by turn; conversations that call a tool) and
-   ``generate`` (SGLang's ``/generate`` with the template applied here, ``template =
-   true``: the thinking inline, ``n = 2``).
+   ``generate`` (SGLang's ``/generate``, the thinking inline, ``n = 2``: chats with
+   the template applied here, ``template = true``, and the seed job's path, prompts
+   sent as text, whose ids the server does not return).
 4. Exports each job in each trainer's format (with and without ``--with-ids`` where
    the format has both) and, as the baseline measured in the same run, in today's
    ``conversations`` (and ``messages``, the shape Model-Optimizer reads) formats.
@@ -34,7 +35,9 @@ What it does, in one run:
 
 Graded from outside the export and the trainers: the Parquet rows' token ids, each
 checked against the simulator's own request log (a crc32 of the ids it generated,
-and of the prompt ids it was sent), are the server's answers. Per trainer and file
+and of the prompt ids it was sent or answered with), are the server's answers; a
+prompt sent as text is checked by the log's crc32 of that text (the prompt's ids
+decoded) and the tokens the server counted in it. Per trainer and file
 it prints records written, records read, records dropped, and how many samples'
 loss is exactly a server answer: for a format with ids, ``input_ids`` equal to the
 prompt's ids then the answer's and the loss mask over the answer alone; for a text
@@ -59,6 +62,7 @@ import shutil
 import subprocess
 import sys
 import time
+import zlib
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -159,6 +163,8 @@ MODELOPT = ("modelopt-online", "modelopt-streaming")
 ALL = ("specforge", "speculators", *MODELOPT)
 VARIANTS = (
     Variant("specforge", "specforge", (), ("specforge",)),
+    # one record per answer on the history it was sent: data.train_only_last_turn
+    Variant("specforge-per-turn", "specforge", ("--per-turn",), ("specforge",), "last_turn"),
     Variant("specforge-ids", "specforge", ("--with-ids",), ("specforge",)),
     Variant("speculators", "speculators", (), ("speculators",)),
     Variant("modelopt", "modelopt", (), MODELOPT),
@@ -279,6 +285,7 @@ class Job:
     inference: dict[str, Any]
     config: Path = Path()
     rows: list[dict[str, Any]] = field(default_factory=list)  # the kept answers
+    served: dict[str, dict[str, Any]] = field(default_factory=dict)  # the log's, by rid
 
 
 def make_jobs(data: Path, prompts: int, tokenizer: Path) -> list[Job]:
@@ -300,8 +307,12 @@ def make_jobs(data: Path, prompts: int, tokenizer: Path) -> list[Job]:
     )
     generate = Job(
         "generate",
-        {"generate": (chat_rows(data / "generate.jsonl", "#short", prompts), BUDGET)},
-        {"generate": {"n": 2, "reasoning": "save"}},
+        {
+            "generate": (chat_rows(data / "generate.jsonl", "#short", prompts), BUDGET),
+            # the seed job's path: the prompt's text as it is, its ids not returned
+            "seed": (jobs.rows(data / "seed.jsonl", "#short", prompts), BUDGET),
+        },
+        {"generate": {"n": 2, "reasoning": "save"}, "seed": {"n": 2, "reasoning": "save"}},
         {"api": "sglang", "tokenizer": str(tokenizer)},
     )
     return [chat, generate]
@@ -311,7 +322,8 @@ def build_tokenizer(folder: Path, datasets: Iterable[Path]) -> Path:
     """The tiny thinking tokenizer, trained on the datasets' words, with every word
     of the simulator's answers one token and :data:`TRAINER_TEMPLATE` its template."""
     corpus = [*tiny_tokenizer.CORPUS, "tools search", *tiny_tokenizer.dataset_corpus(datasets)]
-    words = [f"w{i}" for i in range(SIM_VOCAB)] + TOOL_MARKERS
+    # "#short" one token, as the simulator counts a text prompt's words
+    words = [f"w{i}" for i in range(SIM_VOCAB)] + TOOL_MARKERS + ["#short"]
     tiny_tokenizer.build_tokenizer(folder, corpus, whole_words=words, thinking=True)
     # save_pretrained writes the template beside the tokenizer; this one replaces it
     (folder / "chat_template.jinja").write_text(TRAINER_TEMPLATE)
@@ -343,24 +355,29 @@ def run_job(job: Job, workdir: Path, url: str, bootstrap: str) -> None:
 
 def verify_rows(job: Job, server_log: Path) -> list[str]:
     """Each kept answer against the server's own log: its ids are the ones the
-    server generated (and, when the prompt went as ids, was sent). Returns what
+    server generated, and its prompt's those it was sent or answered with (a prompt
+    sent as text has none: the file's are checked against the text, in
+    :class:`Answers`). Keeps the log's record of each in ``job.served``; returns what
     differs (nothing, when the pipeline kept what the server said)."""
     log = {}
     for line in server_log.read_text().splitlines():
         record = json.loads(line)
-        if record.get("fault"):
-            continue
-        log[record["rid"]] = record
+        if not record.get("fault"):
+            log[record["rid"]] = record
     problems = []
     for row in job.rows:
         served = log.get(row["request_id"])
+        prompt = ids_crc(row["prompt_ids"] or [])
         if served is None:
             problems.append(f"{job.name}: answer {row['request_id']} not in the server's log")
-        elif ids_crc(row["output_ids"] or []) != served["output_crc"]:
+            continue
+        job.served[row["request_id"]] = served
+        sent = served["prompt_crc"] or served.get("returned_prompt_crc", 0)
+        if ids_crc(row["output_ids"] or []) != served["output_crc"]:
             problems.append(f"{job.name}: answer {row['request_id']} ids differ from the log's")
-        elif served["prompt_crc"] and ids_crc(row["prompt_ids"] or []) != served["prompt_crc"]:
+        elif row["prompt_ids"] is not None and sent and prompt != sent:
             problems.append(f"{job.name}: prompt of {row['request_id']} differs from the log's")
-        elif not row["prompt_ids"]:
+        elif row["prompt_ids"] is None and not served["text_crc"]:
             problems.append(f"{job.name}: answer {row['request_id']} has no prompt ids")
     return problems
 
@@ -378,6 +395,7 @@ class Export:
     error: str | None = None
     written: int = 0
     keys: Counter[str] = field(default_factory=Counter)  # top-level keys, in how many records
+    said: list[str] = field(default_factory=list)  # what the export warned of
 
 
 def export(job: Job, variant: Variant, folder: Path) -> Export:
@@ -393,6 +411,7 @@ def export(job: Job, variant: Variant, folder: Path) -> Export:
         lines = [line for line in done.stderr.splitlines() if line.strip()]
         result.error = lines[-1] if lines else f"exit {done.returncode}"
     else:
+        result.said = [line for line in done.stderr.splitlines() if line.strip()]
         records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         result.written = len(records)
         result.keys.update(key for record in records for key in record)
@@ -423,27 +442,62 @@ def load(loader: str, exports: Sequence[Export], tokenizer: Path, folder: Path) 
 # --------------------------------------------------------------------------------------
 
 
-class Answers:
-    """A job's kept answers, as the keys a trainer's sample is compared by: the
-    prompt's ids then the answer's with the mask over the answer (formats with ids),
-    and the answer's words as the simulator renders them (text formats; not the
-    tool calls, which the template renders from the call, not from the ids)."""
+class Vocabulary:
+    """The tokenizer, as the judge reads tokens: each id's token, the id that ends
+    the thinking, and the text of ids."""
 
-    def __init__(self, rows: list[dict[str, Any]], think_end: int) -> None:
-        self.think_end = think_end
-        self.ids: Counter[tuple[tuple[int, ...], tuple[int, ...]]] = Counter()
-        self.words: Counter[tuple[str, ...]] = Counter()
-        self.calls = 0
-        for row in rows:
-            prompt, output = list(row["prompt_ids"] or []), list(row["output_ids"] or [])
-            self.ids[(tuple(prompt + output), tuple([0] * len(prompt) + [1] * len(output)))] += 1
-            if row["tool_calls"]:
-                self.calls += 1
-            else:
-                self.words[tuple(self.word(i) for i in output)] += 1
+    def __init__(self, folder: Path) -> None:
+        from transformers import AutoTokenizer
+
+        self._tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        self.tokens: list[str] = self._tokenizer.convert_ids_to_tokens(
+            list(range(len(self._tokenizer)))
+        )
+        self.think_end: int = self._tokenizer.convert_tokens_to_ids(THINK_END)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self._tokenizer.decode(list(ids), skip_special_tokens=False))
 
     def word(self, token: int) -> str:
+        """A server's answer token as the simulator renders it."""
         return THINK_END if token == self.think_end else f"w{token}"
+
+
+@dataclass(frozen=True)
+class Expected:
+    """A kept answer's prompt as the server had it: its ids, or (a prompt sent as
+    text) the crc32 of that text and the tokens the server counted in it."""
+
+    prompt: tuple[int, ...] | None
+    text_crc: int
+    prompt_tokens: int
+
+
+class Answers:
+    """A job's kept answers, as a trainer's samples are compared with them: by the
+    answer's ids, with the prompt's before them and the mask over the answer alone
+    (formats with ids); by the answer's words as the simulator renders them (text
+    formats; not the tool calls, which the template renders from the call, not from
+    the ids)."""
+
+    def __init__(self, job: Job, vocabulary: Vocabulary) -> None:
+        self.vocabulary = vocabulary
+        self.by_output: dict[tuple[int, ...], list[Expected]] = {}
+        self.words: Counter[tuple[str, ...]] = Counter()
+        for row in job.rows:
+            served = job.served.get(row["request_id"], {})
+            prompt = tuple(row["prompt_ids"]) if row["prompt_ids"] is not None else None
+            expected = Expected(prompt, served.get("text_crc", 0), row["prompt_tokens"] or 0)
+            output = tuple(row["output_ids"] or ())
+            self.by_output.setdefault(output, []).append(expected)
+            if not row["tool_calls"]:
+                self.words[tuple(vocabulary.word(i) for i in output)] += 1
+
+    def matches(self, expected: Expected, prompt: list[int]) -> bool:
+        if expected.prompt is not None:
+            return tuple(prompt) == expected.prompt
+        text = self.vocabulary.decode(prompt).encode()
+        return len(prompt) == expected.prompt_tokens and zlib.crc32(text) == expected.text_crc
 
 
 @dataclass
@@ -483,27 +537,43 @@ def spans(ids: list[int], mask: list[int]) -> list[list[int]]:
     return runs
 
 
-def judge(
-    loader: str, exported: Export, result: Any, answers: Answers, vocab: list[str]
-) -> Verdict:
+def judge(loader: str, exported: Export, result: Any, answers: Answers) -> Verdict:
     verdict = Verdict(loader, exported, error=result["error"] if result else None)
     samples = result["samples"] if result else []
     verdict.read = len(samples)
     if exported.variant.carries_ids:
-        remaining = Counter(answers.ids)
-        verdict.expected = sum(answers.ids.values())
-        for ids, mask in samples:
-            key = (tuple(ids), tuple(mask))
-            if remaining[key] > 0:
-                remaining[key] -= 1
-                verdict.equal += 1
-        verdict.covered = verdict.expected - sum(remaining.values())
-        return verdict
-    remaining_words = Counter(answers.words)
-    verdict.expected = sum(answers.words.values())
+        judge_ids(verdict, samples, answers)
+    else:
+        judge_text(verdict, samples, answers)
+    return verdict
+
+
+def judge_ids(verdict: Verdict, samples: list[Any], answers: Answers) -> None:
+    """A sample is a server answer when its mask is 0 over a prompt then 1 over an
+    answer, the answer's ids are the server's and the prompt's the ones it had."""
+    remaining = {output: list(prompts) for output, prompts in answers.by_output.items()}
+    verdict.expected = sum(len(prompts) for prompts in remaining.values())
     for ids, mask in samples:
-        runs = [[vocab[t] for t in run] for run in spans(ids, mask)]
-        # the answer's own tokens: what the template adds around it is not the model's
+        start = mask.index(1) if 1 in mask else len(mask)
+        if mask != [0] * start + [1] * (len(mask) - start):
+            continue
+        candidates = remaining.get(tuple(ids[start:]), [])
+        prompt = ids[:start]
+        found = next((e for e in candidates if answers.matches(e, prompt)), None)
+        if found is not None:
+            candidates.remove(found)
+            verdict.equal += 1
+    verdict.covered = verdict.expected - sum(len(prompts) for prompts in remaining.values())
+
+
+def judge_text(verdict: Verdict, samples: list[Any], answers: Answers) -> None:
+    """A sample is the server's answers when each span under its loss, as words,
+    is one (what the template adds around them left out)."""
+    remaining = Counter(answers.words)
+    verdict.expected = sum(remaining.values())
+    tokens = answers.vocabulary.tokens
+    for ids, mask in samples:
+        runs = [[tokens[t] for t in run] for run in spans(ids, mask)]
         compared = [
             tuple(w for w in run if w == THINK_END or (w[:1] == "w" and w[1:].isdigit()))
             for run in runs
@@ -511,15 +581,14 @@ def judge(
         ]
         matched = 0
         for words in compared:
-            if remaining_words[words] > 0:
-                remaining_words[words] -= 1
+            if remaining[words] > 0:
+                remaining[words] -= 1
                 matched += 1
         if not compared:
             verdict.calls += 1
         elif matched == len(compared):
             verdict.equal += 1
-    verdict.covered = verdict.expected - sum(remaining_words.values())
-    return verdict
+    verdict.covered = verdict.expected - sum(remaining.values())
 
 
 # --------------------------------------------------------------------------------------
@@ -553,6 +622,8 @@ def print_report(verdicts: list[Verdict], exports: list[Export]) -> None:
         if e.error is None:
             keys = ", ".join(k if n == e.written else f"{k} ({n})" for k, n in e.keys.items())
             print(f"{e.job.name}/{e.variant.name}.jsonl, keys: {keys}")
+            for line in e.said:
+                print(f"  export said: {line}")
     refused = [e for e in exports if e.error is not None]
     failed = [v for v in verdicts if v.error is not None]
     if refused or failed:
@@ -562,16 +633,6 @@ def print_report(verdicts: list[Verdict], exports: list[Export]) -> None:
         print(f"export refused ({kind}) {e.job.name}/{e.variant.name}: {e.error}")
     for v in failed:
         print(f"{v.loader} refused {v.export.job.name}/{v.export.variant.name}.jsonl: {v.error}")
-
-
-def think_end_id(tokenizer: Path) -> tuple[int, list[str]]:
-    """The id of ``</think>`` (the simulator's thinking ends with it) and every
-    id's token, from the tokenizer folder."""
-    from transformers import AutoTokenizer
-
-    loaded = AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True)
-    vocab = loaded.convert_ids_to_tokens(list(range(len(loaded))))
-    return loaded.convert_tokens_to_ids(THINK_END), vocab
 
 
 def main() -> int:
@@ -607,10 +668,10 @@ def main() -> int:
     print(f"{kept} answers kept, {kept - len(problems)} equal to the server's log")
     exports = [export(job, v, workdir / "exports") for job in job_list for v in variants]
     loaded = {loader: load(loader, exports, tokenizer, workdir) for loader in ALL}
-    think_end, vocab = think_end_id(tokenizer)
-    answers = {job.name: Answers(job.rows, think_end) for job in job_list}
+    vocabulary = Vocabulary(tokenizer)
+    answers = {job.name: Answers(job, vocabulary) for job in job_list}
     verdicts = [
-        judge(loader, e, loaded[loader].get(e.path), answers[e.job.name], vocab)
+        judge(loader, e, loaded[loader].get(e.path), answers[e.job.name])
         for e in exports
         for loader in e.variant.loaders
         if e.error is None
