@@ -65,7 +65,7 @@ import time
 import zlib
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -151,6 +151,7 @@ class Variant:
     format: str
     args: tuple[str, ...]
     loaders: tuple[str, ...]
+    _: KW_ONLY
     baseline: bool = False
     options: str = ""  # the driver's options for this file (see driver.py)
 
@@ -160,11 +161,12 @@ class Variant:
 
 
 MODELOPT = ("modelopt-online", "modelopt-streaming")
+LAST = "last_turn"  # SpecForge's data.train_only_last_turn (driver.py)
 ALL = ("specforge", "speculators", *MODELOPT)
 VARIANTS = (
     Variant("specforge", "specforge", (), ("specforge",)),
     # one record per answer on the history it was sent: data.train_only_last_turn
-    Variant("specforge-per-turn", "specforge", ("--per-turn",), ("specforge",), "last_turn"),
+    Variant("specforge-per-turn", "specforge", ("--per-turn",), ("specforge",), options=LAST),
     Variant("specforge-ids", "specforge", ("--with-ids",), ("specforge",)),
     Variant("speculators", "speculators", (), ("speculators",)),
     Variant("modelopt", "modelopt", (), MODELOPT),
