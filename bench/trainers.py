@@ -46,8 +46,11 @@ server answer (thinking and ``</think>`` included; tool calls are re-rendered by
 template and not compared). Then how many of the job's kept answers the file gives
 the trainer so. It exits 1 unless every file of the new formats is read whole by its
 trainers, none dropped, every sample's loss is a server answer and every kept answer
-is in the file. Two answers of a prompt (``n = 2``) are the same ids here (the
-simulator's answer is a function of the prompt), so either may stand for the other.
+is in the file, with no answer's thinking left inline in its text (``</think>`` in
+``content``: SpecForge's validators refuse it, and a template that splits the
+thinking off the content would see none). Two answers of a prompt (``n = 2``) are
+the same ids here (the simulator's answer is a function of the prompt), so either
+may stand for the other.
 
 Out of CI and of ``make bench``: it installs torch and three trainers (a few GB,
 once). Run it from the checkout's root with the project's venv.
@@ -398,6 +401,9 @@ class Export:
     written: int = 0
     keys: Counter[str] = field(default_factory=Counter)  # top-level keys, in how many records
     said: list[str] = field(default_factory=list)  # what the export warned of
+    # the assistant turns of the text records: in all, with reasoning_content, and
+    # with the thinking's end inline in content (SpecForge's validators refuse those)
+    turns: Counter[str] = field(default_factory=Counter)
 
 
 def export(job: Job, variant: Variant, folder: Path) -> Export:
@@ -417,6 +423,12 @@ def export(job: Job, variant: Variant, folder: Path) -> Export:
         records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         result.written = len(records)
         result.keys.update(key for record in records for key in record)
+        for record in records:
+            for turn in record.get("conversations") or record.get("messages") or []:
+                if turn.get("role") == "assistant":
+                    result.turns["assistant"] += 1
+                    result.turns["reasoning_content"] += turn.get("reasoning_content") is not None
+                    result.turns["inline"] += THINK_END in (turn.get("content") or "")
     return result
 
 
@@ -523,6 +535,8 @@ class Verdict:
     def ok(self) -> bool:
         if self.error is not None or self.export.error is not None or self.dropped:
             return False
+        if self.export.turns["inline"]:  # the thinking left in the answer's text
+            return False
         return self.equal + self.calls == self.read and self.covered == self.expected
 
 
@@ -624,6 +638,12 @@ def print_report(verdicts: list[Verdict], exports: list[Export]) -> None:
         if e.error is None:
             keys = ", ".join(k if n == e.written else f"{k} ({n})" for k, n in e.keys.items())
             print(f"{e.job.name}/{e.variant.name}.jsonl, keys: {keys}")
+            if e.turns:
+                print(
+                    f"  assistant turns {e.turns['assistant']}: with reasoning_content "
+                    f"{e.turns['reasoning_content']}, {THINK_END} inline in content "
+                    f"{e.turns['inline']}"
+                )
             for line in e.said:
                 print(f"  export said: {line}")
     refused = [e for e in exports if e.error is not None]
