@@ -63,13 +63,14 @@ docs: venv ## build the docs (docs/, mkdocs.yml) into site/; a broken link or an
 demo: venv jars ## eight datasets against the simulator, on the local broker
 	$(BIN)/tokenbudget demo
 
-bench: venv jars ## run every bench/*.py against the local broker (llama_cpp.py, test_suite_time.py and fleet.py apart: they take long)
+bench: venv jars ## run every bench/*.py against the local broker (llama_cpp.py, trainers.py, test_suite_time.py and fleet.py apart: they take long or install much)
 	@bootstrap=$$($(BIN)/tokenbudget broker up) || exit 1; \
 	echo "broker: $$bootstrap"; \
 	failed=""; \
 	for script in bench/*.py; do \
 		[ -e "$$script" ] || continue; \
 		[ "$$script" = bench/llama_cpp.py ] && continue; \
+		[ "$$script" = bench/trainers.py ] && continue; \
 		[ "$$script" = bench/test_suite_time.py ] && continue; \
 		[ "$$script" = bench/fleet.py ] && continue; \
 		if grep -q -- '--bootstrap' "$$script"; then set -- --bootstrap "$$bootstrap"; \

@@ -80,7 +80,7 @@ from tokenbudget.core.config import (
 from tokenbudget.core.errors import ConfigError, DatasetError
 from tokenbudget.core.extras import require
 from tokenbudget.producers.order import prompt_length, stratified
-from tokenbudget.producers.tokenizers import load_tokenizer
+from tokenbudget.producers.tokenizers import config_tokenizer
 from tokenbudget.streams.events import ChatMessage, ToolCall
 
 if TYPE_CHECKING:
@@ -930,9 +930,9 @@ def read_options(config: Config, dataset: Dataset) -> dict[str, Any]:
     """The :func:`read_prompts` keywords a configured dataset asks for."""
     template: Template | None = None
     if dataset.template:
-        if config.tokenizer_path is None:  # config validation names the key first
+        tokenizer = config_tokenizer(config)
+        if tokenizer is None:  # config validation names the key first
             raise DatasetError(str(dataset.path), "template = true needs [inference] tokenizer")
-        tokenizer = load_tokenizer(config.tokenizer_path)
         if not tokenizer.has_chat_template:
             raise ConfigError(
                 "inference.tokenizer",

@@ -66,7 +66,7 @@ from tokenbudget.core.errors import (
 )
 from tokenbudget.core.sampling import VERBATIM_KEY
 from tokenbudget.producers.http import HttpClient, Reply, Timeouts
-from tokenbudget.producers.tokenizers import load_tokenizer
+from tokenbudget.producers.tokenizers import config_tokenizer
 from tokenbudget.streams.events import ChatMessage, CountSource, FinishReason, ToolCall
 
 if TYPE_CHECKING:
@@ -1036,9 +1036,7 @@ def backend_for_server(
     stream, the server's URL and key, and the tokenizer for servers that return no
     counts."""
     inference = config.inference
-    tokenizer = None
-    if config.tokenizer_path is not None:
-        tokenizer = load_tokenizer(config.tokenizer_path)
+    tokenizer = config_tokenizer(config)
     return make_backend(
         inference.api,
         client,
@@ -1075,8 +1073,7 @@ async def prepare(config: Config) -> list[ServerCheck]:
     """Before a run: load the tokenizer (off the event loop, once per process) and,
     unless ``[inference] check_server = false``, probe every server of the fleet
     (:func:`check_servers`); [] when they are not checked."""
-    if config.tokenizer_path is not None:
-        await asyncio.to_thread(load_tokenizer, config.tokenizer_path)
+    await asyncio.to_thread(config_tokenizer, config)
     if config.inference.check_server:
         return await check_servers(config)
     return []

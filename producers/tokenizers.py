@@ -17,12 +17,15 @@ import functools
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from tokenbudget.core.errors import ConfigError, TokenizerError
+from tokenbudget.core.errors import ConfigError, TokenizerCodeError, TokenizerError
 from tokenbudget.core.extras import require
 from tokenbudget.core.tokenizer import load_pretrained
 from tokenbudget.streams.events import ChatMessage
+
+if TYPE_CHECKING:
+    from tokenbudget.core.config import Config
 
 
 class LocalTokenizer:
@@ -90,16 +93,31 @@ class LocalTokenizer:
 
 
 @functools.lru_cache(maxsize=8)
-def _load(path: str) -> LocalTokenizer:
+def _load(path: str, trust_remote_code: bool) -> LocalTokenizer:
     folder = Path(path)
     try:
-        tokenizer = load_pretrained(folder, "[inference] tokenizer")
+        tokenizer = load_pretrained(
+            folder, "[inference] tokenizer", trust_remote_code=trust_remote_code
+        )
+    except TokenizerCodeError as exc:
+        raise ConfigError("inference.trust_remote_code", f"{folder}: {exc.reason}") from exc
     except TokenizerError as exc:
         raise ConfigError("inference.tokenizer", f"{folder}: {exc.reason}") from exc
     require("jinja2", "chat templates")
     return LocalTokenizer(tokenizer, folder)
 
 
-def load_tokenizer(path: str | Path) -> LocalTokenizer:
-    """Load (once per process) the tokenizer saved in ``path``."""
-    return _load(str(Path(path).resolve()))
+def load_tokenizer(path: str | Path, *, trust_remote_code: bool = False) -> LocalTokenizer:
+    """Load (once per process) the tokenizer saved in ``path``; ``trust_remote_code``
+    runs the code the folder ships, if any (else such a folder is refused)."""
+    return _load(str(Path(path).resolve()), trust_remote_code)
+
+
+def config_tokenizer(config: Config) -> LocalTokenizer | None:
+    """``[inference] tokenizer``, loaded as ``[inference] trust_remote_code`` says;
+    None when the config names none."""
+    if config.tokenizer_path is None:
+        return None
+    return load_tokenizer(
+        config.tokenizer_path, trust_remote_code=config.inference.trust_remote_code
+    )

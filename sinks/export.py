@@ -1,6 +1,9 @@
 """``tokenbudget export``: the kept completions in the formats trainers read.
 
-Three formats, every one loadable with Hugging Face ``datasets.load_dataset``:
+Six formats, every one loadable with Hugging Face ``datasets.load_dataset``: three
+of the drafter trainers' own, SpecForge's, vLLM speculators' and Model-Optimizer's
+(``specforge``, ``speculators``, ``modelopt``: their records in
+:mod:`tokenbudget.sinks.trainers`, built here from the rows), and these:
 
 * ``conversations``: JSONL, one object per kept answer, ``{"id", "conversations":
   [{"role", "content"}, ...]}``: the prompt's turns (or the prompt as one user
@@ -42,6 +45,10 @@ The rows come from the sink's Parquet output, any version's files
 (:func:`tokenbudget.sinks.parquet.read_rows`); ``tokenbudget export --from-topic`` first
 replays the completion topic with the sink's rules (:mod:`tokenbudget.sinks.replay`).
 
+A row without prompt ids whose prompt went as text (SGLang's ``/generate`` returns
+none) takes them from ``encode``, the local tokenizer applied to that exact text
+(``prompt``), when one is given: they must count what the server counted.
+
 Contract: an answer is exported whole or the export stops with what to fix. An
 answer cut at the budget's line keeps its token ids but no text (the text cannot
 be cut without the tokenizer): it is decoded with ``tokenizer`` when one is
@@ -66,12 +73,17 @@ import pyarrow.parquet as pq
 
 from tokenbudget.core.errors import ExportError
 from tokenbudget.core.files import atomic_file
+from tokenbudget.sinks import trainers
 from tokenbudget.sinks.parquet import conform, output_files
+from tokenbudget.sinks.trainers import TrainerFormat
 
-Format = Literal["conversations", "messages", "parquet"]
-FORMATS: tuple[Format, ...] = ("conversations", "messages", "parquet")
+Format = Literal["conversations", "messages", "parquet"] | TrainerFormat
+FORMATS: tuple[Format, ...] = ("conversations", "messages", "parquet", *trainers.FORMATS)
 # Decodes a cut answer's ids to its text (a local tokenizer's decode).
 Decode = Callable[[list[int]], str]
+# A prompt's ids from its text as sent (a local tokenizer's encode, special tokens
+# added as the servers add them to a text prompt).
+Encode = Callable[[str], list[int]]
 
 
 @dataclass(frozen=True)
@@ -82,8 +94,11 @@ class ExportOptions:
     datasets: frozenset[str] = frozenset()  # empty: all
     with_ids: bool = False
     decode: Decode | None = None
+    encode: Encode | None = None
     drop_unfinished: bool = False
     drop_incomplete: bool = False  # conversations regenerated turn by turn, not whole
+    per_turn: bool = False  # specforge: a conversation as one record per answer
+    reasoning_end: str = ""  # the trainers' text formats split inline thinking here
 
 
 @dataclass
@@ -94,6 +109,11 @@ class ExportSummary:
     unfinished: Counter[str] = field(default_factory=Counter)  # left out, per dataset
     conversations: Counter[str] = field(default_factory=Counter)  # records that are
     incomplete: Counter[str] = field(default_factory=Counter)  # conversations left out
+    # the records written of the conversations: more than them when one per answer
+    conversation_records: Counter[str] = field(default_factory=Counter)
+    encoded: int = 0  # prompts whose ids came from their text, with the tokenizer
+    split: int = 0  # answers whose inline thinking went to reasoning_content
+    tools_dropped: Counter[str] = field(default_factory=Counter)  # records, per dataset
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -103,11 +123,15 @@ class ExportSummary:
             "unfinished_dropped": dict(self.unfinished),
             "conversations": dict(self.conversations),
             "incomplete_dropped": dict(self.incomplete),
+            "prompt_ids_encoded": self.encoded,
+            "reasoning_split": self.split,
+            "tools_dropped": dict(self.tools_dropped),
         }
 
 
 def export(options: ExportOptions) -> ExportSummary:
     """Write every kept row of the chosen datasets under ``options.to``."""
+    _check(options)
     if options.datasets:
         files = [f for name in sorted(options.datasets) for f in output_files(options.source, name)]
     else:
@@ -146,29 +170,145 @@ def _tables(
         yield table
 
 
+def _check(options: ExportOptions) -> None:
+    shape = trainers.shape_of(options.format)
+    if options.per_turn and not (shape and shape.per_turn):
+        raise ExportError(
+            f"--per-turn writes conversations one record per answer for SpecForge: "
+            f"use --format specforge, or leave --per-turn out of --format {options.format}"
+        )
+    if options.with_ids and shape and shape.ids == "never":
+        raise ExportError(
+            f"--with-ids: --format {options.format} holds no token ids (Model-Optimizer "
+            "renders the messages with the model's chat template): leave --with-ids out, or "
+            "export the server's ids with --format specforge --with-ids or --format speculators"
+        )
+
+
 def _export_jsonl(
     files: list[Path], options: ExportOptions, summary: ExportSummary, out: Any
 ) -> None:
-    turns_key = "conversations" if options.format == "conversations" else "messages"
-    # A conversation's turns may be in several files: written once all are read.
+    records = _chat_records if options.format in ("conversations", "messages") else _trainer
+    for rows in _units(files, options, summary):
+        written = records(rows, options, summary)
+        for record in written:
+            out.write(json.dumps(record, ensure_ascii=False) + "\n")
+        summary.rows[rows[0]["dataset"]] += len(written)
+        if rows[0]["conversation_id"] is not None:
+            summary.conversations[rows[0]["dataset"]] += 1
+            summary.conversation_records[rows[0]["dataset"]] += len(written)
+
+
+def _units(
+    files: list[Path], options: ExportOptions, summary: ExportSummary
+) -> Iterator[list[dict[str, Any]]]:
+    """Each answer alone, as read, then each conversation regenerated turn by turn,
+    its rows in turn order (they may be in several files: once all are read),
+    without the incomplete ones when asked."""
     turns: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for table in _tables(files, options, summary):
         for row in table.to_pylist():
-            if row["conversation_id"] is not None:
+            if row["conversation_id"] is None:
+                yield [row]
+            else:
                 turns.setdefault((row["dataset"], row["conversation_id"]), []).append(row)
-                continue
-            record = training_record(row, turns_key, options, summary)
-            out.write(json.dumps(record, ensure_ascii=False) + "\n")
-            summary.rows[row["dataset"]] += 1
     for (dataset, _), rows in turns.items():
         rows.sort(key=lambda row: row["turn"])
         if options.drop_incomplete and not complete(rows):
             summary.incomplete[dataset] += 1
             continue
-        record = conversation_record(rows, turns_key, options, summary)
-        out.write(json.dumps(record, ensure_ascii=False) + "\n")
-        summary.rows[dataset] += 1
-        summary.conversations[dataset] += 1
+        yield rows
+
+
+def _chat_records(
+    rows: list[dict[str, Any]], options: ExportOptions, summary: ExportSummary
+) -> list[dict[str, Any]]:
+    turns_key = "conversations" if options.format == "conversations" else "messages"
+    if rows[0]["conversation_id"] is None:
+        return [training_record(rows[0], turns_key, options, summary)]
+    return [conversation_record(rows, turns_key, options, summary)]
+
+
+def _trainer(
+    rows: list[dict[str, Any]], options: ExportOptions, summary: ExportSummary
+) -> list[dict[str, Any]]:
+    shape = trainers.shape_of(options.format)
+    assert shape is not None  # _export_jsonl's other formats are _chat_records'
+    with_ids = shape.holds_ids(options.with_ids)
+    unit = (trainer_ids if with_ids else trainer_unit)(rows, options, summary)
+    if unit.tools is not None and not shape.reads_tools:
+        summary.tools_dropped[unit.dataset] += 1
+    return shape.records(unit, with_ids=with_ids, per_turn=options.per_turn)
+
+
+def trainer_ids(
+    rows: list[dict[str, Any]], options: ExportOptions, summary: ExportSummary
+) -> trainers.Unit:
+    """An answer, or a conversation's rows in turn order, as the trainers' token id
+    formats take it: each answer's ids (the server's), no text."""
+    uid = trainers.unit_id(rows[-1])
+    answers = [
+        trainers.Answer(
+            trainers.answer_id(uid, row), row["turn"] or 0, [], row,
+            ids=ids_and_mask(row, options, summary),
+        )
+        for row in rows
+    ]  # fmt: skip
+    return trainers.Unit(uid, rows[-1]["dataset"], [], rows[-1]["tools"], answers)
+
+
+def trainer_unit(
+    rows: list[dict[str, Any]], options: ExportOptions, summary: ExportSummary
+) -> trainers.Unit:
+    """An answer, or a conversation's rows in turn order, as the trainers' text
+    formats take it: every turn, each answer with its own thinking (split off its
+    text when inline); and each answer alone, after the history it was sent (earlier
+    answers without their thinking)."""
+    last, uid = rows[-1], trainers.unit_id(rows[-1])
+    said = [_assistant_turn(row, options, summary) for row in rows]
+    # where each answer sits in the later turns' histories: right after its own prompt
+    at = [len(row["messages"] or ()) for row in rows]
+    answers = []
+    for k, row in enumerate(rows):
+        history = prompt_turns(row)
+        for j in range(k):
+            _put(history, at[j], _visible(said[j]))
+        answers.append(
+            trainers.Answer(
+                trainers.answer_id(uid, row), row["turn"] or 0, [*history, said[k]], row
+            )
+        )
+    whole = prompt_turns(last)
+    for j in range(len(rows) - 1):
+        _put(whole, at[j], said[j])
+    return trainers.Unit(uid, last["dataset"], [*whole, said[-1]], last["tools"], answers)
+
+
+def _put(turns: list[dict[str, Any]], at: int, said: dict[str, Any]) -> None:
+    if at < len(turns) and turns[at]["role"] == "assistant":
+        turns[at] = said
+
+
+def _visible(said: dict[str, Any]) -> dict[str, Any]:
+    """An earlier answer as a later turn's history shows it: without its thinking
+    (what the chat templates of thinking models render, and what went back)."""
+    return {key: value for key, value in said.items() if key != "reasoning_content"}
+
+
+def _assistant_turn(
+    row: dict[str, Any], options: ExportOptions, summary: ExportSummary
+) -> dict[str, Any]:
+    """The row's answer (:func:`reply`), its inline thinking split off into
+    ``reasoning_content`` when the server left it in the text."""
+    turn = reply(row, options, summary)
+    if row["reasoning"] is None:
+        parts = trainers.split_reasoning(
+            turn["content"], options.reasoning_end, unfinished=bool(row["unfinished"])
+        )
+        if parts is not None:
+            turn["reasoning_content"], turn["content"] = parts
+            summary.split += 1
+    return turn
 
 
 def complete(rows: list[dict[str, Any]]) -> bool:
@@ -190,7 +330,8 @@ def conversation_record(
         raise ExportError(
             f"--with-ids: dataset {rows[0]['dataset']!r} holds conversations regenerated "
             "turn by turn, whose token ids are per turn: export them with --format parquet "
-            "--with-ids (one row per turn, each with its input_ids and loss_mask)"
+            "--with-ids (one row per turn, each with its input_ids and loss_mask), or with "
+            "--format speculators or --format specforge --with-ids (one record per answer)"
         )
     last = rows[-1]
     turns = [*prompt_turns(last), reply(last, options, summary)]
@@ -248,7 +389,7 @@ def training_record(
         record["tools"] = json.loads(row["tools"])
     record[turns_key] = [*prompt_turns(row), reply(row, options, summary)]
     if options.with_ids:
-        record["input_ids"], record["loss_mask"] = ids_and_mask(row)
+        record["input_ids"], record["loss_mask"] = ids_and_mask(row, options, summary)
     return record
 
 
@@ -307,21 +448,47 @@ def answer(row: dict[str, Any], options: ExportOptions, summary: ExportSummary) 
     )
 
 
-def ids_and_mask(row: dict[str, Any]) -> tuple[list[int], list[int]]:
+def ids_and_mask(
+    row: dict[str, Any], options: ExportOptions, summary: ExportSummary
+) -> tuple[list[int], list[int]]:
     prompt, output = row["prompt_ids"], row["output_ids"]
+    text_prompt = row["messages"] is None and row["prompt"] is not None
+    if prompt is None and output is not None and text_prompt and options.encode is not None:
+        prompt = _encoded_prompt(row, options.encode)
+        summary.encoded += 1
     if prompt is None or output is None:
         missing = "prompt_ids" if prompt is None else "output_ids"
-        fix = (
-            "apply the chat template here (template = true with [inference] tokenizer) or "
-            "use a server that returns prompt token ids"
-            if prompt is None
-            else "use a server that returns token ids (return_token_ids)"
-        )
+        if output is None:
+            fix = "use a server that returns token ids (return_token_ids)"
+        elif text_prompt:
+            fix = (
+                "pass --tokenizer DIR (or set [inference] tokenizer in --config) to compute "
+                "them from the prompt's text as sent, or use a server that returns prompt token ids"
+            )
+        else:
+            fix = (
+                "apply the chat template here (template = true with [inference] tokenizer) or "
+                "use a server that returns prompt token ids"
+            )
         raise ExportError(
             f"--with-ids: answer {row['request_id']} of dataset {row['dataset']!r} has no "
             f"{missing}: {fix}, or export without --with-ids"
         )
     return [*prompt, *output], [0] * len(prompt) + [1] * len(output)
+
+
+def _encoded_prompt(row: dict[str, Any], encode: Encode) -> list[int]:
+    """The prompt's ids from its text as sent; as many as the server counted, or the
+    tokenizer is not the server's."""
+    ids = encode(row["prompt"])
+    if row["prompt_tokens"] is not None and len(ids) != row["prompt_tokens"]:
+        raise ExportError(
+            f"--with-ids: the prompt of answer {row['request_id']} of dataset "
+            f"{row['dataset']!r} is {len(ids)} tokens with the local tokenizer, where the "
+            f"server counted {row['prompt_tokens']}: give the model's own tokenizer folder "
+            "(--tokenizer DIR or [inference] tokenizer)"
+        )
+    return ids
 
 
 def _export_parquet(files: list[Path], options: ExportOptions, summary: ExportSummary) -> None:
@@ -336,7 +503,7 @@ def _export_parquet(files: list[Path], options: ExportOptions, summary: ExportSu
             table = table.filter(pc.invert(pc.fill_null(left_out, False)))
         table = _with_answers(table, options, summary)
         if options.with_ids:
-            table = _with_ids(table)
+            table = _with_ids(table, options, summary)
         # "train-NNNNN" is a name datasets.load_dataset(folder) reads as the train split
         path = folder / f"train-{i:05d}.parquet"
         with atomic_file(path, binary=True) as out:
@@ -374,9 +541,12 @@ def _with_answers(table: pa.Table, options: ExportOptions, summary: ExportSummar
     return table.set_column(table.schema.get_field_index("text"), "text", pa.array(texts))
 
 
-def _with_ids(table: pa.Table) -> pa.Table:
-    needed = table.select(["prompt_ids", "output_ids", "request_id", "dataset"])
-    pairs = [ids_and_mask(row) for row in needed.to_pylist()]
+def _with_ids(table: pa.Table, options: ExportOptions, summary: ExportSummary) -> pa.Table:
+    needed = table.select(
+        ["prompt_ids", "output_ids", "request_id", "dataset", "prompt", "messages",
+         "prompt_tokens"]
+    )  # fmt: skip
+    pairs = [ids_and_mask(row, options, summary) for row in needed.to_pylist()]
     return table.append_column(
         "input_ids", pa.array([p[0] for p in pairs], pa.list_(pa.int32()))
     ).append_column("loss_mask", pa.array([p[1] for p in pairs], pa.list_(pa.int8())))

@@ -66,7 +66,7 @@ from tokenbudget.core.kafka import (
     wait_for_partitions_aio,
 )
 from tokenbudget.core.kafka_admin import TopicSpec, ensure_topics
-from tokenbudget.core.tokenizer import load_pretrained
+from tokenbudget.core.tokenizer import TRUST_FLAG, load_pretrained
 from tokenbudget.sinks.parquet import (
     RECEIVE_BUFFER,
     Decoded,
@@ -138,6 +138,7 @@ class ReplayOptions:
     ledger: bool = False
     to_topic: str | None = None
     recount_with: Path | None = None
+    trust_remote_code: bool = False  # the recount tokenizer's own code may run
     batch_records: int = 2000
     # Batches stay below glibc's largest mmap threshold (32 MiB), so their buffers
     # come from the reused heap instead of fresh, page-faulting mappings.
@@ -695,7 +696,12 @@ def replay(options: ReplayOptions, *, progress: bool = True) -> ReplaySummary:
     summary = ReplaySummary(topic=options.source)
     started = time.monotonic()
     tokenizer = (
-        load_pretrained(options.recount_with, "replay --recount-with")
+        load_pretrained(
+            options.recount_with,
+            "replay --recount-with",
+            trust_remote_code=options.trust_remote_code,
+            trusted_by=TRUST_FLAG,
+        )
         if options.recount_with
         else None
     )

@@ -20,6 +20,7 @@ from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from tokenbudget.app.runner import start_ledger_process, stop_process
 from tokenbudget.cli import main as cli_main
 from tokenbudget.core import kafka_admin
+from tokenbudget.dev.tiny_tokenizer import ship_own_code
 from tokenbudget.sinks.parquet import ParquetSink, SinkSettings
 from tokenbudget.sinks.replay import read_to_end
 from tokenbudget.streams import events as ev
@@ -529,6 +530,15 @@ def test_replay_targets_and_ranges(
     assert recount["stored_completion_tokens"] == sum(e.completion_tokens for e in beta)
     assert recount["recounted_tokens"] == sum(len(e.text.split()) for e in beta)
     assert recount["rows_without_text"] == 0
+    # a folder that ships its own tokenizer code (as Kimi-K2's) runs it only when trusted
+    ship_own_code(folder)
+    capsys.readouterr()
+    recount_args = [*common, "--recount-with", str(folder), "--dataset", "beta"]
+    assert cli_main(["replay", *recount_args, "--quiet"]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "--trust-remote-code" in error
+    code, summary = replay_json(capsys, *recount_args, "--trust-remote-code")
+    assert code == 0 and summary["recount"]["datasets"]["beta"] == recount
 
 
 def test_bench_smoke(kafka_bootstrap: str, tmp_path: Path) -> None:

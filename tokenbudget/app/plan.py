@@ -39,7 +39,7 @@ from tokenbudget.core.config import Config, Dataset
 from tokenbudget.core.errors import DatasetError
 from tokenbudget.producers.datasets import check_datasets, read_options, read_prompts
 from tokenbudget.producers.order import prompt_length
-from tokenbudget.producers.tokenizers import load_tokenizer
+from tokenbudget.producers.tokenizers import config_tokenizer
 from tokenbudget.sinks.parquet import output_files
 from tokenbudget.streams import budget as policy
 
@@ -81,9 +81,9 @@ def read_dataset(config: Config, dataset: Dataset, *, count_tokens: bool) -> Pro
         bad += 1
 
     tokenizer = None
-    if count_tokens and config.tokenizer_path is not None:
-        tokenizer = load_tokenizer(config.tokenizer_path)
-    else:
+    if count_tokens:
+        tokenizer = config_tokenizer(config)
+    if tokenizer is None:
         dataset = msgspec.structs.replace(dataset, template=False)
     ids: list[str] = []
     lengths: list[int] = []

@@ -422,6 +422,15 @@ class InferenceConfig(_Sampling, frozen=True, forbid_unknown_fields=True, kw_onl
             "templates (`template = true`), counts the server does not send"
         ),
     ] = ""
+    trust_remote_code: Annotated[
+        bool,
+        doc(
+            "load a tokenizer folder (`tokenizer`, `export --tokenizer`, `replay "
+            "--recount-with`) that ships its tokenizer as Python code (an `auto_map` in its "
+            "`tokenizer_config.json`, as Kimi-K2's tiktoken tokenizer): this runs the "
+            "folder's code; off, such a folder is refused"
+        ),
+    ] = False
     check_server: Annotated[
         bool, doc("check the server (and `model`) before a run: `/health` or `/v1/models`")
     ] = True

@@ -6,6 +6,8 @@
     │   └── SplitError              a saved Hugging Face dataset has no such split,
     │                               or needs one chosen (tokenbudget.producers.datasets)
     ├── TokenizerError         a tokenizer folder is missing or holds no tokenizer
+    │   └── TokenizerCodeError      it ships its own tokenizer code, which runs only
+    │                               when trusted ([inference] trust_remote_code)
     ├── MissingExtraError      a feature needs a package that is not installed
     │                          (tokenbudget.core.extras)
     ├── EventDecodeError       bytes on a topic are not a known event of a known version
@@ -111,6 +113,12 @@ class TokenizerError(TokenBudgetError):
         self.folder = folder
         self.reason = reason
         super().__init__(f"{origin} {folder}: {reason}")
+
+
+class TokenizerCodeError(TokenizerError):
+    """The tokenizer folder ships its own Python code (an ``auto_map`` in its
+    ``tokenizer_config.json``: Kimi-K2's tiktoken tokenizer), which is run only when
+    trusted; ``reason`` names the files and what trusts them."""
 
 
 class EventDecodeError(TokenBudgetError):

@@ -189,6 +189,9 @@ class RequestRecord:
     output_crc: int = 0
     # crc32 of the int32 bytes of the prompt ids, when the prompt came as ids (else 0)
     prompt_crc: int = 0
+    # crc32 of the int32 bytes of the prompt ids it answered with (OpenAI APIs asked
+    # for return_token_ids: prompt_token_ids), else 0
+    returned_prompt_crc: int = 0
     # crc32 of the UTF-8 prompt text, when the prompt came as text (else 0): the whole
     # text a request carried, checkable without the log holding it
     text_crc: int = 0
@@ -353,6 +356,14 @@ def _prompt_ids_from_text(text: str, vocab_size: int) -> list[int]:
     return [zlib.crc32(w.encode("utf-8", "surrogatepass")) % vocab_size for w in words]
 
 
+def returned_prompt_ids(parsed: _Parsed, vocab_size: int) -> list[int]:
+    """The prompt ids an OpenAI API answers with (``prompt_token_ids``): those sent, or
+    the text's."""
+    if parsed.prompt_ids is not None:
+        return parsed.prompt_ids
+    return _prompt_ids_from_text(parsed.text, vocab_size)
+
+
 class _Output:
     """Generated ids and their synthetic text, with cheap prefix/delta slicing. The
     first ``think`` tokens are thinking, the last of them the one ending it."""
@@ -416,6 +427,7 @@ class _Job:
     natural_tokens: int
     text_head: str
     prompt_crc: int = 0
+    returned_prompt_crc: int = 0
     text_crc: int = 0
     produced: int = 0
     finish: str | None = None
@@ -716,6 +728,11 @@ class _Engine:
             natural_tokens=natural,
             text_head=parsed.text[:80],
             prompt_crc=ids_crc(parsed.prompt_ids) if parsed.prompt_ids is not None else 0,
+            returned_prompt_crc=(
+                ids_crc(returned_prompt_ids(parsed, self.config.vocab_size))
+                if parsed.return_token_ids
+                else 0
+            ),
             text_crc=_text_crc(parsed),
             sampling=parsed.sampling,
             extra=parsed.extra,
@@ -792,6 +809,7 @@ class _Engine:
                 text_head=job.text_head,
                 output_crc=ids_crc(job.output.ids[: job.produced]),
                 prompt_crc=job.prompt_crc,
+                returned_prompt_crc=job.returned_prompt_crc,
                 text_crc=job.text_crc,
                 fault=job.fault,
                 natural_tokens=job.natural_tokens,
@@ -1205,9 +1223,7 @@ class _OpenAIRoutes:
         )  # fmt: skip
 
     def _prompt_ids(self, parsed: _Parsed) -> list[int]:
-        if parsed.prompt_ids is not None:
-            return parsed.prompt_ids
-        return _prompt_ids_from_text(parsed.text, self.config.vocab_size)
+        return returned_prompt_ids(parsed, self.config.vocab_size)
 
     async def handle_completions(self, request: web.Request) -> web.StreamResponse:
         return await self.engine.run(

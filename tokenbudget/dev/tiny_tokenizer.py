@@ -11,6 +11,7 @@ completion with it gives the simulator's own token count.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -89,6 +90,31 @@ def build_tokenizer(
     fast.chat_template = THINKING_TEMPLATE if thinking else CHAT_TEMPLATE
     folder.mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(str(folder))
+    return folder
+
+
+# A tokenizer shipped as code in its folder, as Kimi-K2's is (tiktoken-based, named by
+# an auto_map): the tiny tokenizer under another class, which says that it ran.
+OWN_CODE_MODULE = "tokenization_tiny"
+OWN_CODE = (
+    "from transformers import PreTrainedTokenizerFast\n\n\n"
+    "class TinyCodeTokenizer(PreTrainedTokenizerFast):\n"
+    '    """The tiny tokenizer, loaded from this file: only with trust_remote_code."""\n\n'
+    "    ran_folder_code = True\n"
+)
+
+
+def ship_own_code(folder: Path) -> Path:
+    """Make the tokenizer saved in ``folder`` one that ships its own code: a
+    ``tokenization_tiny.py`` subclassing the transformers tokenizer, which
+    ``tokenizer_config.json`` names in its ``auto_map`` (transformers loads it only
+    with ``trust_remote_code``); returns the folder."""
+    (folder / f"{OWN_CODE_MODULE}.py").write_text(OWN_CODE)
+    settings_file = folder / "tokenizer_config.json"
+    settings = json.loads(settings_file.read_text())
+    settings["tokenizer_class"] = "TinyCodeTokenizer"
+    settings["auto_map"] = {"AutoTokenizer": [None, f"{OWN_CODE_MODULE}.TinyCodeTokenizer"]}
+    settings_file.write_text(json.dumps(settings, indent=2))
     return folder
 
 

@@ -113,6 +113,12 @@ def _add_targets(parser: argparse.ArgumentParser) -> None:
         metavar="TOKENIZER_PATH",
         help="count each kept answer's text with this local transformers tokenizer folder",
     )
+    parser.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="--recount-with: run the tokenizer code the folder ships, if any (its auto_map; "
+        "default: [inference] trust_remote_code)",
+    )
 
 
 def _add_sizes(parser: argparse.ArgumentParser) -> None:
@@ -151,9 +157,11 @@ def options_from_args(args: argparse.Namespace) -> ReplayOptions:
         namespace = config.kafka.namespace
         row_group_rows = config.sink.row_group_rows
         compression = config.kafka.compression
+        trust = config.inference.trust_remote_code
     elif args.bootstrap:
         bootstrap, namespace, row_group_rows = args.bootstrap, args.namespace, 1000
         compression = sizes.DEFAULT_COMPRESSION
+        trust = False
     else:
         raise TokenBudgetError("replay needs --config FILE, or --bootstrap HOST:PORT")
     for name in ("rotate_rows", "rotate_bytes", "row_group_bytes"):
@@ -177,6 +185,7 @@ def options_from_args(args: argparse.Namespace) -> ReplayOptions:
         ledger=args.ledger,
         to_topic=args.to_topic,
         recount_with=Path(args.recount_with) if args.recount_with else None,
+        trust_remote_code=args.trust_remote_code or trust,
         compression=compression,
     )
 
