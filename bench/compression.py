@@ -37,7 +37,7 @@ from aiokafka import AIOKafkaProducer
 from tokenbudget.core import kafka_admin, sizes
 from tokenbudget.core.kafka import aiokafka_producer_options
 from tokenbudget.localkafka import broker
-from tokenbudget.producers.dispatcher import PRODUCER_BATCH_BYTES
+from tokenbudget.producers.dispatch.dispatcher import PRODUCER_BATCH_BYTES
 from tokenbudget.streams import events as ev
 from tokenbudget.streams.topics import Topics
 

@@ -102,7 +102,7 @@ from tokenbudget.dev import jobs, oracle
 from tokenbudget.dev.demo import wait_for_simulator
 from tokenbudget.dev.ports import free_ports
 from tokenbudget.localkafka import broker
-from tokenbudget.producers.resume import outcome_records
+from tokenbudget.producers.prompts.resume import outcome_records
 from tokenbudget.streams.topics import Topics
 
 PHASES = ("least_work", "grow", "grow_any", "rows", "round_robin", "kill", "cpu")
@@ -726,7 +726,7 @@ async def bare_loop(
 ) -> tuple[list[float], list[float]]:
     """1,024 workers, ``concurrency`` per server, sharing one queue of the prompts: the
     request tokenbudget's SGLang backend sends, every answer kept, through httpx (as
-    one writes it) or aiohttp (what tokenbudget's client, producers/http.py, is made
+    one writes it) or aiohttp (what tokenbudget's client, producers/inference/http.py, is made
     of: the stricter baseline).
     Returns the window's start and end: (wall time, CPU of this process, of the
     simulators)."""

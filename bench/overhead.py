@@ -4,7 +4,8 @@
                                        [--tokens-per-second 250,2000]
 
 Both send the same prompts, as the same SGLang requests (text, ``max_new_tokens``,
-no streaming), through the same HTTP client (:class:`tokenbudget.producers.http.HttpClient`)
+no streaming), through the same HTTP client
+(:class:`tokenbudget.producers.inference.http.HttpClient`)
 at the same concurrency, each time to a fresh simulator process started the same
 way: once as a plain asyncio loop with no Kafka at all, once through
 ``tokenbudget run`` (producer, Kafka, dispatcher, ledger, sink). Each throughput is
@@ -42,7 +43,7 @@ from tokenbudget.core import lifetime
 from tokenbudget.dev.demo import start_simulator
 from tokenbudget.dev.ports import free_port
 from tokenbudget.localkafka import broker
-from tokenbudget.producers.http import HttpClient, Timeouts
+from tokenbudget.producers.inference.http import HttpClient, Timeouts
 
 T = TypeVar("T")
 

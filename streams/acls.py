@@ -102,7 +102,7 @@ def _operator(t: Topics) -> list[Right]:
 def _producer(t: Topics) -> list[Right]:
     """Prompts and its progress written. A rerun skips what an earlier run kept
     (the completions, and the ledger's outcome table) and the prompts still queued
-    (the prompts topic from the dispatchers' committed offsets: producers/resume.py)."""
+    (the prompts topic from the dispatchers' committed offsets: producers/prompts/resume.py)."""
     return [
         *_topic(t.prompts, "Write", "Read"),
         *_topic(t.outcomes, "Write"),
@@ -116,7 +116,7 @@ def _dispatcher(t: Topics) -> list[Right]:
     """Prompts read in its group; answers, skips and failures, lease requests,
     renewals and releases and its fleet reports written. A prompt handed to it
     again is looked up among the ledger's outcomes and the completions past the
-    ledger's committed offsets (producers/resume.py, OutcomeView)."""
+    ledger's committed offsets (producers/prompts/resume.py, OutcomeView)."""
     return [
         *_topic(t.prompts, "Read"),
         *_group(t.dispatch_group, "Read"),

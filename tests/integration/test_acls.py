@@ -43,7 +43,7 @@ from tokenbudget.dev.jobs import end_run, start_run, start_simulator, wait_until
 from tokenbudget.dev.oracle import read_server_log
 from tokenbudget.dev.ports import free_ports
 from tokenbudget.localkafka import broker
-from tokenbudget.producers import resume
+from tokenbudget.producers.prompts import resume
 from tokenbudget.sinks.replay import read_to_end
 from tokenbudget.streams import acls
 from tokenbudget.streams import events as ev
@@ -359,7 +359,7 @@ def test_the_ledger_counts_under_its_principal_and_a_rerun_reads_what_it_recorde
 ) -> None:
     """The Faust ledger, logged in as the ledger's principal, reads its group, writes
     its changelogs and announces; a rerun's producer and a dispatcher read what it
-    recorded (producers/resume.py), which the sink's principal may not."""
+    recorded (producers/prompts/resume.py), which the sink's principal may not."""
     b, t = acl_broker, acl_broker.topics
     # The child gets only --bootstrap: it logs in as [kafka]'s user of the security
     # it inherits, here the ledger's.

@@ -17,7 +17,7 @@ from tests.producers.tokenizer_fixture import build_tokenizer
 from tokenbudget.app.runner import RunReport, run_async
 from tokenbudget.core import config as config_module
 from tokenbudget.dev import simulator
-from tokenbudget.producers.datasets import read_options, read_prompts
+from tokenbudget.producers.prompts.datasets import read_options, read_prompts
 
 # One worker runs them all (ONE_WORKER in tests/conftest.py): their module fixture is costly.
 pytestmark = pytest.mark.integration

@@ -33,7 +33,7 @@ from tokenbudget.dev.jobs import (
     wait_until,
     write_job,
 )
-from tokenbudget.producers.resume import outcome_records
+from tokenbudget.producers.prompts.resume import outcome_records
 from tokenbudget.streams.topics import Topics
 
 # One worker runs them all (ONE_WORKER in tests/conftest.py): their module fixture is costly.

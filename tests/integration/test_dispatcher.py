@@ -14,7 +14,7 @@ from tests.integration.test_ledger_worker import publish, read_all
 from tokenbudget.core import config as config_module
 from tokenbudget.core import kafka_admin
 from tokenbudget.dev import simulator
-from tokenbudget.producers.dispatcher import Dispatcher
+from tokenbudget.producers.dispatch.dispatcher import Dispatcher
 from tokenbudget.streams import events as ev
 from tokenbudget.streams.budget_board import BudgetBoard
 from tokenbudget.streams.topics import Topics

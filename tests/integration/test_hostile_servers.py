@@ -18,7 +18,7 @@ import pytest
 from tokenbudget.core import kafka_admin
 from tokenbudget.dev import oracle
 from tokenbudget.dev.jobs import end_run, rows, run_output, start_run, start_simulator, write_job
-from tokenbudget.producers.resume import outcome_records
+from tokenbudget.producers.prompts.resume import outcome_records
 from tokenbudget.streams.topics import Topics
 
 pytestmark = pytest.mark.integration

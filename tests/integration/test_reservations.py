@@ -23,7 +23,7 @@ from tokenbudget.app.runner import cli_command, run_async, start_ledger_process,
 from tokenbudget.core import config as config_module
 from tokenbudget.core import kafka_admin
 from tokenbudget.dev import jobs, oracle, simulator
-from tokenbudget.producers.admission import Admission, AdmissionSettings
+from tokenbudget.producers.dispatch.admission import Admission, AdmissionSettings
 from tokenbudget.streams import events as ev
 from tokenbudget.streams.budget_board import BudgetWatcher
 from tokenbudget.streams.topics import Topics
@@ -178,7 +178,7 @@ def test_killed_dispatcher_releases_its_lease_by_expiry(
             start_new_session=True,
         )
         try:
-            from tokenbudget.producers.prompts import PromptProducer
+            from tokenbudget.producers.prompts.producer import PromptProducer
             from tokenbudget.streams.budget_board import BudgetBoard
 
             board = BudgetBoard()

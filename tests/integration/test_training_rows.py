@@ -19,7 +19,7 @@ from tests.producers.tokenizer_fixture import build_tokenizer
 from tokenbudget.app.commands.export import export_from_topic
 from tokenbudget.dev import simulator
 from tokenbudget.dev.simulator import ids_crc
-from tokenbudget.producers.tokenizers import load_tokenizer
+from tokenbudget.producers.templates import load_tokenizer
 from tokenbudget.sinks.export import ExportOptions, export
 from tokenbudget.sinks.parquet import read_rows
 from tokenbudget.streams.events import ChatMessage

@@ -37,7 +37,7 @@ from tokenbudget.dev.jobs import (
     wait_until,
     write_job,
 )
-from tokenbudget.producers.resume import outcome_records
+from tokenbudget.producers.prompts.resume import outcome_records
 from tokenbudget.sinks.replay import read_to_end
 from tokenbudget.streams import events as ev
 from tokenbudget.streams.topics import Topics

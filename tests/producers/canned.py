@@ -12,7 +12,7 @@ from typing import Any
 
 from multidict import CIMultiDict
 
-from tokenbudget.producers.http import HttpClient, Reply, lines_of
+from tokenbudget.producers.inference.http import HttpClient, Reply, lines_of
 
 
 class CannedStream:

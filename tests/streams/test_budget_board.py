@@ -9,7 +9,7 @@ import msgspec
 from aiokafka import TopicPartition
 from aiokafka.errors import KafkaError
 
-from tests.producers.test_admission import open_snapshot
+from tests.producers.dispatch.test_admission import open_snapshot
 from tokenbudget.streams import events as ev
 from tokenbudget.streams.budget_board import BudgetBoard, BudgetWatcher
 from tokenbudget.streams.topics import Topics

@@ -80,7 +80,7 @@ def test_libraries_warnings_stay_off_the_terminal_unless_asked() -> None:
         assert not quiet.filter(record(library, logging.WARNING)), library
         assert quiet.filter(record(library, logging.ERROR)), library
     assert quiet.filter(record("tokenbudget.app.runner", logging.WARNING))
-    assert quiet.filter(record("tokenbudget.producers.dispatcher", logging.INFO))
+    assert quiet.filter(record("tokenbudget.producers.dispatch.dispatcher", logging.INFO))
     # TOKENBUDGET_LOG set: everything at that level, the libraries' too
     assert cli.log_handler("info").filter(record("kafka.coordinator", logging.WARNING))
 

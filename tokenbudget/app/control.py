@@ -20,9 +20,9 @@ from tokenbudget.core.config import parse_budget
 from tokenbudget.core.errors import ConfigError
 from tokenbudget.core.files import write_atomic
 from tokenbudget.core.tasks import cancel_and_wait
-from tokenbudget.producers.datasets import check_datasets
-from tokenbudget.producers.dispatcher import Dispatcher
-from tokenbudget.producers.prompts import PromptProducer
+from tokenbudget.producers.dispatch.dispatcher import Dispatcher
+from tokenbudget.producers.prompts.datasets import check_datasets
+from tokenbudget.producers.prompts.producer import PromptProducer
 from tokenbudget.sinks.parquet import stored_prompt_ids
 from tokenbudget.sinks.replay import kept_completions, read_to_end
 from tokenbudget.streams import events as ev

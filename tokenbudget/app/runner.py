@@ -42,11 +42,11 @@ from tokenbudget.core.kafka import GroupLag
 from tokenbudget.core.retry import retry_until_async
 from tokenbudget.core.security import subprocess_env
 from tokenbudget.core.tasks import cancel_and_wait
-from tokenbudget.producers.datasets import check_datasets
-from tokenbudget.producers.dispatcher import Dispatcher
-from tokenbudget.producers.inference import prepare
-from tokenbudget.producers.prompts import ProduceReport, PromptProducer
-from tokenbudget.producers.step import DispatchReport
+from tokenbudget.producers.dispatch.dispatcher import Dispatcher
+from tokenbudget.producers.dispatch.step import DispatchReport
+from tokenbudget.producers.inference.backends import prepare
+from tokenbudget.producers.prompts.datasets import check_datasets
+from tokenbudget.producers.prompts.producer import ProduceReport, PromptProducer
 from tokenbudget.sinks.parquet import ParquetSink, SinkSettings, stored_prompt_ids
 from tokenbudget.sinks.replay import kept_completions
 from tokenbudget.streams import budget

@@ -4,7 +4,8 @@ run's progress.
 
 A change (``servers add URL``, ``servers drain URL``) is an event on the
 namespace's control topic, like a budget set by hand: every dispatcher of the job
-reads it and applies it at once (:meth:`tokenbudget.producers.fleet.Fleet.apply`), and later
+reads it and applies it at once (:meth:`tokenbudget.producers.inference.fleet.Fleet.apply`), and
+later
 runs of the namespace start from the config's servers with every change made so far
 applied (a server drained stays drained until added again). What each dispatcher
 sees of its servers comes on the reservations topic (the dispatchers' own), every
@@ -31,7 +32,7 @@ from tokenbudget.streams.publisher import publish_events
 from tokenbudget.streams.topics import Topics
 
 if TYPE_CHECKING:
-    from tokenbudget.producers.inference import ServerCheck
+    from tokenbudget.producers.inference.backends import ServerCheck
 
 # A dispatcher whose latest report is this much older than the newest one has stopped.
 STALE_S = 30.0

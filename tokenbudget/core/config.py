@@ -52,10 +52,10 @@ BoundaryPolicy = Literal["truncate", "finish"]
 AdmissionMode = Literal["reserve", "halt"]
 CutPolicy = Literal["last", "any"]
 ReserveMode = Literal["whole", "grow"]
-# Which server of the fleet a request goes to: producers/routing.py.
+# Which server of the fleet a request goes to: producers/inference/placement.py.
 RoutingPolicy = Literal["least_work", "round_robin"]
 DatasetFormat = Literal["auto", "prompt", "openai", "sharegpt", "hf"]
-# The order a dataset's prompts are sent in: producers/order.py says what each keeps.
+# The order a dataset's prompts are sent in: producers/prompts/order.py says what each keeps.
 DatasetOrder = Literal["file", "shuffled", "stratified"]
 # stratify_by's default: the prompt's length, not a field of the row.
 PROMPT_LENGTH = "prompt_length"
@@ -612,7 +612,7 @@ class MetricsConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=T
     ] = 60.0
 
 
-# How a conversation becomes prompts (tokenbudget.producers.datasets): its first turn, every
+# How a conversation becomes prompts (tokenbudget.producers.prompts.datasets): its first turn, every
 # assistant turn on the dataset's history, or every turn on the model's own answers.
 Turns = Literal["first", "all", "regenerate"]
 
@@ -1372,7 +1372,7 @@ def _check_dataset(raw: _RawConfig, d: DatasetConfig, key: str, source: str) -> 
     if d.reasoning == "disable":
         _check_disable(raw, d, key, source)
     # "auto" and "hf" rows say whether they are chat only when read: run and produce
-    # check those before anything starts (tokenbudget.producers.datasets.check_datasets).
+    # check those before anything starts (tokenbudget.producers.prompts.datasets.check_datasets).
     if raw.inference.api in RAW_TEXT_APIS and not d.template:
         if d.format in CHAT_FORMATS:
             found = f"format {d.format!r}"

@@ -4,7 +4,7 @@
     ├── ConfigError            a config key is missing, unknown or has a bad value
     ├── DatasetError           a dataset file or row cannot be read
     │   └── SplitError              a saved Hugging Face dataset has no such split,
-    │                               or needs one chosen (tokenbudget.producers.datasets)
+    │                               or needs one chosen (tokenbudget.producers.prompts.datasets)
     ├── TokenizerError         a tokenizer folder is missing or holds no tokenizer
     │   └── TokenizerCodeError      it ships its own tokenizer code, which runs only
     │                               when trusted ([inference] trust_remote_code)
@@ -21,16 +21,17 @@
     │   │   ├── InferenceTimeLimitError  the answer took longer than its request may
     │   │   │                            ([inference] min_tokens_per_s)
     │   │   └── ServerUnreachableError   the check before a run could not reach the
-    │   │                                server (tokenbudget.producers.inference)
+    │   │                                server (tokenbudget.producers.inference.backends)
     │   ├── InferenceUnavailableError HTTP 429, 408, 502, 503, 504 (server away)
     │   ├── InferenceServerError      another HTTP 5xx (retried)
     │   ├── InferenceRequestError     another HTTP 4xx: the request is wrong (not retried)
     │   │   └── WrongModelError          the server serves another model than
-    │   │                                [inference] model (tokenbudget.producers.inference)
+    │   │                                [inference] model
+    │   │                                (tokenbudget.producers.inference.backends)
     │   └── InferenceProtocolError    the body is not the wire format we expect (retried)
     │       ├── InferenceCountError      neither usage nor token ids, and no tokenizer
     │       │                            to count with (not retried;
-    │       │                            tokenbudget.producers.inference)
+    │       │                            tokenbudget.producers.inference.backends)
     │       ├── InferenceBadCountError   a token count that is negative, not an integer
     │       │                            or absurd: refused, never charged (retried)
     │       └── InferenceReplyTooLargeError  a body or a streamed line over

@@ -247,7 +247,7 @@ SERVER_IN_FLIGHT = Gauge(
     "tokenbudget_server_inflight_requests", "Inference requests in flight, per server", ["server"]
 )
 #: gauge: requests the server may have at once now: its window, cut when it answers
-#: 429/503 or slows down, grown back to its concurrency (producers/routing.py)
+#: 429/503 or slows down, grown back to its concurrency (producers/inference/placement.py)
 SERVER_LIMIT = Gauge(
     "tokenbudget_server_concurrency_limit",
     "Requests the server may have at once now (its adaptive window), per server",

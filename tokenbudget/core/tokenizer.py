@@ -5,7 +5,7 @@ The folder is what ``save_pretrained`` writes (``tokenizer.json``,
 only when a folder is loaded (it takes seconds, and most commands never need it),
 with the Hugging Face hub switched offline: a folder that lacks a file fails here
 instead of fetching it from the network. The config's tokenizer
-(``tokenbudget.producers.tokenizers``), ``replay --recount-with`` and ``export --tokenizer`` all
+(``tokenbudget.producers.templates``), ``replay --recount-with`` and ``export --tokenizer`` all
 load theirs here.
 
 A folder may ship its tokenizer as Python code, named by an ``auto_map`` in its

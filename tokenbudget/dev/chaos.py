@@ -54,7 +54,7 @@ from tokenbudget.dev.jobs import (
 )
 from tokenbudget.dev.ports import free_ports
 from tokenbudget.localkafka import broker
-from tokenbudget.producers.resume import outcome_records
+from tokenbudget.producers.prompts.resume import outcome_records
 from tokenbudget.streams.topics import Topics
 
 log = logging.getLogger(__name__)

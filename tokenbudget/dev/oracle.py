@@ -32,7 +32,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from tokenbudget.core.errors import DatasetError
-from tokenbudget.producers.datasets import read_prompts
+from tokenbudget.producers.prompts.datasets import read_prompts
 
 
 @dataclass(frozen=True)

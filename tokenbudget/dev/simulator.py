@@ -64,10 +64,10 @@ from aiohttp import web
 from tokenbudget.core import tasks
 from tokenbudget.core.errors import ConfigError
 from tokenbudget.core.sampling import SAMPLING_KEYS, VERBATIM_KEY
-from tokenbudget.producers.tokenizers import load_tokenizer
+from tokenbudget.producers.templates import load_tokenizer
 
 if TYPE_CHECKING:
-    from tokenbudget.producers.tokenizers import LocalTokenizer
+    from tokenbudget.producers.templates import LocalTokenizer
 
 __all__ = [
     "PROFILES",

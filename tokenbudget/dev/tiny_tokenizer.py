@@ -16,7 +16,7 @@ import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from tokenbudget.producers.datasets import read_prompts
+from tokenbudget.producers.prompts.datasets import read_prompts
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}"

@@ -23,8 +23,12 @@ from tokenbudget.core import config as config_module
 from tokenbudget.core.errors import ConfigError, InferenceRequestError, TokenBudgetError
 from tokenbudget.dev import simulator
 from tokenbudget.dev.tiny_tokenizer import build_tokenizer
-from tokenbudget.producers.datasets import describe_dataset
-from tokenbudget.producers.inference import ServerInfo, ServerUnreachableError, probe_server
+from tokenbudget.producers.inference.backends import (
+    ServerInfo,
+    ServerUnreachableError,
+    probe_server,
+)
+from tokenbudget.producers.prompts.datasets import describe_dataset
 
 
 def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:

@@ -8,7 +8,7 @@ import pytest
 from tokenbudget.app.report import print_table, run_table
 from tokenbudget.app.runner import DatasetResult, RunReport
 from tokenbudget.dev.demo import comparison_columns
-from tokenbudget.producers.prompts import ProduceReport
+from tokenbudget.producers.prompts.producer import ProduceReport
 
 
 def report() -> RunReport:

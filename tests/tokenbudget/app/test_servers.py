@@ -12,7 +12,7 @@ from tokenbudget.app.progress import ProgressLines
 from tokenbudget.cli import build_parser
 from tokenbudget.core.config import build
 from tokenbudget.core.errors import ConfigError
-from tokenbudget.producers.inference import ServerCheck
+from tokenbudget.producers.inference.backends import ServerCheck
 from tokenbudget.streams import events as ev
 from tokenbudget.streams.budget_board import BudgetBoard
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tokenbudget.core.extras import MissingExtraError, require
-from tokenbudget.producers.tokenizers import load_tokenizer
+from tokenbudget.producers.templates import load_tokenizer
 
 
 def test_a_missing_extra_names_the_feature_and_the_install(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -25,7 +25,7 @@ from tokenbudget.dev.simulator import (
     ids_crc,
     start,
 )
-from tokenbudget.producers.tokenizers import load_tokenizer
+from tokenbudget.producers.templates import load_tokenizer
 
 FAST = SimulatorConfig(port=0, tokens_per_second=1e6, seed=7)
 
@@ -155,7 +155,7 @@ def test_templated_ids_find_their_marker_through_the_tokenizer(tmp_path: Path) -
     """A chat templated by the client arrives as ids; decoded with --tokenizer, its
     marker picks the same length rule the text would."""
     from tokenbudget.dev.tiny_tokenizer import CORPUS, build_tokenizer
-    from tokenbudget.producers.tokenizers import load_tokenizer
+    from tokenbudget.producers.templates import load_tokenizer
     from tokenbudget.streams.events import ChatMessage
 
     texts = [f"#chat story {i}" for i in range(40)]

@@ -10,7 +10,7 @@ from pathlib import Path
 from tokenbudget.app import init
 from tokenbudget.app.commands import examples
 from tokenbudget.core.config import parse_budget
-from tokenbudget.producers.inference import probe_server
+from tokenbudget.producers.inference.backends import probe_server
 
 API_KEY_ENV = "TOKENBUDGET_API_KEY"  # [inference] api_key_env's default
 
