@@ -95,7 +95,7 @@ import aiohttp
 import httpx
 import pyarrow.parquet as pq
 
-from tokenbudget.app.runner import cli_command
+from tokenbudget.app.children import cli_command
 from tokenbudget.app.tables import format_table
 from tokenbudget.core import kafka_admin, lifetime
 from tokenbudget.dev import jobs, oracle

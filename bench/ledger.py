@@ -46,8 +46,8 @@ from tempfile import TemporaryDirectory
 
 from kafka import KafkaAdminClient, KafkaProducer
 
+from tokenbudget.app.children import start_ledger_process, stop_process
 from tokenbudget.app.commands import ledger as ledger_command
-from tokenbudget.app.runner import start_ledger_process, stop_process
 from tokenbudget.core import kafka_admin, lifetime, sizes
 from tokenbudget.core.kafka import kafka_python_producer_options
 from tokenbudget.core.security import subprocess_env

@@ -39,7 +39,8 @@ import httpx
 import pyarrow.parquet as pq
 from kafka import KafkaProducer
 
-from tokenbudget.app.runner import RunReport, run
+from tokenbudget.app.run_report import RunReport
+from tokenbudget.app.runner import run
 from tokenbudget.app.tables import format_table
 from tokenbudget.core import config as config_module
 from tokenbudget.core import lifetime

@@ -43,7 +43,7 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
-from tokenbudget.app.runner import cli_command
+from tokenbudget.app.children import cli_command
 from tokenbudget.app.tables import format_table
 from tokenbudget.core import lifetime
 from tokenbudget.core.config import parse_budget

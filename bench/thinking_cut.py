@@ -34,7 +34,8 @@ import shutil
 import time
 from pathlib import Path
 
-from tokenbudget.app.runner import RunReport, run
+from tokenbudget.app.run_report import RunReport
+from tokenbudget.app.runner import run
 from tokenbudget.app.tables import format_table
 from tokenbudget.core import config as config_module
 from tokenbudget.dev import jobs, oracle

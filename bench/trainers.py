@@ -72,7 +72,8 @@ from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tokenbudget.app.runner import cli_command, run
+from tokenbudget.app.children import cli_command
+from tokenbudget.app.runner import run
 from tokenbudget.app.tables import format_table
 from tokenbudget.core import config as config_module
 from tokenbudget.dev import jobs, tiny_tokenizer

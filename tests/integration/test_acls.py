@@ -26,7 +26,7 @@ from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.errors import GroupAuthorizationFailedError, TopicAuthorizationFailedError
 
 from tokenbudget import cli
-from tokenbudget.app.runner import cli_command, stop_process
+from tokenbudget.app.children import cli_command, stop_process
 from tokenbudget.core import config as config_module
 from tokenbudget.core import kafka_admin, lifetime, roles, security
 from tokenbudget.core.errors import KafkaAuthError

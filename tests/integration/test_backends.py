@@ -14,7 +14,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.producers.tokenizer_fixture import build_tokenizer
-from tokenbudget.app.runner import RunReport, run_async
+from tokenbudget.app.run_report import RunReport
+from tokenbudget.app.runner import run_async
 from tokenbudget.core import config as config_module
 from tokenbudget.dev import simulator
 from tokenbudget.producers.prompts.datasets import read_options, read_prompts

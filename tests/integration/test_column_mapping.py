@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from tokenbudget.app.runner import RunReport, run_async
+from tokenbudget.app.run_report import RunReport
+from tokenbudget.app.runner import run_async
 from tokenbudget.core import config as config_module
 from tokenbudget.dev import simulator
 

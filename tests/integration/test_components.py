@@ -15,7 +15,7 @@ import pytest
 
 from tests.integration.test_ledger_worker import wait_for_snapshot
 from tests.integration.test_reservations import write_config, write_prompts
-from tokenbudget.app.runner import cli_command
+from tokenbudget.app.children import cli_command
 from tokenbudget.dev import simulator
 from tokenbudget.streams.topics import Topics
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tokenbudget.app.runner import start_ledger_process
+from tokenbudget.app.children import start_ledger_process
 from tokenbudget.core import kafka_admin
 from tokenbudget.dev import oracle
 from tokenbudget.dev.jobs import (

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tokenbudget.app.runner import cli_command
+from tokenbudget.app.children import cli_command
 from tokenbudget.core import kafka_admin
 from tokenbudget.dev import oracle
 from tokenbudget.dev.jobs import (

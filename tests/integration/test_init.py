@@ -13,7 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from tokenbudget import cli
-from tokenbudget.app.runner import RunReport, run_async
+from tokenbudget.app.run_report import RunReport
+from tokenbudget.app.runner import run_async
 from tokenbudget.core import config as config_module
 from tokenbudget.dev import demo, simulator
 

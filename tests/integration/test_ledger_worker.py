@@ -12,7 +12,7 @@ from collections.abc import Callable
 import pytest
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
-from tokenbudget.app.runner import start_ledger_process, stop_process
+from tokenbudget.app.children import start_ledger_process, stop_process
 from tokenbudget.core import kafka_admin
 from tokenbudget.streams import events as ev
 from tokenbudget.streams.budget_board import BudgetWatcher

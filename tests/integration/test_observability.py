@@ -31,7 +31,9 @@ from kafka import KafkaProducer
 
 from tests.integration.test_pipeline import write_jsonl
 from tests.promstack import DASHBOARD, RUNBOOKS, Stack, binary, prometheus_stack
-from tokenbudget.app.runner import RunReport, run_async, start_ledger_process, stop_process
+from tokenbudget.app.children import start_ledger_process, stop_process
+from tokenbudget.app.run_report import RunReport
+from tokenbudget.app.runner import run_async
 from tokenbudget.app.status import follow
 from tokenbudget.core import config as config_module
 from tokenbudget.core import kafka_admin

@@ -9,7 +9,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from tokenbudget.app.runner import RunReport, run_async
+from tokenbudget.app.run_report import RunReport
+from tokenbudget.app.runner import run_async
 from tokenbudget.core import config as config_module
 from tokenbudget.dev import simulator
 from tokenbudget.dev.tiny_tokenizer import CORPUS, build_tokenizer, dataset_corpus

@@ -18,7 +18,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from tokenbudget.app.plan import Plan, make_plan
-from tokenbudget.app.runner import RunReport, run_async
+from tokenbudget.app.run_report import RunReport
+from tokenbudget.app.runner import run_async
 from tokenbudget.core import config as config_module
 from tokenbudget.dev import simulator
 

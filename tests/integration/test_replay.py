@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
-from tokenbudget.app.runner import start_ledger_process, stop_process
+from tokenbudget.app.children import start_ledger_process, stop_process
 from tokenbudget.cli import main as cli_main
 from tokenbudget.core import kafka_admin
 from tokenbudget.dev.tiny_tokenizer import ship_own_code

@@ -19,7 +19,8 @@ import pytest
 from aiokafka import AIOKafkaProducer
 
 from tests.integration.test_ledger_worker import publish, read_all, wait_for_snapshot
-from tokenbudget.app.runner import cli_command, run_async, start_ledger_process, stop_process
+from tokenbudget.app.children import cli_command, start_ledger_process, stop_process
+from tokenbudget.app.runner import run_async
 from tokenbudget.core import config as config_module
 from tokenbudget.core import kafka_admin
 from tokenbudget.dev import jobs, oracle, simulator

@@ -16,7 +16,7 @@ from typing import Any
 import pyarrow as pa
 import pytest
 
-from tokenbudget.app.runner import cli_command
+from tokenbudget.app.children import cli_command
 from tokenbudget.dev import oracle
 from tokenbudget.dev.jobs import start_simulator, write_job
 from tokenbudget.sinks.parquet import read_rows

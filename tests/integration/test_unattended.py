@@ -22,7 +22,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from tokenbudget.app.runner import cli_command
+from tokenbudget.app.children import cli_command
 from tokenbudget.core import kafka_admin, lifetime
 from tokenbudget.dev import oracle
 from tokenbudget.dev.jobs import (

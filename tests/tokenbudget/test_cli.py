@@ -17,7 +17,7 @@ from aiokafka.errors import NotLeaderForPartitionError
 from kafka.errors import RebalanceInProgressError
 
 from tokenbudget import cli
-from tokenbudget.app.runner import DatasetResult, RunReport
+from tokenbudget.app.run_report import DatasetResult, RunReport
 
 
 @pytest.fixture(autouse=True)

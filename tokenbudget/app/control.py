@@ -1,148 +1,44 @@
-"""Commands that steer a running job: ``dispatch`` and ``budget set|show``."""
+"""A job's budgets on the control topic: the ones a job starts with
+(:func:`publish_budgets`, by ``run`` and ``produce``), and ``budget set|show``, which
+change one while a job runs or print the ledger's view beside the config's."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
 import json
-import signal
+import sys
 import time
-from pathlib import Path
 
-from tokenbudget.app import identity, precedence
+from tokenbudget.app import precedence
 from tokenbudget.app.bootstrap import resolve_bootstrap
-from tokenbudget.app.runner import publish_budgets
 from tokenbudget.app.tables import format_table
 from tokenbudget.core import config as config_module
-from tokenbudget.core import metrics, roles, tasks
-from tokenbudget.core.config import parse_budget
+from tokenbudget.core import metrics
+from tokenbudget.core.config import Config, parse_budget
 from tokenbudget.core.errors import ConfigError
-from tokenbudget.core.files import write_atomic
-from tokenbudget.core.tasks import cancel_and_wait
-from tokenbudget.producers.dispatch.dispatcher import Dispatcher
-from tokenbudget.producers.prompts.datasets import check_datasets
-from tokenbudget.producers.prompts.producer import PromptProducer
-from tokenbudget.sinks.parquet import stored_prompt_ids
-from tokenbudget.sinks.replay import kept_completions, read_to_end
+from tokenbudget.sinks.replay import read_to_end
 from tokenbudget.streams import events as ev
-from tokenbudget.streams.budget_board import BudgetBoard, BudgetWatcher
+from tokenbudget.streams.budget_board import BudgetBoard
 from tokenbudget.streams.publisher import publish_events
 from tokenbudget.streams.topics import Topics
 
 
-async def dispatch_until_stopped(
-    config: config_module.Config,
-    bootstrap: str,
-    report_path: Path | None = None,
-    instance: str | None = None,
-) -> None:
-    """One dispatcher process: runs until SIGTERM or SIGINT, then hands back its
-    leases, commits and exits. On SIGTERM it first finishes the requests it started;
-    on SIGINT (``run`` stopped by Ctrl-C) it publishes the answers it has and hands
-    back the requests still at the server, for the group's next dispatcher."""
+async def publish_budgets(config: Config, bootstrap: str) -> list[precedence.BudgetChoice]:
+    """Put each dataset's budget in force for a job: the config's, unless a value set
+    with ``budget set`` holds (:mod:`tokenbudget.app.precedence`); say on stderr which
+    one a dataset runs with, and why, when a set value was involved."""
     topics = Topics(config.kafka.namespace)
-    watcher = BudgetWatcher(bootstrap, topics)
-    await watcher.start()
-    watch_task = asyncio.create_task(watcher.run())
-    stop = asyncio.Event()
-    dispatcher = Dispatcher(config, bootstrap, watcher.board, instance=instance)
-
-    def hand_back() -> None:
-        dispatcher.hand_back()
-        stop.set()
-
-    loop = asyncio.get_running_loop()
-    loop.add_signal_handler(signal.SIGTERM, stop.set)
-    loop.add_signal_handler(signal.SIGINT, hand_back)
-    try:
-        await dispatcher.run(stop)
-    finally:
-        await cancel_and_wait(watch_task, ignore_errors=True)
-        await watcher.stop()
-    if report_path is not None:
-        refused = dict(dispatcher.refused_at)
-        for name, view in watcher.board.views.items():
-            if view.halted_at is not None:
-                refused[name] = min(refused.get(name, view.halted_at), view.halted_at)
-        write_atomic(
-            report_path,
-            json.dumps(
-                {
-                    "holder": dispatcher.holder,
-                    "refused_at": refused,
-                    "completed": dispatcher.report.completed,
-                    "skipped": dispatcher.report.skipped,
-                    "failed": dispatcher.report.failed,
-                }
-            ),
-        )
-
-
-def run_dispatch_cli(args: argparse.Namespace) -> int:
-    config = config_module.load(args.config)
-    if args.server:
-        config = config_module.with_servers(config, args.server)
-    bootstrap = resolve_bootstrap(config)
-    if args.metrics_port:
-        metrics.serve(config.metrics.host, args.metrics_port, config.kafka.namespace, "dispatch")
-    report = Path(args.report) if args.report else None
-    tasks.run(dispatch_until_stopped(config, bootstrap, report, args.instance or None))
-    return 0
-
-
-async def produce_until_done(
-    config: config_module.Config, bootstrap: str, *, resume_changed: bool = False
-) -> None:
-    """The prompt producer on its own: publishes every dataset's prompts (paced by
-    the ledger's snapshots) until each is read to its end or halted. SIGTERM stops
-    it early: what was sent is flushed; a restart skips what was completed. Like
-    ``run``, it first settles whether this is the namespace's job (:mod:`.identity`)."""
-
-    topics = Topics(config.kafka.namespace)
-    with roles.acting_as("operator"):  # the job's record and budgets are operators' commands
-        await identity.settle(config, bootstrap, resume_changed=resume_changed, command="produce")
-        await publish_budgets(config, bootstrap)
-    interrupt = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, interrupt.set)
-    watcher = BudgetWatcher(bootstrap, topics)
-    await watcher.start()
-    watch_task = asyncio.create_task(watcher.run())
-    try:
-        await watcher.caught_up.wait()
-        producer = PromptProducer(
-            config,
-            bootstrap,
-            watcher.board,
-            stored_prompt_ids=stored_prompt_ids(config),
-            kept_completions=functools.partial(kept_completions, bootstrap, topics),
-        )
-        reports = await producer.run(interrupt=interrupt)
-    finally:
-        await cancel_and_wait(watch_task, ignore_errors=True)
-        await watcher.stop()
-    for name, report in reports.items():
-        line = f"{name}: {report.produced} prompts produced ({report.reason})"
-        extras = [
-            f"{count} {label}"
-            for count, label in (
-                (report.not_sent, "not sent, recorded as skipped"),
-                (report.already_done, "already done"),
-                (report.bad_rows, "bad rows skipped"),
-            )
-            if count
-        ]
-        print(line + (f"; {', '.join(extras)}" if extras else ""))
-
-
-def run_produce_cli(args: argparse.Namespace) -> int:
-    config = config_module.load(args.config)
-    check_datasets(config)  # before the broker is asked for anything
-    bootstrap = resolve_bootstrap(config)
-    tasks.run(produce_until_done(config, bootstrap, resume_changed=args.resume_changed))
-    return 0
+    latest = await asyncio.to_thread(precedence.latest_budget_sets, bootstrap, topics)
+    chosen = precedence.choices(config, latest)
+    events = [precedence.config_budget_set(config, c) for c in chosen if c.source == "config"]
+    if events:
+        await publish_events(bootstrap, topics.control, events, config.kafka.compression)
+        metrics.EVENTS_PRODUCED.labels(topic="control").inc(len(events))
+    for choice in chosen:
+        if (line := choice.explain()) is not None:
+            print(f"tokenbudget: {line}", file=sys.stderr)
+    return chosen
 
 
 def run_budget_cli(args: argparse.Namespace) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from tokenbudget.app.runner import RunReport
+from tokenbudget.app.run_report import RunReport
 from tokenbudget.app.tables import format_table, percent
 
 # A column more: its header, and its cell per dataset name.

@@ -23,8 +23,10 @@ from pathlib import Path
 
 import httpx
 
+from tokenbudget.app.children import cli_command
 from tokenbudget.app.report import Column, run_table
-from tokenbudget.app.runner import RunReport, cli_command, run
+from tokenbudget.app.run_report import RunReport
+from tokenbudget.app.runner import run
 from tokenbudget.app.tables import percent
 from tokenbudget.core import config as config_module
 from tokenbudget.core import lifetime

@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from tokenbudget.app.runner import cli_command
+from tokenbudget.app.children import cli_command
 from tokenbudget.core import lifetime
 from tokenbudget.core.config import RAW_TEXT_APIS
 from tokenbudget.core.lifetime import PARENT_ENV

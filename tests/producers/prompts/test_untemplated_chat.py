@@ -128,7 +128,7 @@ def test_the_command_stops_with_one_line_and_exit_2_before_anything_runs(
     for started in (
         "tokenbudget.producers.inference.backends.prepare",
         "tokenbudget.app.runner.resolve_bootstrap",
-        "tokenbudget.app.control.resolve_bootstrap",
+        "tokenbudget.app.commands.produce.resolve_bootstrap",
     ):
         monkeypatch.setattr(started, nothing_may_start)
     assert cli.main([command, "--config", str(job(tmp_path))]) == 2

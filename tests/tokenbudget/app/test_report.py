@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tokenbudget.app.report import print_table, run_table
-from tokenbudget.app.runner import DatasetResult, RunReport
+from tokenbudget.app.run_report import DatasetResult, RunReport
 from tokenbudget.dev.demo import comparison_columns
 from tokenbudget.producers.prompts.producer import ProduceReport
 

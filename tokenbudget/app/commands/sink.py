@@ -8,12 +8,11 @@ import sys
 import threading
 from typing import Any
 
+from tokenbudget.app.assembly import build_sink
 from tokenbudget.app.bootstrap import resolve_bootstrap
 from tokenbudget.app.commands import add_config, examples
 from tokenbudget.core import config as config_module
 from tokenbudget.core import metrics
-from tokenbudget.sinks.parquet import ParquetSink, SinkSettings
-from tokenbudget.streams.topics import Topics
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,11 +36,7 @@ def main(args: argparse.Namespace) -> int:
     bootstrap = resolve_bootstrap(config)
     if args.metrics_port:
         metrics.serve(config.metrics.host, args.metrics_port, config.kafka.namespace, "sink")
-    sink = ParquetSink(
-        bootstrap,
-        Topics(config.kafka.namespace),
-        SinkSettings.from_config(config),
-    )
+    sink = build_sink(config, bootstrap)
     stop = threading.Event()
 
     def on_signal(signum: int, frame: Any) -> None:

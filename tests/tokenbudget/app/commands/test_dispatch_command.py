@@ -12,7 +12,6 @@ from typing import Any
 import pytest
 
 from tests.tokenbudget.app.commands.job import write_job
-from tokenbudget.app import control
 from tokenbudget.app.commands import dispatch
 from tokenbudget.core.config import Config
 
@@ -36,9 +35,9 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Any]]:
     ) -> None:
         seen.append(("dispatch", (config.kafka.namespace, bootstrap, report, instance)))
 
-    monkeypatch.setattr(control, "resolve_bootstrap", resolve_bootstrap)
-    monkeypatch.setattr(control.metrics, "serve", lambda *where: seen.append(("metrics", where)))
-    monkeypatch.setattr(control, "dispatch_until_stopped", dispatch_until_stopped)
+    monkeypatch.setattr(dispatch, "resolve_bootstrap", resolve_bootstrap)
+    monkeypatch.setattr(dispatch.metrics, "serve", lambda *where: seen.append(("metrics", where)))
+    monkeypatch.setattr(dispatch, "dispatch_until_stopped", dispatch_until_stopped)
     return seen
 
 

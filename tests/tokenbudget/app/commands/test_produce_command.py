@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 
 from tests.tokenbudget.app.commands.job import write_job
-from tokenbudget.app import control
 from tokenbudget.app.commands import produce
 from tokenbudget.core.config import Config
 from tokenbudget.core.errors import ConfigError
@@ -34,8 +33,8 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Any]]:
     async def produce_until_done(config: Config, bootstrap: str, *, resume_changed: bool) -> None:
         seen.append(("produce", (config.kafka.namespace, bootstrap, resume_changed)))
 
-    monkeypatch.setattr(control, "resolve_bootstrap", resolve_bootstrap)
-    monkeypatch.setattr(control, "produce_until_done", produce_until_done)
+    monkeypatch.setattr(produce, "resolve_bootstrap", resolve_bootstrap)
+    monkeypatch.setattr(produce, "produce_until_done", produce_until_done)
     return seen
 
 

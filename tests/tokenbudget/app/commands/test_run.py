@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tokenbudget.app.runner import cli_command
+from tokenbudget.app.children import cli_command
 
 
 @contextlib.contextmanager

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from tests.tokenbudget.app.commands.job import write_job
+from tokenbudget.app import assembly
 from tokenbudget.app.commands import sink
 from tokenbudget.core.config import Config
 
@@ -62,7 +63,7 @@ def faked(monkeypatch: pytest.MonkeyPatch) -> Faked:
     monkeypatch.setattr(
         sink.metrics, "serve", lambda *where: faked.calls.append(("metrics", where))
     )
-    monkeypatch.setattr(sink, "ParquetSink", functools.partial(FakeSink, faked))
+    monkeypatch.setattr(assembly, "ParquetSink", functools.partial(FakeSink, faked))
     monkeypatch.setattr(sink.signal, "signal", lambda signum, h: faked.handlers.update({signum: h}))
     return faked
 

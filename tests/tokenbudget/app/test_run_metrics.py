@@ -7,7 +7,7 @@ import socket
 import httpx
 import pytest
 
-from tokenbudget.app.runner import ledger_port_offset, serve_metrics
+from tokenbudget.app.run_metrics import ledger_port_offset, serve_metrics
 from tokenbudget.core.config import build
 
 
@@ -70,7 +70,7 @@ def test_prometheus_scrapes_every_port_a_default_run_serves() -> None:
 
     import yaml
 
-    from tokenbudget.app.runner import _metrics_offsets
+    from tokenbudget.app.run_metrics import _metrics_offsets
 
     config = yaml.safe_load(
         (Path(__file__).parents[3] / "infra" / "prometheus" / "prometheus.yml").read_text()

@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from tokenbudget.app.runner import SinkThread, Supervised, supervise
+from tokenbudget.app.supervision import SinkThread, Supervised, supervise
 from tokenbudget.core.errors import WorkerFailedError
 
 
@@ -98,7 +98,7 @@ def test_a_child_that_crashes_at_every_start_fails_the_run_however_slowly_it_sta
     start: more than ``max_restarts`` exits ever fell within one window, so it was
     started again for ever."""
     clock = Clock()
-    monkeypatch.setattr("tokenbudget.app.runner.time.monotonic", clock)
+    monkeypatch.setattr("tokenbudget.app.supervision.time.monotonic", clock)
     started, start = starter(1, 1, 1, 1)
     child = Supervised("ledger worker", start, max_restarts=3, window_s=60)  # type: ignore[arg-type]
     try:
@@ -120,7 +120,7 @@ def test_a_child_that_lived_past_the_window_starts_the_count_again(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     clock = Clock()
-    monkeypatch.setattr("tokenbudget.app.runner.time.monotonic", clock)
+    monkeypatch.setattr("tokenbudget.app.supervision.time.monotonic", clock)
     started, start = starter(1, 1, 1, 1, 1)
     child = Supervised("ledger worker", start, max_restarts=2, window_s=60)  # type: ignore[arg-type]
     try:
