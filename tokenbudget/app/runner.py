@@ -48,7 +48,7 @@ from tokenbudget.producers.inference.backends import prepare
 from tokenbudget.producers.prompts.datasets import check_datasets
 from tokenbudget.producers.prompts.producer import ProduceReport, PromptProducer
 from tokenbudget.sinks.parquet import ParquetSink, SinkSettings, stored_prompt_ids
-from tokenbudget.sinks.replay import kept_completions
+from tokenbudget.sinks.reading import kept_completions
 from tokenbudget.streams import budget
 from tokenbudget.streams.budget_board import BudgetBoard, BudgetWatcher
 from tokenbudget.streams.publisher import publish_events
