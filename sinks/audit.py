@@ -6,32 +6,32 @@ ledger's (``--ledger``), and the tokens recounted with a tokenizer
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from tokenbudget.sinks.reading import read_to_end
 from tokenbudget.streams import events as ev
 from tokenbudget.streams.budget_board import BudgetBoard
+from tokenbudget.streams.counts import COUNTS, DatasetCounts
 from tokenbudget.streams.ledger import Outcome, outcome_change
 from tokenbudget.streams.topics import Topics
-
-LEDGER_FIELDS = ("samples", "completion_tokens", "prompt_tokens", "skipped", "failed")
 
 # ---------------------------------------------------------------------------- results
 
 
-@dataclass
-class Totals:
-    samples: int = 0
-    completion_tokens: int = 0
-    prompt_tokens: int = 0
+@dataclass(frozen=True, kw_only=True)
+class Totals(DatasetCounts):
+    """A dataset's counts as the replay recomputes them, with what only it counts."""
+
     output_ids: int = 0
-    skipped: int = 0
-    failed: int = 0
     recounted_tokens: int = 0
     recounted_rows: int = 0
     rows_without_text: int = 0
+
+    def plus(self, **more: int) -> Totals:
+        """These totals with ``more`` of some of them."""
+        return replace(self, **{name: getattr(self, name) + n for name, n in more.items()})
 
 
 @dataclass
@@ -158,7 +158,7 @@ def compare_ledger(
         if snap is None:
             differences.append({"dataset": name, "field": "snapshot", "replay": None, "live": None})
             continue
-        for key in LEDGER_FIELDS:
+        for key in COUNTS:
             a, b = getattr(mine, key), getattr(snap, key)
             if a != b:
                 differences.append({"dataset": name, "field": key, "replay": a, "live": b})
@@ -167,7 +167,7 @@ def compare_ledger(
         "datasets": sorted(names),
         "differences": differences,
         "live": {
-            name: {key: getattr(snap, key) for key in LEDGER_FIELDS} | {"at": snap.at}
+            name: asdict(DatasetCounts.of(snap)) | {"at": snap.at}
             for name, snap in sorted(snapshots.items())
             if name in names
         },

@@ -45,6 +45,7 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -210,8 +211,8 @@ def _compare_with_live_ledger(
         options.bootstrap, options.topics, first.seen, options.datasets, first.rejected
     )
     for name, (skipped, failed) in outcomes.items():
-        totals = summary.datasets.setdefault(name, Totals())
-        totals.skipped, totals.failed = skipped, failed
+        totals = summary.datasets.get(name, Totals())
+        summary.datasets[name] = replace(totals, skipped=skipped, failed=failed)
     return compare_ledger(
         summary.datasets, live_snapshots(options.bootstrap, options.topics), options.datasets
     )
@@ -289,23 +290,24 @@ class _Processor:
         texts: list[str] = []
         text_datasets: list[str] = []
         for dataset, rows in kept.records.items():
-            totals = summary.datasets.get(dataset)
-            if totals is None:
-                totals = summary.datasets[dataset] = Totals()
             table = kept.tables[dataset]
-            totals.samples += len(rows)
-            totals.completion_tokens += int(pc.sum(table.column("completion_tokens")).as_py())
-            totals.prompt_tokens += int(pc.sum(table.column("prompt_tokens")).as_py())
-            totals.output_ids += int(
-                pc.sum(pc.list_value_length(table.column("output_ids"))).as_py() or 0
-            )
+            without_text = 0
             if self.tokenizer is not None:
                 for r in rows:
                     if r.text or r.reasoning:
                         texts.append((r.reasoning or "") + r.text)
                         text_datasets.append(dataset)
                     else:
-                        totals.rows_without_text += 1
+                        without_text += 1
+            summary.datasets[dataset] = summary.datasets.get(dataset, Totals()).plus(
+                samples=len(rows),
+                completion_tokens=int(pc.sum(table.column("completion_tokens")).as_py()),
+                prompt_tokens=int(pc.sum(table.column("prompt_tokens")).as_py()),
+                output_ids=int(
+                    pc.sum(pc.list_value_length(table.column("output_ids"))).as_py() or 0
+                ),
+                rows_without_text=without_text,
+            )
         if self.writer is not None:
             tables = kept.tables
             if self.already:
@@ -324,6 +326,6 @@ class _Processor:
         if texts:
             encoded = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
             for name, tokens in zip(text_datasets, encoded, strict=True):
-                totals = summary.datasets[name]
-                totals.recounted_tokens += len(tokens)
-                totals.recounted_rows += 1
+                summary.datasets[name] = summary.datasets[name].plus(
+                    recounted_tokens=len(tokens), recounted_rows=1
+                )
