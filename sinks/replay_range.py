@@ -1,6 +1,7 @@
 """What a replay reads: its options, the offsets of the topic they select, the
-records it keeps of them, and the decoded batches it hands on (:class:`Processor`;
-the replay's applies the rule and feeds the targets, :mod:`tokenbudget.sinks.replay`).
+records it keeps of them, and the decoded batches it hands to a :class:`Processor`
+(the replay's, in :mod:`tokenbudget.sinks.replay`, applies the rule and feeds the
+targets).
 
 The range is read with aiokafka, in async code: it parses record batches in C, for
 about half kafka-python's CPU time per GB (:func:`read_range`).
