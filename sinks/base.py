@@ -158,8 +158,8 @@ class CompletionSink(abc.ABC):
         return count
 
     def _take(self, records: Sequence[Any]) -> None:
-        """Decode one partition's records; dead-letter the bad ones, buffer the first
-        completion of each prompt.
+        """Decode one partition's records; dead-letter the bad ones, hand the first
+        completion of each prompt to :meth:`add`.
 
         Any record is input: one that the batch's table building raises on (whatever
         it raises) is found by taking the batch again record by record, and is
