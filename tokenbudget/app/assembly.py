@@ -26,7 +26,7 @@ from tokenbudget.producers.dispatch.dispatcher import Dispatcher
 from tokenbudget.producers.dispatch.step import DispatchReport
 from tokenbudget.producers.prompts.producer import ProduceReport, PromptProducer
 from tokenbudget.sinks.parquet import ParquetSink, SinkSettings, stored_prompt_ids
-from tokenbudget.sinks.replay import kept_completions
+from tokenbudget.sinks.reading import kept_completions
 from tokenbudget.streams.budget_board import BudgetBoard, BudgetWatcher
 from tokenbudget.streams.topics import Topics
 

@@ -17,7 +17,7 @@ from tokenbudget.core import config as config_module
 from tokenbudget.core import metrics
 from tokenbudget.core.config import Config, parse_budget
 from tokenbudget.core.errors import ConfigError
-from tokenbudget.sinks.replay import read_to_end
+from tokenbudget.sinks.reading import read_to_end
 from tokenbudget.streams import events as ev
 from tokenbudget.streams.budget_board import BudgetBoard
 from tokenbudget.streams.publisher import publish_events

@@ -14,16 +14,12 @@ from tokenbudget.producers.dispatch.step import DispatchReport
 from tokenbudget.producers.prompts.producer import ProduceReport
 from tokenbudget.streams import budget
 from tokenbudget.streams.budget_board import BudgetBoard
+from tokenbudget.streams.counts import DatasetCounts
 
 
 @dataclass(frozen=True)
-class DatasetResult:
+class DatasetResult(DatasetCounts):
     budget: int
-    completion_tokens: int
-    prompt_tokens: int
-    samples: int
-    skipped: int
-    failed: int
     status: str  # "exhausted" | "halted"
     unit: Unit
     cut: int = 0  # answers kept that the budget's line cut (stop_reason "budget")
@@ -96,13 +92,9 @@ def dataset_results(config: Config, board: BudgetBoard) -> dict[str, DatasetResu
     for dataset in config.datasets:
         snap = board.snapshot(dataset.name)
         assert snap is not None
-        results[dataset.name] = DatasetResult(
+        results[dataset.name] = DatasetResult.of(
+            snap,
             budget=snap.budget or dataset.budget,
-            completion_tokens=snap.completion_tokens,
-            prompt_tokens=snap.prompt_tokens,
-            samples=snap.samples,
-            skipped=snap.skipped,
-            failed=snap.failed,
             status="halted" if snap.halted else "exhausted",
             unit=snap.unit,
             cut=snap.cut,
