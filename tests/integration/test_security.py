@@ -23,8 +23,9 @@ from tokenbudget.app.bootstrap import resolve_bootstrap
 from tokenbudget.app.runner import run_async
 from tokenbudget.core import config as config_module
 from tokenbudget.core.errors import KafkaAuthError
-from tokenbudget.dev import simulator
 from tokenbudget.dev.ports import free_ports
+from tokenbudget.dev.simulator import server as sim_server
+from tokenbudget.dev.simulator.config import SimulatorConfig
 from tokenbudget.localkafka import broker
 from tokenbudget.localkafka.java import find_java
 
@@ -183,7 +184,7 @@ def test_pipeline_runs_over_sasl_ssl_with_scram(
     caplog.set_level(logging.INFO)
 
     async def scenario() -> tuple[object, int]:
-        sim = await simulator.start(simulator.SimulatorConfig(port=0, tokens_per_second=20000))
+        sim = await sim_server.start(SimulatorConfig(port=0, tokens_per_second=20000))
         try:
             path = write_config(tmp_path, secure_broker, namespace, sim.url)
             report = await run_async(config_module.load(path))

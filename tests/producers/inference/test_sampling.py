@@ -10,7 +10,7 @@ import pytest
 from tests.producers.inference.test_backends import FAST, request, with_simulator
 from tokenbudget.core.config import build
 from tokenbudget.core.sampling import SAMPLING_KEYS
-from tokenbudget.dev.simulator import RunningSimulator
+from tokenbudget.dev.simulator.server import RunningSimulator
 from tokenbudget.producers.inference.backends import make_backend
 from tokenbudget.producers.inference.http import HttpClient
 from tokenbudget.streams import events as ev

@@ -16,15 +16,9 @@ import pytest
 
 from tests.producers.tokenizer_fixture import build_tokenizer
 from tokenbudget.core.errors import ConfigError
-from tokenbudget.dev.simulator import (
-    PROFILES,
-    Faults,
-    RunningSimulator,
-    SimulatorConfig,
-    completion_length,
-    ids_crc,
-    start,
-)
+from tokenbudget.dev.simulator.config import PROFILES, Faults, SimulatorConfig
+from tokenbudget.dev.simulator.generation import completion_length, ids_crc
+from tokenbudget.dev.simulator.server import RunningSimulator, start
 from tokenbudget.producers.templates import load_tokenizer
 
 FAST = SimulatorConfig(port=0, tokens_per_second=1e6, seed=7)
