@@ -37,6 +37,7 @@ from aiokafka import AIOKafkaProducer
 from tokenbudget.core import kafka_admin, sizes
 from tokenbudget.core.kafka import aiokafka_producer_options
 from tokenbudget.localkafka import broker
+from tokenbudget.localkafka.settings import BrokerSettings
 from tokenbudget.producers.dispatch.dispatcher import PRODUCER_BATCH_BYTES
 from tokenbudget.streams import events as ev
 from tokenbudget.streams.topics import Topics
@@ -151,7 +152,7 @@ def main() -> None:
     for codec in codecs:
         if codec not in typing.get_args(sizes.Compression):
             raise SystemExit(f"--codecs: unknown codec {codec!r}")
-    bootstrap = args.bootstrap or broker.up(broker.BrokerSettings.from_env(), [])
+    bootstrap = args.bootstrap or broker.up(BrokerSettings.from_env(), [])
     events = make_events(args.events, args.prompt_tokens, args.answer_tokens)
     values = [ev.encode(e) for e in events]
     kept = sum(e.completion_tokens for e in events)

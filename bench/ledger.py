@@ -53,6 +53,7 @@ from tokenbudget.core.kafka import kafka_python_producer_options
 from tokenbudget.core.security import subprocess_env
 from tokenbudget.dev.cluster import LocalCluster
 from tokenbudget.localkafka import broker
+from tokenbudget.localkafka.settings import BrokerSettings
 from tokenbudget.streams import events as ev
 from tokenbudget.streams.budget_board import BudgetWatcher
 from tokenbudget.streams.faust_adapt import HotPath
@@ -223,7 +224,7 @@ def main() -> None:
                 bootstrap = cluster.up()
                 print(f"three-node cluster at {bootstrap}")
             else:
-                bootstrap = args.bootstrap or broker.up(broker.BrokerSettings.from_env(), [])
+                bootstrap = args.bootstrap or broker.up(BrokerSettings.from_env(), [])
             rates = {workers: measure(bootstrap, workers, args) for workers in counts}
         finally:
             if cluster is not None:
@@ -241,7 +242,7 @@ def compare_variants(args: argparse.Namespace) -> None:
     variants = args.without.split(",")
     for variant in variants:
         hot_path(variant)  # refuse a misspelt cut before producing anything
-    bootstrap = args.bootstrap or broker.up(broker.BrokerSettings.from_env(), [])
+    bootstrap = args.bootstrap or broker.up(BrokerSettings.from_env(), [])
     rates = {variant: measure(bootstrap, 1, args, variant) for variant in variants}
     baseline = rates[variants[0]]
     for variant, rate in rates.items():
@@ -257,7 +258,7 @@ def compare_compression(args: argparse.Namespace) -> None:
     for codec in codecs:
         if codec not in typing.get_args(sizes.Compression):
             raise SystemExit(f"--compression: unknown codec {codec!r}")
-    bootstrap = args.bootstrap or broker.up(broker.BrokerSettings.from_env(), [])
+    bootstrap = args.bootstrap or broker.up(BrokerSettings.from_env(), [])
     # A codec may be listed again (zstd,none,zstd,none): the runs alternate, so load
     # from elsewhere on the box falls on both.
     rates = [(codec, measure(bootstrap, 1, args, compression=codec)) for codec in codecs]  # type: ignore[arg-type]

@@ -51,6 +51,7 @@ from tokenbudget.dev.demo import (
 )
 from tokenbudget.dev.ports import free_port
 from tokenbudget.localkafka import broker
+from tokenbudget.localkafka.settings import BrokerSettings
 from tokenbudget.sinks.replay import read_to_end
 from tokenbudget.streams import events as ev
 from tokenbudget.streams.budget_board import BudgetWatcher
@@ -127,7 +128,7 @@ def measure(
         table = pq.read_table(file, columns=["request_id", "finished_at"])
         ids, finished = table["request_id"].to_pylist(), table["finished_at"].to_pylist()
         rows_by_id.update(zip(ids, finished, strict=True))
-    bootstrap = broker.BrokerSettings.from_env().bootstrap
+    bootstrap = BrokerSettings.from_env().bootstrap
     topics = Topics(config.kafka.namespace)
     exceeded: dict[str, ev.BudgetExceeded] = {}
     revoked_at: dict[str, float] = {}
@@ -206,7 +207,7 @@ class BudgetLowerer(threading.Thread):
         asyncio.run(self._watch())
 
     async def _watch(self) -> None:
-        bootstrap = broker.BrokerSettings.from_env().bootstrap
+        bootstrap = BrokerSettings.from_env().bootstrap
         topics = Topics(self.config.kafka.namespace)
         watcher = None
         while watcher is None and not self.stop.is_set():
@@ -254,7 +255,7 @@ def main() -> None:
     workdir.mkdir(parents=True, exist_ok=True)
     paths = write_datasets(workdir / "data", args.budget)
     tokenizer = write_tokenizer(workdir / "tokenizer", paths)
-    broker.up(broker.BrokerSettings.from_env(), [])
+    broker.up(BrokerSettings.from_env(), [])
     print(
         f"eight datasets, budget {args.budget:,} completion tokens each, {args.dispatchers}"
         f" dispatchers x concurrency {args.concurrency}, max_new_tokens {args.max_new_tokens}"

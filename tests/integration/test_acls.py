@@ -43,6 +43,7 @@ from tokenbudget.dev.jobs import end_run, start_run, start_simulator, wait_until
 from tokenbudget.dev.oracle import read_server_log
 from tokenbudget.dev.ports import free_ports
 from tokenbudget.localkafka import broker
+from tokenbudget.localkafka.settings import Authorizer, BrokerSettings, SaslPlaintextListener
 from tokenbudget.producers.prompts import resume
 from tokenbudget.sinks.replay import read_to_end
 from tokenbudget.streams import acls
@@ -102,17 +103,17 @@ def write_config(folder: Path, bootstrap: str, namespace: str) -> Path:
 def acl_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AclBroker]:
     folder = tmp_path_factory.mktemp("acls")
     passwords = {user: secrets.token_hex(12) for user in (ADMIN, *USERS.values())}
-    defaults = broker.BrokerSettings.from_env()
+    defaults = BrokerSettings.from_env()
     port, controller_port, sasl_port = free_ports(3)
-    settings = broker.BrokerSettings(
+    settings = BrokerSettings(
         home=folder / "broker",
         port=port,
         controller_port=controller_port,
         heap_mb=512,
         kafka_version=defaults.kafka_version,
         jars_root=defaults.jars_root,
-        sasl_plaintext=broker.SaslPlaintextListener(sasl_port, passwords),
-        authorizer=broker.Authorizer((ADMIN,)),
+        sasl_plaintext=SaslPlaintextListener(sasl_port, passwords),
+        authorizer=Authorizer((ADMIN,)),
     )
     assert settings.sasl_plaintext_bootstrap is not None
     bootstrap = settings.sasl_plaintext_bootstrap
