@@ -54,6 +54,7 @@ from tokenbudget.core.security import subprocess_env
 from tokenbudget.dev.cluster import LocalCluster
 from tokenbudget.localkafka import broker
 from tokenbudget.localkafka.settings import BrokerSettings
+from tokenbudget.streams import codec as event_codec
 from tokenbudget.streams import events as ev
 from tokenbudget.streams.budget_board import BudgetWatcher
 from tokenbudget.streams.faust_adapt import HotPath
@@ -97,7 +98,7 @@ def produce(
     names = [f"d{i}" for i in range(datasets)]
     for name in names:
         budget = ev.BudgetSet(dataset=name, budget=10**12)
-        producer.send(topics.control, key=name.encode(), value=ev.encode(budget))
+        producer.send(topics.control, key=name.encode(), value=event_codec.encode(budget))
     for i in range(events):
         name = names[i % datasets]
         completion = ev.CompletionEvent(
@@ -111,7 +112,7 @@ def produce(
             max_new_tokens=4096,
             lease_id=f"bench:{name}:1",
         )
-        producer.send(topics.completions, key=name.encode(), value=ev.encode(completion))
+        producer.send(topics.completions, key=name.encode(), value=event_codec.encode(completion))
     producer.flush()
     producer.close()
 

@@ -53,6 +53,7 @@ from tokenbudget.dev.ports import free_port
 from tokenbudget.localkafka import broker
 from tokenbudget.localkafka.settings import BrokerSettings
 from tokenbudget.sinks.replay import read_to_end
+from tokenbudget.streams import codec
 from tokenbudget.streams import events as ev
 from tokenbudget.streams.budget_board import BudgetWatcher
 from tokenbudget.streams.topics import Topics
@@ -231,7 +232,9 @@ class BudgetLowerer(threading.Thread):
                         lowered = snap.completion_tokens + int(snap.reserved * LOWERED)
                         self.budgets[d.name] = lowered
                         event = ev.BudgetSet(dataset=d.name, budget=lowered)
-                        producer.send(topics.control, key=d.name.encode(), value=ev.encode(event))
+                        producer.send(
+                            topics.control, key=d.name.encode(), value=codec.encode(event)
+                        )
                         producer.flush()
                         self.lowered[d.name] = time.time()
                 await asyncio.sleep(0.05)

@@ -63,7 +63,10 @@ from tokenbudget.core.kafka import (
     wait_for_partitions,
 )
 from tokenbudget.core.retry import retry_until
+from tokenbudget.streams import codec
 from tokenbudget.streams import events as ev
+from tokenbudget.streams.dead_letters import dead_letter_for
+from tokenbudget.streams.fields import TOKEN_ID, SamplingParams, TokenIds, ToolCall
 from tokenbudget.streams.ledger import Outcome, outcome_change
 from tokenbudget.streams.topics import Topics
 
@@ -102,7 +105,7 @@ def _set_type(hint: Any) -> Any:
 
 def _sampling_arrow_type(hint: Any) -> pa.DataType:
     value = _set_type(hint)
-    if typing.get_origin(value) is typing.Annotated:  # its bounds (streams/events.py)
+    if typing.get_origin(value) is typing.Annotated:  # its bounds (streams/fields.py)
         value = typing.get_args(value)[0]
     if typing.get_origin(value) is list:
         (item,) = typing.get_args(value)
@@ -114,7 +117,7 @@ def _sampling_arrow_type(hint: Any) -> pa.DataType:
 
 # The event's fields, ``max_new_tokens`` first: where the files written so far hold it.
 _SAMPLING_FIELDS = sorted(
-    msgspec.structs.fields(ev.SamplingParams), key=lambda f: f.name != "max_new_tokens"
+    msgspec.structs.fields(SamplingParams), key=lambda f: f.name != "max_new_tokens"
 )
 _JSON_SAMPLING = tuple(
     f.name for f in _SAMPLING_FIELDS if typing.get_origin(_set_type(f.type)) is dict
@@ -233,7 +236,7 @@ def decode_completion(value: bytes) -> Record:
     """Decode one completions-topic value, or raise EventDecodeError saying why.
 
     The lean decoders only take what is certainly valid; anything else goes through
-    the full decoder (:func:`tokenbudget.streams.events.decode`), which says what is wrong.
+    the full decoder (:func:`tokenbudget.streams.codec.decode`), which says what is wrong.
     """
     record: Record | None
     # Whatever a lean decoder raises (a DecodeError, a RecursionError for a value
@@ -251,7 +254,7 @@ def decode_completion(value: bytes) -> Record:
         except Exception:
             record = None
     if record is not None and record.v in ev.COMPLETION_VERSIONS:
-        problem = ev.count_problem(
+        problem = codec.count_problem(
             record.prompt_tokens,
             record.completion_tokens,
             _id_count(record),
@@ -260,7 +263,7 @@ def decode_completion(value: bytes) -> Record:
         )
         if problem is None:
             return record
-    event = ev.decode(value)  # raises the precise EventDecodeError
+    event = codec.decode(value)  # raises the precise EventDecodeError
     if not isinstance(event, ev.CompletionEvent):
         raise EventDecodeError(f"expected a completion, got {type(event).__name__}")
     raise EventDecodeError("not a completion event")  # pragma: no cover - decoders agree
@@ -342,11 +345,11 @@ def _dataset_array(rows: Sequence[Any]) -> pa.Array:
     return pa.DictionaryArray.from_arrays(pa.array(indices), pa.array(uniques, pa.string()))
 
 
-def _id_bytes(ids: bytes | ev.TokenIds | None) -> bytes | None:
-    return ids.tobytes() if isinstance(ids, ev.TokenIds) else ids
+def _id_bytes(ids: bytes | TokenIds | None) -> bytes | None:
+    return ids.tobytes() if isinstance(ids, TokenIds) else ids
 
 
-def _calls(calls: Sequence[ev.ToolCall] | None) -> list[dict[str, str]] | None:
+def _calls(calls: Sequence[ToolCall] | None) -> list[dict[str, str]] | None:
     if calls is None:
         return None
     return [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in calls]
@@ -381,7 +384,7 @@ def _tools_array(rows: Sequence[Any]) -> pa.Array:
 
 
 def _sampling_array(rows: Sequence[Any]) -> pa.Array:
-    def row(sampling: ev.SamplingParams) -> dict[str, Any]:
+    def row(sampling: SamplingParams) -> dict[str, Any]:
         values = msgspec.structs.asdict(sampling)
         for name in _JSON_SAMPLING:
             if values[name] is not None:
@@ -418,7 +421,7 @@ def _ids_from_bytes(blobs: Sequence[bytes | None]) -> pa.ListArray:
     lengths = np.fromiter((len(b) >> 2 if b is not None else 0 for b in blobs), np.int64, n)
     missing = np.fromiter((b is None for b in blobs), np.bool_, n)
     joined = b"".join(b for b in blobs if b is not None)
-    values = np.frombuffer(joined, ev.TOKEN_ID).astype(np.int32, copy=False)
+    values = np.frombuffer(joined, TOKEN_ID).astype(np.int32, copy=False)
     return _list_array(lengths, values, missing)
 
 
@@ -493,7 +496,7 @@ def _ids_of_records(rows: Sequence[Record]) -> pa.ListArray | None:
         if isinstance(r, CompletionRecord):
             blobs.append(r.output_ids)
         else:
-            blobs.append(values[offsets[j] : offsets[j + 1]].astype(ev.TOKEN_ID).tobytes())
+            blobs.append(values[offsets[j] : offsets[j + 1]].astype(TOKEN_ID).tobytes())
             j += 1
     return _ids_from_bytes(blobs)
 
@@ -531,7 +534,7 @@ def decode_records(values: Sequence[bytes]) -> Decoded:
 
 def _as_fence(value: bytes) -> ev.LeaseFenced | None:
     try:
-        event = ev.decode(value)
+        event = codec.decode(value)
     except EventDecodeError:
         return None
     return event if isinstance(event, ev.LeaseFenced) else None
@@ -552,7 +555,7 @@ class Kept:
 
 
 def _full_ids(value: bytes) -> bytes | None:
-    event = ev.decode(value)
+    event = codec.decode(value)
     if not isinstance(event, ev.CompletionEvent):  # pragma: no cover - lean decoder agrees
         raise EventDecodeError(f"expected a completion, got {type(event).__name__}")
     return _id_bytes(event.output_ids)
@@ -1002,9 +1005,9 @@ class ParquetSink:
 
     def _dead_letter(self, record: Any, reason: str) -> None:
         assert self._dlq is not None
-        letter = ev.dead_letter_for(reason, record)
+        letter = dead_letter_for(reason, record)
         key = letter.key.encode() if letter.key is not None else None  # cut, as the letter's
-        self._dlq.send(self.topics.dead_letter, key=key, value=ev.encode(letter))
+        self._dlq.send(self.topics.dead_letter, key=key, value=codec.encode(letter))
         self._dlq.flush()
         metrics.DEAD_LETTERED.labels(topic="completions").inc()
         log.warning(

@@ -80,6 +80,7 @@ from tokenbudget.sinks.parquet import (
     remove_stale_temporaries,
     save_fenced_leases,
 )
+from tokenbudget.streams import codec
 from tokenbudget.streams import events as ev
 from tokenbudget.streams.budget_board import BudgetBoard
 from tokenbudget.streams.ledger import Outcome, outcome_change
@@ -293,7 +294,7 @@ def read_to_end(
 
     def decode(record: Any) -> None:
         with contextlib.suppress(EventDecodeError):
-            apply(ev.decode(record.value, record.topic))
+            apply(codec.decode(record.value, record.topic))
 
     read_topic(bootstrap, topic, decode, timeout=timeout, extra_options=RECEIVE_BUFFER)
 
@@ -336,7 +337,7 @@ def kept_completions(
         if head.type != "completion":
             return
         try:
-            event = ev.decode(record.value)
+            event = codec.decode(record.value)
         except EventDecodeError:
             return  # dead-lettered by the sink, kept by no one
         if isinstance(event, ev.CompletionEvent) and rule.keep(

@@ -46,7 +46,7 @@ from tokenbudget.localkafka import broker
 from tokenbudget.localkafka.settings import Authorizer, BrokerSettings, SaslPlaintextListener
 from tokenbudget.producers.prompts import resume
 from tokenbudget.sinks.replay import read_to_end
-from tokenbudget.streams import acls
+from tokenbudget.streams import acls, codec
 from tokenbudget.streams import events as ev
 from tokenbudget.streams.budget_board import BudgetWatcher
 from tokenbudget.streams.topics import Topics
@@ -249,7 +249,7 @@ def test_a_dispatchers_principal_may_not_write_a_budget_a_command_or_a_prompt(
     topic = getattr(acl_broker.topics, name)
     before = end_offsets(acl_broker, topic)
     with pytest.raises(TopicAuthorizationFailedError):
-        produce(acl_broker, "dispatcher", topic, ev.encode(ev.BudgetSet(dataset="d", budget=1)))
+        produce(acl_broker, "dispatcher", topic, codec.encode(ev.BudgetSet(dataset="d", budget=1)))
     assert end_offsets(acl_broker, topic) == before
 
 
@@ -320,9 +320,9 @@ def test_every_role_reads_the_commands_and_the_announcements_from_the_start(
     acl_broker: AclBroker, role: Role
 ) -> None:
     b = acl_broker
-    command = ev.encode(ev.BudgetSet(dataset=f"from-{role}", budget=5))
+    command = codec.encode(ev.BudgetSet(dataset=f"from-{role}", budget=5))
     produce(b, "operator", b.topics.control, command)
-    announcement = ev.encode(ev.BudgetSet(dataset=f"announced-{role}", budget=5))
+    announcement = codec.encode(ev.BudgetSet(dataset=f"announced-{role}", budget=5))
     produce(b, "ledger", b.topics.budgets, announcement)
     assert command in read_from_start(b, role, b.topics.control)
     assert announcement in read_from_start(b, role, b.topics.budgets)
@@ -391,7 +391,7 @@ def test_the_ledger_counts_under_its_principal_and_a_rerun_reads_what_it_recorde
             finish_reason="stop",
             max_new_tokens=4096,
         )
-        produce(b, "dispatcher", t.completions, ev.encode(answer))
+        produce(b, "dispatcher", t.completions, codec.encode(answer))
         snap = _snapshot(b, "counted", samples=1)
         assert (snap.samples, snap.completion_tokens) == (1, 100)
         assert ledger.poll() is None
@@ -474,12 +474,12 @@ def test_a_job_whose_roles_log_in_as_their_own_principals_ends_exact_refusing_fo
         }
         for topic, event in forged.items():
             with pytest.raises(TopicAuthorizationFailedError):
-                produce(acl_broker, "dispatcher", topic, ev.encode(event))
+                produce(acl_broker, "dispatcher", topic, codec.encode(event))
         grant = ev.LeaseGranted(
             dataset="a", lease_id="l", holder="h", granted=10**6, expires_at=1e9
         )
         with pytest.raises(TopicAuthorizationFailedError):
-            produce(acl_broker, "dispatcher", topics.budgets, ev.encode(grant))
+            produce(acl_broker, "dispatcher", topics.budgets, codec.encode(grant))
         assert run.wait(300) == 0, (tmp_path / "run.out").read_text()[-3000:]
     finally:
         end_run(run)

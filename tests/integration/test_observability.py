@@ -38,6 +38,7 @@ from tokenbudget.core import kafka_admin
 from tokenbudget.dev.ports import free_ports
 from tokenbudget.dev.simulator import server as sim_server
 from tokenbudget.dev.simulator.config import Faults, SimulatorConfig
+from tokenbudget.streams import codec
 from tokenbudget.streams import events as ev
 from tokenbudget.streams.topics import Topics
 
@@ -202,7 +203,7 @@ def _rogue(stack: Stack, bootstrap: str, topics: Topics) -> int:
             ):
                 break
             event = rogue_completion(sent)
-            producer.send(topics.completions, key=ev.event_key(event), value=ev.encode(event))
+            producer.send(topics.completions, key=codec.event_key(event), value=codec.encode(event))
             producer.flush()
             sent += 1
             time.sleep(1.0)

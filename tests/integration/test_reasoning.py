@@ -27,7 +27,7 @@ from tokenbudget.dev.simulator.generation import ids_crc
 from tokenbudget.producers.templates import load_tokenizer
 from tokenbudget.sinks.export import ExportOptions, export
 from tokenbudget.sinks.parquet import read_rows
-from tokenbudget.streams.events import ChatMessage
+from tokenbudget.streams.fields import ChatMessage
 
 pytestmark = pytest.mark.integration
 

@@ -26,6 +26,7 @@ from tokenbudget.dev import jobs, oracle
 from tokenbudget.dev.simulator import server as sim_server
 from tokenbudget.dev.simulator.config import SimulatorConfig
 from tokenbudget.producers.dispatch.admission import Admission, AdmissionSettings
+from tokenbudget.streams import codec
 from tokenbudget.streams import events as ev
 from tokenbudget.streams.budget_board import BudgetWatcher
 from tokenbudget.streams.topics import Topics
@@ -83,7 +84,7 @@ def test_holders_racing_for_the_last_tokens_never_overshoot(
                     cost=tokens,
                 )
                 await producer.send_and_wait(
-                    topics.completions, key=b"d", value=ev.encode(completion)
+                    topics.completions, key=b"d", value=codec.encode(completion)
                 )
                 kept.append(tokens)
                 admission.settle(ticket, tokens)
@@ -289,7 +290,9 @@ async def _set_budget(bootstrap: str, topics: Topics, dataset: str, budget: int)
     await producer.start()
     try:
         event = ev.BudgetSet(dataset=dataset, budget=budget, set_at=time.time())
-        await producer.send_and_wait(topics.control, key=dataset.encode(), value=ev.encode(event))
+        await producer.send_and_wait(
+            topics.control, key=dataset.encode(), value=codec.encode(event)
+        )
     finally:
         await producer.stop()
 

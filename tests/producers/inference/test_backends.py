@@ -44,7 +44,7 @@ from tokenbudget.producers.inference.backends import (
     parse_retry_after,
 )
 from tokenbudget.producers.inference.http import HttpClient, Timeouts
-from tokenbudget.streams.events import ChatMessage, ToolCall
+from tokenbudget.streams.fields import ChatMessage, ToolCall
 
 FAST = SimulatorConfig(port=0, tokens_per_second=1e6, seed=3)
 APIS = ["sglang", "openai-completions", "openai-chat"]

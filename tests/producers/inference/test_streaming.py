@@ -32,7 +32,7 @@ from tokenbudget.producers.inference.backends import (
 )
 from tokenbudget.producers.inference.http import HttpClient, Timeouts
 from tokenbudget.producers.templates import load_tokenizer
-from tokenbudget.streams.events import ChatMessage
+from tokenbudget.streams.fields import ChatMessage
 
 APIS = ["sglang", "openai-completions", "openai-chat"]
 FAST = SimulatorConfig(port=0, tokens_per_second=200_000, seed=5)

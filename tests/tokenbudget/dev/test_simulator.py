@@ -150,7 +150,7 @@ def test_templated_ids_find_their_marker_through_the_tokenizer(tmp_path: Path) -
     marker picks the same length rule the text would."""
     from tokenbudget.dev.tiny_tokenizer import CORPUS, build_tokenizer
     from tokenbudget.producers.templates import load_tokenizer
-    from tokenbudget.streams.events import ChatMessage
+    from tokenbudget.streams.fields import ChatMessage
 
     texts = [f"#chat story {i}" for i in range(40)]
     folder = build_tokenizer(tmp_path / "tok", [*CORPUS, *texts], whole_words=["#chat"])
