@@ -28,7 +28,7 @@ from kafka.errors import GroupAuthorizationFailedError, TopicAuthorizationFailed
 from tokenbudget import cli
 from tokenbudget.app.runner import cli_command, stop_process
 from tokenbudget.core import config as config_module
-from tokenbudget.core import kafka_admin, lifetime, roles, security
+from tokenbudget.core import kafka_acls, kafka_admin, lifetime, roles, security
 from tokenbudget.core.errors import KafkaAuthError
 from tokenbudget.core.kafka import (
     GroupLag,
@@ -230,14 +230,12 @@ def test_acls_are_applied_once_each_as_the_table_has_them(acl_broker: AclBroker)
     wanted = acls.bindings(b.topics, principals)
     assert b.applied.startswith(f"added {len(wanted)} ACLs on {b.bootstrap}")
     # What the broker's authorizer holds, asked as the admin: the table, no more.
-    held = [
-        a for p in sorted(set(principals.values())) for a in kafka_admin.acls_of(b.bootstrap, p)
-    ]
+    held = [a for p in sorted(set(principals.values())) for a in kafka_acls.acls_of(b.bootstrap, p)]
     assert sorted(held) == wanted
     # A second --apply adds nothing.
     assert _applied(b.config).startswith(f"added 0 ACLs on {b.bootstrap}")
     again = [
-        a for p in sorted(set(principals.values())) for a in kafka_admin.acls_of(b.bootstrap, p)
+        a for p in sorted(set(principals.values())) for a in kafka_acls.acls_of(b.bootstrap, p)
     ]
     assert sorted(again) == wanted
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from tokenbudget.core import security
 from tokenbudget.core.errors import BrokerError
-from tokenbudget.core.kafka_admin import STANDARD_AUTHORIZER
+from tokenbudget.core.kafka_acls import STANDARD_AUTHORIZER
 from tokenbudget.localkafka.settings import (
     _DATA_DIR,
     _LOG4J_FILE,
