@@ -17,25 +17,15 @@ from tokenbudget.core.errors import ConfigError
 DEFAULT_KAFKA_VERSION = "4.1.1"
 
 _PID_FILE = "broker.pid"
-
 _STATE_FILE = "broker.json"
-
 _LOG_FILE = "broker.log"
-
 _PROPS_FILE = "server.properties"
-
 _LOG4J_FILE = "log4j2.properties"
-
 _CLUSTER_ID_FILE = "cluster.id"
-
 _FORMAT_FILE = "format.json"
-
 _LOCK_FILE = ".lock"
-
 _DATA_DIR = "data"
-
 _MARKER_FILE = "complete.json"
-
 # Everything ``up`` may create in home; ``wipe`` refuses to delete anything else.
 _HOME_ENTRIES = {
     _PID_FILE,
@@ -49,9 +39,7 @@ _HOME_ENTRIES = {
     _LOCK_FILE,
     _DATA_DIR,
 }
-
 _MAIN_CLASS = "kafka.Kafka"
-
 _STORAGE_TOOL = "kafka.tools.StorageTool"
 
 

@@ -14,7 +14,6 @@ from tokenbudget.core.errors import ConfigError
 # What the simulator's thinking model names its thinking in a chat answer; "none": it
 # does not think.
 REASONING_STYLES = ("none", "reasoning_content", "reasoning")
-
 # How the token that ends the thinking renders in raw text.
 THINK_END = "</think>"
 

@@ -41,7 +41,6 @@ if TYPE_CHECKING:
 # A streamed chunk every ~32 tokens is what real servers look like on the wire; one chunk
 # per token would make Python the bottleneck of the demo.
 _CHUNK_TOKENS = 32
-
 # Below ~1 ms asyncio timer overhead dominates, so faster decoding just gets bigger chunks.
 _MIN_STREAM_SLICE = 0.001
 

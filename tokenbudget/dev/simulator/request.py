@@ -113,14 +113,12 @@ class _Counters:
 
 # The request fields each API defines beside the sampling settings.
 _GENERATE_FIELDS = frozenset({"text", "input_ids", "sampling_params", "rid", "stream"})
-
 _OPENAI_FIELDS = frozenset(
     {
         "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "stream",
         "stream_options", "return_token_ids", "request_id", "rid", "n", "user",
     }
 )  # fmt: skip
-
 # The OpenAI APIs take the settings at the top of the body, where extra_body's own
 # keys go too: those are not settings.
 _OPENAI_SAMPLING = frozenset(SAMPLING_KEYS) - {VERBATIM_KEY}

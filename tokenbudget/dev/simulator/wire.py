@@ -9,7 +9,6 @@ import msgspec
 from aiohttp import web
 
 _encode = msgspec.json.Encoder().encode
-
 _decode = msgspec.json.Decoder().decode
 
 
