@@ -34,7 +34,8 @@ Behaviour worth knowing when reading client code against it:
   to tell, from outside, which history each turn of a conversation was sent.
 
 The server is a few parts composed by ``_SimServer``: the generation engine every API
-shares (``_Engine``), the routes of each API (``_SGLangRoutes``, ``_OpenAIRoutes``),
+shares (``_Engine``), the routes of each API (``ROUTES``: ``_SGLangRoutes``,
+``_OpenAIRoutes``; what sets the APIs apart is their traits, ``tokenbudget.core.apis``),
 the injected faults (``_Faults``) and the request log (``_RequestLog``).
 """
 
@@ -52,7 +53,7 @@ import sys
 import time
 import uuid
 import zlib
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -62,6 +63,7 @@ import numpy as np
 from aiohttp import web
 
 from tokenbudget.core import tasks
+from tokenbudget.core.apis import API_TRAITS, openai_api
 from tokenbudget.core.errors import ConfigError
 from tokenbudget.core.sampling import SAMPLING_KEYS, VERBATIM_KEY
 from tokenbudget.producers.templates import load_tokenizer
@@ -503,7 +505,7 @@ _OPENAI_SAMPLING = frozenset(SAMPLING_KEYS) - {VERBATIM_KEY}
 
 def requested_settings(api: str, payload: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """(sampling settings, other fields) of a request, as the request log keeps them."""
-    if api == "sglang":
+    if not API_TRAITS[api].openai_compatible:  # SGLang's own: settings in sampling_params
         params = payload.get("sampling_params") or {}
         sampling = {k: v for k, v in params.items() if k != "max_new_tokens"}
         return sampling, {k: v for k, v in payload.items() if k not in _GENERATE_FIELDS}
@@ -750,7 +752,7 @@ class _Engine:
         return job
 
     def _calls_tool(self, api: str, parsed: _Parsed) -> bool:
-        return api == "openai-chat" and self.config.tool_calls and parsed.query is not None
+        return API_TRAITS[api].chat and self.config.tool_calls and parsed.query is not None
 
     async def _decode(self, job: _Job, stream: bool) -> None:
         loop = asyncio.get_running_loop()
@@ -838,7 +840,7 @@ class _Engine:
         thinking = output.thinking_tokens(end) if self.think_end is not None else None
         reasoning: str | None = None
         content = output.text(start, end)
-        if job.api == "openai-chat" and self.config.reasoning_style != "none":
+        if API_TRAITS[job.api].reasoning_fields and self.config.reasoning_style != "none":
             reasoning = output.reasoning(start, end) or None
             content = output.answer(start, end)
         if job.tool is None:
@@ -1132,7 +1134,7 @@ class _OpenAIRoutes:
     ``/v1/completions`` and ``/v1/chat/completions`` (a thinking model's reasoning
     field and tool calls included)."""
 
-    def __init__(self, engine: _Engine) -> None:
+    def __init__(self, engine: _Engine, faults: _Faults) -> None:
         self.engine = engine
         self.config = engine.config
 
@@ -1145,7 +1147,7 @@ class _OpenAIRoutes:
 
     async def handle_models(self, request: web.Request) -> web.Response:
         if not self.engine.authorized(request):
-            return _error("openai", 401, "Unauthorized")
+            return _error(openai_api(chat=False), 401, "Unauthorized")  # any OpenAI API's
         return _json(
             {
                 "object": "list",
@@ -1373,10 +1375,19 @@ class _OpenAIRoutes:
         if self.config.omit_usage and not always:
             return None
         usage: dict[str, Any] = _usage(job)
-        if job.api == "openai-chat" and self.engine.think_end is not None:
+        if API_TRAITS[job.api].reasoning_fields and self.engine.think_end is not None:
             thinking = job.output.thinking_tokens(job.produced)
             usage["completion_tokens_details"] = {"reasoning_tokens": thinking}
         return usage
+
+
+# The routes that serve each API (tokenbudget.core.apis.API_TRAITS, which this covers):
+# SGLang's own, and the OpenAI-compatible ones its server and vLLM's share.
+ROUTES: Mapping[str, type[_SGLangRoutes | _OpenAIRoutes]] = {
+    "sglang": _SGLangRoutes,
+    "openai-completions": _OpenAIRoutes,
+    "openai-chat": _OpenAIRoutes,
+}
 
 
 class _SimServer:
@@ -1392,8 +1403,11 @@ class _SimServer:
         self.app = web.Application(client_max_size=64 * 1024 * 1024)
         self.app.add_routes(
             [
-                *_SGLangRoutes(self.engine, self.faults).routes(),
-                *_OpenAIRoutes(self.engine).routes(),
+                *(
+                    route
+                    for routes in dict.fromkeys(ROUTES.values())
+                    for route in routes(self.engine, self.faults).routes()
+                ),
                 web.get("/sim/log", keyed(self.engine, self.log.handle_log)),
                 web.post("/sim/outage", keyed(self.engine, self.faults.handle_outage)),
             ]
@@ -1444,13 +1458,13 @@ async def _lying(
     """An answer of one token, whole or streamed in the API's shape, whose counts are
     ``lie`` where it names them (else the true ones)."""
     counts = {"prompt_tokens": parsed.prompt_tokens, "completion_tokens": 1, **lie}
-    if api == "sglang":
+    if not API_TRAITS[api].openai_compatible:
         meta = {"id": parsed.rid, **counts, "finish_reason": {"type": "stop", "matched": None}}
         answer: dict[str, Any] = {"text": " w1", "output_ids": [1], "meta_info": meta}
         chunks = [answer]
     else:
         usage = {**counts, "total_tokens": 0}
-        chat = api == "openai-chat"
+        chat = API_TRAITS[api].chat
         whole = {"message": {"role": "assistant", "content": " w1"}} if chat else {"text": " w1"}
         part = {"delta": {"content": " w1"}} if chat else {"text": " w1"}
         ending = {"index": 0, "finish_reason": "stop", "token_ids": [1]}
@@ -1547,7 +1561,7 @@ def _sse_response() -> web.StreamResponse:
 def _error(
     api: str, status: int, message: str, headers: dict[str, str] | None = None
 ) -> web.Response:
-    if api == "sglang":
+    if not API_TRAITS[api].openai_compatible:
         # SGLang's native endpoints answer errors as {"error": {"message": ...}}.
         response = _json({"error": {"message": message}}, status)
     else:
