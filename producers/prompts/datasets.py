@@ -10,6 +10,9 @@ Formats (``[[datasets]] format``):
   with ``datasets.load_from_disk``), whose rows are any of the above
 * ``auto``     any of the above, per row (a folder is read as ``hf``)
 
+What a format allows is its row of :data:`tokenbudget.core.formats.FORMAT_TRAITS`;
+how it reads a row, its entry in :data:`PARSERS`.
+
 Every row may carry an ``id``. JSONL, Parquet and Hugging Face datasets take the
 same columns. Rows that hold the prompt elsewhere are read through the dataset's
 column mapping (:mod:`tokenbudget.core.columns`: ``prompt_field``, ``prompt_template``,
