@@ -994,10 +994,10 @@ class _StreamedCalls:
         return tuple(out)
 
 
+# The client of each API, by the name its class declares (the rows of
+# tokenbudget.core.apis.API_TRAITS, which this covers).
 BACKENDS: dict[str, type[InferenceBackend]] = {
-    "sglang": SGLangBackend,
-    "openai-completions": OpenAICompletionsBackend,
-    "openai-chat": OpenAIChatBackend,
+    backend.api: backend for backend in (SGLangBackend, OpenAICompletionsBackend, OpenAIChatBackend)
 }
 
 

@@ -101,7 +101,7 @@ def write_job(
     settings: dict[str, dict[str, Any]] = {
         "kafka": {"bootstrap": bootstrap, "namespace": namespace},
         "inference": {
-            "api": "sglang",
+            "api": DEFAULT_API,
             "concurrency": 8,
             "max_new_tokens": 4096,
             "backoff_s": 0.1,
