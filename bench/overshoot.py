@@ -51,7 +51,7 @@ from tokenbudget.dev.demo import (
 )
 from tokenbudget.dev.ports import free_port
 from tokenbudget.localkafka import broker
-from tokenbudget.sinks.replay import read_to_end
+from tokenbudget.sinks.reading import read_to_end
 from tokenbudget.streams import events as ev
 from tokenbudget.streams.budget_board import BudgetWatcher
 from tokenbudget.streams.topics import Topics

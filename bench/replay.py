@@ -39,7 +39,8 @@ from kafka import KafkaAdminClient, KafkaProducer
 
 from tokenbudget.core import kafka_admin
 from tokenbudget.sinks.parquet import write_parquet
-from tokenbudget.sinks.replay import ReplayOptions, replay
+from tokenbudget.sinks.replay import replay
+from tokenbudget.sinks.replay_range import ReplayOptions
 from tokenbudget.streams import events as ev
 from tokenbudget.streams.topics import Topics
 

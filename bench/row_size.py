@@ -28,7 +28,7 @@ import time
 
 import msgspec
 
-from tokenbudget.sinks.parquet import FirstCompletion, decode_records, keep_first
+from tokenbudget.sinks.rows import FirstCompletion, decode_records, keep_first
 from tokenbudget.streams import events as ev
 
 SAMPLING = ev.SamplingParams(max_new_tokens=4096, temperature=0.7, top_p=0.9, seed=1)

@@ -74,7 +74,8 @@ import pyarrow.parquet as pq
 from tokenbudget.core.errors import ExportError
 from tokenbudget.core.files import atomic_file
 from tokenbudget.sinks import trainers
-from tokenbudget.sinks.parquet import conform, output_files
+from tokenbudget.sinks.parquet import output_files
+from tokenbudget.sinks.schema import conform
 from tokenbudget.sinks.trainers import TrainerFormat
 
 Format = Literal["conversations", "messages", "parquet"] | TrainerFormat

@@ -245,8 +245,8 @@ def outcome_change(previous: Outcome | None, new: Outcome) -> bool:
     first outcome wins, except that a completion replaces a skip or a failure.
 
     The one rule of which outcome a prompt keeps: the ledger counts by it, and the
-    sink and the replay (:mod:`tokenbudget.sinks.parquet`,
-    :mod:`tokenbudget.sinks.replay`) keep rows and
+    sink and the replay (:mod:`tokenbudget.sinks.rows`,
+    :mod:`tokenbudget.sinks.audit`) keep rows and
     recount by it, so their totals agree with the ledger's."""
     if previous is None:
         return True

@@ -44,7 +44,7 @@ from tokenbudget.dev.oracle import read_server_log
 from tokenbudget.dev.ports import free_ports
 from tokenbudget.localkafka import broker
 from tokenbudget.producers.prompts import resume
-from tokenbudget.sinks.replay import read_to_end
+from tokenbudget.sinks.reading import read_to_end
 from tokenbudget.streams import acls
 from tokenbudget.streams import events as ev
 from tokenbudget.streams.budget_board import BudgetWatcher

@@ -18,7 +18,7 @@ from tokenbudget import cli
 from tokenbudget.core.kafka_admin import ensure_topics
 from tokenbudget.dev import oracle
 from tokenbudget.dev.jobs import start_simulator, write_job
-from tokenbudget.sinks.replay import read_to_end
+from tokenbudget.sinks.reading import read_to_end
 from tokenbudget.streams import events as ev
 from tokenbudget.streams.topics import Topics
 

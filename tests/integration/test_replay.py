@@ -22,7 +22,7 @@ from tokenbudget.cli import main as cli_main
 from tokenbudget.core import kafka_admin
 from tokenbudget.dev.tiny_tokenizer import ship_own_code
 from tokenbudget.sinks.parquet import ParquetSink, SinkSettings
-from tokenbudget.sinks.replay import read_to_end
+from tokenbudget.sinks.reading import read_to_end
 from tokenbudget.streams import events as ev
 from tokenbudget.streams.topics import Topics
 

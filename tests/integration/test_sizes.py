@@ -20,7 +20,9 @@ from tokenbudget.app.runner import cli_command
 from tokenbudget.dev import oracle
 from tokenbudget.dev.jobs import start_simulator, write_job
 from tokenbudget.sinks.parquet import read_rows
-from tokenbudget.sinks.replay import ReplayOptions, read_to_end, replay
+from tokenbudget.sinks.reading import read_to_end
+from tokenbudget.sinks.replay import replay
+from tokenbudget.sinks.replay_range import ReplayOptions
 from tokenbudget.streams import events as ev
 from tokenbudget.streams.topics import Topics
 

@@ -38,7 +38,7 @@ from tokenbudget.dev.jobs import (
     write_job,
 )
 from tokenbudget.producers.prompts.resume import outcome_records
-from tokenbudget.sinks.replay import read_to_end
+from tokenbudget.sinks.reading import read_to_end
 from tokenbudget.streams import events as ev
 from tokenbudget.streams.topics import Topics
 

@@ -15,7 +15,8 @@ import pytest
 from tests.sinks.tables import completions_to_table
 from tokenbudget.core.errors import ExportError
 from tokenbudget.sinks.export import ExportOptions, export
-from tokenbudget.sinks.parquet import COLUMNS, dataset_dir, write_atomically
+from tokenbudget.sinks.parquet import dataset_dir, write_atomically
+from tokenbudget.sinks.schema import COLUMNS
 from tokenbudget.streams import events as ev
 
 
@@ -229,7 +230,8 @@ def test_no_rows_is_an_error_naming_the_folder(tmp_path: Path) -> None:
 
 
 def test_read_rows_table_has_the_declared_schema(tmp_path: Path) -> None:
-    from tokenbudget.sinks.parquet import SCHEMA, read_rows
+    from tokenbudget.sinks.parquet import read_rows
+    from tokenbudget.sinks.schema import SCHEMA
 
     write_rows(tmp_path, [completion(0)], old=True)
     table = read_rows(tmp_path)

@@ -9,12 +9,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.sinks.tables import completions_to_table
-from tokenbudget.sinks.parquet import (
-    SCHEMA,
-    dataset_dir,
-    existing_prompt_ids,
-    write_atomically,
-)
+from tokenbudget.sinks.parquet import dataset_dir, existing_prompt_ids, write_atomically
+from tokenbudget.sinks.schema import SCHEMA
 from tokenbudget.streams.events import CompletionEvent
 
 

@@ -10,15 +10,15 @@ import pytest
 from aiokafka import TopicPartition
 
 from tokenbudget.core.errors import TokenBudgetError
-from tokenbudget.sinks.parquet import Decoded
-from tokenbudget.sinks.replay import (
+from tokenbudget.sinks.audit import ReplaySummary
+from tokenbudget.sinks.replay_range import (
     ReplayOptions,
-    ReplaySummary,
     _Batches,
     _Range,
     _RecordFilter,
     _start_offsets,
 )
+from tokenbudget.sinks.rows import Decoded
 from tokenbudget.streams.topics import Topics
 
 P0, P1, P2 = (TopicPartition("c", p) for p in range(3))

@@ -24,7 +24,7 @@ from tokenbudget.producers.dispatch.dispatcher import Dispatcher
 from tokenbudget.producers.prompts.datasets import check_datasets
 from tokenbudget.producers.prompts.producer import PromptProducer
 from tokenbudget.sinks.parquet import stored_prompt_ids
-from tokenbudget.sinks.replay import kept_completions, read_to_end
+from tokenbudget.sinks.reading import kept_completions, read_to_end
 from tokenbudget.streams import events as ev
 from tokenbudget.streams.budget_board import BudgetBoard, BudgetWatcher
 from tokenbudget.streams.publisher import publish_events

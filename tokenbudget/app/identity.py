@@ -55,8 +55,10 @@ from tokenbudget.core.kafka import (
 from tokenbudget.core.names import UNNAMED_JOB, job_name_of
 from tokenbudget.core.sampling import SAMPLING_KEYS
 from tokenbudget.core.sizes import Compression
+from tokenbudget.sinks.audit import live_snapshots
 from tokenbudget.sinks.parquet import output_files
-from tokenbudget.sinks.replay import ReplayOptions, live_snapshots, replay
+from tokenbudget.sinks.replay import replay
+from tokenbudget.sinks.replay_range import ReplayOptions
 from tokenbudget.streams import events as ev
 from tokenbudget.streams.topics import Topics
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from tokenbudget.core.config import Config
-from tokenbudget.sinks.replay import read_to_end
+from tokenbudget.sinks.reading import read_to_end
 from tokenbudget.streams import events as ev
 from tokenbudget.streams.topics import Topics
 

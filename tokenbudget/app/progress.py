@@ -83,7 +83,7 @@ def state_line(row: StatusRow, before: str) -> str | None:
         return None
     f = fields(row)
     kept = f"{f['kept']}/{f['budget']} {row.unit}"
-    outcomes = f"samples {row.samples:,}, skipped {row.skipped:,}, failed {row.failed:,}"
+    outcomes = ", ".join(f"{name} {n:,}" for name, n in row.outcomes().items())
     if row.state == "halted":
         return f"{row.dataset}: halted, its budget is reached: {kept} ({outcomes})"
     if row.state == "exhausted":

@@ -48,9 +48,10 @@ from tokenbudget.producers.inference.backends import prepare
 from tokenbudget.producers.prompts.datasets import check_datasets
 from tokenbudget.producers.prompts.producer import ProduceReport, PromptProducer
 from tokenbudget.sinks.parquet import ParquetSink, SinkSettings, stored_prompt_ids
-from tokenbudget.sinks.replay import kept_completions
+from tokenbudget.sinks.reading import kept_completions
 from tokenbudget.streams import budget
 from tokenbudget.streams.budget_board import BudgetBoard, BudgetWatcher
+from tokenbudget.streams.counts import DatasetCounts
 from tokenbudget.streams.publisher import publish_events
 from tokenbudget.streams.topics import Topics
 
@@ -58,13 +59,8 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class DatasetResult:
+class DatasetResult(DatasetCounts):
     budget: int
-    completion_tokens: int
-    prompt_tokens: int
-    samples: int
-    skipped: int
-    failed: int
     status: str  # "exhausted" | "halted"
     unit: Unit
     cut: int = 0  # answers kept that the budget's line cut (stop_reason "budget")
@@ -638,13 +634,9 @@ def _results(config: Config, board: BudgetBoard) -> dict[str, DatasetResult]:
     for dataset in config.datasets:
         snap = board.snapshot(dataset.name)
         assert snap is not None
-        results[dataset.name] = DatasetResult(
+        results[dataset.name] = DatasetResult.of(
+            snap,
             budget=snap.budget or dataset.budget,
-            completion_tokens=snap.completion_tokens,
-            prompt_tokens=snap.prompt_tokens,
-            samples=snap.samples,
-            skipped=snap.skipped,
-            failed=snap.failed,
             status="halted" if snap.halted else "exhausted",
             unit=snap.unit,
             cut=snap.cut,

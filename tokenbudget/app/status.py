@@ -14,7 +14,7 @@ import json
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from rich.console import Console, Group
@@ -28,6 +28,7 @@ from tokenbudget.core.tasks import cancel_and_wait
 from tokenbudget.streams import budget as policy
 from tokenbudget.streams import events as ev
 from tokenbudget.streams.budget_board import BudgetBoard, BudgetWatcher
+from tokenbudget.streams.counts import COUNTS, DatasetCounts
 from tokenbudget.streams.topics import Topics
 
 #: seconds of snapshots that tokens/s is measured over
@@ -69,7 +70,7 @@ def rate_and_eta(
 
 
 @dataclass(frozen=True)
-class StatusRow:
+class StatusRow(DatasetCounts):
     dataset: str
     budget: int | None
     unit: str
@@ -80,10 +81,14 @@ class StatusRow:
     tokens_per_s: float
     eta_s: float | None
     state: str  # open | halted | exhausted | unknown (no snapshot yet)
-    samples: int = 0
-    skipped: int = 0
-    failed: int = 0
     snapshot_at: float | None = None
+
+    def to_json(self) -> dict[str, object]:
+        """The row, how its prompts ended, then when its snapshot was taken (its
+        tokens are ``kept``)."""
+        own = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in COUNTS}
+        snapshot_at = own.pop("snapshot_at")
+        return own | self.outcomes() | {"snapshot_at": snapshot_at}
 
 
 @dataclass
@@ -126,7 +131,8 @@ class Tracker:
         rate, eta = rate_and_eta(points, remaining, self.window, now)
         if snap.status != "open":
             eta = None  # halted or exhausted: no longer heading for the budget
-        return StatusRow(
+        return StatusRow.of(
+            snap,
             dataset=dataset,
             budget=budget,
             unit=snap.unit,
@@ -137,9 +143,6 @@ class Tracker:
             tokens_per_s=rate,
             eta_s=eta,
             state=snap.status,
-            samples=snap.samples,
-            skipped=snap.skipped,
-            failed=snap.failed,
             snapshot_at=snap.at,
         )
 
@@ -182,7 +185,7 @@ def format_eta(seconds: float | None) -> str:
 
 
 def to_json(rows: Sequence[StatusRow], at: float) -> dict[str, object]:
-    return {"at": at, "datasets": {r.dataset: asdict(r) for r in rows}}
+    return {"at": at, "datasets": {r.dataset: r.to_json() for r in rows}}
 
 
 HEADERS = ["dataset", "budget", "kept", "reserved", "remaining", "used", "tokens/s", "ETA", "state"]

@@ -5,7 +5,7 @@ config's ``[inference]`` and ``[[datasets]]`` sections take these keys
 (:mod:`tokenbudget.core.config`), the prompt and completion events carry them
 (``tokenbudget.streams.events.SamplingParams``, with the budget's ``max_new_tokens``), the
 Parquet sink stores them in a column whose type is derived from these fields
-(``tokenbudget.sinks.parquet.SAMPLING_TYPE``), and the simulator logs them under these names. A
+(``tokenbudget.sinks.schema.SAMPLING_TYPE``), and the simulator logs them under these names. A
 setting added here reaches all of them.
 """
 

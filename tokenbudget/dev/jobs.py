@@ -29,7 +29,7 @@ from tokenbudget.dev import tiny_tokenizer
 from tokenbudget.dev.demo import wait_for_simulator
 from tokenbudget.dev.ports import free_port
 from tokenbudget.producers.prompts.datasets import first_chat_row
-from tokenbudget.sinks.replay import read_to_end
+from tokenbudget.sinks.reading import read_to_end
 from tokenbudget.streams import events as ev
 from tokenbudget.streams.budget_board import BudgetBoard, BudgetWatcher
 from tokenbudget.streams.topics import Topics

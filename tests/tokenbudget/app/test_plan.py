@@ -166,7 +166,7 @@ def test_a_pilot_is_the_job_limited_to_n_requests_of_each_dataset(tmp_path: Path
 
 
 def test_status_shows_the_planned_prompts_beside_the_samples() -> None:
-    row = StatusRow("long", 100, "completion_tokens", 50, 0, 50, 50.0, 0.0, None, "open", 7)
+    row = StatusRow("long", 100, "completion_tokens", 50, 0, 50, 50.0, 0.0, None, "open", samples=7)
     text = plain_table([row], 0.0, {"long": "103 (99-107)"})
     header, _, body = text.splitlines()[:3]
     assert header.split()[-2:] == ["samples", "planned"]

@@ -10,7 +10,7 @@ import pytest
 from tokenbudget.core.config import DatasetConfig, InferenceConfig
 from tokenbudget.core.sampling import SAMPLING_KEYS, VERBATIM_KEY, Sampling
 from tokenbudget.dev.simulator import requested_settings
-from tokenbudget.sinks.parquet import SAMPLING_TYPE
+from tokenbudget.sinks.schema import SAMPLING_TYPE
 from tokenbudget.streams import events as ev
 
 

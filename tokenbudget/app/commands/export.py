@@ -26,7 +26,8 @@ from tokenbudget.sinks.export import (
     ExportSummary,
     export,
 )
-from tokenbudget.sinks.replay import ReplayOptions, replay
+from tokenbudget.sinks.replay import replay
+from tokenbudget.sinks.replay_range import ReplayOptions
 from tokenbudget.streams.topics import Topics
 
 

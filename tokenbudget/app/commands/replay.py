@@ -15,8 +15,10 @@ from tokenbudget.app.commands import add_config, examples
 from tokenbudget.core import config as config_module
 from tokenbudget.core import sizes
 from tokenbudget.core.errors import TokenBudgetError
+from tokenbudget.sinks.audit import ReplaySummary
 from tokenbudget.sinks.parquet import WriterSettings
-from tokenbudget.sinks.replay import ReplayOptions, ReplaySummary, parse_offsets, parse_time, replay
+from tokenbudget.sinks.replay import replay
+from tokenbudget.sinks.replay_range import ReplayOptions, parse_offsets, parse_time
 from tokenbudget.streams.topics import Topics
 
 

@@ -1,4 +1,5 @@
-"""The sink's door: what it does with records it cannot keep (without a broker: the
+"""The sink seam's door (:class:`tokenbudget.sinks.base.CompletionSink`, through the
+Parquet sink): what it does with records it cannot keep (without a broker: the
 records are handed to it as its consumer would, its dead letters caught)."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tokenbudget.sinks import parquet
+from tokenbudget.sinks import rows
 from tokenbudget.sinks.parquet import ParquetSink, SinkSettings, read_rows
 from tokenbudget.streams import events as ev
 from tokenbudget.streams.topics import Topics
@@ -106,14 +107,14 @@ def test_a_record_the_table_building_raises_on_is_dead_lettered_and_the_rest_kep
     """Whatever a record makes the sink raise, it is that record's fault: the batch
     is taken again one by one, the record is dead-lettered (its offset committed
     with the others, so a rerun never meets it), every other one is kept once."""
-    real = parquet._column_arrays
+    real = rows._column_arrays
 
-    def breaks_on_p2(rows: Any, ids: Any) -> Any:
-        if any(r.prompt_id == "p2" for r in rows):
+    def breaks_on_p2(batch: Any, ids: Any) -> Any:
+        if any(r.prompt_id == "p2" for r in batch):
             raise OverflowError("Python int too large to convert to C long")
-        return real(rows, ids)
+        return real(batch, ids)
 
-    monkeypatch.setattr(parquet, "_column_arrays", breaks_on_p2)
+    monkeypatch.setattr(rows, "_column_arrays", breaks_on_p2)
     taken, letters = sink(tmp_path)
     taken._take(records(*(ev.encode(completion(i)) for i in (1, 2, 3))))
     taken.writer.flush()

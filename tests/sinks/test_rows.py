@@ -17,19 +17,21 @@ import pytest
 
 from tests.sinks.tables import completions_to_table
 from tokenbudget.core.errors import EventDecodeError
-from tokenbudget.sinks import replay
+from tokenbudget.sinks import audit, replay, replay_range
 from tokenbudget.sinks.parquet import (
-    CompletionRecord,
-    FirstCompletion,
-    LegacyCompletionRecord,
     PartitionedWriter,
     WriterSettings,
-    decode_records,
-    keep_first,
     load_fenced_leases,
     remove_stale_temporaries,
     row_group_size,
     save_fenced_leases,
+)
+from tokenbudget.sinks.rows import (
+    CompletionRecord,
+    FirstCompletion,
+    LegacyCompletionRecord,
+    decode_records,
+    keep_first,
 )
 from tokenbudget.streams import events as ev
 from tokenbudget.streams.topics import Topics
@@ -382,32 +384,6 @@ def test_fenced_leases_survive_a_restart_of_the_sink(tmp_path: Path) -> None:
     assert pads.dataset(tmp_path, format="parquet", partitioning="hive").files == []
 
 
-def test_replayed_outcome_counts_keep_each_prompts_first_outcome(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    events = [
-        ev.PromptSkipped(prompt_id="p1", dataset="ds", reason="halted"),
-        ev.PromptFailed(prompt_id="p1", dataset="ds", reason="boom", attempts=1),  # not first
-        ev.PromptFailed(prompt_id="p2", dataset="ds", reason="boom", attempts=1),
-        ev.PromptSkipped(prompt_id="p3", dataset="ds", reason="halted"),  # completed later
-        ev.PromptSkipped(prompt_id="q1", dataset="other", reason="halted"),  # not asked for
-    ]
-
-    def read_to_end(bootstrap: str, topic: str, apply: object) -> None:
-        for event in events:
-            apply(event)  # type: ignore[operator]
-
-    monkeypatch.setattr(replay, "read_to_end", read_to_end)
-    counts = replay.outcome_counts(
-        "unused:9092",
-        Topics("ns"),
-        completed={"p3"},
-        datasets=frozenset({"ds"}),
-        rejected={"p2": "ds", "p4": "ds"},  # p2 failed first; p4 has no other outcome
-    )
-    assert counts == {"ds": (2, 1)}  # skipped p1, p4; failed p2
-
-
 def test_a_thinking_models_rows_replay_as_written_and_recount_with_their_reasoning() -> None:
     """The reasoning, its tokens and the unfinished mark take the sink's fast path to
     the same row as the full decoder; --recount-with counts the thinking the answer's
@@ -426,8 +402,8 @@ def test_a_thinking_models_rows_replay_as_written_and_recount_with_their_reasoni
     def words(texts: list[str], add_special_tokens: bool) -> dict[str, list[list[str]]]:
         return {"input_ids": [t.split() for t in texts]}
 
-    summary = replay.ReplaySummary(topic="ns.completions")
-    options = replay.ReplayOptions(bootstrap="-", topics=Topics("ns"))
+    summary = audit.ReplaySummary(topic="ns.completions")
+    options = replay_range.ReplayOptions(bootstrap="-", topics=Topics("ns"))
     processor = replay._Processor(options, summary, FirstCompletion(), set(), None, None, words)
     processor.take([], decode_records([ev.encode(e) for e in thinking]))
     processor.close()
