@@ -24,6 +24,7 @@ from kafka.errors import KafkaError
 
 from tokenbudget.core import kafka_admin
 from tokenbudget.localkafka import broker
+from tokenbudget.localkafka.settings import BrokerSettings
 
 # kafka-python's own default, the baseline.
 LIBRARY_DEFAULT_MS = 30_000
@@ -65,7 +66,7 @@ def main() -> None:
     parser.add_argument("--timeout-s", type=float, default=30.0)
     parser.add_argument("--bootstrap", default="", help="a running broker (default: local)")
     args = parser.parse_args()
-    live = args.bootstrap or broker.up(broker.BrokerSettings.from_env(), [])
+    live = args.bootstrap or broker.up(BrokerSettings.from_env(), [])
     settings = {
         f"kafka-python's default ({LIBRARY_DEFAULT_MS} ms)": LIBRARY_DEFAULT_MS,
         "ours (kafka_python_options)": None,

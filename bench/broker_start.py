@@ -17,24 +17,26 @@ from pathlib import Path
 
 from tokenbudget.dev.ports import free_ports
 from tokenbudget.localkafka import broker
+from tokenbudget.localkafka.settings import BrokerSettings
+from tokenbudget.localkafka.storage import ensure_jars
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--version", default=broker.BrokerSettings.from_env().kafka_version)
+    parser.add_argument("--version", default=BrokerSettings.from_env().kafka_version)
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args()
     fresh, restart = [], []
     for _ in range(args.runs):
         with tempfile.TemporaryDirectory() as home:
             port, controller_port = free_ports(2)
-            settings = broker.BrokerSettings(
+            settings = BrokerSettings(
                 home=Path(home) / "broker",
                 port=port,
                 controller_port=controller_port,
                 kafka_version=args.version,
             )
-            broker.ensure_jars(settings)
+            ensure_jars(settings)
             t0 = time.monotonic()
             broker.up(settings, [])
             fresh.append(time.monotonic() - t0)

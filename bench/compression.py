@@ -37,12 +37,14 @@ from aiokafka import AIOKafkaProducer
 from tokenbudget.core import kafka_admin, sizes
 from tokenbudget.core.kafka import aiokafka_producer_options
 from tokenbudget.localkafka import broker
+from tokenbudget.localkafka.settings import BrokerSettings
 from tokenbudget.producers.dispatch.dispatcher import PRODUCER_BATCH_BYTES
 from tokenbudget.streams import events as ev
+from tokenbudget.streams.fields import ChatMessage, SamplingParams, TokenIds
 from tokenbudget.streams.topics import Topics
 
 PIECES = re.compile(r"\w+|\s+|[^\w\s]")
-SAMPLING = ev.SamplingParams(max_new_tokens=4096, temperature=0.7, top_p=0.9, seed=1)
+SAMPLING = SamplingParams(max_new_tokens=4096, temperature=0.7, top_p=0.9, seed=1)
 
 
 def corpus(tokens: int) -> tuple[list[str], list[int]]:
@@ -65,8 +67,8 @@ def make_events(count: int, prompt_tokens: int, answer_tokens: int) -> list[ev.C
         cut = start + prompt_tokens
         end = cut + answer_tokens
         messages = (
-            ev.ChatMessage("system", "You are a careful Python programmer."),
-            ev.ChatMessage("user", "".join(pieces[start:cut])),
+            ChatMessage("system", "You are a careful Python programmer."),
+            ChatMessage("user", "".join(pieces[start:cut])),
         )
         events.append(
             ev.CompletionEvent(
@@ -80,7 +82,7 @@ def make_events(count: int, prompt_tokens: int, answer_tokens: int) -> list[ev.C
                 max_new_tokens=4096,
                 text="".join(pieces[cut:end]),
                 messages=messages,
-                prompt_ids=ev.TokenIds(list(range(12)) + ids[start:cut]),
+                prompt_ids=TokenIds(list(range(12)) + ids[start:cut]),
                 sampling=SAMPLING,
                 model="org/coder-8b",
                 row_id=f"row-{i}",
@@ -151,9 +153,9 @@ def main() -> None:
     for codec in codecs:
         if codec not in typing.get_args(sizes.Compression):
             raise SystemExit(f"--codecs: unknown codec {codec!r}")
-    bootstrap = args.bootstrap or broker.up(broker.BrokerSettings.from_env(), [])
+    bootstrap = args.bootstrap or broker.up(BrokerSettings.from_env(), [])
     events = make_events(args.events, args.prompt_tokens, args.answer_tokens)
-    values = [ev.encode(e) for e in events]
+    values = [codec.encode(e) for e in events]
     kept = sum(e.completion_tokens for e in events)
     raw = sum(map(len, values))
     print(

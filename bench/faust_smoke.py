@@ -184,7 +184,7 @@ def log_tail(path: Path, lines: int = 25) -> str:
 
 
 def run_driver(args: argparse.Namespace) -> int:
-    from tokenbudget.localkafka.broker import ensure_topics
+    from tokenbudget.core.kafka_admin import ensure_topics
     from tokenbudget.streams.topics import TopicSpec
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="faust-smoke-"))

@@ -102,6 +102,7 @@ from tokenbudget.dev import jobs, oracle
 from tokenbudget.dev.demo import wait_for_simulator
 from tokenbudget.dev.ports import free_ports
 from tokenbudget.localkafka import broker
+from tokenbudget.localkafka.settings import BrokerSettings
 from tokenbudget.producers.prompts.resume import outcome_records
 from tokenbudget.streams.topics import Topics
 
@@ -238,7 +239,7 @@ class CpuWatch:
         return sum(self.last[p] - self.first[p] for p in self.pids.get(name, []))
 
 
-def broker_pid(settings: broker.BrokerSettings | None) -> int | None:
+def broker_pid(settings: BrokerSettings | None) -> int | None:
     if settings is None:
         return None
     try:
@@ -488,7 +489,7 @@ def run_job(
     phase: str,
     args: argparse.Namespace,
     bootstrap: str,
-    broker_settings: broker.BrokerSettings | None,
+    broker_settings: BrokerSettings | None,
     *,
     routing: str = "least_work",
     kill: int | None = None,
@@ -1088,12 +1089,12 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     workdir = Path(args.workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
-    settings: broker.BrokerSettings | None = None
+    settings: BrokerSettings | None = None
     bootstrap = args.bootstrap
     if not bootstrap:
-        defaults = broker.BrokerSettings.from_env()
+        defaults = BrokerSettings.from_env()
         port, controller_port = free_ports(2)
-        settings = broker.BrokerSettings(
+        settings = BrokerSettings(
             home=workdir / "broker",
             port=port,
             controller_port=controller_port,

@@ -53,6 +53,8 @@ from tokenbudget.core.kafka import kafka_python_producer_options
 from tokenbudget.core.security import subprocess_env
 from tokenbudget.dev.cluster import LocalCluster
 from tokenbudget.localkafka import broker
+from tokenbudget.localkafka.settings import BrokerSettings
+from tokenbudget.streams import codec as event_codec
 from tokenbudget.streams import events as ev
 from tokenbudget.streams.budget_board import BudgetWatcher
 from tokenbudget.streams.faust_adapt import HotPath
@@ -96,7 +98,7 @@ def produce(
     names = [f"d{i}" for i in range(datasets)]
     for name in names:
         budget = ev.BudgetSet(dataset=name, budget=10**12)
-        producer.send(topics.control, key=name.encode(), value=ev.encode(budget))
+        producer.send(topics.control, key=name.encode(), value=event_codec.encode(budget))
     for i in range(events):
         name = names[i % datasets]
         completion = ev.CompletionEvent(
@@ -110,7 +112,7 @@ def produce(
             max_new_tokens=4096,
             lease_id=f"bench:{name}:1",
         )
-        producer.send(topics.completions, key=name.encode(), value=ev.encode(completion))
+        producer.send(topics.completions, key=name.encode(), value=event_codec.encode(completion))
     producer.flush()
     producer.close()
 
@@ -223,7 +225,7 @@ def main() -> None:
                 bootstrap = cluster.up()
                 print(f"three-node cluster at {bootstrap}")
             else:
-                bootstrap = args.bootstrap or broker.up(broker.BrokerSettings.from_env(), [])
+                bootstrap = args.bootstrap or broker.up(BrokerSettings.from_env(), [])
             rates = {workers: measure(bootstrap, workers, args) for workers in counts}
         finally:
             if cluster is not None:
@@ -241,7 +243,7 @@ def compare_variants(args: argparse.Namespace) -> None:
     variants = args.without.split(",")
     for variant in variants:
         hot_path(variant)  # refuse a misspelt cut before producing anything
-    bootstrap = args.bootstrap or broker.up(broker.BrokerSettings.from_env(), [])
+    bootstrap = args.bootstrap or broker.up(BrokerSettings.from_env(), [])
     rates = {variant: measure(bootstrap, 1, args, variant) for variant in variants}
     baseline = rates[variants[0]]
     for variant, rate in rates.items():
@@ -257,7 +259,7 @@ def compare_compression(args: argparse.Namespace) -> None:
     for codec in codecs:
         if codec not in typing.get_args(sizes.Compression):
             raise SystemExit(f"--compression: unknown codec {codec!r}")
-    bootstrap = args.bootstrap or broker.up(broker.BrokerSettings.from_env(), [])
+    bootstrap = args.bootstrap or broker.up(BrokerSettings.from_env(), [])
     # A codec may be listed again (zstd,none,zstd,none): the runs alternate, so load
     # from elsewhere on the box falls on both.
     rates = [(codec, measure(bootstrap, 1, args, compression=codec)) for codec in codecs]  # type: ignore[arg-type]

@@ -43,6 +43,7 @@ from tokenbudget.core import lifetime
 from tokenbudget.dev.demo import start_simulator
 from tokenbudget.dev.ports import free_port
 from tokenbudget.localkafka import broker
+from tokenbudget.localkafka.settings import BrokerSettings
 from tokenbudget.producers.inference.http import HttpClient, Timeouts
 
 T = TypeVar("T")
@@ -204,7 +205,7 @@ def main() -> None:
     args = parser.parse_args()
     workdir = Path(args.workdir).resolve()
     prompts = write_prompts(workdir / "prompts.jsonl", args.prompts)
-    broker.up(broker.BrokerSettings.from_env(), [])
+    broker.up(BrokerSettings.from_env(), [])
     for rate in (float(r) for r in str(args.tokens_per_second).split(",")):
         compare(args, prompts, workdir, rate)
 

@@ -51,7 +51,9 @@ from tokenbudget.dev.demo import (
 )
 from tokenbudget.dev.ports import free_port
 from tokenbudget.localkafka import broker
+from tokenbudget.localkafka.settings import BrokerSettings
 from tokenbudget.sinks.reading import read_to_end
+from tokenbudget.streams import codec
 from tokenbudget.streams import events as ev
 from tokenbudget.streams.budget_board import BudgetWatcher
 from tokenbudget.streams.topics import Topics
@@ -127,7 +129,7 @@ def measure(
         table = pq.read_table(file, columns=["request_id", "finished_at"])
         ids, finished = table["request_id"].to_pylist(), table["finished_at"].to_pylist()
         rows_by_id.update(zip(ids, finished, strict=True))
-    bootstrap = broker.BrokerSettings.from_env().bootstrap
+    bootstrap = BrokerSettings.from_env().bootstrap
     topics = Topics(config.kafka.namespace)
     exceeded: dict[str, ev.BudgetExceeded] = {}
     revoked_at: dict[str, float] = {}
@@ -206,7 +208,7 @@ class BudgetLowerer(threading.Thread):
         asyncio.run(self._watch())
 
     async def _watch(self) -> None:
-        bootstrap = broker.BrokerSettings.from_env().bootstrap
+        bootstrap = BrokerSettings.from_env().bootstrap
         topics = Topics(self.config.kafka.namespace)
         watcher = None
         while watcher is None and not self.stop.is_set():
@@ -230,7 +232,9 @@ class BudgetLowerer(threading.Thread):
                         lowered = snap.completion_tokens + int(snap.reserved * LOWERED)
                         self.budgets[d.name] = lowered
                         event = ev.BudgetSet(dataset=d.name, budget=lowered)
-                        producer.send(topics.control, key=d.name.encode(), value=ev.encode(event))
+                        producer.send(
+                            topics.control, key=d.name.encode(), value=codec.encode(event)
+                        )
                         producer.flush()
                         self.lowered[d.name] = time.time()
                 await asyncio.sleep(0.05)
@@ -254,7 +258,7 @@ def main() -> None:
     workdir.mkdir(parents=True, exist_ok=True)
     paths = write_datasets(workdir / "data", args.budget)
     tokenizer = write_tokenizer(workdir / "tokenizer", paths)
-    broker.up(broker.BrokerSettings.from_env(), [])
+    broker.up(BrokerSettings.from_env(), [])
     print(
         f"eight datasets, budget {args.budget:,} completion tokens each, {args.dispatchers}"
         f" dispatchers x concurrency {args.concurrency}, max_new_tokens {args.max_new_tokens}"

@@ -41,7 +41,9 @@ from tokenbudget.core import kafka_admin
 from tokenbudget.sinks.parquet import write_parquet
 from tokenbudget.sinks.replay import replay
 from tokenbudget.sinks.replay_range import ReplayOptions
+from tokenbudget.streams import codec
 from tokenbudget.streams import events as ev
+from tokenbudget.streams.fields import TokenIds
 from tokenbudget.streams.topics import Topics
 
 VOCAB = 151_643
@@ -126,7 +128,7 @@ def generate(rng: np.random.Generator, i: int, chars_per_token: float) -> ev.Com
         dataset=DATASETS[i % len(DATASETS)],
         prompt_tokens=int(rng.integers(50, 2000)),
         completion_tokens=n,
-        output_ids=ev.TokenIds(ids),
+        output_ids=TokenIds(ids),
         finish_reason="stop" if n < 4000 else "length",
         max_new_tokens=4096,
         text=text,
@@ -138,7 +140,7 @@ def generate(rng: np.random.Generator, i: int, chars_per_token: float) -> ev.Com
 
 def v1_wire(event: ev.CompletionEvent) -> bytes:
     """The bytes a version 1 writer produced: ids as a JSON array of numbers."""
-    wire = msgspec.json.decode(ev.encode(event))
+    wire = msgspec.json.decode(codec.encode(event))
     wire.update(v=1, output_ids=event.output_ids.tolist())
     return msgspec.json.encode(wire)
 
@@ -167,7 +169,7 @@ def produce(
         else:
             event = generate(rng, i, chars_per_token)
             previous = [*previous[-50:], event]
-        value = v1_wire(event) if v1 else ev.encode(event)
+        value = v1_wire(event) if v1 else codec.encode(event)
         total += len(value)
         producer.send(topic, key=event.dataset.encode(), value=value)
         if i and i % 20_000 == 0:

@@ -29,9 +29,11 @@ import time
 import msgspec
 
 from tokenbudget.sinks.rows import FirstCompletion, decode_records, keep_first
+from tokenbudget.streams import codec
 from tokenbudget.streams import events as ev
+from tokenbudget.streams.fields import ChatMessage, SamplingParams, TokenIds
 
-SAMPLING = ev.SamplingParams(max_new_tokens=4096, temperature=0.7, top_p=0.9, seed=1)
+SAMPLING = SamplingParams(max_new_tokens=4096, temperature=0.7, top_p=0.9, seed=1)
 
 
 def make_events(
@@ -43,8 +45,8 @@ def make_events(
     for i in range(count):
         words = " ".join(f"w{rng.randrange(50_000)}" for _ in range(prompt_tokens))
         messages = (
-            ev.ChatMessage("system", "You are a helpful assistant."),
-            ev.ChatMessage("user", words),
+            ChatMessage("system", "You are a helpful assistant."),
+            ChatMessage("user", words),
         )
         prompt_ids = [rng.randrange(150_000) for _ in range(prompt_tokens + 12)]
         answer = [rng.randrange(150_000) for _ in range(answer_tokens)]
@@ -72,15 +74,15 @@ def make_events(
         whole = msgspec.structs.replace(
             lean,
             messages=messages,
-            prompt_ids=ev.TokenIds(prompt_ids),
+            prompt_ids=TokenIds(prompt_ids),
             sampling=SAMPLING,
             model="org/model-8b",
             row_id=f"row-{i}",
             input_columns={"topic": "sea"},
         )
-        baseline.append(ev.encode(lean))
-        full.append(ev.encode(whole))
-        prompts.append(ev.encode(prompt))
+        baseline.append(codec.encode(lean))
+        full.append(codec.encode(whole))
+        prompts.append(codec.encode(prompt))
     return baseline, full, prompts
 
 

@@ -39,6 +39,7 @@ from tokenbudget.app.tables import format_table
 from tokenbudget.core import config as config_module
 from tokenbudget.dev import jobs, oracle
 from tokenbudget.localkafka import broker
+from tokenbudget.localkafka.settings import BrokerSettings
 
 VARIANTS = ("any", "last", "grow")
 
@@ -46,7 +47,7 @@ VARIANTS = ("any", "last", "grow")
 def write_config(
     workdir: Path, variant: str, data: Path, url: str, args: argparse.Namespace
 ) -> Path:
-    bootstrap = broker.BrokerSettings.from_env().bootstrap
+    bootstrap = BrokerSettings.from_env().bootstrap
     return jobs.write_job(
         workdir,
         bootstrap,
@@ -115,7 +116,7 @@ def main() -> None:
     workdir = Path(args.workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     data = jobs.rows(workdir / "thinking.jsonl", "#think", args.prompts)
-    broker.up(broker.BrokerSettings.from_env(), [])
+    broker.up(BrokerSettings.from_env(), [])
     print(
         f"one dataset, budget {args.budget:,} completion tokens, answers of mean 20k (profile"
         f" thinking), max_new_tokens {args.max_new_tokens:,}, {args.dispatchers} dispatcher(s)"

@@ -78,6 +78,7 @@ from tokenbudget.core import config as config_module
 from tokenbudget.dev import jobs, tiny_tokenizer
 from tokenbudget.dev.oracle import ids_crc
 from tokenbudget.localkafka import broker
+from tokenbudget.localkafka.settings import BrokerSettings
 from tokenbudget.sinks.parquet import read_rows
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -674,7 +675,7 @@ def main() -> int:
     tokenizer = workdir / "tokenizer"
     job_list = make_jobs(workdir / "data", args.prompts, tokenizer)
     build_tokenizer(tokenizer, [p for j in job_list for p, _ in j.datasets.values()])
-    settings = broker.BrokerSettings.from_env()
+    settings = BrokerSettings.from_env()
     broker.up(settings, [])
     server = jobs.start_simulator(
         workdir, "--tokenizer", str(tokenizer), "--reasoning-style", "reasoning_content",

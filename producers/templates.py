@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from tokenbudget.core.errors import ConfigError, TokenizerCodeError, TokenizerError
 from tokenbudget.core.extras import require
 from tokenbudget.core.tokenizer import load_pretrained
-from tokenbudget.streams.events import ChatMessage
+from tokenbudget.streams.fields import ChatMessage
 
 if TYPE_CHECKING:
     from tokenbudget.core.config import Config

@@ -45,7 +45,7 @@ from tokenbudget.core.kafka import (
 )
 from tokenbudget.core.retry import retry_until
 from tokenbudget.sinks.rows import Decoded, FirstCompletion, Kept, decode_records, keep_first
-from tokenbudget.streams import events as ev
+from tokenbudget.streams import codec, dead_letters
 from tokenbudget.streams.topics import Topics
 
 log = logging.getLogger(__name__)
@@ -220,9 +220,9 @@ class CompletionSink(abc.ABC):
 
     def _dead_letter(self, record: Any, reason: str) -> None:
         assert self._dlq is not None
-        letter = ev.dead_letter_for(reason, record)
+        letter = dead_letters.dead_letter_for(reason, record)
         key = letter.key.encode() if letter.key is not None else None  # cut, as the letter's
-        self._dlq.send(self.topics.dead_letter, key=key, value=ev.encode(letter))
+        self._dlq.send(self.topics.dead_letter, key=key, value=codec.encode(letter))
         self._dlq.flush()
         metrics.DEAD_LETTERED.labels(topic="completions").inc()
         log.warning(

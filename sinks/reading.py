@@ -18,6 +18,7 @@ from tokenbudget.core.errors import EventDecodeError
 from tokenbudget.core.kafka import read_topic
 from tokenbudget.sinks.base import RECEIVE_BUFFER
 from tokenbudget.sinks.rows import FirstCompletion
+from tokenbudget.streams import codec
 from tokenbudget.streams import events as ev
 from tokenbudget.streams.topics import Topics
 
@@ -32,7 +33,7 @@ def read_to_end(
 
     def decode(record: Any) -> None:
         with contextlib.suppress(EventDecodeError):
-            apply(ev.decode(record.value, record.topic))
+            apply(codec.decode(record.value, record.topic))
 
     read_topic(bootstrap, topic, decode, timeout=timeout, extra_options=RECEIVE_BUFFER)
 
@@ -75,7 +76,7 @@ def kept_completions(
         if head.type != "completion":
             return
         try:
-            event = ev.decode(record.value)
+            event = codec.decode(record.value)
         except EventDecodeError:
             return  # dead-lettered by the sink, kept by no one
         if isinstance(event, ev.CompletionEvent) and rule.keep(

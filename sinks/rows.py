@@ -37,7 +37,9 @@ from tokenbudget.sinks.schema import (
     SCHEMA,
     TOOL_CALLS_TYPE,
 )
+from tokenbudget.streams import codec
 from tokenbudget.streams import events as ev
+from tokenbudget.streams.fields import TOKEN_ID, SamplingParams, TokenIds, ToolCall
 from tokenbudget.streams.ledger import Outcome, outcome_change
 
 # --------------------------------------------------------------------------- decoding
@@ -102,7 +104,7 @@ def decode_completion(value: bytes) -> Record:
         except Exception:
             record = None
     if record is not None and record.v in ev.COMPLETION_VERSIONS:
-        problem = ev.count_problem(
+        problem = codec.count_problem(
             record.prompt_tokens,
             record.completion_tokens,
             _id_count(record),
@@ -111,7 +113,7 @@ def decode_completion(value: bytes) -> Record:
         )
         if problem is None:
             return record
-    event = ev.decode(value)  # raises the precise EventDecodeError
+    event = codec.decode(value)  # raises the precise EventDecodeError
     if not isinstance(event, ev.CompletionEvent):
         raise EventDecodeError(f"expected a completion, got {type(event).__name__}")
     raise EventDecodeError("not a completion event")  # pragma: no cover - decoders agree
@@ -193,11 +195,11 @@ def _dataset_array(rows: Sequence[Any]) -> pa.Array:
     return pa.DictionaryArray.from_arrays(pa.array(indices), pa.array(uniques, pa.string()))
 
 
-def _id_bytes(ids: bytes | ev.TokenIds | None) -> bytes | None:
-    return ids.tobytes() if isinstance(ids, ev.TokenIds) else ids
+def _id_bytes(ids: bytes | TokenIds | None) -> bytes | None:
+    return ids.tobytes() if isinstance(ids, TokenIds) else ids
 
 
-def _calls(calls: Sequence[ev.ToolCall] | None) -> list[dict[str, str]] | None:
+def _calls(calls: Sequence[ToolCall] | None) -> list[dict[str, str]] | None:
     if calls is None:
         return None
     return [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in calls]
@@ -232,7 +234,7 @@ def _tools_array(rows: Sequence[Any]) -> pa.Array:
 
 
 def _sampling_array(rows: Sequence[Any]) -> pa.Array:
-    def row(sampling: ev.SamplingParams) -> dict[str, Any]:
+    def row(sampling: SamplingParams) -> dict[str, Any]:
         values = msgspec.structs.asdict(sampling)
         for name in JSON_SAMPLING:
             if values[name] is not None:
@@ -269,7 +271,7 @@ def _ids_from_bytes(blobs: Sequence[bytes | None]) -> pa.ListArray:
     lengths = np.fromiter((len(b) >> 2 if b is not None else 0 for b in blobs), np.int64, n)
     missing = np.fromiter((b is None for b in blobs), np.bool_, n)
     joined = b"".join(b for b in blobs if b is not None)
-    values = np.frombuffer(joined, ev.TOKEN_ID).astype(np.int32, copy=False)
+    values = np.frombuffer(joined, TOKEN_ID).astype(np.int32, copy=False)
     return _list_array(lengths, values, missing)
 
 
@@ -344,7 +346,7 @@ def _ids_of_records(rows: Sequence[Record]) -> pa.ListArray | None:
         if isinstance(r, CompletionRecord):
             blobs.append(r.output_ids)
         else:
-            blobs.append(values[offsets[j] : offsets[j + 1]].astype(ev.TOKEN_ID).tobytes())
+            blobs.append(values[offsets[j] : offsets[j + 1]].astype(TOKEN_ID).tobytes())
             j += 1
     return _ids_from_bytes(blobs)
 
@@ -382,7 +384,7 @@ def decode_records(values: Sequence[bytes]) -> Decoded:
 
 def _as_fence(value: bytes) -> ev.LeaseFenced | None:
     try:
-        event = ev.decode(value)
+        event = codec.decode(value)
     except EventDecodeError:
         return None
     return event if isinstance(event, ev.LeaseFenced) else None
@@ -403,7 +405,7 @@ class Kept:
 
 
 def _full_ids(value: bytes) -> bytes | None:
-    event = ev.decode(value)
+    event = codec.decode(value)
     if not isinstance(event, ev.CompletionEvent):  # pragma: no cover - lean decoder agrees
         raise EventDecodeError(f"expected a completion, got {type(event).__name__}")
     return _id_bytes(event.output_ids)

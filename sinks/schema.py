@@ -15,6 +15,7 @@ import msgspec
 import pyarrow as pa
 
 from tokenbudget.streams import events as ev
+from tokenbudget.streams.fields import SamplingParams
 
 DATASET_TYPE = pa.dictionary(pa.int32(), pa.string())
 IDS_TYPE = pa.list_(pa.int32())
@@ -61,7 +62,7 @@ def _sampling_arrow_type(hint: Any) -> pa.DataType:
 
 # The event's fields, ``max_new_tokens`` first: where the files written so far hold it.
 _SAMPLING_FIELDS = sorted(
-    msgspec.structs.fields(ev.SamplingParams), key=lambda f: f.name != "max_new_tokens"
+    msgspec.structs.fields(SamplingParams), key=lambda f: f.name != "max_new_tokens"
 )
 JSON_SAMPLING = tuple(
     f.name for f in _SAMPLING_FIELDS if typing.get_origin(_set_type(f.type)) is dict

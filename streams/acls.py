@@ -29,7 +29,7 @@ import shlex
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from tokenbudget.core.kafka_admin import (
+from tokenbudget.core.kafka_acls import (
     CLUSTER_RESOURCE,
     AclBinding,
     AclOperation,

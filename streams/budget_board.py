@@ -4,7 +4,7 @@ It reads the budgets topic (the ledger's announcements) and the control topic (t
 operators' commands) from the beginning with no consumer group (each process needs
 every event, not a share of them) and keeps, per dataset, whether it is halted and
 the ledger's latest snapshot; each event is believed only from the topic it travels
-on (:data:`tokenbudget.streams.events.ON_TOPIC`), which only its writers' principals
+on (:data:`tokenbudget.streams.codec.ON_TOPIC`), which only its writers' principals
 may write. Producers consult it before publishing a
 prompt and dispatchers before sending a request, so a halt takes effect as soon as
 its event is read.
@@ -34,6 +34,7 @@ from tokenbudget.core import metrics
 from tokenbudget.core.errors import BrokerError, EventDecodeError
 from tokenbudget.core.kafka import consumer_options, wait_for_partitions_aio
 from tokenbudget.core.retry import retry_until_async
+from tokenbudget.streams import codec
 from tokenbudget.streams import events as ev
 from tokenbudget.streams.topics import Topics
 
@@ -278,7 +279,7 @@ class BudgetWatcher:
             for records in batches.values():
                 for record in records:
                     try:
-                        self.board.apply(ev.decode(record.value, record.topic))
+                        self.board.apply(codec.decode(record.value, record.topic))
                     except EventDecodeError as exc:
                         # The ledger dead-letters what it reads; a reader moves on.
                         self._refused(record, exc)

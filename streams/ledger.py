@@ -37,7 +37,6 @@ from tokenbudget.streams.events import (
     BudgetSet,
     BudgetUnit,
     CompletionEvent,
-    DatasetStatus,
     Event,
     LeaseDenied,
     LeaseExpired,
@@ -52,6 +51,7 @@ from tokenbudget.streams.events import (
     PromptFailed,
     PromptSkipped,
 )
+from tokenbudget.streams.fields import DatasetStatus
 
 Outcome = Literal["completed", "skipped", "failed"]
 

@@ -32,8 +32,9 @@ from aiokafka.partitioner import DefaultPartitioner
 from tokenbudget.core import metrics, sizes
 from tokenbudget.core.errors import EventDecodeError
 from tokenbudget.core.security import faust_brokers, faust_credentials
+from tokenbudget.streams import codec, faust_adapt, ledger
 from tokenbudget.streams import events as ev
-from tokenbudget.streams import faust_adapt, ledger
+from tokenbudget.streams.dead_letters import dead_letter
 from tokenbudget.streams.faust_adapt import HotPath
 from tokenbudget.streams.topics import LEDGER_TABLE, OUTCOME_TABLE, Topics
 
@@ -259,11 +260,11 @@ class LedgerWorker:
             if skipped is not None:
                 _exit_after_skipped_delivery(message.topic, message.partition, skipped)
             try:
-                decoded = ev.decode(event.value, message.topic)
+                decoded = codec.decode(event.value, message.topic)
             except EventDecodeError as exc:
                 await self.send_dead_letter(event, exc)
                 continue
-            # Only what travels on its sources decodes (ev.ON_TOPIC): events without a
+            # Only what travels on its sources decodes (codec.ON_TOPIC): events without a
             # dataset (the job's identity, the fleet's changes and reports) pass by.
             name = getattr(decoded, "dataset", None)
             if not isinstance(name, str):
@@ -456,13 +457,13 @@ class LedgerWorker:
             # A fence goes where the lease's completions go, to order itself among them.
             fenced = isinstance(event, ev.LeaseFenced)
             out = self.completions_out if fenced else self.budgets_out
-            fut = await out.send(key=ev.event_key(event), value=ev.encode(event))
+            fut = await out.send(key=codec.event_key(event), value=codec.encode(event))
             await fut  # a halt that was not delivered is a budget overshot
             metrics.EVENTS_PRODUCED.labels(topic="completions" if fenced else "budgets").inc()
 
     async def send_dead_letter(self, event: Any, exc: EventDecodeError) -> None:
         message = event.message
-        letter = ev.dead_letter(
+        letter = dead_letter(
             str(exc),
             source_topic=message.topic,
             payload=event.value,
@@ -470,7 +471,7 @@ class LedgerWorker:
             offset=message.offset,
             key=event.key,
         )
-        await self.dead_letter.send(key=event.key, value=ev.encode(letter))
+        await self.dead_letter.send(key=event.key, value=codec.encode(letter))
         metrics.DEAD_LETTERED.labels(topic=metrics.topic_role(message.topic)).inc()
         log.warning(
             "dead-lettered %s[%d]@%d: %s", message.topic, message.partition, message.offset, exc
@@ -497,7 +498,7 @@ class LedgerWorker:
                     continue  # not ours (any more): its owner speaks for it
                 state = self.load(name)
                 snap = msgspec.structs.replace(ledger.snapshot(state, at), epoch=epoch)
-                await self.budgets_out.send(key=name.encode(), value=ev.encode(snap))
+                await self.budgets_out.send(key=name.encode(), value=codec.encode(snap))
                 metrics.EVENTS_PRODUCED.labels(topic="budgets").inc()
                 if self.settings.on_state:
                     self.settings.on_state(state)
@@ -513,7 +514,7 @@ class LedgerWorker:
                 continue
             for lease_id in ledger.expired_leases(self.load(str(name)), now):
                 expired = ev.LeaseExpired(dataset=str(name), lease_id=lease_id, at=now)
-                await self.reservations.send(key=str(name).encode(), value=ev.encode(expired))
+                await self.reservations.send(key=str(name).encode(), value=codec.encode(expired))
 
 
 def new_app(settings: LedgerSettings) -> faust.App:

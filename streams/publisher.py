@@ -10,7 +10,7 @@ from aiokafka import AIOKafkaProducer
 
 from tokenbudget.core import sizes
 from tokenbudget.core.kafka import aiokafka_producer_options
-from tokenbudget.streams import events as ev
+from tokenbudget.streams import codec
 
 
 async def publish_events(
@@ -21,6 +21,8 @@ async def publish_events(
     await producer.start()
     try:
         for event in events:
-            await producer.send_and_wait(topic, key=ev.event_key(event), value=ev.encode(event))
+            await producer.send_and_wait(
+                topic, key=codec.event_key(event), value=codec.encode(event)
+            )
     finally:
         await producer.stop()

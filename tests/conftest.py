@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from tokenbudget.localkafka import broker
+from tokenbudget.localkafka.settings import BrokerSettings
 
 
 def _free_port() -> int:
@@ -31,8 +32,8 @@ def kafka_bootstrap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     if existing:
         yield existing
         return
-    defaults = broker.BrokerSettings.from_env()
-    settings = broker.BrokerSettings(
+    defaults = BrokerSettings.from_env()
+    settings = BrokerSettings(
         home=Path(tmp_path_factory.mktemp("kafka")),
         port=_free_port(),
         controller_port=_free_port(),

@@ -52,7 +52,7 @@ from typing import Any
 from aiokafka import AIOKafkaProducer
 
 from tokenbudget.core.config import BoundaryPolicy, CutPolicy, ReserveMode
-from tokenbudget.streams import budget
+from tokenbudget.streams import budget, codec
 from tokenbudget.streams import events as ev
 from tokenbudget.streams.budget_board import BudgetBoard
 from tokenbudget.streams.topics import Topics
@@ -617,7 +617,7 @@ class Admission:
 
     async def _send(self, event: ev.Event) -> None:
         await self.producer.send_and_wait(
-            self.topics.reservations, key=ev.event_key(event), value=ev.encode(event)
+            self.topics.reservations, key=codec.event_key(event), value=codec.encode(event)
         )
 
     async def _send_extending(self, lease: _Lease, event: ev.Event) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 from tokenbudget.producers.inference.backends import GenerationResult
-from tokenbudget.streams import events as ev
+from tokenbudget.streams.fields import StopReason
 
 # What within_request found wrong with an answer, as the log names it.
 PROBLEMS = {
@@ -68,7 +68,7 @@ def kept_within(result: GenerationResult, cost: int, keep: int | None) -> Genera
 
 def finish_label(
     kept: GenerationResult, generated: GenerationResult, request_max: int, wanted_max: int
-) -> ev.StopReason:
+) -> StopReason:
     """Why the kept answer ends (its ``stop_reason``): ``budget`` when the budget's
     line cut it (the answer was cut to fit, or it ran into a max_new_tokens lowered
     below the dataset's own), else the server's finish reason (``stop``, ``length``,

@@ -55,6 +55,7 @@ from tokenbudget.producers.prompts import conversations
 from tokenbudget.streams import budget
 from tokenbudget.streams import events as ev
 from tokenbudget.streams.budget_board import BudgetBoard
+from tokenbudget.streams.fields import StopReason, TokenIds
 
 log = logging.getLogger(__name__)
 
@@ -404,7 +405,7 @@ def _completion(
     generated: _Generated,
     fitted: _Fitted,
     attempts: int,
-    stop_reason: ev.StopReason,
+    stop_reason: StopReason,
     unfinished: bool,
     unit: ev.BudgetUnit,
 ) -> ev.CompletionEvent:
@@ -417,7 +418,7 @@ def _completion(
         dataset=prompt.dataset,
         prompt_tokens=result.prompt_tokens,
         completion_tokens=result.completion_tokens,
-        output_ids=None if result.output_ids is None else ev.TokenIds(result.output_ids),
+        output_ids=None if result.output_ids is None else TokenIds(result.output_ids),
         finish_reason=result.finish_reason,
         max_new_tokens=request.max_new_tokens,
         text=result.text,
@@ -446,8 +447,8 @@ def _completion(
     )
 
 
-def _sent_ids(prompt: ev.PromptEvent, result: GenerationResult) -> ev.TokenIds | None:
+def _sent_ids(prompt: ev.PromptEvent, result: GenerationResult) -> TokenIds | None:
     """The prompt's ids: those sent (the template applied here), else those the
     server returned, else unknown."""
     ids = prompt.input_ids if prompt.input_ids is not None else result.prompt_ids
-    return None if ids is None else ev.TokenIds(ids)
+    return None if ids is None else TokenIds(ids)

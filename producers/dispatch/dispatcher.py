@@ -71,7 +71,7 @@ from tokenbudget.producers.inference.http import HttpClient
 from tokenbudget.producers.inference.reasoning import ReasoningRows
 from tokenbudget.producers.prompts import conversations
 from tokenbudget.producers.prompts.resume import OutcomeView
-from tokenbudget.streams import budget
+from tokenbudget.streams import budget, codec
 from tokenbudget.streams import events as ev
 from tokenbudget.streams.budget_board import BudgetBoard
 from tokenbudget.streams.topics import Topics
@@ -442,7 +442,7 @@ class Dispatcher:
         without an outcome (:meth:`tokenbudget.producers.dispatch.tries.Tries.submit`)."""
         try:
             try:
-                prompt = ev.decode(record.value, record.topic)
+                prompt = codec.decode(record.value, record.topic)
                 if not isinstance(prompt, ev.PromptEvent):
                     raise EventDecodeError(f"expected a prompt, got {type(prompt).__name__}")
                 if self.datasets and prompt.dataset not in self.datasets:

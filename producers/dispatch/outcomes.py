@@ -30,7 +30,9 @@ from tokenbudget.core.errors import KafkaLimitsError
 from tokenbudget.core.retry import retry_until_async
 from tokenbudget.producers.dispatch.step import DispatchReport, about
 from tokenbudget.producers.inference.reasoning import ReasoningRows
+from tokenbudget.streams import codec
 from tokenbudget.streams import events as ev
+from tokenbudget.streams.dead_letters import dead_letter, dead_letter_for
 from tokenbudget.streams.topics import Topics
 
 log = logging.getLogger(__name__)
@@ -59,7 +61,7 @@ class Publisher:
         """Send ``event`` to ``topic`` under the dataset's key until Kafka has it.
         Raises :class:`~tokenbudget.core.errors.KafkaLimitsError` when it is larger than a
         Kafka message; a cancellation stops the retries."""
-        value = ev.encode(event)
+        value = codec.encode(event)
         if self._seen is not None:
             self._seen(event)
 
@@ -118,7 +120,7 @@ class Publisher:
             attempts=attempts,
             at=time.time(),
         )
-        letter = ev.dead_letter(reason, source_topic=self.topics.prompts, payload=ev.encode(prompt))
+        letter = dead_letter(reason, source_topic=self.topics.prompts, payload=codec.encode(prompt))
         await self.publish(self.topics.dead_letter, prompt.dataset, letter)
         await self.publish(self.topics.outcomes, prompt.dataset, failed)
         self.report.failed += 1
@@ -129,11 +131,11 @@ class Publisher:
         """Send the consumed ``record`` (not a prompt: undecodable, or another event)
         to the dead-letter topic with ``reason``, once: its error, a broker away
         included, is raised to the caller."""
-        letter = ev.dead_letter_for(reason, record)
+        letter = dead_letter_for(reason, record)
         await self.producer.send_and_wait(
             self.topics.dead_letter,
             key=record.key,
-            value=ev.encode(letter),
+            value=codec.encode(letter),
         )
         self.report.dead_lettered += 1
         metrics.DEAD_LETTERED.labels(topic="prompts").inc()

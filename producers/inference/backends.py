@@ -72,7 +72,7 @@ from tokenbudget.core.errors import (
 from tokenbudget.core.sampling import VERBATIM_KEY
 from tokenbudget.producers.inference.http import HttpClient, Reply, Timeouts
 from tokenbudget.producers.templates import config_tokenizer
-from tokenbudget.streams.events import ChatMessage, CountSource, FinishReason, ToolCall
+from tokenbudget.streams.fields import ChatMessage, CountSource, FinishReason, ToolCall
 
 if TYPE_CHECKING:
     from tokenbudget.core.config import Config, Server
@@ -165,7 +165,7 @@ class GenerationResult:
     text: str
     finish_reason: FinishReason
     first_token_at: float | None = None  # streaming: when the first content chunk came
-    count_source: CountSource = "server"  # see tokenbudget.streams.events.CountSource
+    count_source: CountSource = "server"  # see tokenbudget.streams.fields.CountSource
     model: str = ""  # as the server reported it
     prompt_ids: list[int] | None = None  # as the server returned them
     # The thinking the server split off the answer (None: it sent none), and how many

@@ -74,10 +74,11 @@ from tokenbudget.producers.inference.backends import (
 from tokenbudget.producers.inference.http import HttpClient, Timeouts
 from tokenbudget.producers.inference.server_gate import GateSettings, ServerGate
 from tokenbudget.streams import events as ev
+from tokenbudget.streams.fields import ServerReport, ServerState
 
 log = logging.getLogger(__name__)
 
-STATES: tuple[ev.ServerState, ...] = ("up", "paused", "dropped", "draining", "drained")
+STATES: tuple[ServerState, ...] = ("up", "paused", "dropped", "draining", "drained")
 # Conversations whose last server is remembered, the oldest forgotten first.
 AFFINITY_ENTRIES = 100_000
 DEFAULT_GATE = GateSettings()
@@ -229,7 +230,7 @@ class Server:
         self._show()
 
     @property
-    def state(self) -> ev.ServerState:
+    def state(self) -> ServerState:
         if self.gate.outage is not None:
             return "dropped"
         if not self.gate.is_open:
@@ -326,8 +327,8 @@ class Server:
         self._show()
         self._on_change()
 
-    def report(self) -> ev.ServerReport:
-        return ev.ServerReport(
+    def report(self) -> ServerReport:
+        return ServerReport(
             url=self.url,
             state=self.state,
             in_flight=self.in_flight,

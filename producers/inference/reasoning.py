@@ -29,7 +29,8 @@ from tokenbudget.core.apis import API_TRAITS
 if TYPE_CHECKING:
     from tokenbudget.core.config import Config, ReasoningMode
     from tokenbudget.producers.inference.backends import GenerationResult
-    from tokenbudget.streams.events import CompletionEvent, StopReason
+    from tokenbudget.streams.events import CompletionEvent
+    from tokenbudget.streams.fields import StopReason
 
 log = logging.getLogger(__name__)
 

@@ -55,15 +55,15 @@ from tokenbudget.producers.prompts.datasets import (
     turn_positions,
     turn_prompt_id,
 )
+from tokenbudget.streams import codec
 from tokenbudget.streams import events as ev
+from tokenbudget.streams.fields import ChatMessage, ToolCall
 
 
-def answer_turn(text: str, tool_calls: Sequence[ev.ToolCall] | None) -> ev.ChatMessage:
+def answer_turn(text: str, tool_calls: Sequence[ToolCall] | None) -> ChatMessage:
     """The model's answer as the assistant turn the next prompt's history holds
     (without its reasoning: see the module docstring)."""
-    return ev.ChatMessage(
-        role="assistant", content=text, tool_calls=tuple(tool_calls or ()) or None
-    )
+    return ChatMessage(role="assistant", content=text, tool_calls=tuple(tool_calls or ()) or None)
 
 
 def _arguments(text: str) -> Any:
@@ -73,7 +73,7 @@ def _arguments(text: str) -> Any:
         return text  # not JSON: compared as written
 
 
-def calls_match(recorded: Sequence[ev.ToolCall], regenerated: Sequence[ev.ToolCall]) -> bool:
+def calls_match(recorded: Sequence[ToolCall], regenerated: Sequence[ToolCall]) -> bool:
     """The same functions, in the same order, with the same arguments (as JSON
     values: spacing and key order do not matter)."""
     return len(recorded) == len(regenerated) and all(
@@ -83,7 +83,7 @@ def calls_match(recorded: Sequence[ev.ToolCall], regenerated: Sequence[ev.ToolCa
 
 
 def tool_mismatch(
-    reference: Sequence[ev.ChatMessage], turn: int, regenerated: Sequence[ev.ToolCall] | None
+    reference: Sequence[ChatMessage], turn: int, regenerated: Sequence[ToolCall] | None
 ) -> bool:
     """Whether the model's calls for ``turn`` differ from those the dataset recorded
     there (a turn past the recorded conversation has none to differ from)."""
@@ -94,10 +94,10 @@ def tool_mismatch(
 
 
 def spliced(
-    between: Sequence[ev.ChatMessage],
-    recorded: Sequence[ev.ToolCall],
-    regenerated: Sequence[ev.ToolCall],
-) -> tuple[ev.ChatMessage, ...]:
+    between: Sequence[ChatMessage],
+    recorded: Sequence[ToolCall],
+    regenerated: Sequence[ToolCall],
+) -> tuple[ChatMessage, ...]:
     """The recorded turns between two answers, their tool results pointing at the
     model's calls: a result's recorded ``tool_call_id`` is mapped to the model's call
     in the same place, and a result whose id names no recorded call answers the
@@ -120,12 +120,12 @@ def spliced(
 
 
 def next_messages(
-    reference: Sequence[ev.ChatMessage],
+    reference: Sequence[ChatMessage],
     turn: int,
-    history: Sequence[ev.ChatMessage],
+    history: Sequence[ChatMessage],
     text: str,
-    tool_calls: Sequence[ev.ToolCall] | None,
-) -> tuple[ev.ChatMessage, ...]:
+    tool_calls: Sequence[ToolCall] | None,
+) -> tuple[ChatMessage, ...]:
     """Turn ``turn + 1``'s prompt: turn ``turn``'s (``history``), the model's answer
     to it, then the recorded turns that come before the next answer, spliced."""
     positions = turn_positions(reference)
@@ -136,7 +136,7 @@ def next_messages(
 
 
 def completion_fields(
-    prompt: ev.PromptEvent, tool_calls: Sequence[ev.ToolCall] | None
+    prompt: ev.PromptEvent, tool_calls: Sequence[ToolCall] | None
 ) -> dict[str, Any]:
     """What a completion of ``prompt`` says of its tools and its conversation."""
     fields: dict[str, Any] = {"tools": prompt.tools}
@@ -193,7 +193,7 @@ def too_large(event: ev.PromptEvent, max_prompt_bytes: int) -> str | None:
     size = len("\n".join(m.content for m in event.messages or ()).encode())
     if size > max_prompt_bytes:
         return f"its next prompt is {size:,} bytes, over [producer] max_prompt_bytes"
-    encoded = len(ev.encode(event))
+    encoded = len(codec.encode(event))
     if encoded > sizes.PROMPT_EVENT_BYTES:
         return f"its next prompt event is {encoded:,} bytes, over a prompt's share of a message"
     return None

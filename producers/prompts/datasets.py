@@ -86,7 +86,7 @@ from tokenbudget.core.extras import require
 from tokenbudget.core.formats import DEFAULT_FORMAT, FORMAT_TRAITS, DatasetFormat, Turns
 from tokenbudget.producers.prompts.order import prompt_length, stratified
 from tokenbudget.producers.templates import config_tokenizer
-from tokenbudget.streams.events import ChatMessage, ToolCall
+from tokenbudget.streams.fields import ChatMessage, ToolCall
 
 if TYPE_CHECKING:
     from tokenbudget.core.config import Config

@@ -35,7 +35,7 @@ import random
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from tokenbudget.streams.events import ChatMessage
+from tokenbudget.streams.fields import ChatMessage
 
 T = TypeVar("T")
 

@@ -41,9 +41,11 @@ from tokenbudget.producers.prompts.datasets import (
     row_error,
     turn_prompt_id,
 )
-from tokenbudget.streams import budget
+from tokenbudget.streams import budget, codec
 from tokenbudget.streams import events as ev
 from tokenbudget.streams.budget_board import BudgetBoard
+from tokenbudget.streams.dead_letters import bad_row_letter
+from tokenbudget.streams.fields import SamplingParams
 from tokenbudget.streams.topics import Topics
 
 log = logging.getLogger(__name__)
@@ -187,7 +189,7 @@ class PromptProducer:
         if len(report.errors) < 20:
             report.errors.append(str(exc))
         metrics.BAD_ROWS.labels(dataset=dataset).inc()
-        letters.append(ev.bad_row_letter(dataset, exc, FAIL_FIX if fail else SKIPPED_FIX))
+        letters.append(bad_row_letter(dataset, exc, FAIL_FIX if fail else SKIPPED_FIX))
         if fail:
             raise DatasetError(
                 exc.path, f"{exc.message} (dataset {dataset}); {FAIL_FIX}", line=exc.line
@@ -295,7 +297,7 @@ class PromptProducer:
         """The row's prompt event, or None for an event larger than a prompt's share
         of a Kafka message (its template ids, or escapes, on top of the text): then
         it is a bad row (its letter is sent with the next row's)."""
-        value = ev.encode(self._event(cursor.dataset, row))
+        value = codec.encode(self._event(cursor.dataset, row))
         if len(value) <= sizes.PROMPT_EVENT_BYTES:
             return value
         exc = row_error(
@@ -345,7 +347,7 @@ class PromptProducer:
             at=time.time(),
         )
         await producer.send_and_wait(
-            self.topics.outcomes, key=cursor.dataset.name.encode(), value=ev.encode(done)
+            self.topics.outcomes, key=cursor.dataset.name.encode(), value=codec.encode(done)
         )
         metrics.EVENTS_PRODUCED.labels(topic="outcomes").inc()
         log.info(
@@ -368,9 +370,9 @@ class PromptProducer:
         skips, cursor.skips[:] = list(cursor.skips), []
         key = cursor.dataset.name.encode()
         for letter in letters:
-            await producer.send(self.topics.dead_letter, key=key, value=ev.encode(letter))
+            await producer.send(self.topics.dead_letter, key=key, value=codec.encode(letter))
         for skipped in skips:
-            await producer.send(self.topics.outcomes, key=key, value=ev.encode(skipped))
+            await producer.send(self.topics.outcomes, key=key, value=codec.encode(skipped))
         await producer.flush()
         if letters:
             metrics.EVENTS_PRODUCED.labels(topic="deadletter").inc(len(letters))
@@ -401,7 +403,7 @@ class PromptProducer:
                     at=time.time(),
                 )
                 await producer.send(
-                    self.topics.outcomes, key=name.encode(), value=ev.encode(skipped)
+                    self.topics.outcomes, key=name.encode(), value=codec.encode(skipped)
                 )
                 cursor.report.not_sent += 1
                 metrics.SKIPPED_PROMPTS.labels(dataset=name).inc()
@@ -418,10 +420,10 @@ def _turns_per_prompt(cursor: _Cursor) -> float:
     return cursor.ahead / produced if produced else 1.0
 
 
-def sampling_for(dataset: Dataset, sample_index: int) -> ev.SamplingParams:
+def sampling_for(dataset: Dataset, sample_index: int) -> SamplingParams:
     """The settings a prompt's request carries. With a seed, the n answers to one
     prompt get seeds seed, seed + 1, ...: the same seed would give n equal answers."""
     settings = dict(dataset.sampling)
     if sample_index and settings.get("seed") is not None:
         settings["seed"] += sample_index
-    return ev.SamplingParams(max_new_tokens=dataset.max_new_tokens, **settings)
+    return SamplingParams(max_new_tokens=dataset.max_new_tokens, **settings)

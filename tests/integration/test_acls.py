@@ -28,7 +28,7 @@ from kafka.errors import GroupAuthorizationFailedError, TopicAuthorizationFailed
 from tokenbudget import cli
 from tokenbudget.app.runner import cli_command, stop_process
 from tokenbudget.core import config as config_module
-from tokenbudget.core import kafka_admin, lifetime, roles, security
+from tokenbudget.core import kafka_acls, kafka_admin, lifetime, roles, security
 from tokenbudget.core.errors import KafkaAuthError
 from tokenbudget.core.kafka import (
     GroupLag,
@@ -43,9 +43,10 @@ from tokenbudget.dev.jobs import end_run, start_run, start_simulator, wait_until
 from tokenbudget.dev.oracle import read_server_log
 from tokenbudget.dev.ports import free_ports
 from tokenbudget.localkafka import broker
+from tokenbudget.localkafka.settings import Authorizer, BrokerSettings, SaslPlaintextListener
 from tokenbudget.producers.prompts import resume
 from tokenbudget.sinks.reading import read_to_end
-from tokenbudget.streams import acls
+from tokenbudget.streams import acls, codec
 from tokenbudget.streams import events as ev
 from tokenbudget.streams.budget_board import BudgetWatcher
 from tokenbudget.streams.topics import Topics
@@ -102,17 +103,17 @@ def write_config(folder: Path, bootstrap: str, namespace: str) -> Path:
 def acl_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AclBroker]:
     folder = tmp_path_factory.mktemp("acls")
     passwords = {user: secrets.token_hex(12) for user in (ADMIN, *USERS.values())}
-    defaults = broker.BrokerSettings.from_env()
+    defaults = BrokerSettings.from_env()
     port, controller_port, sasl_port = free_ports(3)
-    settings = broker.BrokerSettings(
+    settings = BrokerSettings(
         home=folder / "broker",
         port=port,
         controller_port=controller_port,
         heap_mb=512,
         kafka_version=defaults.kafka_version,
         jars_root=defaults.jars_root,
-        sasl_plaintext=broker.SaslPlaintextListener(sasl_port, passwords),
-        authorizer=broker.Authorizer((ADMIN,)),
+        sasl_plaintext=SaslPlaintextListener(sasl_port, passwords),
+        authorizer=Authorizer((ADMIN,)),
     )
     assert settings.sasl_plaintext_bootstrap is not None
     bootstrap = settings.sasl_plaintext_bootstrap
@@ -229,14 +230,12 @@ def test_acls_are_applied_once_each_as_the_table_has_them(acl_broker: AclBroker)
     wanted = acls.bindings(b.topics, principals)
     assert b.applied.startswith(f"added {len(wanted)} ACLs on {b.bootstrap}")
     # What the broker's authorizer holds, asked as the admin: the table, no more.
-    held = [
-        a for p in sorted(set(principals.values())) for a in kafka_admin.acls_of(b.bootstrap, p)
-    ]
+    held = [a for p in sorted(set(principals.values())) for a in kafka_acls.acls_of(b.bootstrap, p)]
     assert sorted(held) == wanted
     # A second --apply adds nothing.
     assert _applied(b.config).startswith(f"added 0 ACLs on {b.bootstrap}")
     again = [
-        a for p in sorted(set(principals.values())) for a in kafka_admin.acls_of(b.bootstrap, p)
+        a for p in sorted(set(principals.values())) for a in kafka_acls.acls_of(b.bootstrap, p)
     ]
     assert sorted(again) == wanted
 
@@ -248,7 +247,7 @@ def test_a_dispatchers_principal_may_not_write_a_budget_a_command_or_a_prompt(
     topic = getattr(acl_broker.topics, name)
     before = end_offsets(acl_broker, topic)
     with pytest.raises(TopicAuthorizationFailedError):
-        produce(acl_broker, "dispatcher", topic, ev.encode(ev.BudgetSet(dataset="d", budget=1)))
+        produce(acl_broker, "dispatcher", topic, codec.encode(ev.BudgetSet(dataset="d", budget=1)))
     assert end_offsets(acl_broker, topic) == before
 
 
@@ -319,9 +318,9 @@ def test_every_role_reads_the_commands_and_the_announcements_from_the_start(
     acl_broker: AclBroker, role: Role
 ) -> None:
     b = acl_broker
-    command = ev.encode(ev.BudgetSet(dataset=f"from-{role}", budget=5))
+    command = codec.encode(ev.BudgetSet(dataset=f"from-{role}", budget=5))
     produce(b, "operator", b.topics.control, command)
-    announcement = ev.encode(ev.BudgetSet(dataset=f"announced-{role}", budget=5))
+    announcement = codec.encode(ev.BudgetSet(dataset=f"announced-{role}", budget=5))
     produce(b, "ledger", b.topics.budgets, announcement)
     assert command in read_from_start(b, role, b.topics.control)
     assert announcement in read_from_start(b, role, b.topics.budgets)
@@ -390,7 +389,7 @@ def test_the_ledger_counts_under_its_principal_and_a_rerun_reads_what_it_recorde
             finish_reason="stop",
             max_new_tokens=4096,
         )
-        produce(b, "dispatcher", t.completions, ev.encode(answer))
+        produce(b, "dispatcher", t.completions, codec.encode(answer))
         snap = _snapshot(b, "counted", samples=1)
         assert (snap.samples, snap.completion_tokens) == (1, 100)
         assert ledger.poll() is None
@@ -473,12 +472,12 @@ def test_a_job_whose_roles_log_in_as_their_own_principals_ends_exact_refusing_fo
         }
         for topic, event in forged.items():
             with pytest.raises(TopicAuthorizationFailedError):
-                produce(acl_broker, "dispatcher", topic, ev.encode(event))
+                produce(acl_broker, "dispatcher", topic, codec.encode(event))
         grant = ev.LeaseGranted(
             dataset="a", lease_id="l", holder="h", granted=10**6, expires_at=1e9
         )
         with pytest.raises(TopicAuthorizationFailedError):
-            produce(acl_broker, "dispatcher", topics.budgets, ev.encode(grant))
+            produce(acl_broker, "dispatcher", topics.budgets, codec.encode(grant))
         assert run.wait(300) == 0, (tmp_path / "run.out").read_text()[-3000:]
     finally:
         end_run(run)

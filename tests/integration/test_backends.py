@@ -16,7 +16,8 @@ import pytest
 from tests.producers.tokenizer_fixture import build_tokenizer
 from tokenbudget.app.runner import RunReport, run_async
 from tokenbudget.core import config as config_module
-from tokenbudget.dev import simulator
+from tokenbudget.dev.simulator import server as sim_server
+from tokenbudget.dev.simulator.config import RequestRecord, SimulatorConfig
 from tokenbudget.producers.prompts.datasets import read_options, read_prompts
 
 # One worker runs them all (ONE_WORKER in tests/conftest.py): their module fixture is costly.
@@ -55,11 +56,11 @@ def make_config(
 
 
 async def run_with_simulator(
-    sim_config: simulator.SimulatorConfig, configs: list[Any]
-) -> list[tuple[RunReport, list[simulator.RequestRecord]]]:
+    sim_config: SimulatorConfig, configs: list[Any]
+) -> list[tuple[RunReport, list[RequestRecord]]]:
     """Run each config (a function of the simulator's URL) in turn against one
     simulator; returns each run's report and the requests it served."""
-    sim = await simulator.start(sim_config)
+    sim = await sim_server.start(sim_config)
     try:
         out = []
         for config_for_url in configs:
@@ -95,7 +96,7 @@ def test_counts_kept_equal_the_servers(
     datasets = [{"name": "d", "path": "d.jsonl", "budget": "1M"}]
     [(report, served)] = asyncio.run(
         run_with_simulator(
-            simulator.SimulatorConfig(port=0, tokens_per_second=50_000, seed=11),
+            SimulatorConfig(port=0, tokens_per_second=50_000, seed=11),
             [
                 lambda url: make_config(
                     tmp_path, kafka_bootstrap, namespace, url, datasets, api=api, stream=stream
@@ -126,7 +127,7 @@ def test_tokenizer_counts_when_the_server_gives_none(
 ) -> None:
     write_prompts(tmp_path / "d.jsonl", 5)
     datasets = [{"name": "d", "path": "d.jsonl", "budget": "1M"}]
-    bare = simulator.SimulatorConfig(
+    bare = SimulatorConfig(
         port=0, tokens_per_second=50_000, seed=11, omit_usage=True, omit_token_ids=True
     )
     [(report, served)] = asyncio.run(
@@ -204,7 +205,7 @@ def test_chat_template_datasets_and_a_rerun_that_dispatches_nothing(
 
     (first, served), (second, served_again) = asyncio.run(
         run_with_simulator(
-            simulator.SimulatorConfig(port=0, tokens_per_second=50_000, seed=11),
+            SimulatorConfig(port=0, tokens_per_second=50_000, seed=11),
             [config_for, config_for],
         )
     )
@@ -255,7 +256,7 @@ def test_a_new_namespace_skips_the_prompts_already_in_the_parquet_output(
     datasets = [{"name": "d", "path": "d.jsonl", "budget": "1M"}]
     (_first, served), (second, served_again) = asyncio.run(
         run_with_simulator(
-            simulator.SimulatorConfig(port=0, tokens_per_second=50_000, seed=11),
+            SimulatorConfig(port=0, tokens_per_second=50_000, seed=11),
             [
                 lambda url: make_config(tmp_path, kafka_bootstrap, namespace, url, datasets),
                 lambda url: make_config(tmp_path, kafka_bootstrap, namespace + "b", url, datasets),

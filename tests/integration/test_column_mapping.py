@@ -17,7 +17,8 @@ import pytest
 
 from tokenbudget.app.runner import RunReport, run_async
 from tokenbudget.core import config as config_module
-from tokenbudget.dev import simulator
+from tokenbudget.dev.simulator import server as sim_server
+from tokenbudget.dev.simulator.config import SimulatorConfig
 
 pytestmark = pytest.mark.integration
 
@@ -78,8 +79,8 @@ def test_mapped_rows_reach_the_server_as_their_templated_text(
         return config_module.build(data, base_dir=tmp_path, environ={})
 
     async def run() -> RunReport:
-        sim = await simulator.start(
-            simulator.SimulatorConfig(port=0, tokens_per_second=20000, log_file=str(log))
+        sim = await sim_server.start(
+            SimulatorConfig(port=0, tokens_per_second=20000, log_file=str(log))
         )
         try:
             return await run_async(config(sim.url))

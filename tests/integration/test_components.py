@@ -16,7 +16,8 @@ import pytest
 from tests.integration.test_ledger_worker import wait_for_snapshot
 from tests.integration.test_reservations import write_config, write_prompts
 from tokenbudget.app.runner import cli_command
-from tokenbudget.dev import simulator
+from tokenbudget.dev.simulator import server as sim_server
+from tokenbudget.dev.simulator.config import SimulatorConfig
 from tokenbudget.streams.topics import Topics
 
 pytestmark = pytest.mark.integration
@@ -29,7 +30,7 @@ def test_components_run_apart_and_stop_cleanly_on_sigterm(
     write_prompts(tmp_path / "d.jsonl", "#code", 300)
 
     async def scenario() -> None:
-        sim = await simulator.start(simulator.SimulatorConfig(port=0, tokens_per_second=20000))
+        sim = await sim_server.start(SimulatorConfig(port=0, tokens_per_second=20000))
         config = write_config(
             tmp_path,
             kafka_bootstrap,

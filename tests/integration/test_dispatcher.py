@@ -13,7 +13,8 @@ from kafka import KafkaProducer
 from tests.integration.test_ledger_worker import publish, read_all
 from tokenbudget.core import config as config_module
 from tokenbudget.core import kafka_admin
-from tokenbudget.dev import simulator
+from tokenbudget.dev.simulator import server as sim_server
+from tokenbudget.dev.simulator.config import Faults, SimulatorConfig
 from tokenbudget.producers.dispatch.dispatcher import Dispatcher
 from tokenbudget.streams import events as ev
 from tokenbudget.streams.budget_board import BudgetBoard
@@ -59,9 +60,7 @@ def test_poison_prompts_failures_and_halted_datasets(kafka_bootstrap: str, names
 
     async def scenario() -> Dispatcher:
         # Every request fails with HTTP 500: one retry, then the prompt is failed.
-        sim = await simulator.start(
-            simulator.SimulatorConfig(port=0, faults=simulator.Faults(http_500=1.0))
-        )
+        sim = await sim_server.start(SimulatorConfig(port=0, faults=Faults(http_500=1.0)))
         try:
             config = config_module.build(
                 {
@@ -131,8 +130,8 @@ def test_each_partitions_prompts_reach_the_fleet_in_turns(
     log = tmp_path / "requests.jsonl"
 
     async def scenario() -> Dispatcher:
-        sim = await simulator.start(
-            simulator.SimulatorConfig(port=0, tokens_per_second=20000, log_file=str(log))
+        sim = await sim_server.start(
+            SimulatorConfig(port=0, tokens_per_second=20000, log_file=str(log))
         )
         try:
             config = config_module.build(

@@ -19,6 +19,7 @@ from tokenbudget.core.kafka_admin import ensure_topics
 from tokenbudget.dev import oracle
 from tokenbudget.dev.jobs import start_simulator, write_job
 from tokenbudget.sinks.reading import read_to_end
+from tokenbudget.streams import codec
 from tokenbudget.streams import events as ev
 from tokenbudget.streams.topics import Topics
 
@@ -48,35 +49,37 @@ def hostile(topics: Topics, evil_url: str, real_url: str) -> dict[str, list[byte
     return {
         topics.budgets: [
             # One halt at the highest epoch would win over every real one, for ever.
-            ev.encode(ev.BudgetExceeded(dataset="a", budget=1, used=1, epoch=2**64 - 1)),
+            codec.encode(ev.BudgetExceeded(dataset="a", budget=1, used=1, epoch=2**64 - 1)),
             # Operators' commands, on the ledger's topic: the fleet redirected, drained.
-            ev.encode(ev.ServerAdded(url=evil_url, api_key_env="TOKENBUDGET_API_KEY")),
-            ev.encode(ev.ServerDrained(url=real_url)),
+            codec.encode(ev.ServerAdded(url=evil_url, api_key_env="TOKENBUDGET_API_KEY")),
+            codec.encode(ev.ServerDrained(url=real_url)),
             BINARY,
         ],
         topics.control: [
-            ev.encode(ev.BudgetSet(dataset="b", budget=-5)),
-            ev.encode(ev.BudgetExceeded(dataset="b", budget=1, used=1)),  # not the ledger's topic
+            codec.encode(ev.BudgetSet(dataset="b", budget=-5)),
+            codec.encode(
+                ev.BudgetExceeded(dataset="b", budget=1, used=1)
+            ),  # not the ledger's topic
             NESTED,
             BINARY,
         ],
         topics.reservations: [
-            ev.encode(
+            codec.encode(
                 ev.LeaseRequested(dataset="a", lease_id="l", holder="h", want=-500, ttl_s=1e308)
             ),
             NESTED,
             BINARY,
         ],
         topics.completions: [
-            ev.encode(completion("x/../../../escaped")),
-            ev.encode(completion("a", completion_tokens=2**63, max_new_tokens=0)),
-            ev.encode(completion("a", prompt_tokens=2**63)),
+            codec.encode(completion("x/../../../escaped")),
+            codec.encode(completion("a", completion_tokens=2**63, max_new_tokens=0)),
+            codec.encode(completion("a", prompt_tokens=2**63)),
             NESTED,
             BINARY,
         ],
         topics.prompts: [
-            ev.encode(ev.PromptEvent(prompt_id="p", dataset="not_this_jobs", text="hi")),
-            ev.encode(ev.PromptEvent(prompt_id="p", dataset="../../x", text="hi")),
+            codec.encode(ev.PromptEvent(prompt_id="p", dataset="not_this_jobs", text="hi")),
+            codec.encode(ev.PromptEvent(prompt_id="p", dataset="../../x", text="hi")),
             NESTED,
             BINARY,
         ],
@@ -146,7 +149,7 @@ def test_records_no_process_of_ours_wrote_on_every_topic_leave_the_job_exact(
         assert offsets == set(range(len(written[topic]))), (topic, by_topic[topic])
     assert {d.offset for d in by_topic[topics.prompts]} == set(range(len(written[topics.prompts])))
     big = [d for d in letters if isinstance(d, ev.DeadLetter) and d.size == len(BINARY)]
-    assert len(big) >= 5 and all(len(ev.encode(d)) < 200_000 for d in big)
+    assert len(big) >= 5 and all(len(codec.encode(d)) < 200_000 for d in big)
     reasons = " ".join(d.reason for d in letters if isinstance(d, ev.DeadLetter))
     assert "is not one of this job's" in reasons  # the prompt of another job
     assert "at `$.dataset`" in reasons and "at `$.completion_tokens`" in reasons

@@ -2,7 +2,7 @@
 
 The job runs as a user runs it (``tokenbudget run`` and ``tokenbudget simulate`` as
 processes of their own) against a server that lies about one answer's counts in four
-(negative, not an integer, 2**63: :data:`tokenbudget.dev.simulator.BAD_COUNTS`) and
+(negative, not an integer, 2**63: :data:`tokenbudget.dev.simulator.config.BAD_COUNTS`) and
 sends a body, or a streamed line, that never ends to one request in ten. Every such
 answer is refused and its prompt asked again; the budgets end exact, judged with
 :mod:`tokenbudget.dev.oracle` from the server's log and the dataset files.

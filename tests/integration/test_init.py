@@ -15,18 +15,20 @@ import pytest
 from tokenbudget import cli
 from tokenbudget.app.runner import RunReport, run_async
 from tokenbudget.core import config as config_module
-from tokenbudget.dev import demo, simulator
+from tokenbudget.dev import demo
+from tokenbudget.dev.simulator import server as sim_server
+from tokenbudget.dev.simulator.config import RequestRecord, SimulatorConfig
 
 pytestmark = pytest.mark.integration
 
 
 async def init_then_run(
     tmp_path: Path, bootstrap: str
-) -> tuple[int, RunReport, list[simulator.RequestRecord]]:
+) -> tuple[int, RunReport, list[RequestRecord]]:
     paths = demo.write_datasets(tmp_path / "data", 3000)
     tokenizer = demo.write_tokenizer(tmp_path / "tokenizer", paths)
-    sim = await simulator.start(
-        simulator.SimulatorConfig(port=0, tokens_per_second=50_000, tokenizer=str(tokenizer))
+    sim = await sim_server.start(
+        SimulatorConfig(port=0, tokens_per_second=50_000, tokenizer=str(tokenizer))
     )
     try:
         job = tmp_path / "job.toml"
@@ -48,7 +50,7 @@ def test_a_config_written_by_init_runs_unchanged(tmp_path: Path, kafka_bootstrap
         r.status == "halted" and r.completion_tokens == 3000 for r in report.datasets.values()
     )
     # The chat dataset went out templated here, as ids; the others as text.
-    served: dict[str, list[simulator.RequestRecord]] = {}
+    served: dict[str, list[RequestRecord]] = {}
     for record in log:
         name = next(n for n in names if n in record.text_head)
         served.setdefault(name, []).append(record)

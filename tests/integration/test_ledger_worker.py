@@ -14,6 +14,7 @@ from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
 from tokenbudget.app.runner import start_ledger_process, stop_process
 from tokenbudget.core import kafka_admin
+from tokenbudget.streams import codec
 from tokenbudget.streams import events as ev
 from tokenbudget.streams.budget_board import BudgetWatcher
 from tokenbudget.streams.topics import Topics
@@ -37,7 +38,7 @@ def completion(dataset: str, prompt_id: str, tokens: int, request_id: str | None
 def publish(bootstrap: str, topic: str, events: list[ev.Event]) -> None:
     producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all")
     for event in events:
-        producer.send(topic, key=ev.event_key(event), value=ev.encode(event))
+        producer.send(topic, key=codec.event_key(event), value=codec.encode(event))
     producer.flush()
     producer.close()
 
@@ -139,7 +140,7 @@ def read_all(bootstrap: str, topic: str) -> list[ev.Event]:
     while any(consumer.position(tp) < ends[tp] for tp in partitions):
         assert time.monotonic() < deadline
         for records in consumer.poll(timeout_ms=200).values():
-            events.extend(ev.decode(r.value) for r in records)
+            events.extend(codec.decode(r.value) for r in records)
     consumer.close()
     return events
 

@@ -35,8 +35,10 @@ from tokenbudget.app.runner import RunReport, run_async, start_ledger_process, s
 from tokenbudget.app.status import follow
 from tokenbudget.core import config as config_module
 from tokenbudget.core import kafka_admin
-from tokenbudget.dev import simulator
 from tokenbudget.dev.ports import free_ports
+from tokenbudget.dev.simulator import server as sim_server
+from tokenbudget.dev.simulator.config import Faults, SimulatorConfig
+from tokenbudget.streams import codec
 from tokenbudget.streams import events as ev
 from tokenbudget.streams.topics import Topics
 
@@ -149,10 +151,8 @@ async def _run(
 ) -> RunReport:
     # Slow enough that the run spans several scrapes (about 40 long answers of ~1.3 s,
     # 8 at a time), with a few injected server errors for the error panels.
-    sim = await simulator.start(
-        simulator.SimulatorConfig(
-            port=sim_port, tokens_per_second=3000.0, faults=simulator.Faults(http_500=0.05)
-        )
+    sim = await sim_server.start(
+        SimulatorConfig(port=sim_port, tokens_per_second=3000.0, faults=Faults(http_500=0.05))
     )
     try:
         write_jsonl(tmp / "long.jsonl", "#long-code", 200)
@@ -203,7 +203,7 @@ def _rogue(stack: Stack, bootstrap: str, topics: Topics) -> int:
             ):
                 break
             event = rogue_completion(sent)
-            producer.send(topics.completions, key=ev.event_key(event), value=ev.encode(event))
+            producer.send(topics.completions, key=codec.event_key(event), value=codec.encode(event))
             producer.flush()
             sent += 1
             time.sleep(1.0)

@@ -11,7 +11,8 @@ import pytest
 
 from tokenbudget.app.runner import RunReport, run_async
 from tokenbudget.core import config as config_module
-from tokenbudget.dev import simulator
+from tokenbudget.dev.simulator import server as sim_server
+from tokenbudget.dev.simulator.config import SimulatorConfig
 from tokenbudget.dev.tiny_tokenizer import CORPUS, build_tokenizer, dataset_corpus
 
 pytestmark = pytest.mark.integration
@@ -61,7 +62,7 @@ def make_config(
 
 
 async def run_against_simulator(config_for_url, tps: float = 20000.0) -> tuple[RunReport, list]:
-    sim = await simulator.start(simulator.SimulatorConfig(port=0, tokens_per_second=tps))
+    sim = await sim_server.start(SimulatorConfig(port=0, tokens_per_second=tps))
     try:
         config = config_for_url(sim.url)
         report = await run_async(config, keep_dispatch_log=True)

@@ -20,7 +20,8 @@ import pytest
 from tokenbudget.app.plan import Plan, make_plan
 from tokenbudget.app.runner import RunReport, run_async
 from tokenbudget.core import config as config_module
-from tokenbudget.dev import simulator
+from tokenbudget.dev.simulator import server as sim_server
+from tokenbudget.dev.simulator.config import RequestRecord, SimulatorConfig
 
 pytestmark = pytest.mark.integration
 
@@ -55,9 +56,9 @@ def job(
 
 async def plan_then_run(
     folder: Path, bootstrap: str, namespace: str
-) -> tuple[Plan, RunReport, list[simulator.RequestRecord]]:
-    sim = await simulator.start(
-        simulator.SimulatorConfig(port=0, tokens_per_second=50_000, profile="steady")
+) -> tuple[Plan, RunReport, list[RequestRecord]]:
+    sim = await sim_server.start(
+        SimulatorConfig(port=0, tokens_per_second=50_000, profile="steady")
     )
     try:
         # An earlier run of the job, with a smaller budget for "known" alone.

@@ -22,12 +22,12 @@ from prometheus_client import REGISTRY
 from tests.integration.test_backends import make_config, run_with_simulator
 from tests.producers.tokenizer_fixture import build_tokenizer
 from tokenbudget.app.commands.export import export_from_topic
-from tokenbudget.dev import simulator
-from tokenbudget.dev.simulator import ids_crc
+from tokenbudget.dev.simulator.config import RequestRecord, SimulatorConfig
+from tokenbudget.dev.simulator.generation import ids_crc
 from tokenbudget.producers.templates import load_tokenizer
 from tokenbudget.sinks.export import ExportOptions, export
 from tokenbudget.sinks.parquet import read_rows
-from tokenbudget.streams.events import ChatMessage
+from tokenbudget.streams.fields import ChatMessage
 
 pytestmark = pytest.mark.integration
 
@@ -48,7 +48,7 @@ def write(folder: Path, name: str, rows: int, *, chat: bool = True) -> None:
     (folder / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
 
 
-def cut_while_thinking(record: simulator.RequestRecord) -> bool:
+def cut_while_thinking(record: RequestRecord) -> bool:
     """The server's own account: stopped by the limit with every token thinking."""
     return record.finish == "length" and record.reasoning_tokens == record.completion_tokens
 
@@ -90,9 +90,7 @@ def test_chat_rows_and_exports_hold_the_reasoning_the_server_sent(
         "reasoning": sample(parts, dataset=think, part="reasoning"),
         "answer": sample(parts, dataset=think, part="answer"),
     }
-    server = simulator.SimulatorConfig(
-        port=0, tokens_per_second=50_000, seed=29, reasoning_style=style
-    )
+    server = SimulatorConfig(port=0, tokens_per_second=50_000, seed=29, reasoning_style=style)
     [(report, served)] = asyncio.run(run_with_simulator(server, [config_for]))
     by_rid = {record.rid: record for record in served}
     rows = read_rows(tmp_path / "out").to_pylist()
@@ -190,7 +188,7 @@ def test_generate_with_a_local_template_keeps_the_thinking_markers_in_the_ids(
         )  # fmt: skip
         return configs[-1]
 
-    server = simulator.SimulatorConfig(
+    server = SimulatorConfig(
         port=0, tokens_per_second=50_000, seed=31, reasoning_style="reasoning_content",
         tokenizer=str(tokenizer_dir),
     )  # fmt: skip

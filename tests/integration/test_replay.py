@@ -23,6 +23,7 @@ from tokenbudget.core import kafka_admin
 from tokenbudget.dev.tiny_tokenizer import ship_own_code
 from tokenbudget.sinks.parquet import ParquetSink, SinkSettings
 from tokenbudget.sinks.reading import read_to_end
+from tokenbudget.streams import codec
 from tokenbudget.streams import events as ev
 from tokenbudget.streams.topics import Topics
 
@@ -53,7 +54,7 @@ def completion(
 def publish(bootstrap: str, topic: str, events: list[ev.Event]) -> None:
     producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=5)
     for event in events:
-        producer.send(topic, key=ev.event_key(event), value=ev.encode(event))
+        producer.send(topic, key=codec.event_key(event), value=codec.encode(event))
     producer.flush()
     producer.close()
 
@@ -185,7 +186,7 @@ def test_replay_equals_the_live_sink_and_drops_planted_duplicates(
 
 def v1_wire(event: ev.CompletionEvent, **changes: object) -> bytes:
     """The bytes a version 1 writer produced: ids as a JSON array of numbers."""
-    wire = json.loads(ev.encode(event))
+    wire = json.loads(codec.encode(event))
     wire.update(v=1, output_ids=list(event.output_ids))
     wire.update(changes)
     return msgspec.json.encode(wire)
@@ -204,13 +205,13 @@ def test_a_topic_of_v1_and_v2_completions_replays_as_the_live_sink_writes_it(
     kafka_admin.ensure_topics(kafka_bootstrap, topics.specs())
     events, firsts = with_duplicates(30)
     upgrade = len(events) // 2  # v1 before, v2 after; duplicates straddle it
-    bad = json.loads(ev.encode(completion("beta", 999)))
+    bad = json.loads(codec.encode(completion("beta", 999)))
     bad["output_ids"] = "AQAAAAI="  # 5 bytes
     producer = KafkaProducer(bootstrap_servers=kafka_bootstrap, acks="all", linger_ms=5)
     for i, event in enumerate(events):
         assert isinstance(event, ev.CompletionEvent)
-        value = v1_wire(event) if i < upgrade else ev.encode(event)
-        producer.send(topics.completions, key=ev.event_key(event), value=value)
+        value = v1_wire(event) if i < upgrade else codec.encode(event)
+        producer.send(topics.completions, key=codec.event_key(event), value=value)
         if i == upgrade + 3:
             producer.send(topics.completions, key=b"beta", value=msgspec.json.encode(bad))
     producer.flush()
@@ -486,7 +487,7 @@ def test_replay_targets_and_ranges(
     while len(got) < len(firsts) and time.monotonic() < deadline:
         for records in consumer.poll(timeout_ms=500).values():
             for record in records:
-                event = ev.decode(record.value)
+                event = codec.decode(record.value)
                 assert isinstance(event, ev.CompletionEvent)
                 assert record.key == event.dataset.encode()
                 got.append(event)

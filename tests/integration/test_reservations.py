@@ -22,8 +22,11 @@ from tests.integration.test_ledger_worker import publish, read_all, wait_for_sna
 from tokenbudget.app.runner import cli_command, run_async, start_ledger_process, stop_process
 from tokenbudget.core import config as config_module
 from tokenbudget.core import kafka_admin
-from tokenbudget.dev import jobs, oracle, simulator
+from tokenbudget.dev import jobs, oracle
+from tokenbudget.dev.simulator import server as sim_server
+from tokenbudget.dev.simulator.config import SimulatorConfig
 from tokenbudget.producers.dispatch.admission import Admission, AdmissionSettings
+from tokenbudget.streams import codec
 from tokenbudget.streams import events as ev
 from tokenbudget.streams.budget_board import BudgetWatcher
 from tokenbudget.streams.topics import Topics
@@ -81,7 +84,7 @@ def test_holders_racing_for_the_last_tokens_never_overshoot(
                     cost=tokens,
                 )
                 await producer.send_and_wait(
-                    topics.completions, key=b"d", value=ev.encode(completion)
+                    topics.completions, key=b"d", value=codec.encode(completion)
                 )
                 kept.append(tokens)
                 admission.settle(ticket, tokens)
@@ -162,7 +165,7 @@ def test_killed_dispatcher_releases_its_lease_by_expiry(
 
     async def scenario() -> None:
         # Slow decoding: requests stay in flight, so the lease stays in use.
-        sim = await simulator.start(simulator.SimulatorConfig(port=0, tokens_per_second=200))
+        sim = await sim_server.start(SimulatorConfig(port=0, tokens_per_second=200))
         config_path = write_config(
             tmp_path,
             kafka_bootstrap,
@@ -227,7 +230,7 @@ def test_budget_lowered_then_raised_while_running(
         # An answer lasts ~3.8 s (3,793 tokens at 1,000 a second): the budget lowered
         # while one of "d" decodes reaches the dispatcher before it ends, on a loaded
         # machine too (at 4,000 a second, ~1 s, CI once saw it end first).
-        sim = await simulator.start(simulator.SimulatorConfig(port=0, tokens_per_second=1000))
+        sim = await sim_server.start(SimulatorConfig(port=0, tokens_per_second=1000))
         config = config_module.load(
             write_config(
                 tmp_path,
@@ -287,7 +290,9 @@ async def _set_budget(bootstrap: str, topics: Topics, dataset: str, budget: int)
     await producer.start()
     try:
         event = ev.BudgetSet(dataset=dataset, budget=budget, set_at=time.time())
-        await producer.send_and_wait(topics.control, key=dataset.encode(), value=ev.encode(event))
+        await producer.send_and_wait(
+            topics.control, key=dataset.encode(), value=codec.encode(event)
+        )
     finally:
         await producer.stop()
 
@@ -306,7 +311,7 @@ def test_budget_lowered_while_streaming_keeps_only_what_fits(
     write_prompts(tmp_path / "code.jsonl", "#code", 400)
 
     async def scenario() -> tuple:
-        sim = await simulator.start(simulator.SimulatorConfig(port=0, tokens_per_second=3000))
+        sim = await sim_server.start(SimulatorConfig(port=0, tokens_per_second=3000))
         config = config_module.load(
             write_config(
                 tmp_path,

@@ -23,10 +23,12 @@ from tokenbudget.app.bootstrap import resolve_bootstrap
 from tokenbudget.app.runner import run_async
 from tokenbudget.core import config as config_module
 from tokenbudget.core.errors import KafkaAuthError
-from tokenbudget.dev import simulator
 from tokenbudget.dev.ports import free_ports
+from tokenbudget.dev.simulator import server as sim_server
+from tokenbudget.dev.simulator.config import SimulatorConfig
 from tokenbudget.localkafka import broker
 from tokenbudget.localkafka.java import find_java
+from tokenbudget.localkafka.settings import BrokerSettings, SaslSslListener
 
 # One worker runs them all (ONE_WORKER in tests/conftest.py): their module fixture is costly.
 pytestmark = pytest.mark.integration
@@ -102,16 +104,16 @@ def secure_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureBr
     store_password = secrets.token_hex(12)  # hex: never a leading "-" on a command line
     password = secrets.token_hex(16)
     keystore, ca_pem = make_certificates(folder, store_password)
-    defaults = broker.BrokerSettings.from_env()
+    defaults = BrokerSettings.from_env()
     port, controller_port, sasl_port = free_ports(3)
-    settings = broker.BrokerSettings(
+    settings = BrokerSettings(
         home=folder / "broker",
         port=port,
         controller_port=controller_port,
         heap_mb=512,
         kafka_version=defaults.kafka_version,
         jars_root=defaults.jars_root,
-        sasl_ssl=broker.SaslSslListener(
+        sasl_ssl=SaslSslListener(
             port=sasl_port,
             keystore=keystore,
             keystore_password=store_password,
@@ -183,7 +185,7 @@ def test_pipeline_runs_over_sasl_ssl_with_scram(
     caplog.set_level(logging.INFO)
 
     async def scenario() -> tuple[object, int]:
-        sim = await simulator.start(simulator.SimulatorConfig(port=0, tokens_per_second=20000))
+        sim = await sim_server.start(SimulatorConfig(port=0, tokens_per_second=20000))
         try:
             path = write_config(tmp_path, secure_broker, namespace, sim.url)
             report = await run_async(config_module.load(path))

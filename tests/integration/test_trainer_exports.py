@@ -23,8 +23,8 @@ from tests.producers.tokenizer_fixture import build_tokenizer
 from tests.sinks import trainer_loaders as loaders
 from tokenbudget.cli import main
 from tokenbudget.core.tokenizer import load_pretrained
-from tokenbudget.dev import simulator
-from tokenbudget.dev.simulator import RequestRecord, ids_crc
+from tokenbudget.dev.simulator.config import RequestRecord, SimulatorConfig
+from tokenbudget.dev.simulator.generation import ids_crc
 
 pytestmark = pytest.mark.integration
 
@@ -91,7 +91,7 @@ def test_a_regenerated_job_exports_the_servers_ids_in_each_trainers_format(
          "reasoning": "save"},
         {"name": "tools", "path": "tools.jsonl", "budget": "1M", "turns": "regenerate"},
     ]  # fmt: skip
-    thinking = simulator.SimulatorConfig(
+    thinking = SimulatorConfig(
         port=0, tokens_per_second=50_000, seed=7, reasoning_style="reasoning_content",
         tool_calls=True,
     )  # fmt: skip
@@ -178,7 +178,7 @@ def test_the_seed_jobs_text_prompts_take_their_ids_from_the_local_tokenizer(
     )
     tokenizer = build_tokenizer(tmp_path / "tok", prompts, whole_words=["#short"])
     datasets = [{"name": "seed", "path": "seed.jsonl", "budget": "1M", "n": 2, "reasoning": "save"}]
-    thinking = simulator.SimulatorConfig(
+    thinking = SimulatorConfig(
         port=0, tokens_per_second=50_000, seed=9, reasoning_style="reasoning_content"
     )
     [(_, served)] = asyncio.run(

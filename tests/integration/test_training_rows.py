@@ -17,12 +17,12 @@ import pytest
 from tests.integration.test_backends import MODEL, make_config, run_with_simulator
 from tests.producers.tokenizer_fixture import build_tokenizer
 from tokenbudget.app.commands.export import export_from_topic
-from tokenbudget.dev import simulator
-from tokenbudget.dev.simulator import ids_crc
+from tokenbudget.dev.simulator.config import RequestRecord, SimulatorConfig
+from tokenbudget.dev.simulator.generation import ids_crc
 from tokenbudget.producers.templates import load_tokenizer
 from tokenbudget.sinks.export import ExportOptions, export
 from tokenbudget.sinks.parquet import read_rows
-from tokenbudget.streams.events import ChatMessage
+from tokenbudget.streams.fields import ChatMessage
 
 pytestmark = pytest.mark.integration
 
@@ -85,9 +85,7 @@ def test_rows_carry_prompt_ids_settings_and_n_samples(
         return configs[-1]
 
     [(report, served)] = asyncio.run(
-        run_with_simulator(
-            simulator.SimulatorConfig(port=0, tokens_per_second=50_000, seed=3), [config_for]
-        )
+        run_with_simulator(SimulatorConfig(port=0, tokens_per_second=50_000, seed=3), [config_for])
     )
     config = configs[0]
     rows = read_rows(tmp_path / "out").to_pylist()
@@ -182,9 +180,7 @@ def test_a_server_without_token_ids_leaves_output_ids_null(
         "".join(json.dumps({"prompt": f"#short story {i}"}) + "\n" for i in range(4))
     )
     datasets = [{"name": "d", "path": "d.jsonl", "budget": "1M"}]
-    no_ids = simulator.SimulatorConfig(
-        port=0, tokens_per_second=50_000, seed=5, omit_token_ids=True
-    )
+    no_ids = SimulatorConfig(port=0, tokens_per_second=50_000, seed=5, omit_token_ids=True)
     [(report, served)] = asyncio.run(
         run_with_simulator(
             no_ids,
@@ -212,9 +208,7 @@ def test_a_server_without_token_ids_leaves_output_ids_null(
         assert row["messages"] is None and row["prompt"].startswith("#short story")
 
 
-def expected_stop_reason(
-    row: dict[str, Any], served: simulator.RequestRecord, dataset_max: int
-) -> str:
+def expected_stop_reason(row: dict[str, Any], served: RequestRecord, dataset_max: int) -> str:
     """Why the row ends, from the server's own log: the budget's line when the row
     kept less than the server generated, or when the server stopped at a
     max_new_tokens lowered below the dataset's (the budget's last tokens); else the
@@ -242,9 +236,7 @@ def test_a_row_cut_at_the_budgets_line_says_budget_and_the_others_the_servers_re
         return configs[-1]
 
     [(report, served)] = asyncio.run(
-        run_with_simulator(
-            simulator.SimulatorConfig(port=0, tokens_per_second=50_000, seed=21), [config_for]
-        )
+        run_with_simulator(SimulatorConfig(port=0, tokens_per_second=50_000, seed=21), [config_for])
     )
     assert report.datasets["d"].status == "halted"
     rows = read_rows(tmp_path / "out").to_pylist()

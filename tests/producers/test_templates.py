@@ -16,7 +16,7 @@ from tokenbudget.core.errors import ConfigError
 from tokenbudget.dev.tiny_tokenizer import ship_own_code
 from tokenbudget.producers.prompts.datasets import read_options
 from tokenbudget.producers.templates import config_tokenizer
-from tokenbudget.streams.events import ChatMessage
+from tokenbudget.streams.fields import ChatMessage
 
 QUESTION = "what is the capital of france"
 

@@ -13,6 +13,7 @@ import pytest
 
 from tokenbudget.sinks import rows
 from tokenbudget.sinks.parquet import ParquetSink, SinkSettings, read_rows
+from tokenbudget.streams import codec
 from tokenbudget.streams import events as ev
 from tokenbudget.streams.topics import Topics
 
@@ -47,7 +48,7 @@ class Letters:
 
     def send(self, topic: str, key: bytes | None, value: bytes) -> None:
         assert topic == "ns.deadletter"
-        letter = ev.decode(value, topic)
+        letter = codec.decode(value, topic)
         assert isinstance(letter, ev.DeadLetter)
         self.sent.append(letter)
 
@@ -65,7 +66,7 @@ def sink(
 
 
 def wire(event: ev.Event, **changes: Any) -> bytes:
-    return json.dumps({**json.loads(ev.encode(event)), **changes}).encode()
+    return json.dumps({**json.loads(codec.encode(event)), **changes}).encode()
 
 
 def test_a_completion_whose_dataset_is_a_path_is_dead_lettered_and_nothing_is_written_outside(
@@ -76,11 +77,11 @@ def test_a_completion_whose_dataset_is_a_path_is_dead_lettered_and_nothing_is_wr
     taken, letters = sink(root, datasets=None)  # even without the job's names
     taken._take(
         records(
-            ev.encode(completion(1)),
+            codec.encode(completion(1)),
             wire(completion(2), dataset="x/../../../escaped"),
             wire(completion(3), dataset="a\x00b"),
             wire(completion(4), dataset="d" * 256),
-            ev.encode(completion(5)),
+            codec.encode(completion(5)),
         )
     )
     taken.writer.flush()
@@ -93,7 +94,7 @@ def test_a_completion_whose_dataset_is_a_path_is_dead_lettered_and_nothing_is_wr
 
 def test_a_completion_of_a_dataset_that_is_not_the_jobs_is_dead_lettered(tmp_path: Path) -> None:
     taken, letters = sink(tmp_path)
-    taken._take(records(ev.encode(completion(1)), ev.encode(completion(2, dataset="other"))))
+    taken._take(records(codec.encode(completion(1)), codec.encode(completion(2, dataset="other"))))
     taken.writer.flush()
     assert [(d.offset, d.reason) for d in letters.sent] == [
         (101, "dataset 'other' is not one of this job's")
@@ -116,7 +117,7 @@ def test_a_record_the_table_building_raises_on_is_dead_lettered_and_the_rest_kep
 
     monkeypatch.setattr(rows, "_column_arrays", breaks_on_p2)
     taken, letters = sink(tmp_path)
-    taken._take(records(*(ev.encode(completion(i)) for i in (1, 2, 3))))
+    taken._take(records(*(codec.encode(completion(i)) for i in (1, 2, 3))))
     taken.writer.flush()
     [letter] = letters.sent
     assert (letter.offset, letter.reason) == (

@@ -18,6 +18,7 @@ from tokenbudget.sinks.export import ExportOptions, export
 from tokenbudget.sinks.parquet import dataset_dir, write_atomically
 from tokenbudget.sinks.schema import COLUMNS
 from tokenbudget.streams import events as ev
+from tokenbudget.streams.fields import ChatMessage, ToolCall
 
 
 def completion(i: int, dataset: str = "chat", **changes: Any) -> ev.CompletionEvent:
@@ -31,7 +32,7 @@ def completion(i: int, dataset: str = "chat", **changes: Any) -> ev.CompletionEv
         "finish_reason": "stop",
         "max_new_tokens": 8,
         "text": f"answer {i}",
-        "messages": (ev.ChatMessage("system", "be brief"), ev.ChatMessage("user", f"q{i}")),
+        "messages": (ChatMessage("system", "be brief"), ChatMessage("user", f"q{i}")),
         "prompt_ids": [1, 2, 3],
         "model": "m",
         "row_id": f"id{i}",
@@ -263,8 +264,8 @@ def test_the_command_exports_and_reports_errors_in_one_line(
 
 # --- conversations regenerated turn by turn ----------------------------------------------
 
-M = ev.ChatMessage
-SEARCH = ev.ToolCall("call_9", "search", '{"query": "weather"}')
+M = ChatMessage
+SEARCH = ToolCall("call_9", "search", '{"query": "weather"}')
 
 
 def turns_of(
@@ -273,7 +274,7 @@ def turns_of(
     """The rows of a conversation regenerated turn by turn: each turn's prompt is the
     one before, its answer (as the next history holds it: no reasoning), then the
     recorded user turn."""
-    history: tuple[ev.ChatMessage, ...] = (M("system", "be brief"), M("user", "u0"))
+    history: tuple[ChatMessage, ...] = (M("system", "be brief"), M("user", "u0"))
     rows = []
     for k, answer in enumerate(answers):
         fields: dict[str, Any] = {

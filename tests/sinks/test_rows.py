@@ -33,6 +33,7 @@ from tokenbudget.sinks.rows import (
     decode_records,
     keep_first,
 )
+from tokenbudget.streams import codec
 from tokenbudget.streams import events as ev
 from tokenbudget.streams.topics import Topics
 
@@ -61,14 +62,14 @@ def completion(
 
 def v1_wire(event: ev.CompletionEvent, **changes: object) -> bytes:
     """The bytes a version 1 writer produced: ids as a JSON array of numbers."""
-    wire = json.loads(ev.encode(event))
+    wire = json.loads(codec.encode(event))
     wire.update(v=1, output_ids=list(event.output_ids))
     wire.update(changes)
     return msgspec.json.encode(wire)
 
 
 def v2_wire(event: ev.CompletionEvent, **changes: object) -> bytes:
-    wire = json.loads(ev.encode(event))
+    wire = json.loads(codec.encode(event))
     wire.update(changes)
     return msgspec.json.encode(wire)
 
@@ -85,7 +86,7 @@ def test_fast_path_equals_full_decoding(wire: str) -> None:
     events.append(completion(98, n=3))
     events.append(completion(97, n=4000))
     old = {"v2": (), "v1": range(len(events)), "mixed": range(0, len(events), 2)}[wire]
-    values = [v1_wire(e) if i in old else ev.encode(e) for i, e in enumerate(events)]
+    values = [v1_wire(e) if i in old else codec.encode(e) for i, e in enumerate(events)]
     kept, tables = kept_table(values)
     assert not kept.errors
     assert kept.rows == len(events)
@@ -99,7 +100,7 @@ def test_v1_and_v2_topics_give_identical_files(tmp_path: Path) -> None:
     same completions, duplicates included, are written to the same rows."""
     events = [completion(i, dataset=f"d{i % 3}", n=(i * 37) % 300) for i in range(50)]
     events += [completion(4, rid="again-4", n=9), completion(7, n=2)]  # second completions
-    for wire, encode in (("v1", v1_wire), ("v2", ev.encode)):
+    for wire, encode in (("v1", v1_wire), ("v2", codec.encode)):
         assert isinstance(
             decode_records([encode(events[1])]).records[0],
             (LegacyCompletionRecord if wire == "v1" else CompletionRecord),
@@ -127,28 +128,28 @@ def test_first_completion_wins_and_duplicates_are_dropped() -> None:
         completion(3),
     ]
     first = FirstCompletion()
-    _, tables = kept_table([ev.encode(e) for e in events], first)
+    _, tables = kept_table([codec.encode(e) for e in events], first)
     assert tables["ds"].column("request_id").to_pylist() == ["r1", "r2", "r3"]
     assert first.duplicates == 2
     # a later batch: already seen prompts stay dropped
     _kept, tables = kept_table(
-        [ev.encode(completion(3, rid="late")), ev.encode(completion(4))], first
+        [codec.encode(completion(3, rid="late")), codec.encode(completion(4))], first
     )
     assert tables["ds"].column("request_id").to_pylist() == ["r4"]
     assert first.duplicates == 3
 
 
 def test_bad_values_are_errors_and_do_not_shadow_a_valid_completion() -> None:
-    good = [ev.encode(completion(i)) for i in range(5)]
+    good = [codec.encode(completion(i)) for i in range(5)]
     bad_ids = v1_wire(completion(7)).replace(b'"output_ids":[', b'"output_ids":["x",')
     huge = v1_wire(completion(8)).replace(b'"output_ids":[', b'"output_ids":[4000000000,')
     spaced = v1_wire(completion(10)).replace(b'"output_ids":[', b'"output_ids":[ ')
     values = [
         good[0],
         b"not json",
-        ev.encode(ev.PromptSkipped(prompt_id="x", dataset="ds", reason="halted")),
+        codec.encode(ev.PromptSkipped(prompt_id="x", dataset="ds", reason="halted")),
         bad_ids,  # p7, invalid ...
-        ev.encode(completion(7, rid="valid-7")),  # ... so this one is p7's first
+        codec.encode(completion(7, rid="valid-7")),  # ... so this one is p7's first
         huge,
         spaced,  # unusual spacing is still a valid completion
         good[1],
@@ -181,9 +182,9 @@ def test_malformed_binary_ids_are_errors_with_the_reason(output_ids: object, rea
     """The sink dead-letters these (ParquetSink._take sends every error); a valid
     completion of the same prompt after one is kept."""
     values = [
-        ev.encode(completion(1)),
+        codec.encode(completion(1)),
         v2_wire(completion(2), output_ids=output_ids),
-        ev.encode(completion(2, rid="valid-2")),
+        codec.encode(completion(2, rid="valid-2")),
         v1_wire(completion(3)),
     ]
     first = FirstCompletion()
@@ -220,8 +221,8 @@ def test_impossible_counts_are_errors_for_the_sink_as_for_the_ledger(
         changes = {**changes, "output_ids": []}
     wire = (v1_wire if version == 1 else v2_wire)(bad, **changes)
     with pytest.raises(EventDecodeError, match=reason):
-        ev.decode(wire)
-    values = [ev.encode(completion(1)), wire, ev.encode(completion(4, rid="valid-4"))]
+        codec.decode(wire)
+    values = [codec.encode(completion(1)), wire, codec.encode(completion(4, rid="valid-4"))]
     first = FirstCompletion()
     kept, tables = kept_table(values, first)
     assert [i for i, _ in kept.errors] == [1]
@@ -249,7 +250,7 @@ def test_row_groups_are_sized_by_bytes_and_rows() -> None:
 def write_tree(root: Path) -> list[ev.CompletionEvent]:
     events = [completion(i, dataset=f"d{i % 3}") for i in range(90)]
     writer = PartitionedWriter(root, WriterSettings(rotate_rows=40, row_group_rows=16))
-    values = [ev.encode(e) for e in events]
+    values = [codec.encode(e) for e in events]
     first = FirstCompletion()
     for start in range(0, len(values), 20):
         writer.add(keep_first(decode_records(values[start : start + 20]), first).tables)
@@ -351,7 +352,7 @@ def on_lease(event: ev.CompletionEvent, lease_id: str) -> ev.CompletionEvent:
 
 
 def fence(lease_id: str, dataset: str = "ds") -> bytes:
-    return ev.encode(ev.LeaseFenced(dataset=dataset, lease_id=lease_id))
+    return codec.encode(ev.LeaseFenced(dataset=dataset, lease_id=lease_id))
 
 
 def test_a_completion_after_its_lease_fence_is_kept_by_no_one() -> None:
@@ -359,12 +360,12 @@ def test_a_completion_after_its_lease_fence_is_kept_by_no_one() -> None:
     kept, after it they are not (the ledger counts them as skipped), in the batch and
     in every later batch, while other leases are unaffected."""
     values = [
-        ev.encode(on_lease(completion(1), "A")),
-        ev.encode(on_lease(completion(2), "B")),
+        codec.encode(on_lease(completion(1), "A")),
+        codec.encode(on_lease(completion(2), "B")),
         fence("A"),
-        ev.encode(on_lease(completion(3), "A")),  # a frozen holder woke up: too late
-        ev.encode(on_lease(completion(4), "B")),
-        ev.encode(on_lease(completion(3, rid="claimed-3"), "C")),  # its claim, anew
+        codec.encode(on_lease(completion(3), "A")),  # a frozen holder woke up: too late
+        codec.encode(on_lease(completion(4), "B")),
+        codec.encode(on_lease(completion(3, rid="claimed-3"), "C")),  # its claim, anew
     ]
     first = FirstCompletion()
     kept, tables = kept_table(values, first)
@@ -372,7 +373,7 @@ def test_a_completion_after_its_lease_fence_is_kept_by_no_one() -> None:
     assert tables["ds"].column("request_id").to_pylist() == ["r1", "r2", "r4", "claimed-3"]
     assert kept.positions["ds"] == [0, 1, 4, 5]
     assert first.fenced == {"A"} and first.rejected == {"p3": "ds"}
-    later, _ = kept_table([ev.encode(on_lease(completion(5), "A"))], first)
+    later, _ = kept_table([codec.encode(on_lease(completion(5), "A"))], first)
     assert later.rows == 0 and "p5" in first.rejected
 
 
@@ -395,7 +396,7 @@ def test_a_thinking_models_rows_replay_as_written_and_recount_with_their_reasoni
         )
         for i in range(12)
     ]  # fmt: skip
-    _, tables = kept_table([ev.encode(e) for e in thinking])
+    _, tables = kept_table([codec.encode(e) for e in thinking])
     assert tables["ds"].equals(completions_to_table(thinking))
     assert tables["ds"].column("reasoning").to_pylist()[:2] == [None, "hm 1"]
 
@@ -405,7 +406,7 @@ def test_a_thinking_models_rows_replay_as_written_and_recount_with_their_reasoni
     summary = audit.ReplaySummary(topic="ns.completions")
     options = replay_range.ReplayOptions(bootstrap="-", topics=Topics("ns"))
     processor = replay._Processor(options, summary, FirstCompletion(), set(), None, None, words)
-    processor.take([], decode_records([ev.encode(e) for e in thinking]))
+    processor.take([], decode_records([codec.encode(e) for e in thinking]))
     processor.close()
     expected = sum(len(((e.reasoning or "") + e.text).split()) for e in thinking)
     assert summary.datasets["ds"].recounted_tokens == expected

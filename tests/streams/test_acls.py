@@ -8,7 +8,7 @@ import shlex
 
 import pytest
 
-from tokenbudget.core.kafka_admin import AclBinding
+from tokenbudget.core.kafka_acls import AclBinding
 from tokenbudget.core.roles import ROLES, Role
 from tokenbudget.streams import acls
 from tokenbudget.streams.topics import Topics

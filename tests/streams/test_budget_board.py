@@ -10,6 +10,7 @@ from aiokafka import TopicPartition
 from aiokafka.errors import KafkaError
 
 from tests.producers.dispatch.test_admission import open_snapshot
+from tokenbudget.streams import codec
 from tokenbudget.streams import events as ev
 from tokenbudget.streams.budget_board import BudgetBoard, BudgetWatcher
 from tokenbudget.streams.topics import Topics
@@ -213,7 +214,7 @@ class FakeConsumer:
         self.end_calls = 0
 
     def publish(self, event: ev.Event) -> None:
-        self.log.append(ev.encode(event))
+        self.log.append(codec.encode(event))
 
     async def getmany(self, timeout_ms: int, max_records: int) -> dict:
         await asyncio.sleep(0.001)

@@ -11,15 +11,17 @@ import msgspec
 import numpy as np
 import pytest
 
-from tokenbudget.core.errors import DatasetError, EventDecodeError
+from tokenbudget.core.errors import EventDecodeError
+from tokenbudget.streams import codec
 from tokenbudget.streams import events as ev
+from tokenbudget.streams.fields import ChatMessage, SamplingParams, TokenIds
 
 ALL_EVENTS: list[ev.Event] = [
     ev.PromptEvent(
         prompt_id="p1",
         dataset="ds",
         text="hello #code",
-        sampling=ev.SamplingParams(max_new_tokens=64, temperature=0.7),
+        sampling=SamplingParams(max_new_tokens=64, temperature=0.7),
         source="data.jsonl:3",
         produced_at=1.5,
     ),
@@ -27,8 +29,8 @@ ALL_EVENTS: list[ev.Event] = [
         prompt_id="p2",
         dataset="ds",
         messages=(
-            ev.ChatMessage(role="system", content="be brief"),
-            ev.ChatMessage(role="user", content="hi ✓"),
+            ChatMessage(role="system", content="be brief"),
+            ChatMessage(role="user", content="hi ✓"),
         ),
     ),
     ev.CompletionEvent(
@@ -82,9 +84,9 @@ ALL_EVENTS: list[ev.Event] = [
 
 @pytest.mark.parametrize("event", ALL_EVENTS, ids=lambda e: type(e).__name__)
 def test_round_trip(event: ev.Event) -> None:
-    data = ev.encode(event)
+    data = codec.encode(event)
     assert isinstance(data, bytes)
-    decoded = ev.decode(data)
+    decoded = codec.decode(data)
     assert type(decoded) is type(event)
     assert decoded == event
 
@@ -118,9 +120,9 @@ def _sample(kind: msgspec.inspect.Type, name: str) -> Any:
         case msgspec.inspect.DictType():
             # free-form settings passed through to the server (JSON values)
             return {f"{name}-key": [1, "two", {"three": 3.5}], "flag": False}
-        case msgspec.inspect.CustomType(cls=ev.TokenIds):
+        case msgspec.inspect.CustomType(cls=TokenIds):
             # as many ids as the int fields' sample (17): counts and ids agree
-            return ev.TokenIds([17, 2**31 - 1, -5, *range(14)])
+            return TokenIds([17, 2**31 - 1, -5, *range(14)])
         case msgspec.inspect.StructType():
             return kind.cls(
                 **{f.name: _sample(f.type, f.name) for f in kind.fields if f.name != "v"}
@@ -137,14 +139,14 @@ def _full_instance(cls: type[Any]) -> Any:
 @pytest.mark.parametrize("cls", EVENT_TYPES, ids=lambda c: c.__name__)
 def test_round_trip_of_every_event_type_with_every_field_set(cls: type[Any]) -> None:
     event = _full_instance(cls)
-    decoded = ev.decode(ev.encode(event))
+    decoded = codec.decode(codec.encode(event))
     assert type(decoded) is cls
     assert decoded == event
 
 
 @pytest.mark.parametrize("event", ALL_EVENTS, ids=lambda e: type(e).__name__)
 def test_wire_carries_type_tag_and_version(event: ev.Event) -> None:
-    wire = json.loads(ev.encode(event))
+    wire = json.loads(codec.encode(event))
     completion = isinstance(event, ev.CompletionEvent)
     assert wire["v"] == (ev.COMPLETION_VERSION if completion else ev.SCHEMA_VERSION)
     assert isinstance(wire["type"], str)
@@ -152,12 +154,12 @@ def test_wire_carries_type_tag_and_version(event: ev.Event) -> None:
 
 
 def test_tags_are_distinct() -> None:
-    tags = [json.loads(ev.encode(_full_instance(cls)))["type"] for cls in EVENT_TYPES]
+    tags = [json.loads(codec.encode(_full_instance(cls)))["type"] for cls in EVENT_TYPES]
     assert len(set(tags)) == len(EVENT_TYPES)
 
 
 def _with(event: ev.Event, **changes: object) -> bytes:
-    wire = json.loads(ev.encode(event))
+    wire = json.loads(codec.encode(event))
     wire.update(changes)
     return json.dumps(wire).encode()
 
@@ -168,14 +170,14 @@ BUDGET_SET = ev.BudgetSet(dataset="ds", budget=100)
 @pytest.mark.parametrize("version", [0, 2, 99])
 def test_unsupported_schema_version(version: int) -> None:
     with pytest.raises(EventDecodeError) as info:
-        ev.decode(_with(BUDGET_SET, v=version))
+        codec.decode(_with(BUDGET_SET, v=version))
     assert f"version {version}" in str(info.value)
 
 
 def test_newer_version_with_unknown_shape_is_reported_as_a_version_problem() -> None:
     wire = {"type": "budget_set", "v": 2, "dataset": "ds", "amount": "lots"}
     with pytest.raises(EventDecodeError, match="version 2"):
-        ev.decode(json.dumps(wire).encode())
+        codec.decode(json.dumps(wire).encode())
 
 
 @pytest.mark.parametrize(
@@ -193,14 +195,14 @@ def test_newer_version_with_unknown_shape_is_reported_as_a_version_problem() -> 
 )
 def test_garbage_raises_event_decode_error(data: bytes) -> None:
     with pytest.raises(EventDecodeError):
-        ev.decode(data)
+        codec.decode(data)
 
 
 def test_missing_required_field() -> None:
-    wire = json.loads(ev.encode(BUDGET_SET))
+    wire = json.loads(codec.encode(BUDGET_SET))
     del wire["budget"]
     with pytest.raises(EventDecodeError, match="budget"):
-        ev.decode(json.dumps(wire).encode())
+        codec.decode(json.dumps(wire).encode())
 
 
 @pytest.mark.parametrize(
@@ -214,20 +216,20 @@ def test_missing_required_field() -> None:
 )
 def test_wrong_type(field: str, value: object) -> None:
     with pytest.raises(EventDecodeError):
-        ev.decode(_with(BUDGET_SET, **{field: value}))
+        codec.decode(_with(BUDGET_SET, **{field: value}))
 
 
 def test_completion_with_bad_output_ids() -> None:
     completion = next(e for e in ALL_EVENTS if isinstance(e, ev.CompletionEvent))
     with pytest.raises(EventDecodeError, match="output_ids"):
-        ev.decode(_with(completion, output_ids=["a", "b"]))
+        codec.decode(_with(completion, output_ids=["a", "b"]))
     with pytest.raises(EventDecodeError):
-        ev.decode(_with(completion, finish_reason="exploded"))
+        codec.decode(_with(completion, finish_reason="exploded"))
 
 
 def test_decode_error_keeps_cause() -> None:
     with pytest.raises(EventDecodeError) as info:
-        ev.decode(b"{")
+        codec.decode(b"{")
     assert info.value.__cause__ is not None
 
 
@@ -235,48 +237,16 @@ def test_decode_error_keeps_cause() -> None:
     "event", [e for e in ALL_EVENTS if hasattr(e, "dataset")], ids=lambda e: type(e).__name__
 )
 def test_event_key_is_the_dataset(event: ev.Event) -> None:
-    assert ev.event_key(event) == b"ds"
+    assert codec.event_key(event) == b"ds"
 
 
 def test_event_key_of_non_ascii_dataset_is_utf8() -> None:
-    assert ev.event_key(ev.BudgetSet(dataset="données", budget=1)) == "données".encode()
+    assert codec.event_key(ev.BudgetSet(dataset="données", budget=1)) == "données".encode()
 
 
 def test_dead_letter_has_no_key() -> None:
     letter = next(e for e in ALL_EVENTS if isinstance(e, ev.DeadLetter))
-    assert ev.event_key(letter) is None
-
-
-def test_dead_letter_keeps_payload_and_reason() -> None:
-    payload = b'{"type": "completion", "v": 1, "trunc'
-    letter = ev.dead_letter(
-        "not a tokenbudget event: truncated",
-        source_topic="ns.completions",
-        payload=payload,
-        partition=3,
-        offset=42,
-        key=b"ds",
-    )
-    assert letter.reason == "not a tokenbudget event: truncated"
-    assert letter.payload == payload.decode()
-    assert letter.source_topic == "ns.completions"
-    assert letter.partition == 3
-    assert letter.offset == 42
-    assert letter.key == "ds"
-    assert letter.at > 0
-    # The letter itself survives the wire.
-    assert ev.decode(ev.encode(letter)) == letter
-
-
-def test_dead_letter_of_binary_payload_and_no_key() -> None:
-    letter = ev.dead_letter("garbage", source_topic="t", payload=b"ab\xffcd", key=None)
-    assert letter.payload == "ab\ufffdcd"
-    assert letter.key is None
-    assert letter.partition == -1
-    assert letter.offset == -1
-    empty = ev.dead_letter("empty", source_topic="t", payload=None)
-    assert empty.payload == ""
-    assert ev.decode(ev.encode(letter)) == letter
+    assert codec.event_key(letter) is None
 
 
 # ------------------------------------------------------------ completion output_ids
@@ -287,14 +257,14 @@ COMPLETION = next(e for e in ALL_EVENTS if isinstance(e, ev.CompletionEvent))
 
 def v1_wire(event: ev.CompletionEvent) -> bytes:
     """The bytes a version 1 writer produced: ids as a JSON array of numbers."""
-    wire = json.loads(ev.encode(event))
+    wire = json.loads(codec.encode(event))
     wire.update(v=1, output_ids=list(event.output_ids))
     return msgspec.json.encode(wire)
 
 
 def test_completion_ids_are_little_endian_int32_bytes_on_the_wire() -> None:
     event = msgspec.structs.replace(COMPLETION, output_ids=[0, 1, 151_643, 2**31 - 1, -1])
-    wire = json.loads(ev.encode(event))
+    wire = json.loads(codec.encode(event))
     assert wire["v"] == ev.COMPLETION_VERSION == 6
     raw = base64.b64decode(wire["output_ids"], validate=True)
     assert raw == np.array([0, 1, 151_643, 2**31 - 1, -1], dtype="<i4").tobytes()
@@ -307,17 +277,17 @@ def test_v1_and_v2_completions_decode_to_the_same_event(ids: list[int]) -> None:
     event = msgspec.structs.replace(
         COMPLETION, output_ids=ids, completion_tokens=len(ids), max_new_tokens=max(4, len(ids))
     )
-    old, new = v1_wire(event), ev.encode(event)
+    old, new = v1_wire(event), codec.encode(event)
     assert b'"output_ids":[' in old and b'"v":1' in old
-    assert ev.decode(old) == ev.decode(new) == event
-    assert ev.decode(old).output_ids == ids
+    assert codec.decode(old) == codec.decode(new) == event
+    assert codec.decode(old).output_ids == ids
     # a v1 event read back is written again as v2, byte for byte as a new one
-    assert ev.encode(ev.decode(old)) == new
+    assert codec.encode(codec.decode(old)) == new
 
 
 def test_constructed_ids_are_held_as_token_ids() -> None:
     event = msgspec.structs.replace(COMPLETION, output_ids=(3, 4))
-    assert isinstance(event.output_ids, ev.TokenIds)
+    assert isinstance(event.output_ids, TokenIds)
     assert event.v == ev.COMPLETION_VERSION
     from_numpy = msgspec.structs.replace(COMPLETION, output_ids=np.array([3, 4], np.int64))
     assert from_numpy == event
@@ -343,31 +313,31 @@ def test_constructed_ids_are_held_as_token_ids() -> None:
 def test_malformed_output_ids_are_a_decode_error(output_ids: object, message: str) -> None:
     for version in (1, 2):
         with pytest.raises(EventDecodeError, match=message) as info:
-            ev.decode(_with(COMPLETION, v=version, output_ids=output_ids))
+            codec.decode(_with(COMPLETION, v=version, output_ids=output_ids))
         assert "output_ids" in str(info.value)
 
 
 def test_completion_versions() -> None:
-    assert ev.supported_versions("completion") == {1, 2, 3, 4, 5, 6}
-    assert ev.supported_versions("budget_set") == {1}
+    assert codec.supported_versions("completion") == {1, 2, 3, 4, 5, 6}
+    assert codec.supported_versions("budget_set") == {1}
     with pytest.raises(EventDecodeError, match="'completion' event has schema version 7"):
-        ev.decode(_with(COMPLETION, v=7))
+        codec.decode(_with(COMPLETION, v=7))
     with pytest.raises(EventDecodeError, match="upgrade tokenbudget"):
-        ev.decode(_with(BUDGET_SET, v=2))  # only completions moved to version 2
+        codec.decode(_with(BUDGET_SET, v=2))  # only completions moved to version 2
 
 
 def test_a_v3_completion_decodes_with_no_stop_reason_and_is_written_again_as_current() -> None:
     """Completions written before stop_reason existed stay readable: the topic is the
     permanent record, and nobody knows now whether the budget ended those answers."""
-    wire = json.loads(ev.encode(COMPLETION))
+    wire = json.loads(codec.encode(COMPLETION))
     assert "stop_reason" not in wire or wire["stop_reason"] is None
     wire.pop("stop_reason", None)
     wire["v"] = 3
-    old = ev.decode(msgspec.json.encode(wire))
+    old = codec.decode(msgspec.json.encode(wire))
     assert isinstance(old, ev.CompletionEvent) and old.stop_reason is None
-    assert json.loads(ev.encode(old))["v"] == ev.COMPLETION_VERSION
+    assert json.loads(codec.encode(old))["v"] == ev.COMPLETION_VERSION
     cut = msgspec.structs.replace(COMPLETION, stop_reason="budget")
-    decoded = ev.decode(ev.encode(cut))
+    decoded = codec.decode(codec.encode(cut))
     assert isinstance(decoded, ev.CompletionEvent) and decoded.stop_reason == "budget"
     assert decoded.finish_reason == "length"  # the server's own stays beside it
 
@@ -376,18 +346,18 @@ def test_a_v4_completion_decodes_with_no_reasoning_and_unfinished_unknown() -> N
     """Completions written before the reasoning fields existed stay readable, with
     nothing claimed about them: whether such an answer was cut while thinking is not
     known now."""
-    wire = json.loads(ev.encode(msgspec.structs.replace(COMPLETION, stop_reason="length")))
+    wire = json.loads(codec.encode(msgspec.structs.replace(COMPLETION, stop_reason="length")))
     for name in ("reasoning", "reasoning_tokens", "unfinished"):
         wire.pop(name, None)
     wire["v"] = 4
-    old = ev.decode(msgspec.json.encode(wire))
+    old = codec.decode(msgspec.json.encode(wire))
     assert isinstance(old, ev.CompletionEvent) and old.stop_reason == "length"
     assert (old.reasoning, old.reasoning_tokens, old.unfinished) == (None, None, None)
-    assert json.loads(ev.encode(old))["v"] == 6
+    assert json.loads(codec.encode(old))["v"] == 6
     thinking = msgspec.structs.replace(
         COMPLETION, reasoning="let me see", reasoning_tokens=1, unfinished=False
     )
-    decoded = ev.decode(ev.encode(thinking))
+    decoded = codec.decode(codec.encode(thinking))
     assert isinstance(decoded, ev.CompletionEvent)
     assert (decoded.reasoning, decoded.reasoning_tokens, decoded.unfinished) == (
         "let me see",
@@ -396,64 +366,13 @@ def test_a_v4_completion_decodes_with_no_reasoning_and_unfinished_unknown() -> N
     )
 
 
-def test_token_ids_behave_like_a_sequence_of_ints() -> None:
-    ids = ev.TokenIds([5, 6, 7, 8])
-    assert len(ids) == 4 and ids[0] == 5 and ids[-1] == 8 and isinstance(ids[1], int)
-    assert ids == [5, 6, 7, 8] and ids == (5, 6, 7, 8)
-    assert [5, 6, 7, 8] == ids  # noqa: SIM300 - list.__eq__ defers to TokenIds
-    assert ids != [5, 6, 7] and ids != "abcd" and ids != b"\x05"
-    assert ids[1:3] == ev.TokenIds([6, 7]) and isinstance(ids[::2], ev.TokenIds)
-    assert ids[::-1] == [8, 7, 6, 5]
-    assert list(ids) == ids.tolist() == [5, 6, 7, 8] and 7 in ids
-    assert ev.TokenIds(ids) == ids and hash(ev.TokenIds(ids)) == hash(ids)
-    assert ev.TokenIds(i for i in range(3)) == [0, 1, 2]
-    assert ev.TokenIds() == [] and len(ev.TokenIds([])) == 0
-    assert repr(ids) == "TokenIds([5, 6, 7, 8])"
-    assert ids.tobytes() == np.array([5, 6, 7, 8], "<i4").tobytes()
-    assert ev.TokenIds.from_bytes(ids.tobytes()) == ids
-    array = np.asarray(ids)
-    assert array.dtype == np.int32 and array.tolist() == [5, 6, 7, 8]
-    with pytest.raises(ValueError):
-        array[0] = 1  # a view of the immutable bytes
-
-
-@pytest.mark.parametrize("bad", [[1.5], [True, False], [[1]], [2**31], [-(2**31) - 1], [2**70]])
-def test_token_ids_reject_what_is_not_int32(bad: list[Any]) -> None:
-    with pytest.raises(ValueError, match="output_ids"):
-        ev.TokenIds(bad)
-
-
-def test_token_ids_from_bytes_needs_whole_int32s() -> None:
-    with pytest.raises(ValueError, match="not a whole number of int32"):
-        ev.TokenIds.from_bytes(b"\x01\x00\x00")
-
-
-def test_a_bad_row_letter_names_dataset_line_and_fix_and_keeps_only_an_excerpt() -> None:
-    row = DatasetError(
-        "data/big.jsonl",
-        "the prompt is 1,500,000 bytes of UTF-8, over [producer] max_prompt_bytes",
-        line=3,
-        excerpt="aaaa... (1,499,996 more characters)",
-        size=1_500_000,
-    )
-    letter = ev.bad_row_letter("big", row, "fix: shorten the row")
-    assert letter.key == "big" and letter.source == "data/big.jsonl:3"
-    assert letter.size == 1_500_000 and letter.payload == row.excerpt
-    assert letter.reason.startswith("bad row of dataset big at data/big.jsonl:3: the prompt is")
-    assert letter.reason.endswith("fix: shorten the row")
-    assert letter.source_topic == ""  # it never was an event
-    assert ev.decode(ev.encode(letter)) == letter
-    # Readers of an older build ignore the fields they do not know.
-    assert ev.decode(ev.encode(letter).replace(b',"source":"data/big.jsonl:3"', b"")).key == "big"
-
-
 # ------------------------------------------------------------ checked at the door
 # Events come from whoever can write a topic: each of these decoded and was believed
 # before the bounds were declared with the fields (issue 41's hostile inputs).
 
 
 def _wire(event: ev.Event, **changes: Any) -> bytes:
-    return json.dumps({**json.loads(ev.encode(event)), **changes}).encode()
+    return json.dumps({**json.loads(codec.encode(event)), **changes}).encode()
 
 
 _HALT = ev.BudgetExceeded(dataset="ds", budget=10, used=10, at=1.0)
@@ -498,12 +417,12 @@ def test_a_value_out_of_its_bounds_is_a_bad_event(
     event: ev.Event, changes: dict[str, Any], field: str
 ) -> None:
     with pytest.raises(EventDecodeError, match=rf"at `\$\.{field}`"):
-        ev.decode(_wire(event, **changes))
+        codec.decode(_wire(event, **changes))
 
 
 def test_every_valid_dataset_name_of_a_config_decodes() -> None:
     for name in ("ds", "B1_codealpaca", "a.b-c_d", "_x", "9" * 200):
-        assert ev.decode(_wire(_SET, dataset=name)) == ev.BudgetSet(dataset=name, budget=100)
+        assert codec.decode(_wire(_SET, dataset=name)) == ev.BudgetSet(dataset=name, budget=100)
 
 
 @pytest.mark.parametrize("depth", [1_000, 100_000])
@@ -512,21 +431,7 @@ def test_a_record_nested_past_the_parser_is_a_bad_event_not_a_recursion_error(de
     inside = b'{"type":"completion","v":6,"input_columns":{"a":' + nested + b"}}"
     for data in (nested, inside, b'{"a":' + nested + b"}"):
         with pytest.raises(EventDecodeError, match="not a tokenbudget event"):
-            ev.decode(data)
-
-
-def test_a_binary_record_of_1_5_mb_is_a_bad_event_and_its_letter_fits_in_a_message() -> None:
-    data = bytes(range(256)) * (1_500_000 // 256)
-    with pytest.raises(EventDecodeError) as info:
-        ev.decode(data)
-    letter = ev.dead_letter(str(info.value), source_topic="ns.completions", payload=data)
-    wire = ev.encode(letter)
-    assert len(wire) < 200_000  # the record was 1.5 MB; the limit is 8 MiB
-    assert letter.size == len(data)
-    assert base64.b64decode(letter.payload_base64) == data[: ev.PREFIX_BYTES]
-    assert letter.sha256 == __import__("hashlib").sha256(data).hexdigest()
-    assert len(letter.payload) <= ev.EXCERPT_CHARS
-    assert ev.decode(wire) == letter
+            codec.decode(data)
 
 
 @pytest.mark.parametrize(
@@ -548,12 +453,12 @@ def test_an_event_read_from_a_topic_it_does_not_travel_on_is_a_bad_event(
     event: ev.Event, topic: str
 ) -> None:
     with pytest.raises(EventDecodeError, match=r"does not travel on ns\.\w+: only on ns\.\w+"):
-        ev.decode(ev.encode(event), topic=topic)
-    assert ev.decode(ev.encode(event), topic=f"ns.{ev.topic_of(type(event))}") == event
+        codec.decode(codec.encode(event), topic=topic)
+    assert codec.decode(codec.encode(event), topic=f"ns.{codec.topic_of(type(event))}") == event
 
 
 def test_every_event_type_travels_on_exactly_one_topic() -> None:
-    kinds = [kind for kinds in ev.ON_TOPIC.values() for kind in kinds]
+    kinds = [kind for kinds in codec.ON_TOPIC.values() for kind in kinds]
     assert sorted(k.__name__ for k in kinds) == sorted(
         k.__name__ for k in typing.get_args(ev.Event)
     )

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 from faust.types import Message
 
+from tokenbudget.streams import codec, ledger, ledger_worker
 from tokenbudget.streams import events as ev
-from tokenbudget.streams import ledger, ledger_worker
 from tokenbudget.streams.topics import Topics
 
 
@@ -91,7 +91,7 @@ def _worker() -> ledger_worker.LedgerWorker:
 
 def _delivered(worker: ledger_worker.LedgerWorker, topic: str, offset: int, event: ev.Event) -> Any:
     """A Faust event as the ledger's source topic hands it over."""
-    value = ev.encode(event)
+    value = codec.encode(event)
     message = Message(topic, 1, offset, 0.0, 0, [], b"d0", value, None)
     return worker.app.create_event(b"d0", value, [], message)
 

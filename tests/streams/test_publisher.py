@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from tokenbudget.core.kafka import aiokafka_producer_options
+from tokenbudget.streams import codec, publisher
 from tokenbudget.streams import events as ev
-from tokenbudget.streams import publisher
 
 
 class FakeProducer:
@@ -32,7 +32,7 @@ class FakeProducer:
         self.sends += 1
         if self.sends == self.failing_send:
             raise ConnectionError("broker gone")
-        self.log.append((topic, key, ev.decode(value)))
+        self.log.append((topic, key, codec.decode(value)))
 
     async def stop(self) -> None:
         self.log.append("stop")

@@ -218,7 +218,7 @@ def test_a_commands_help_imports_only_its_own_module(capsys: pytest.CaptureFixtu
 
 
 def test_the_simulators_profiles_are_listed_from_its_own_table() -> None:
-    from tokenbudget.dev import simulator
+    from tokenbudget.dev.simulator.config import PROFILES
 
     parser = cli.build_parser(["simulate"])
     simulate = next(
@@ -229,5 +229,5 @@ def test_the_simulators_profiles_are_listed_from_its_own_table() -> None:
         if name == "simulate"
     )
     text = simulate.format_help()
-    for name in simulator.PROFILES:
+    for name in PROFILES:
         assert f"{name}:" in text.replace("\n", " ")

@@ -14,6 +14,7 @@ from tokenbudget.core.errors import BrokerError, TokenBudgetError
 from tokenbudget.core.kafka_admin import STARTUP_WAIT_S, TopicSpec, check_ready, ensure_topics
 from tokenbudget.core.retry import retry_until
 from tokenbudget.localkafka import broker
+from tokenbudget.localkafka.settings import BrokerSettings
 from tokenbudget.streams.topics import Topics
 
 log = logging.getLogger(__name__)
@@ -22,9 +23,9 @@ log = logging.getLogger(__name__)
 _ATTEMPT_S = 10.0
 
 
-def local_broker_settings(config: Config) -> broker.BrokerSettings:
-    settings = broker.BrokerSettings.from_env()
-    env_port_set = settings.port != broker.BrokerSettings.__dataclass_fields__["port"].default
+def local_broker_settings(config: Config) -> BrokerSettings:
+    settings = BrokerSettings.from_env()
+    env_port_set = settings.port != BrokerSettings.__dataclass_fields__["port"].default
     if env_port_set:
         return settings
     return dataclasses.replace(
@@ -97,9 +98,7 @@ def reading_bootstrap(config: Config | None, bootstrap: str = "") -> str:
         return bootstrap
     if config is not None and config.kafka.bootstrap != "local":
         return resolve_bootstrap(config, create_topics=False)  # registers TLS/SASL
-    settings = (
-        local_broker_settings(config) if config is not None else broker.BrokerSettings.from_env()
-    )
+    settings = local_broker_settings(config) if config is not None else BrokerSettings.from_env()
     state = broker.status(settings)
     if not state.ready:
         how = "is starting" if state.running else "is not running"
@@ -115,10 +114,10 @@ def reading_bootstrap(config: Config | None, bootstrap: str = "") -> str:
     return state.bootstrap
 
 
-def broker_up_command(settings: broker.BrokerSettings) -> str:
+def broker_up_command(settings: BrokerSettings) -> str:
     """The command that starts this broker: ``broker up`` reads its ports from the
     environment only, not from ``[kafka] local_port``."""
-    if settings.port == broker.BrokerSettings.from_env().port:
+    if settings.port == BrokerSettings.from_env().port:
         return "tokenbudget broker up"
     return (
         f"TOKENBUDGET_KAFKA_PORT={settings.port} "

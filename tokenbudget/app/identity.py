@@ -59,7 +59,9 @@ from tokenbudget.sinks.audit import live_snapshots
 from tokenbudget.sinks.parquet import output_files
 from tokenbudget.sinks.replay import replay
 from tokenbudget.sinks.replay_range import ReplayOptions
+from tokenbudget.streams import codec
 from tokenbudget.streams import events as ev
+from tokenbudget.streams.fields import DatasetIdentity
 from tokenbudget.streams.topics import Topics
 
 Command = Literal["run", "produce"]
@@ -159,7 +161,7 @@ def identity_of(config: Config, *, at: float | None = None, by: str = "") -> ev.
     at = time.time() if at is None else at
     return ev.JobIdentity(
         datasets=tuple(
-            ev.DatasetIdentity(
+            DatasetIdentity(
                 name=d.name,
                 file=str(d.path),
                 content=content_hash(d.path),
@@ -227,7 +229,7 @@ def same_record(a: ev.JobIdentity, b: ev.JobIdentity) -> bool:
     )
 
 
-def _name(dataset: ev.DatasetIdentity) -> str:
+def _name(dataset: DatasetIdentity) -> str:
     return dataset.name
 
 
@@ -294,7 +296,7 @@ def _latest_record(
         if record.key != RECORD_KEY:
             return
         try:
-            event = ev.decode(record.value, where)
+            event = codec.decode(record.value, where)
         except EventDecodeError:
             return  # a newer build's record: this one cannot compare with it
         if isinstance(event, ev.JobIdentity):
@@ -329,7 +331,7 @@ async def record(
     await producer.start()
     try:
         await producer.send_and_wait(
-            topics.control, ev.encode(identity), key=RECORD_KEY, partition=RECORD_PARTITION
+            topics.control, codec.encode(identity), key=RECORD_KEY, partition=RECORD_PARTITION
         )
     finally:
         await producer.stop()

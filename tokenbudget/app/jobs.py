@@ -24,7 +24,7 @@ from tokenbudget.app.tables import format_table, printable
 from tokenbudget.core.errors import BrokerError, EventDecodeError
 from tokenbudget.core.kafka import GroupLag, consumer_options, kafka_python_options, read_to_ends
 from tokenbudget.core.kafka_admin import admin_client, connect_error
-from tokenbudget.streams import budget
+from tokenbudget.streams import budget, codec
 from tokenbudget.streams import events as ev
 from tokenbudget.streams.topics import Topics
 
@@ -83,7 +83,7 @@ def latest_snapshots(bootstrap: str, topics: Topics) -> dict[str, ev.LedgerSnaps
 
     def keep(record: Any) -> None:
         try:
-            event = ev.decode(record.value, record.topic)
+            event = codec.decode(record.value, record.topic)
         except EventDecodeError:
             return
         if isinstance(event, ev.LedgerSnapshot):

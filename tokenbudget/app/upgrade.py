@@ -3,7 +3,7 @@
 Until roles had principals of their own, the operators' commands (budgets set, the
 fleet's changes, the job's identity) travelled on the budgets topic beside the
 ledger's announcements. Readers now believe them only from the control topic
-(:data:`tokenbudget.streams.events.ON_TOPIC`), so the first operator to start a job
+(:data:`tokenbudget.streams.codec.ON_TOPIC`), so the first operator to start a job
 of such a namespace (``run`` or ``produce``, before it compares the job) copies them
 there, in their order, each to its partition: an empty control topic beside a
 budgets topic that holds commands is such a namespace.
@@ -19,10 +19,10 @@ from kafka import KafkaProducer
 from tokenbudget.core.errors import EventDecodeError
 from tokenbudget.core.kafka import kafka_python_producer_options, read_topic
 from tokenbudget.core.sizes import Compression
-from tokenbudget.streams import events as ev
+from tokenbudget.streams import codec
 from tokenbudget.streams.topics import Topics
 
-_COMMANDS = ev.ON_TOPIC["control"]
+_COMMANDS = codec.ON_TOPIC["control"]
 
 
 def move_commands(bootstrap: str, topics: Topics, compression: Compression) -> int:
@@ -36,7 +36,7 @@ def move_commands(bootstrap: str, topics: Topics, compression: Compression) -> i
 
     def keep(record: Any) -> None:
         try:
-            event = ev.decode(record.value)
+            event = codec.decode(record.value)
         except EventDecodeError:
             return
         if isinstance(event, _COMMANDS):

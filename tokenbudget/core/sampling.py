@@ -3,7 +3,7 @@
 :class:`Sampling` is what a request may ask of the sampler beside its length. The
 config's ``[inference]`` and ``[[datasets]]`` sections take these keys
 (:mod:`tokenbudget.core.config`), the prompt and completion events carry them
-(``tokenbudget.streams.events.SamplingParams``, with the budget's ``max_new_tokens``), the
+(``tokenbudget.streams.fields.SamplingParams``, with the budget's ``max_new_tokens``), the
 Parquet sink stores them in a column whose type is derived from these fields
 (``tokenbudget.sinks.schema.SAMPLING_TYPE``), and the simulator logs them under these names. A
 setting added here reaches all of them.

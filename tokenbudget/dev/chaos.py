@@ -54,6 +54,7 @@ from tokenbudget.dev.jobs import (
 )
 from tokenbudget.dev.ports import free_ports
 from tokenbudget.localkafka import broker
+from tokenbudget.localkafka.settings import BrokerSettings
 from tokenbudget.producers.prompts.resume import outcome_records
 from tokenbudget.streams.topics import Topics
 
@@ -261,9 +262,9 @@ class Chaos:
         self.rng = random.Random(settings.seed)
         self.workdir = settings.workdir.resolve()
         self.workdir.mkdir(parents=True, exist_ok=True)
-        defaults = broker.BrokerSettings.from_env()
+        defaults = BrokerSettings.from_env()
         port, controller_port = free_ports(2)
-        self.broker = broker.BrokerSettings(
+        self.broker = BrokerSettings(
             home=self.workdir / "broker",
             port=port,
             controller_port=controller_port,

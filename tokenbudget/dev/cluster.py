@@ -27,7 +27,10 @@ from pathlib import Path
 from tokenbudget.core.errors import BrokerError
 from tokenbudget.core.kafka_admin import wait_ready
 from tokenbudget.dev.ports import free_ports
-from tokenbudget.localkafka import broker
+from tokenbudget.localkafka import broker, process
+from tokenbudget.localkafka.process import running_pid
+from tokenbudget.localkafka.settings import BrokerSettings
+from tokenbudget.localkafka.storage import new_cluster_id
 
 # Three JVMs share two cores here: a small heap each starts faster.
 NODE_HEAP_MB = 384
@@ -35,18 +38,18 @@ NODE_HEAP_MB = 384
 
 @dataclass(frozen=True)
 class LocalCluster:
-    nodes: tuple[broker.BrokerSettings, ...]
+    nodes: tuple[BrokerSettings, ...]
 
     @classmethod
     def create(cls, home: Path, size: int = 3, *, min_insync_replicas: int = 2) -> LocalCluster:
         """Settings for ``size`` nodes under ``home/node<i>`` on free ports."""
         if size < 1:
             raise BrokerError(f"a cluster needs at least one node, not {size}")
-        defaults = broker.BrokerSettings.from_env()
+        defaults = BrokerSettings.from_env()
         free = free_ports(2 * size)
         ports = [(free[2 * i], free[2 * i + 1]) for i in range(size)]
         voters = ",".join(f"{i + 1}@127.0.0.1:{c}" for i, (_, c) in enumerate(ports))
-        cluster_id = broker.new_cluster_id()
+        cluster_id = new_cluster_id()
         nodes = tuple(
             replace(
                 defaults,
@@ -74,10 +77,10 @@ class LocalCluster:
         pids = {}
         for node in self.nodes:
             node.home.mkdir(parents=True, exist_ok=True)
-            pids[node.node_id] = broker.running_pid(node) or broker.launch(node)
+            pids[node.node_id] = running_pid(node) or broker.launch(node)
         deadline = time.monotonic() + timeout
         for node in self.nodes:
-            broker.wait_ready(
+            process.wait_ready(
                 node.bootstrap,
                 max(1.0, deadline - time.monotonic()),
                 pid=pids[node.node_id],
@@ -92,7 +95,7 @@ class LocalCluster:
         return self.bootstrap
 
     def pid(self, node_id: int) -> int | None:
-        return broker.running_pid(self.nodes[node_id - 1])
+        return running_pid(self.nodes[node_id - 1])
 
     def kill(self, node_id: int) -> int:
         """SIGKILL node ``node_id`` (1-based) and wait until it is gone; its pid."""
@@ -112,13 +115,13 @@ class LocalCluster:
     def down(self, timeout: float = 15) -> None:
         """Stop every node at once: a node stopped alone waits for a quorum the
         others no longer form, and only leaves when killed."""
-        pids = [pid for node in self.nodes if (pid := broker.running_pid(node)) is not None]
+        pids = [pid for node in self.nodes if (pid := running_pid(node)) is not None]
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout
         for node in self.nodes:
-            while broker.running_pid(node) is not None and time.monotonic() < deadline:
+            while running_pid(node) is not None and time.monotonic() < deadline:
                 time.sleep(0.2)
         for node in self.nodes:
             broker.down(node, timeout=1)

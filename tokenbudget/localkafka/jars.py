@@ -22,7 +22,7 @@ Contract:
 * ``complete.json`` beside ``libs`` records what was verified (the lock's digest, each
   jar's digest, size and mtime): later calls only stat the jars and touch no network.
   A cache Maven filled earlier is verified once by digest and kept.
-* ``.lock`` beside ``libs`` (the file lock the Maven path in :mod:`tokenbudget.localkafka.broker`
+* ``.lock`` beside ``libs`` (the file lock the Maven path in :mod:`tokenbudget.localkafka.storage`
   takes too) keeps two processes from filling the same cache at once.
 """
 

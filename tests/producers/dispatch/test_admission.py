@@ -16,8 +16,8 @@ from typing import Any, TypeVar
 import msgspec
 
 from tokenbudget.producers.dispatch.admission import Admission, AdmissionSettings, Ticket
+from tokenbudget.streams import codec, ledger
 from tokenbudget.streams import events as ev
-from tokenbudget.streams import ledger
 from tokenbudget.streams.budget import used
 from tokenbudget.streams.budget_board import BudgetBoard
 from tokenbudget.streams.topics import Topics
@@ -71,8 +71,8 @@ class FakeLedger:
     ) -> None:
         assert topic == TOPICS.reservations
         assert value is not None
-        event = ev.decode(value)
-        assert key == ev.event_key(event)
+        event = codec.decode(value)
+        assert key == codec.event_key(event)
         self.sent.append(event)
         await asyncio.sleep(0)
         at = ev.now()

@@ -33,8 +33,10 @@ from tokenbudget.producers.inference.backends import (
 )
 from tokenbudget.producers.inference.fleet import Fleet
 from tokenbudget.producers.inference.server_gate import GateSettings
+from tokenbudget.streams import codec
 from tokenbudget.streams import events as ev
 from tokenbudget.streams.budget_board import BudgetBoard
+from tokenbudget.streams.fields import SamplingParams
 
 
 class Recorder:
@@ -44,7 +46,7 @@ class Recorder:
         self.sent: list[ev.Event] = []
 
     async def send_and_wait(self, topic: str, key: bytes, value: bytes) -> None:
-        self.sent.append(ev.decode(value))
+        self.sent.append(codec.decode(value))
 
     def completions(self) -> list[ev.CompletionEvent]:
         return [e for e in self.sent if isinstance(e, ev.CompletionEvent)]
@@ -172,7 +174,7 @@ def prompt(i: int, max_new_tokens: int = 500) -> ev.PromptEvent:
         prompt_id=f"p{i}",
         dataset=DS,
         text=f"q{i}",
-        sampling=ev.SamplingParams(max_new_tokens=max_new_tokens),
+        sampling=SamplingParams(max_new_tokens=max_new_tokens),
     )
 
 

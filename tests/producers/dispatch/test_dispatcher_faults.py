@@ -41,8 +41,8 @@ from tokenbudget.producers.inference.backends import (
     make_backend,
 )
 from tokenbudget.producers.inference.server_gate import GateSettings
+from tokenbudget.streams import codec, ledger
 from tokenbudget.streams import events as ev
-from tokenbudget.streams import ledger
 from tokenbudget.streams.budget import used
 
 
@@ -260,7 +260,7 @@ def test_an_error_outside_the_request_is_retried_and_the_offset_is_finished() ->
 
         board.syncer = syncer
         dispatcher.tries.retry = RetryPolicy(retries=1, backoff=0.0, backoff_max=0.0)
-        record = _Record(ev.encode(prompt(0)))
+        record = _Record(codec.encode(prompt(0)))
         dispatcher.tracker.started(record.topic, record.partition, record.offset)
         slot = await dispatcher.places.take(asyncio.Event())
         assert slot is not None

@@ -11,6 +11,7 @@ from tests.producers.dispatch.test_admission import DS, run, until
 from tests.producers.dispatch.test_dispatcher_caps import Recorder, make_dispatcher, prompt
 from tokenbudget.producers.dispatch.dispatcher import Dispatcher
 from tokenbudget.producers.dispatch.slots import Slot
+from tokenbudget.streams import codec
 from tokenbudget.streams import events as ev
 
 
@@ -22,7 +23,7 @@ class HeldRecorder(Recorder):
         self.release = asyncio.Event()
 
     async def send_and_wait(self, topic: str, key: bytes, value: bytes) -> None:
-        if isinstance(ev.decode(value), ev.CompletionEvent):
+        if isinstance(codec.decode(value), ev.CompletionEvent):
             await self.release.wait()
         await super().send_and_wait(topic, key, value)
 
@@ -41,7 +42,7 @@ class Record:
 
     def __init__(self, offset: int) -> None:
         self.offset = offset
-        self.value = ev.encode(prompt(offset))
+        self.value = codec.encode(prompt(offset))
 
 
 def test_handing_back_publishes_the_answers_in_and_gives_up_the_requests_at_the_server() -> None:

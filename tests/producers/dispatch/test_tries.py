@@ -21,6 +21,7 @@ from tokenbudget.producers.dispatch.tries import UNEXPECTED_ERRORS, Tries, promp
 from tokenbudget.producers.inference.backends import RetryPolicy
 from tokenbudget.streams import events as ev
 from tokenbudget.streams.budget_board import BudgetBoard
+from tokenbudget.streams.fields import ChatMessage
 
 
 class OpenFleet:
@@ -120,7 +121,7 @@ def test_a_prompts_token_estimate_bounds_its_bytes() -> None:
     chat = ev.PromptEvent(
         prompt_id="c",
         dataset=DS,
-        messages=(ev.ChatMessage("user", "héllo"), ev.ChatMessage("assistant", "ok")),
+        messages=(ChatMessage("user", "héllo"), ChatMessage("assistant", "ok")),
     )
     assert prompt_token_estimate(chat) == len("héllook".encode()) + 16 * 3
     assert prompt_token_estimate(prompt(0)) == len(b"q0") + 16

@@ -19,6 +19,7 @@ from tokenbudget.producers.dispatch.step import DispatchReport
 from tokenbudget.producers.dispatch.turns import ConversationTurns
 from tokenbudget.producers.prompts import conversations
 from tokenbudget.streams import events as ev
+from tokenbudget.streams.fields import ChatMessage
 
 
 class Publishing:
@@ -53,8 +54,8 @@ def test_a_turns_outcome_is_followed_by_the_next_turns_prompt(tmp_path: Path) ->
     assert isinstance(done, ev.CompletionEvent) and done.prompt_id == prompt.prompt_id
     assert isinstance(following, ev.PromptEvent) and following.turn == 1
     assert following.messages is not None and following.messages[-2:] == (
-        ev.ChatMessage("assistant", "b0"),
-        ev.ChatMessage("user", "u1"),
+        ChatMessage("assistant", "b0"),
+        ChatMessage("user", "u1"),
     )
 
 

@@ -27,8 +27,9 @@ from tokenbudget.core.errors import (
     InferenceTransportError,
     InferenceUnavailableError,
 )
-from tokenbudget.dev import simulator
-from tokenbudget.dev.simulator import Faults, RunningSimulator, SimulatorConfig
+from tokenbudget.dev.simulator import server as sim_server
+from tokenbudget.dev.simulator.config import Faults, SimulatorConfig
+from tokenbudget.dev.simulator.server import RunningSimulator
 from tokenbudget.producers.inference import backends as inference
 from tokenbudget.producers.inference.backends import (
     RETRY_AFTER_MAX_S,
@@ -43,7 +44,7 @@ from tokenbudget.producers.inference.backends import (
     parse_retry_after,
 )
 from tokenbudget.producers.inference.http import HttpClient, Timeouts
-from tokenbudget.streams.events import ChatMessage, ToolCall
+from tokenbudget.streams.fields import ChatMessage, ToolCall
 
 FAST = SimulatorConfig(port=0, tokens_per_second=1e6, seed=3)
 APIS = ["sglang", "openai-completions", "openai-chat"]
@@ -53,7 +54,7 @@ Body = Callable[[RunningSimulator, HttpClient], Awaitable[Any]]
 
 def with_simulator(body: Body, config: SimulatorConfig = FAST) -> Any:
     async def main() -> Any:
-        sim = await simulator.start(config)
+        sim = await sim_server.start(config)
         try:
             async with HttpClient(64, Timeouts(read=30.0)) as client:
                 return await body(sim, client)
@@ -404,11 +405,11 @@ def test_a_count_that_is_not_one_is_refused_naming_the_field_and_the_server(
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
 @pytest.mark.parametrize("api", APIS)
 def test_the_simulator_s_hostile_answers_are_refused(api: str, stream: bool) -> None:
-    """Its lying counts (each of simulator.BAD_COUNTS, in either count) and its endless
+    """Its lying counts (each of BAD_COUNTS, in either count) and its endless
     bodies: every backend refuses them as such, and its log says which it sent."""
 
     async def refused(config: SimulatorConfig, error: type[InferenceError]) -> list[str]:
-        sim = await simulator.start(config)
+        sim = await sim_server.start(config)
         try:
             async with HttpClient(4, Timeouts(read=10.0), 256 * 1024) as client:
                 backend = make_backend(api, client, sim.url, stream=stream)

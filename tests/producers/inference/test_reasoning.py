@@ -16,13 +16,14 @@ from tokenbudget.producers.dispatch.answers import cut_answer
 from tokenbudget.producers.inference.backends import GenerationResult
 from tokenbudget.producers.inference.reasoning import ReasoningRows, unfinished
 from tokenbudget.streams import events as ev
+from tokenbudget.streams.fields import StopReason
 
 
 def answer(tokens: int = 10, text: str = "", **fields: Any) -> GenerationResult:
     return GenerationResult("r", 3, tokens, list(range(tokens)), text, "length", **fields)
 
 
-def marked(result: GenerationResult, stop: ev.StopReason = "length", *, saves: bool) -> bool:
+def marked(result: GenerationResult, stop: StopReason = "length", *, saves: bool) -> bool:
     return unfinished(result, result, stop, raw_thinks=saves, end_marker="</think>")
 
 

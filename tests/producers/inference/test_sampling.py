@@ -10,10 +10,12 @@ import pytest
 from tests.producers.inference.test_backends import FAST, request, with_simulator
 from tokenbudget.core.config import build
 from tokenbudget.core.sampling import SAMPLING_KEYS
-from tokenbudget.dev.simulator import RunningSimulator
+from tokenbudget.dev.simulator.server import RunningSimulator
 from tokenbudget.producers.inference.backends import make_backend
 from tokenbudget.producers.inference.http import HttpClient
+from tokenbudget.streams import codec
 from tokenbudget.streams import events as ev
+from tokenbudget.streams.fields import ChatMessage, SamplingParams
 
 SETTINGS: dict[str, Any] = {
     "temperature": 0.6,
@@ -32,7 +34,7 @@ SETTINGS: dict[str, Any] = {
 
 def test_every_setting_has_a_config_key_and_an_event_field() -> None:
     assert set(SAMPLING_KEYS) == set(SETTINGS)
-    assert set(SAMPLING_KEYS) <= set(ev.SamplingParams.__struct_fields__)
+    assert set(SAMPLING_KEYS) <= set(SamplingParams.__struct_fields__)
 
 
 def test_a_dataset_overrides_inference_key_by_key(tmp_path: Any) -> None:
@@ -49,10 +51,10 @@ def test_a_dataset_overrides_inference_key_by_key(tmp_path: Any) -> None:
     a, b = config.datasets
     assert a.sampling == {"temperature": 0.7, "top_p": 0.5, "stop": ["END"], "seed": 7}
     assert b.sampling == {"temperature": 0.7, "top_p": 0.9, "stop": ["END"]}
-    event = ev.SamplingParams(max_new_tokens=100, **a.sampling)
+    event = SamplingParams(max_new_tokens=100, **a.sampling)
     assert event.request_fields() == a.sampling  # the budget's max_new_tokens apart
     # unset settings take no room in the event
-    assert b"top_k" not in ev.encode(
+    assert b"top_k" not in codec.encode(
         ev.PromptEvent(prompt_id="p", dataset="b", text="t", sampling=event)
     )
 
@@ -63,7 +65,7 @@ def test_each_setting_reaches_the_server_in_its_api_shape(api: str) -> None:
         backend = make_backend(api, client, sim.url, model=FAST.model)
         kwargs: dict[str, Any] = {"text": "Tell me a story #short"}
         if api == "openai-chat":
-            kwargs = {"messages": (ev.ChatMessage(role="user", content="hi #short"),)}
+            kwargs = {"messages": (ChatMessage(role="user", content="hi #short"),)}
         await backend.generate(
             request(
                 f"{api}-sampling",

@@ -18,8 +18,9 @@ from tokenbudget.core.errors import (
     InferenceRequestError,
     InferenceServerError,
 )
-from tokenbudget.dev import simulator
-from tokenbudget.dev.simulator import Faults, RunningSimulator, SimulatorConfig
+from tokenbudget.dev.simulator import server as sim_server
+from tokenbudget.dev.simulator.config import Faults, RequestRecord, SimulatorConfig
+from tokenbudget.dev.simulator.server import RunningSimulator
 from tokenbudget.producers.inference.backends import (
     GenerationRequest,
     InferenceCountError,
@@ -31,7 +32,7 @@ from tokenbudget.producers.inference.backends import (
 )
 from tokenbudget.producers.inference.http import HttpClient, Timeouts
 from tokenbudget.producers.templates import load_tokenizer
-from tokenbudget.streams.events import ChatMessage
+from tokenbudget.streams.fields import ChatMessage
 
 APIS = ["sglang", "openai-completions", "openai-chat"]
 FAST = SimulatorConfig(port=0, tokens_per_second=200_000, seed=5)
@@ -47,7 +48,7 @@ def with_simulator(
     config: SimulatorConfig, body: Callable[[RunningSimulator, HttpClient], Awaitable[Any]]
 ) -> Any:
     async def main() -> Any:
-        sim = await simulator.start(config)
+        sim = await sim_server.start(config)
         try:
             async with HttpClient(64, Timeouts(read=30.0)) as client:
                 return await body(sim, client)
@@ -59,7 +60,7 @@ def with_simulator(
 
 def run_prompts(
     api: str, config: SimulatorConfig = FAST, **options: Any
-) -> tuple[list[Any], dict[str, simulator.RequestRecord], dict[str, list[int]]]:
+) -> tuple[list[Any], dict[str, RequestRecord], dict[str, list[int]]]:
     progress: dict[str, list[int]] = {}
 
     async def body(sim: RunningSimulator, client: HttpClient) -> list[Any]:
@@ -92,7 +93,7 @@ def test_streaming_counts_equal_the_servers(api: str, incremental: bool) -> None
     config = SimulatorConfig(
         port=0, tokens_per_second=20_000, seed=5, incremental_streaming=incremental
     )
-    log: list[simulator.RequestRecord] = []
+    log: list[RequestRecord] = []
     progress: dict[str, list[int]] = {}
 
     async def body(sim: RunningSimulator, client: HttpClient) -> list[Any]:
@@ -177,7 +178,7 @@ def test_no_usage_no_ids_counts_with_the_tokenizer(
     bare = SimulatorConfig(
         port=0, tokens_per_second=100_000, seed=5, omit_usage=True, omit_token_ids=True
     )
-    log: list[simulator.RequestRecord] = []
+    log: list[RequestRecord] = []
     tokenizer = load_tokenizer(tokenizer_dir)
 
     async def body(sim: RunningSimulator, client: HttpClient) -> Any:

@@ -22,7 +22,7 @@ from tokenbudget.producers.prompts.datasets import (
     read_prompts,
     stable_prompt_id,
 )
-from tokenbudget.streams.events import ChatMessage
+from tokenbudget.streams.fields import ChatMessage
 
 ALPACA = [
     {"instruction": "Write a haiku", "input": "", "output": "..."},

@@ -31,12 +31,13 @@ from tokenbudget.producers.prompts.datasets import (
 from tokenbudget.producers.prompts.producer import PromptProducer
 from tokenbudget.streams import events as ev
 from tokenbudget.streams.budget_board import BudgetBoard
+from tokenbudget.streams.fields import ChatMessage, StopReason, ToolCall
 
-M = ev.ChatMessage
+M = ChatMessage
 
 
-def call(name: str = "search", arguments: str = '{"query": "q"}', id: str = "rec_1") -> ev.ToolCall:
-    return ev.ToolCall(id=id, name=name, arguments=arguments)
+def call(name: str = "search", arguments: str = '{"query": "q"}', id: str = "rec_1") -> ToolCall:
+    return ToolCall(id=id, name=name, arguments=arguments)
 
 
 FOUR = (
@@ -59,7 +60,7 @@ def write_rows(path: Path, rows: list[dict[str, Any]]) -> Path:
     return path
 
 
-def as_rows(messages: tuple[ev.ChatMessage, ...]) -> list[dict[str, Any]]:
+def as_rows(messages: tuple[ChatMessage, ...]) -> list[dict[str, Any]]:
     out = []
     for m in messages:
         row: dict[str, Any] = {"role": m.role, "content": m.content or None}
@@ -75,7 +76,7 @@ def as_rows(messages: tuple[ev.ChatMessage, ...]) -> list[dict[str, Any]]:
     return out
 
 
-def first_turn(tmp_path: Path, messages: tuple[ev.ChatMessage, ...], **row: Any) -> PromptRow:
+def first_turn(tmp_path: Path, messages: tuple[ChatMessage, ...], **row: Any) -> PromptRow:
     path = write_rows(tmp_path / "c.jsonl", [{"id": "c0", "messages": as_rows(messages), **row}])
     [first] = read_prompts("d", path, turns="regenerate")
     return first
@@ -100,8 +101,8 @@ def completion(
     prompt: ev.PromptEvent,
     text: str,
     *,
-    stop: ev.StopReason = "stop",
-    calls: tuple[ev.ToolCall, ...] | None = None,
+    stop: StopReason = "stop",
+    calls: tuple[ToolCall, ...] | None = None,
     reasoning: str | None = "thinking...",
 ) -> ev.CompletionEvent:
     return ev.CompletionEvent(

@@ -15,7 +15,7 @@ from tokenbudget.core.errors import ConfigError, DatasetError
 from tokenbudget.producers.prompts.datasets import PromptRow, read_options, read_prompts, reader_for
 from tokenbudget.producers.prompts.resume import skip_done
 from tokenbudget.producers.templates import load_tokenizer
-from tokenbudget.streams.events import ChatMessage
+from tokenbudget.streams.fields import ChatMessage
 
 
 def write_jsonl(path: Path, rows: list[Any]) -> Path:

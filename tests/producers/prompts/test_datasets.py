@@ -23,7 +23,7 @@ from tokenbudget.producers.prompts.datasets import (
     reader_for,
     stable_prompt_id,
 )
-from tokenbudget.streams.events import ChatMessage
+from tokenbudget.streams.fields import ChatMessage
 
 ROWS: list[dict[str, Any]] = [
     {"prompt": "Write a haiku #short"},

@@ -15,6 +15,7 @@ from tokenbudget.core.errors import DatasetError
 from tokenbudget.producers.prompts import resume
 from tokenbudget.producers.prompts.datasets import read_prompts
 from tokenbudget.producers.prompts.producer import PromptProducer
+from tokenbudget.streams import codec
 from tokenbudget.streams import events as ev
 from tokenbudget.streams.budget_board import BudgetBoard
 from tokenbudget.streams.topics import Topics
@@ -25,7 +26,7 @@ class RecordingProducer:
         self.sent: list[tuple[str, ev.Event]] = []
 
     async def send(self, topic: str, *, key: bytes, value: bytes) -> None:
-        self.sent.append((topic, ev.decode(value)))
+        self.sent.append((topic, codec.decode(value)))
 
     async def send_and_wait(self, topic: str, *, key: bytes, value: bytes) -> None:
         await self.send(topic, key=key, value=value)

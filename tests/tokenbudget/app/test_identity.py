@@ -13,6 +13,7 @@ import pytest
 from tokenbudget.app import identity
 from tokenbudget.core import config as config_module
 from tokenbudget.core.errors import DatasetError
+from tokenbudget.streams import codec
 from tokenbudget.streams import events as ev
 
 
@@ -262,8 +263,8 @@ def test_a_missing_file_is_a_dataset_error(tmp_path: Path) -> None:
 
 
 def test_the_record_round_trips_as_an_event(base: ev.JobIdentity) -> None:
-    assert ev.decode(ev.encode(base)) == base
-    assert ev.event_key(base) is None  # no dataset: the ledger passes it by
+    assert codec.decode(codec.encode(base)) == base
+    assert codec.event_key(base) is None  # no dataset: the ledger passes it by
 
 
 MAPPED = {**B1, "prompt_template": "{instruction}\n\n{input?}", "id_field": "qid"}
@@ -276,13 +277,13 @@ def test_a_column_mapping_is_recorded_as_written_and_matches_after_the_round_tri
     settings = mapped.datasets[0].settings
     assert settings["prompt_template"] == "{instruction}\n\n{input?}"
     assert settings["id_field"] == "qid"
-    back = ev.decode(ev.encode(mapped))
+    back = codec.decode(codec.encode(mapped))
     assert isinstance(back, ev.JobIdentity)
     assert identity.differences(back, job(tmp_path, MAPPED)) == []
 
 
 def test_another_column_mapping_is_named_by_its_key(tmp_path: Path, base: ev.JobIdentity) -> None:
-    mapped = ev.decode(ev.encode(job(tmp_path, MAPPED)))
+    mapped = codec.decode(codec.encode(job(tmp_path, MAPPED)))
     assert isinstance(mapped, ev.JobIdentity)
     other = job(tmp_path, {**MAPPED, "prompt_template": "{instruction}"})
     assert identity.differences(mapped, other) == [

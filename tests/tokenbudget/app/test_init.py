@@ -21,7 +21,8 @@ from tokenbudget import cli
 from tokenbudget.app import init
 from tokenbudget.core import config as config_module
 from tokenbudget.core.errors import ConfigError, InferenceRequestError, TokenBudgetError
-from tokenbudget.dev import simulator
+from tokenbudget.dev.simulator import server as sim_server
+from tokenbudget.dev.simulator.config import SimulatorConfig
 from tokenbudget.dev.tiny_tokenizer import build_tokenizer
 from tokenbudget.producers.inference.backends import (
     ServerInfo,
@@ -149,8 +150,8 @@ def test_probe_tells_sglang_from_an_openai_compatible_server(tmp_path: Path) -> 
 
     async def probe() -> list[Any]:
         found: list[Any] = []
-        config = simulator.SimulatorConfig(port=0, model="sim-8b", tokenizer=str(tokenizer))
-        sim = await simulator.start(config)
+        config = SimulatorConfig(port=0, model="sim-8b", tokenizer=str(tokenizer))
+        sim = await sim_server.start(config)
         try:
             found.append(await asyncio.to_thread(probe_server, sim.url))
         finally:

@@ -15,6 +15,7 @@ from tokenbudget.core.errors import ConfigError
 from tokenbudget.producers.inference.backends import ServerCheck
 from tokenbudget.streams import events as ev
 from tokenbudget.streams.budget_board import BudgetBoard
+from tokenbudget.streams.fields import ServerReport
 
 
 def report(holder: str, at: float, *entries: tuple[str, str, int, int]) -> ev.FleetReport:
@@ -23,7 +24,7 @@ def report(holder: str, at: float, *entries: tuple[str, str, int, int]) -> ev.Fl
         holder=holder,
         at=at,
         servers=tuple(
-            ev.ServerReport(
+            ServerReport(
                 url=url,
                 state=state,  # type: ignore[arg-type]
                 in_flight=in_flight,

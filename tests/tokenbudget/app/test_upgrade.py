@@ -19,6 +19,7 @@ from tokenbudget.core.kafka_admin import ensure_topics
 from tokenbudget.dev.jobs import start_simulator, write_job
 from tokenbudget.sinks.parquet import read_rows
 from tokenbudget.sinks.reading import read_to_end
+from tokenbudget.streams import codec
 from tokenbudget.streams import events as ev
 from tokenbudget.streams.topics import Topics
 
@@ -40,7 +41,7 @@ def test_an_older_namespace_resumes_with_its_commands_moved_to_the_control_topic
         # budget set by hand while the config's 1,000,000 stood.
         older = KafkaProducer(bootstrap_servers=kafka_bootstrap, acks="all")
         job = identity_of(config, by="run (an older build)")
-        older.send(topics.budgets, ev.encode(job), key=RECORD_KEY, partition=RECORD_PARTITION)
+        older.send(topics.budgets, codec.encode(job), key=RECORD_KEY, partition=RECORD_PARTITION)
         by_hand = ev.BudgetSet(
             dataset="d",
             budget=500,
@@ -48,7 +49,7 @@ def test_an_older_namespace_resumes_with_its_commands_moved_to_the_control_topic
             set_by=SET_BY_COMMAND,
             config_budget=1_000_000,
         )
-        older.send(topics.budgets, ev.encode(by_hand), key=b"d")
+        older.send(topics.budgets, codec.encode(by_hand), key=b"d")
         older.flush()
         older.close()
 

@@ -8,7 +8,7 @@ import pytest
 from tokenbudget.core.apis import API_TRAITS, DEFAULT_API, api_doc, openai_api
 from tokenbudget.core.config import build
 from tokenbudget.core.errors import ConfigError
-from tokenbudget.dev.simulator import ROUTES
+from tokenbudget.dev.simulator.server import ROUTES
 from tokenbudget.producers.inference.backends import BACKENDS
 
 

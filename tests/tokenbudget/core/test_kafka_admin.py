@@ -1,6 +1,6 @@
 """Topic sizes on any cluster: existing topics raised to the message size every
-producer of ours sends, and a cluster that refuses it named with the fix; ACLs
-applied once each, and a cluster that cannot or will not take them named with the fix."""
+producer of ours sends, and a cluster that refuses it named with the fix; readiness;
+topics a user may not create named with the role that may."""
 
 from __future__ import annotations
 
@@ -9,17 +9,15 @@ import re
 import socket
 import time
 import uuid
-from typing import Any, get_args
+from typing import Any
 
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
-from kafka.admin import ACLOperation
-from kafka.errors import ClusterAuthorizationFailedError, SecurityDisabledError
 
-from tokenbudget.core import kafka_admin, security, sizes
+from tokenbudget.core import kafka_admin, sizes
 from tokenbudget.core.errors import BrokerError, KafkaAuthError, KafkaLimitsError
 from tokenbudget.core.kafka import aiokafka_producer_options, consumer_options
-from tokenbudget.core.kafka_admin import AclBinding, TopicSpec
+from tokenbudget.core.kafka_admin import TopicSpec
 from tokenbudget.streams.topics import Topics
 
 KAFKA_DEFAULT = 1048588  # a topic's max.message.bytes on a cluster of Kafka's defaults
@@ -146,125 +144,6 @@ def test_a_broker_that_answers_is_ready_and_counts_as_one(kafka_bootstrap: str) 
     kafka_admin.wait_ready(kafka_bootstrap, 10)
     with pytest.raises(BrokerError, match="lists 1 of 2 brokers"):
         kafka_admin.check_ready(kafka_bootstrap, 10, brokers=2)
-
-
-# --------------------------------------------------------------------------- ACLs
-
-
-class AclAdmin:
-    """An admin client of a cluster with an authorizer: ACLs it accepts show in
-    DescribeAcls (and authorize) only ``lag`` descriptions later, as a broker applies
-    them from its metadata log a moment after the controller took them."""
-
-    def __init__(self, lag: int = 0) -> None:
-        self.shown: list[Any] = []
-        self.pending: list[Any] = []
-        self.lag = lag
-        self.created: list[Any] = []
-
-    def describe_acls(self, acl_filter: Any) -> tuple[list[Any], Any]:
-        if self.pending:
-            self.lag -= 1
-            if self.lag < 0:
-                self.shown += self.pending
-                self.pending = []
-        assert acl_filter.host == "*" and acl_filter.permission_type == kafka_admin.ALLOW
-        return [a for a in self.shown if a.principal == acl_filter.principal], None
-
-    def create_acls(self, acls: list[Any]) -> dict[str, list[Any]]:
-        self.created += acls
-        self.pending += acls
-        return {"succeeded": acls, "failed": []}
-
-    def close(self) -> None:
-        pass
-
-
-BINDINGS = [
-    AclBinding("User:disp", "topic", "literal", "N.completions", "Write"),
-    AclBinding("User:disp", "group", "literal", "N-dispatch", "Read"),
-    AclBinding("User:op", "topic", "prefixed", "N.", "DescribeConfigs"),
-    AclBinding("User:op", "cluster", "literal", kafka_admin.CLUSTER_RESOURCE, "Describe"),
-]
-
-
-def _serving(monkeypatch: pytest.MonkeyPatch, admin: Any) -> None:
-    monkeypatch.setattr(kafka_admin, "admin_client", lambda bootstrap, timeout_ms=0: admin)
-
-
-def test_applying_acls_adds_the_missing_ones_and_twice_adds_nothing(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    admin = AclAdmin()
-    _serving(monkeypatch, admin)
-    assert kafka_admin.apply_acls("k:9092", BINDINGS[:2]) == sorted(BINDINGS[:2])
-    assert kafka_admin.apply_acls("k:9092", [*BINDINGS, BINDINGS[0]]) == sorted(BINDINGS[2:])
-    assert kafka_admin.apply_acls("k:9092", BINDINGS) == []
-    assert len(admin.created) == len(BINDINGS)  # each asked for once
-    assert kafka_admin.acls_of("k:9092", "User:op") == sorted(BINDINGS[2:])
-
-
-def test_applying_acls_returns_once_the_broker_authorizes_by_them(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    admin = AclAdmin(lag=3)
-    _serving(monkeypatch, admin)
-    kafka_admin.apply_acls("k:9092", BINDINGS)
-    assert admin.pending == [] and len(admin.shown) == len(BINDINGS)
-
-
-def test_every_operation_resource_and_pattern_goes_to_kafka_and_back() -> None:
-    for operation in get_args(kafka_admin.AclOperation):
-        for resource, pattern in (
-            ("topic", "prefixed"),
-            ("group", "literal"),
-            ("cluster", "literal"),
-        ):
-            binding = AclBinding("User:x", resource, pattern, "n", operation)
-            acl = kafka_admin._to_acl(binding)
-            assert acl.host == "*" and acl.permission_type == kafka_admin.ALLOW
-            assert kafka_admin._from_acl(acl) == binding
-    assert kafka_admin._to_acl(BINDINGS[2]).operation == ACLOperation.DESCRIBE_CONFIGS
-
-
-def test_a_cluster_without_an_authorizer_or_a_user_who_may_not_is_named_with_the_fix(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    bob = security.KafkaSecurity(
-        protocol="SASL_PLAINTEXT",
-        sasl_mechanism="SCRAM-SHA-512",
-        sasl_username="bob",
-        sasl_password=security.SecretSource(key="kafka.sasl_password_env", env="BOB_PW"),
-    )
-    monkeypatch.setitem(security._REGISTRY, "k:9092", bob)
-
-    class Refusing(AclAdmin):
-        def __init__(self, error: Exception) -> None:
-            super().__init__()
-            self.error = error
-
-        def describe_acls(self, acl_filter: Any) -> tuple[list[Any], Any]:
-            raise self.error
-
-    _serving(monkeypatch, Refusing(SecurityDisabledError("no authorizer")))
-    with pytest.raises(BrokerError) as disabled:
-        kafka_admin.apply_acls("k:9092", BINDINGS)
-    assert "k:9092 has no authorizer" in str(disabled.value)
-    assert f"authorizer.class.name={kafka_admin.STANDARD_AUTHORIZER}" in str(disabled.value)
-
-    _serving(monkeypatch, Refusing(ClusterAuthorizationFailedError("denied")))
-    with pytest.raises(KafkaAuthError) as refused:
-        kafka_admin.acls_of("k:9092", "User:disp")
-    assert "does not let user 'bob' read ACLs (ClusterAuthorizationFailed)" in str(refused.value)
-    assert refused.value.keys[-2:] == ["kafka.sasl_username", "kafka.sasl_password_env"]
-
-    class Failing(AclAdmin):
-        def create_acls(self, acls: list[Any]) -> dict[str, list[Any]]:
-            return {"succeeded": [], "failed": [ClusterAuthorizationFailedError]}
-
-    _serving(monkeypatch, Failing())
-    with pytest.raises(KafkaAuthError, match="does not let user 'bob' create ACLs"):
-        kafka_admin.apply_acls("k:9092", BINDINGS)
 
 
 def test_topics_the_user_may_not_create_are_named_with_the_role_that_may(

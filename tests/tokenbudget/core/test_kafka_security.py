@@ -17,7 +17,7 @@ from tokenbudget.core import kafka, security
 from tokenbudget.core.config import Config, build
 from tokenbudget.core.errors import ConfigError, KafkaAuthError
 from tokenbudget.core.security import KafkaSecurity, SecretSource, SecretStr
-from tokenbudget.dev import simulator
+from tokenbudget.dev.simulator.config import SimulatorConfig
 
 SASL_SSL = {
     "bootstrap": "kafka.example:9093",
@@ -247,7 +247,7 @@ def test_refusals_become_our_error_naming_the_keys(tmp_path: Path) -> None:
 
 def test_http_endpoints_bind_to_loopback_unless_configured() -> None:
     assert build({}, environ={}).metrics.host == "127.0.0.1"
-    assert simulator.SimulatorConfig().host == "127.0.0.1"
+    assert SimulatorConfig().host == "127.0.0.1"
     parser = cli.build_parser()
     assert parser.parse_args(["simulate"]).host == "127.0.0.1"
     assert parser.parse_args(["ledger"]).metrics_host == "127.0.0.1"

@@ -9,9 +9,9 @@ import pytest
 
 from tokenbudget.core.config import DatasetConfig, InferenceConfig
 from tokenbudget.core.sampling import SAMPLING_KEYS, VERBATIM_KEY, Sampling
-from tokenbudget.dev.simulator import requested_settings
+from tokenbudget.dev.simulator.request import requested_settings
 from tokenbudget.sinks.schema import SAMPLING_TYPE
-from tokenbudget.streams import events as ev
+from tokenbudget.streams.fields import SamplingParams
 
 
 def test_the_config_takes_every_setting_in_both_sections() -> None:
@@ -21,14 +21,14 @@ def test_the_config_takes_every_setting_in_both_sections() -> None:
 
 
 def test_the_event_carries_every_setting_and_the_budgets_length() -> None:
-    assert set(ev.SamplingParams.__struct_fields__) == {*SAMPLING_KEYS, "max_new_tokens"}
-    settings = ev.SamplingParams(max_new_tokens=9, temperature=0.5, stop=["x"])
+    assert set(SamplingParams.__struct_fields__) == {*SAMPLING_KEYS, "max_new_tokens"}
+    settings = SamplingParams(max_new_tokens=9, temperature=0.5, stop=["x"])
     assert settings.request_fields() == {"temperature": 0.5, "stop": ["x"]}
 
 
 def test_an_event_keeps_rejecting_nothing_a_newer_writer_adds() -> None:
     # The config refuses an unknown key; an event read from a topic must not.
-    decoded = msgspec.json.decode(b'{"temperature":0.5,"later":1}', type=ev.SamplingParams)
+    decoded = msgspec.json.decode(b'{"temperature":0.5,"later":1}', type=SamplingParams)
     assert decoded.temperature == 0.5
     with pytest.raises(msgspec.ValidationError, match="later"):
         msgspec.convert({"temperature": 0.5, "later": 1}, InferenceConfig)

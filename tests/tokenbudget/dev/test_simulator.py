@@ -16,15 +16,9 @@ import pytest
 
 from tests.producers.tokenizer_fixture import build_tokenizer
 from tokenbudget.core.errors import ConfigError
-from tokenbudget.dev.simulator import (
-    PROFILES,
-    Faults,
-    RunningSimulator,
-    SimulatorConfig,
-    completion_length,
-    ids_crc,
-    start,
-)
+from tokenbudget.dev.simulator.config import PROFILES, Faults, SimulatorConfig
+from tokenbudget.dev.simulator.generation import completion_length, ids_crc
+from tokenbudget.dev.simulator.server import RunningSimulator, start
 from tokenbudget.producers.templates import load_tokenizer
 
 FAST = SimulatorConfig(port=0, tokens_per_second=1e6, seed=7)
@@ -156,7 +150,7 @@ def test_templated_ids_find_their_marker_through_the_tokenizer(tmp_path: Path) -
     marker picks the same length rule the text would."""
     from tokenbudget.dev.tiny_tokenizer import CORPUS, build_tokenizer
     from tokenbudget.producers.templates import load_tokenizer
-    from tokenbudget.streams.events import ChatMessage
+    from tokenbudget.streams.fields import ChatMessage
 
     texts = [f"#chat story {i}" for i in range(40)]
     folder = build_tokenizer(tmp_path / "tok", [*CORPUS, *texts], whole_words=["#chat"])

@@ -18,7 +18,22 @@ from tokenbudget.core import kafka_admin
 from tokenbudget.core.errors import BrokerError, ConfigError
 from tokenbudget.dev.ports import free_port
 from tokenbudget.localkafka import broker, jars
-from tokenbudget.localkafka.broker import BrokerSettings
+from tokenbudget.localkafka.process import wait_ready
+from tokenbudget.localkafka.properties import (
+    _infra_file,
+    _scram_arguments,
+    broker_command,
+    pom_path,
+    render_properties,
+)
+from tokenbudget.localkafka.settings import (
+    DEFAULT_KAFKA_VERSION,
+    Authorizer,
+    BrokerSettings,
+    SaslPlaintextListener,
+    SaslSslListener,
+)
+from tokenbudget.localkafka.storage import _format_storage, ensure_jars
 from tokenbudget.streams.topics import TopicSpec
 
 
@@ -40,14 +55,14 @@ def test_properties_kafka4_have_share_coordinator_settings(tmp_path: Path, versi
     settings = BrokerSettings(
         home=tmp_path, port=19092, controller_port=19093, kafka_version=version
     )
-    props = _props(broker.render_properties(settings))
+    props = _props(render_properties(settings))
     assert props["share.coordinator.state.topic.replication.factor"] == "1"
     assert props["share.coordinator.state.topic.min.isr"] == "1"
 
 
 def test_properties_kafka3_have_no_share_coordinator_settings(tmp_path: Path) -> None:
     settings = BrokerSettings(home=tmp_path, kafka_version="3.9.1")
-    text = broker.render_properties(settings)
+    text = render_properties(settings)
     assert "share.coordinator" not in "\n".join(
         line for line in text.splitlines() if not line.startswith("#")
     )
@@ -56,7 +71,7 @@ def test_properties_kafka3_have_no_share_coordinator_settings(tmp_path: Path) ->
 
 def test_properties_ports_quorum_and_dirs(tmp_path: Path) -> None:
     settings = BrokerSettings(home=tmp_path / "h", port=29092, controller_port=29093)
-    text = broker.render_properties(settings)
+    text = render_properties(settings)
     assert "${" not in text
     props = _props(text)
     assert props["listeners"] == "PLAINTEXT://127.0.0.1:29092,CONTROLLER://127.0.0.1:29093"
@@ -97,7 +112,7 @@ def test_properties_of_a_cluster_node(tmp_path: Path) -> None:
         replication_factor=3,
         min_insync_replicas=2,
     )
-    props = _props(broker.render_properties(settings))
+    props = _props(render_properties(settings))
     assert props["node.id"] == "2"
     assert props["controller.quorum.voters"] == voters
     for key in (
@@ -140,14 +155,14 @@ def test_a_reassignment_plan_raises_every_partition_to_the_replicas_asked() -> N
 
 def test_bad_kafka_version_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError):
-        broker.render_properties(BrokerSettings(home=tmp_path, kafka_version="latest"))
+        render_properties(BrokerSettings(home=tmp_path, kafka_version="latest"))
 
 
 def test_broker_command(tmp_path: Path) -> None:
     settings = BrokerSettings(
         home=tmp_path, heap_mb=512, jars_root=tmp_path / "jars", kafka_version="3.9.1"
     )
-    cmd = broker.broker_command(settings, "/usr/bin/java")
+    cmd = broker_command(settings, "/usr/bin/java")
     assert cmd[0] == "/usr/bin/java"
     assert "-Xmx512m" in cmd and "-Xms512m" in cmd and "-XX:+UseG1GC" in cmd
     assert f"-Dlog4j2.configurationFile={tmp_path.resolve() / 'log4j2.properties'}" in cmd
@@ -219,7 +234,7 @@ def test_ensure_jars_keeps_a_cache_maven_filled(
     libs = settings.libs_dir
     libs.mkdir(parents=True)
     (libs / "kafka_2.13-4.1.1.jar").write_bytes(b"jar")
-    digest = hashlib.sha256(broker.pom_path().read_bytes()).hexdigest()
+    digest = hashlib.sha256(pom_path().read_bytes()).hexdigest()
     (libs.parent / "complete.json").write_text(
         json.dumps(
             {"kafka_version": "4.1.1", "pom_sha256": digest, "jars": ["kafka_2.13-4.1.1.jar"]}
@@ -228,7 +243,7 @@ def test_ensure_jars_keeps_a_cache_maven_filled(
     _fake_mvn(tmp_path / "bin", "echo called >&2; exit 1\n")
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
     # Neither the fake mvn nor the (closed) repository is used: the digest matches.
-    assert broker.ensure_jars(settings) == libs
+    assert ensure_jars(settings) == libs
     assert "lock_sha256" in json.loads((libs.parent / "complete.json").read_text())
 
 
@@ -240,7 +255,7 @@ def test_ensure_jars_downloads_a_locked_version_without_mvn(
     )
     _fake_lock(monkeypatch, tmp_path, "3.9.1", b"kafka 3.9.1")
     monkeypatch.setattr(broker.shutil, "which", lambda name: None)
-    libs = broker.ensure_jars(settings)
+    libs = ensure_jars(settings)
     assert libs == settings.libs_dir
     assert (libs / "kafka_2.13-3.9.1.jar").read_bytes() == b"kafka 3.9.1"
 
@@ -264,17 +279,17 @@ mkdir -p "$out" && touch "$out/kafka_2.13-3.9.1.jar" "$out/slf4j-api-1.7.36.jar"
 """,
     )
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
-    libs = broker.ensure_jars(settings)
+    libs = ensure_jars(settings)
     assert sorted(p.name for p in libs.iterdir()) == [
         "kafka_2.13-3.9.1.jar",
         "slf4j-api-1.7.36.jar",
     ]
     args = args_file.read_text().split()
-    assert args[:5] == ["-q", "-B", "-f", str(broker.pom_path()), "dependency:copy-dependencies"]
+    assert args[:5] == ["-q", "-B", "-f", str(pom_path()), "dependency:copy-dependencies"]
     assert "-Dkafka.version=3.9.1" in args
     assert json.loads((libs.parent / "complete.json").read_text())["kafka_version"] == "3.9.1"
     args_file.unlink()
-    broker.ensure_jars(settings)
+    ensure_jars(settings)
     assert not args_file.exists()  # complete now: mvn not run again
 
 
@@ -287,7 +302,7 @@ def test_ensure_jars_reports_mvn_failure(tmp_path: Path, monkeypatch: pytest.Mon
     )
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
     with pytest.raises(BrokerError, match=r"(?s)9\.9\.9.*Could not resolve dependencies"):
-        broker.ensure_jars(settings)
+        ensure_jars(settings)
 
 
 def test_ensure_jars_without_mvn_lists_the_locked_versions(
@@ -298,7 +313,7 @@ def test_ensure_jars_without_mvn_lists_the_locked_versions(
     )
     monkeypatch.setattr(broker.shutil, "which", lambda name: None)
     with pytest.raises(BrokerError, match=r"9\.9\.9 has no jar lock.*3\.9\.1, 4\.1\.1.*mvn"):
-        broker.ensure_jars(settings)
+        ensure_jars(settings)
 
 
 def test_up_refuses_a_port_held_by_something_else(tmp_path: Path) -> None:
@@ -322,7 +337,7 @@ def test_wait_ready_fails_fast_when_the_process_died(tmp_path: Path) -> None:
     log_path = tmp_path / "broker.log"
     log_path.write_text("ERROR something broke\n")
     with pytest.raises(BrokerError, match=r"(?s)exited before it was ready.*something broke"):
-        broker.wait_ready(f"127.0.0.1:{free_port()}", 30, pid=proc.pid, log_path=log_path)
+        wait_ready(f"127.0.0.1:{free_port()}", 30, pid=proc.pid, log_path=log_path)
 
 
 def test_wait_ready_open_port_is_not_ready(tmp_path: Path) -> None:
@@ -331,7 +346,7 @@ def test_wait_ready_open_port_is_not_ready(tmp_path: Path) -> None:
         silent.listen()
         port = silent.getsockname()[1]
         with pytest.raises(BrokerError, match="not ready after"):
-            broker.wait_ready(f"127.0.0.1:{port}", 2)
+            wait_ready(f"127.0.0.1:{port}", 2)
 
 
 def test_status_and_down_without_broker(tmp_path: Path) -> None:
@@ -374,13 +389,13 @@ def _secured(tmp_path: Path, **listener: Any) -> BrokerSettings:
         home=tmp_path / "h",
         port=29092,
         controller_port=29093,
-        sasl_ssl=broker.SaslSslListener(**options),
+        sasl_ssl=SaslSslListener(**options),
     )
 
 
 def test_properties_with_a_sasl_ssl_listener(tmp_path: Path) -> None:
     settings = _secured(tmp_path)
-    props = _props(broker.render_properties(settings))
+    props = _props(render_properties(settings))
     assert props["listeners"] == (
         "PLAINTEXT://127.0.0.1:29092,CONTROLLER://127.0.0.1:29093,SASL_SSL://127.0.0.1:29094"
     )
@@ -410,14 +425,14 @@ def test_truststore_requires_client_certificates(tmp_path: Path) -> None:
     truststore = tmp_path / "trust.p12"
     truststore.write_bytes(b"x")
     settings = _secured(tmp_path, truststore=truststore, truststore_password="trust-pw")
-    props = _props(broker.render_properties(settings))
+    props = _props(render_properties(settings))
     assert props["listener.name.sasl_ssl.ssl.client.auth"] == "required"
     assert props["listener.name.sasl_ssl.ssl.truststore.location"] == str(truststore.resolve())
 
 
 def test_scram_users_are_added_at_format_time(tmp_path: Path) -> None:
-    assert broker._scram_arguments(BrokerSettings(home=tmp_path)) == []
-    assert broker._scram_arguments(_secured(tmp_path)) == [
+    assert _scram_arguments(BrokerSettings(home=tmp_path)) == []
+    assert _scram_arguments(_secured(tmp_path)) == [
         "--add-scram", "SCRAM-SHA-256=[name=alice,password=alice-pw-1]",
         "--add-scram", "SCRAM-SHA-512=[name=alice,password=alice-pw-1]",
         "--add-scram", "SCRAM-SHA-256=[name=bob,password=bob-pw-2]",
@@ -432,10 +447,10 @@ def test_listener_passwords_never_show(tmp_path: Path) -> None:
     # Unquoted in server.properties and StorageTool's argument: a quote or comma would
     # break them. The error names the user, never the password.
     with pytest.raises(ConfigError) as info:
-        broker.render_properties(_secured(tmp_path, users={"alice": 'pw",x'}))
+        render_properties(_secured(tmp_path, users={"alice": 'pw",x'}))
     assert info.value.key == "sasl_ssl.users.alice" and 'pw",x' not in str(info.value)
     with pytest.raises(ConfigError, match=r"sasl_ssl\.keystore"):
-        broker.render_properties(_secured(tmp_path, keystore=tmp_path / "absent.p12"))
+        render_properties(_secured(tmp_path, keystore=tmp_path / "absent.p12"))
 
 
 def test_a_failed_format_does_not_show_the_passwords(tmp_path: Path) -> None:
@@ -446,7 +461,7 @@ def test_a_failed_format_does_not_show_the_passwords(tmp_path: Path) -> None:
     fake_java.write_text('#!/bin/sh\necho "Invalid argument: $*" >&2\nexit 1\n')
     fake_java.chmod(0o755)
     with pytest.raises(BrokerError) as info:
-        broker._format_storage(settings, str(fake_java))
+        _format_storage(settings, str(fake_java))
     assert "Invalid argument" in str(info.value) and "--add-scram" in str(info.value)
     assert "alice-pw-1" not in str(info.value) and "bob-pw-2" not in str(info.value)
 
@@ -460,7 +475,7 @@ def test_users_added_after_the_first_format_are_refused(tmp_path: Path) -> None:
         json.dumps({"kafka_version": "4.1.1", "cluster_id": "x", "scram_users": ["alice"]})
     )
     with pytest.raises(BrokerError, match=r"SCRAM users bob .*wipe"):
-        broker._format_storage(settings, "java-is-not-called")
+        _format_storage(settings, "java-is-not-called")
 
 
 # --------------------------------------------------------------------------- SASL_PLAINTEXT, ACLs
@@ -471,8 +486,8 @@ def _authorized(tmp_path: Path, **settings: Any) -> BrokerSettings:
         "home": tmp_path / "h",
         "port": 29092,
         "controller_port": 29093,
-        "sasl_plaintext": broker.SaslPlaintextListener(29095, {"admin": "a-1", "disp": "d-2"}),
-        "authorizer": broker.Authorizer(("admin",)),
+        "sasl_plaintext": SaslPlaintextListener(29095, {"admin": "a-1", "disp": "d-2"}),
+        "authorizer": Authorizer(("admin",)),
         **settings,
     }
     return BrokerSettings(**options)
@@ -480,7 +495,7 @@ def _authorized(tmp_path: Path, **settings: Any) -> BrokerSettings:
 
 def test_properties_with_a_sasl_plaintext_listener_and_the_authorizer(tmp_path: Path) -> None:
     settings = _authorized(tmp_path)
-    props = _props(broker.render_properties(settings))
+    props = _props(render_properties(settings))
     assert props["listeners"] == (
         "PLAINTEXT://127.0.0.1:29092,CONTROLLER://127.0.0.1:29093,SASL_PLAINTEXT://127.0.0.1:29095"
     )
@@ -507,7 +522,7 @@ def test_properties_with_a_sasl_plaintext_listener_and_the_authorizer(tmp_path: 
     assert props["super.users"] == "User:ANONYMOUS;User:admin"
     assert props["inter.broker.listener.name"] == "PLAINTEXT"
     assert settings.sasl_plaintext_bootstrap == "127.0.0.1:29095"
-    assert broker._scram_arguments(settings) == [
+    assert _scram_arguments(settings) == [
         "--add-scram", "SCRAM-SHA-256=[name=admin,password=a-1]",
         "--add-scram", "SCRAM-SHA-512=[name=admin,password=a-1]",
         "--add-scram", "SCRAM-SHA-256=[name=disp,password=d-2]",
@@ -517,7 +532,7 @@ def test_properties_with_a_sasl_plaintext_listener_and_the_authorizer(tmp_path: 
 
 
 def test_without_an_authorizer_every_client_may_do_anything(tmp_path: Path) -> None:
-    props = _props(broker.render_properties(_authorized(tmp_path, authorizer=None)))
+    props = _props(render_properties(_authorized(tmp_path, authorizer=None)))
     assert not {"authorizer.class.name", "super.users"} & set(props)
     assert props["listener.name.sasl_plaintext.sasl.enabled.mechanisms"]  # the listener stays
 
@@ -525,34 +540,32 @@ def test_without_an_authorizer_every_client_may_do_anything(tmp_path: Path) -> N
 def test_both_sasl_listeners_share_their_users_one_password_each(tmp_path: Path) -> None:
     secured = _secured(tmp_path)
     both = _authorized(tmp_path, sasl_ssl=secured.sasl_ssl)
-    props = _props(broker.render_properties(both))
+    props = _props(render_properties(both))
     assert props["listeners"].endswith(
         ",SASL_SSL://127.0.0.1:29094,SASL_PLAINTEXT://127.0.0.1:29095"
     )
     assert props["listener.security.protocol.map"].endswith(
         ",SASL_SSL:SASL_SSL,SASL_PLAINTEXT:SASL_PLAINTEXT"
     )
-    names = [arg.split("name=")[1].split(",")[0] for arg in broker._scram_arguments(both)[1::2]]
+    names = [arg.split("name=")[1].split(",")[0] for arg in _scram_arguments(both)[1::2]]
     assert names == ["alice"] * 2 + ["bob"] * 2 + ["admin"] * 2 + ["disp"] * 2
-    twice = broker.SaslPlaintextListener(29095, {"alice": "other-pw"})
+    twice = SaslPlaintextListener(29095, {"alice": "other-pw"})
     with pytest.raises(ConfigError) as info:
-        broker._scram_arguments(
-            _authorized(tmp_path, sasl_ssl=secured.sasl_ssl, sasl_plaintext=twice)
-        )
+        _scram_arguments(_authorized(tmp_path, sasl_ssl=secured.sasl_ssl, sasl_plaintext=twice))
     assert info.value.key == "sasl_plaintext.users.alice" and "other-pw" not in str(info.value)
 
 
 def test_bad_user_names_and_a_template_without_the_authorizer_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"authorizer\.super_users"):
-        broker.render_properties(_authorized(tmp_path, authorizer=broker.Authorizer(("a;b",))))
-    listener = broker.SaslPlaintextListener(29095, {"disp": 'pw"'})
+        render_properties(_authorized(tmp_path, authorizer=Authorizer(("a;b",))))
+    listener = SaslPlaintextListener(29095, {"disp": 'pw"'})
     with pytest.raises(ConfigError) as info:
-        broker.render_properties(_authorized(tmp_path, sasl_plaintext=listener))
+        render_properties(_authorized(tmp_path, sasl_plaintext=listener))
     assert info.value.key == "sasl_plaintext.users.disp" and 'pw"' not in str(info.value)
     # a template of its own that would silently drop the authorizer
-    template = broker._infra_file("server.properties.template").read_text()
+    template = _infra_file("server.properties.template").read_text()
     with pytest.raises(BrokerError, match="no authorizer placeholder"):
-        broker.render_properties(_authorized(tmp_path), template.replace("${authorizer}", ""))
+        render_properties(_authorized(tmp_path), template.replace("${authorizer}", ""))
 
 
 def test_a_running_broker_without_the_authorizer_asked_for_is_not_taken(tmp_path: Path) -> None:
@@ -586,7 +599,7 @@ def test_broker_lifecycle(tmp_path: Path) -> None:
         controller_port=free_port(),
         heap_mb=512,
         # TOKENBUDGET_KAFKA_VERSION=3.9.1 runs this against another version
-        kafka_version=os.environ.get("TOKENBUDGET_KAFKA_VERSION", broker.DEFAULT_KAFKA_VERSION),
+        kafka_version=os.environ.get("TOKENBUDGET_KAFKA_VERSION", DEFAULT_KAFKA_VERSION),
     )
     name = f"itest.{uuid.uuid4().hex[:6]}"
     specs = [

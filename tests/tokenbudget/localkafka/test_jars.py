@@ -17,7 +17,7 @@ import pytest
 
 from tokenbudget.core.errors import BrokerError
 from tokenbudget.localkafka import jarlock, jars
-from tokenbudget.localkafka.broker import BrokerSettings
+from tokenbudget.localkafka.settings import BrokerSettings
 
 # Two small fake jars (the real ones are 43 MB).
 FILES = {

@@ -10,7 +10,7 @@ from tokenbudget.app.bootstrap import resolve_bootstrap
 from tokenbudget.app.commands import add_config, examples
 from tokenbudget.core import config as config_module
 from tokenbudget.core.errors import ConfigError
-from tokenbudget.core.kafka_admin import apply_acls
+from tokenbudget.core.kafka_acls import apply_acls
 from tokenbudget.core.roles import ROLES
 from tokenbudget.core.security import KafkaSecurity
 from tokenbudget.streams import acls

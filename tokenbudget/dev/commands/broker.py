@@ -7,6 +7,7 @@ import json
 
 from tokenbudget.app.commands import examples
 from tokenbudget.localkafka import broker
+from tokenbudget.localkafka.settings import BrokerSettings
 from tokenbudget.streams.topics import Topics
 
 
@@ -60,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    settings = broker.BrokerSettings.from_env()
+    settings = BrokerSettings.from_env()
     if args.broker_command == "up":
         bootstrap = broker.up(settings, Topics(args.namespace).specs())
         print(json.dumps({"bootstrap": bootstrap}) if args.json else bootstrap)

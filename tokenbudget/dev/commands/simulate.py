@@ -6,7 +6,14 @@ import argparse
 import os
 
 from tokenbudget.app.commands import examples
-from tokenbudget.dev import simulator
+from tokenbudget.dev.simulator import server as sim_server
+from tokenbudget.dev.simulator.config import (
+    PROFILES,
+    REASONING_STYLES,
+    Faults,
+    LengthRule,
+    SimulatorConfig,
+)
 
 # Each fault's option: what a request it hits gets.
 FAULTS = {
@@ -25,11 +32,11 @@ FAULTS = {
 def profiles_help() -> str:
     """``--profile``'s help, from the simulator's own table of profiles."""
 
-    def rule(r: simulator.LengthRule) -> str:
+    def rule(r: LengthRule) -> str:
         return f"{r.mean:,.0f} ({r.sigma:g})"
 
     described = []
-    for name, rules in simulator.PROFILES.items():
+    for name, rules in PROFILES.items():
         if len(rules) == 1:
             described.append(f"{name}: {rule(rules[0])}")
             continue
@@ -54,9 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--host", default="127.0.0.1", help="the address to listen on")
     parser.add_argument("--port", type=int, default=30000, help="the port to listen on")
-    parser.add_argument(
-        "--profile", default="demo", choices=tuple(simulator.PROFILES), help=profiles_help()
-    )
+    parser.add_argument("--profile", default="demo", choices=tuple(PROFILES), help=profiles_help())
     parser.add_argument(
         "--tokens-per-second",
         type=float,
@@ -112,7 +117,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--reasoning-style",
-        choices=simulator.REASONING_STYLES,
+        choices=REASONING_STYLES,
         default="none",
         help="a thinking model: the chat field its thinking is sent in (SGLang's "
         "reasoning_content, vLLM's reasoning); raw APIs send it inline, ended by </think>",
@@ -125,7 +130,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    faults = simulator.Faults(
+    faults = Faults(
         http_500=args.fail_500,
         timeout=args.fail_timeout,
         reset=args.fail_reset,
@@ -137,8 +142,8 @@ def main(args: argparse.Namespace) -> int:
         endless=args.fail_endless,
         retry_after_s=args.retry_after,
     )
-    simulator.serve(
-        simulator.SimulatorConfig(
+    sim_server.serve(
+        SimulatorConfig(
             host=args.host,
             port=args.port,
             profile=args.profile,

@@ -13,7 +13,7 @@ import pytest
 
 from tokenbudget import cli
 from tokenbudget.app.commands import acls as command
-from tokenbudget.core.kafka_admin import AclBinding
+from tokenbudget.core.kafka_acls import AclBinding
 
 SASL = """[kafka]
 bootstrap = "k1:9092,k2:9092"
