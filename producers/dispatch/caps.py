@@ -32,6 +32,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from tokenbudget.core.apis import API_TRAITS
 from tokenbudget.producers.dispatch.admission import Admission, Ticket
 from tokenbudget.producers.dispatch.answers import kept_within
 from tokenbudget.producers.inference.backends import GenerationResult, InferenceBackend
@@ -225,9 +226,10 @@ class InFlight:
                 self._abort(rid, request)
 
     def _abort(self, rid: str, request: _Request) -> None:
-        """Stop one request at its server: SGLang by rid (it answers with what was
-        generated), elsewhere by closing the stream (what came is lost)."""
-        if request.backend.api == "sglang":
+        """Stop one request at its server: by rid where the API aborts by id (SGLang:
+        it answers with what was generated), elsewhere by closing the stream (what
+        came is lost)."""
+        if API_TRAITS[request.backend.api].abort_by_id:
             task = asyncio.get_running_loop().create_task(_abort_request(request.backend, rid))
             self._aborts.add(task)
             task.add_done_callback(self._aborts.discard)

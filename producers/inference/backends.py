@@ -5,6 +5,10 @@
     ├── OpenAICompletionsBackend  POST /v1/completions
     └── OpenAIChatBackend       POST /v1/chat/completions
 
+What an API can do beyond its wire format (abort by id, its health route, chat
+or raw text, where its reasoning comes) is its row of
+:data:`tokenbudget.core.apis.API_TRAITS`, which :data:`BACKENDS` covers.
+
 Each backend speaks plain JSON or, with ``stream=True``, server-sent events:
 
 * SGLang streams the whole answer so far in every chunk by default, or only the new
@@ -55,6 +59,7 @@ import httpx
 import msgspec
 
 from tokenbudget.core import sizes
+from tokenbudget.core.apis import API_TRAITS
 from tokenbudget.core.errors import (
     InferenceBadCountError,
     InferenceError,
@@ -170,16 +175,12 @@ class GenerationResult:
     tool_calls: tuple[ToolCall, ...] | None = None  # chat: the functions the model called
 
 
-# Where servers put a thinking model's reasoning, in a message or a streamed delta:
-# SGLang's name (vLLM's before it renamed it), then vLLM's.
-REASONING_FIELDS = ("reasoning_content", "reasoning")
-
-
-def reasoning_of(message: Any) -> str:
-    """The reasoning a chat message or delta carries, "" when none. A server that
-    sends both names (vLLM while renaming) sends the same text in each."""
+def reasoning_of(message: Any, fields: tuple[str, ...]) -> str:
+    """The reasoning a chat message or delta carries in one of ``fields`` (the API's
+    ``reasoning_fields``), "" when none. A server that sends both names (vLLM while
+    renaming) sends the same text in each."""
     if isinstance(message, dict):
-        for name in REASONING_FIELDS:
+        for name in fields:
             value = message.get(name)
             if isinstance(value, str) and value:
                 return value
@@ -314,7 +315,7 @@ class InferenceBackend(ABC):
         the connection instead, which is what cancelling the caller's task does."""
 
     async def health(self) -> None:
-        await self._request("GET", "/health", None)
+        await self._request("GET", API_TRAITS[self.api].health_route, None)
 
     # ---- plumbing ---------------------------------------------------------------------
 
@@ -682,7 +683,7 @@ class SGLangBackend(InferenceBackend):
 
     async def _model_info(self) -> str:
         try:
-            info = await self._request("GET", "/get_model_info", None)
+            info = await self._request("GET", API_TRAITS[self.api].model_info_route, None)
         except InferenceError:
             return self.model  # an older server or a proxy without it: the name asked for
         path = info.get("model_path") if isinstance(info, dict) else None
@@ -694,9 +695,6 @@ class SGLangBackend(InferenceBackend):
 
 class _OpenAIBackend(InferenceBackend):
     path: str
-
-    async def health(self) -> None:
-        await self._request("GET", "/v1/models", None)
 
     @abstractmethod
     def _body(self, request: GenerationRequest) -> dict[str, Any]: ...
@@ -729,8 +727,8 @@ class _OpenAIBackend(InferenceBackend):
         if self.stream:
             body["stream_options"] = {"include_usage": True}
         for key, value in request.sampling.items():
-            if key == "chat_template_kwargs" and self.api != "openai-chat":
-                continue  # only the chat route applies a template
+            if key == "chat_template_kwargs" and not API_TRAITS[self.api].chat:
+                continue  # only a chat route applies a template
             if key != VERBATIM_KEY:
                 body[key] = value
         body.update(request.sampling.get(VERBATIM_KEY) or {})
@@ -921,10 +919,10 @@ class OpenAIChatBackend(_OpenAIBackend):
         return str(delta.get("content") or "") if isinstance(delta, dict) else ""
 
     def _reasoning(self, choice: Any) -> str:
-        return reasoning_of(choice.get("message"))
+        return reasoning_of(choice.get("message"), API_TRAITS[self.api].reasoning_fields)
 
     def _delta_reasoning(self, choice: Any) -> str:
-        return reasoning_of(choice.get("delta"))
+        return reasoning_of(choice.get("delta"), API_TRAITS[self.api].reasoning_fields)
 
     def _calls(self, choice: Any) -> tuple[ToolCall, ...] | None:
         message = choice.get("message")
@@ -996,10 +994,10 @@ class _StreamedCalls:
         return tuple(out)
 
 
+# The client of each API, by the name its class declares (the rows of
+# tokenbudget.core.apis.API_TRAITS, which this covers).
 BACKENDS: dict[str, type[InferenceBackend]] = {
-    "sglang": SGLangBackend,
-    "openai-completions": OpenAICompletionsBackend,
-    "openai-chat": OpenAIChatBackend,
+    backend.api: backend for backend in (SGLangBackend, OpenAICompletionsBackend, OpenAIChatBackend)
 }
 
 
@@ -1145,25 +1143,25 @@ async def check_server(
             return response
 
         served: list[str] = []
-        health_path = "/health" if inference.api == "sglang" else "/v1/models"
-        health = await get(health_path)
+        traits = API_TRAITS[inference.api]
+        health = await get(traits.health_route)
         if health.status == 404:
             await _one_token(config, client, url, key)
-        elif health.status >= 400 and inference.api == "sglang":
+        elif health.status >= 400 and not traits.health_lists_models:
             raise ServerUnreachableError(
-                f"the inference server at {url} is not healthy: GET /health answered "
-                f"HTTP {health.status}: {health.text[:200]}"
+                f"the inference server at {url} is not healthy: GET {traits.health_route} "
+                f"answered HTTP {health.status}: {health.text[:200]}"
             )
         elif health.status >= 400:
             raise ServerUnreachableError(
-                f"the server at {url} does not answer GET /v1/models (HTTP "
+                f"the server at {url} does not answer GET {traits.health_route} (HTTP "
                 f"{health.status}): is it an OpenAI-compatible server "
                 f"(api = {inference.api!r})?"
             )
-        elif inference.api != "sglang":
+        elif traits.health_lists_models:
             served += _model_ids(health.content)
-        if inference.api == "sglang" and inference.model:
-            info = await get("/get_model_info")
+        if traits.model_info_route and inference.model:
+            info = await get(traits.model_info_route)
             with_path = _json_or_none(info.content) if info.status < 400 else None
             if isinstance(with_path, dict) and isinstance(with_path.get("model_path"), str):
                 served.append(with_path["model_path"])
@@ -1218,7 +1216,9 @@ class ServerInfo:
     """What a server says of itself."""
 
     url: str
-    kind: str  # "sglang" (/get_model_info answers) or "openai" (/v1/models only)
+    # The API whose model-info route answered ("sglang": /get_model_info), else
+    # "openai" (an OpenAI-compatible server: /v1/models only).
+    kind: str
     model: str  # as the server names it ("" if it does not)
     tokenizer: str  # the tokenizer folder the server names ("" if none)
 
@@ -1246,13 +1246,18 @@ def probe_server(
                     f" ({type(exc).__name__}: {exc}). Is the server running?"
                 ) from exc
 
-        info = get("/get_model_info")
-        body = _json_or_none(info.content) if info.status_code < 400 else None
-        if isinstance(body, dict) and isinstance(body.get("model_path"), str):
-            tokenizer = body.get("tokenizer_path")
-            return ServerInfo(
-                url, "sglang", body["model_path"], tokenizer if isinstance(tokenizer, str) else ""
-            )
+        unanswered = []
+        for api, traits in API_TRAITS.items():
+            if not traits.model_info_route:
+                continue
+            info = get(traits.model_info_route)
+            body = _json_or_none(info.content) if info.status_code < 400 else None
+            if isinstance(body, dict) and isinstance(body.get("model_path"), str):
+                tokenizer = body.get("tokenizer_path")
+                return ServerInfo(
+                    url, api, body["model_path"], tokenizer if isinstance(tokenizer, str) else ""
+                )
+            unanswered.append(f"GET {traits.model_info_route} ({api}: HTTP {info.status_code})")
         models = get("/v1/models")
         if models.status_code in (401, 403):
             raise InferenceRequestError(
@@ -1268,7 +1273,7 @@ def probe_server(
                 url, "openai", str(first.get("id") or ""), root if isinstance(root, str) else ""
             )
         raise ServerUnreachableError(
-            f"the server at {url} answers neither GET /get_model_info (SGLang: HTTP"
-            f" {info.status_code}) nor GET /v1/models (OpenAI-compatible: HTTP"
-            f" {models.status_code}); is it an inference server, and its URL the root?"
+            f"the server at {url} answers neither {' nor '.join(unanswered)} nor GET"
+            f" /v1/models (OpenAI-compatible: HTTP {models.status_code}); is it an"
+            " inference server, and its URL the root?"
         )

@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from tokenbudget.core import metrics
+from tokenbudget.core.apis import API_TRAITS
 
 if TYPE_CHECKING:
     from tokenbudget.core.config import Config, ReasoningMode
@@ -101,7 +102,7 @@ class ReasoningRows:
         stop_reason: StopReason,
     ) -> bool:
         saves = self.modes.get(dataset) == "save"
-        if saves and self.api == "openai-chat":
+        if saves and API_TRAITS[self.api].reasoning_fields:
             self._warn_if_unsplit(dataset, generated)
         return unfinished(
             kept, generated, stop_reason, raw_thinks=saves, end_marker=self.end_marker

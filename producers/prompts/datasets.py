@@ -10,6 +10,9 @@ Formats (``[[datasets]] format``):
   with ``datasets.load_from_disk``), whose rows are any of the above
 * ``auto``     any of the above, per row (a folder is read as ``hf``)
 
+What a format allows is its row of :data:`tokenbudget.core.formats.FORMAT_TRAITS`;
+how it reads a row, its entry in :data:`PARSERS`.
+
 Every row may carry an ``id``. JSONL, Parquet and Hugging Face datasets take the
 same columns. Rows that hold the prompt elsewhere are read through the dataset's
 column mapping (:mod:`tokenbudget.core.columns`: ``prompt_field``, ``prompt_template``,
@@ -54,17 +57,17 @@ import itertools
 import json
 import random
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, Literal
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import pyarrow.parquet as pq
 from msgspec.structs import replace as msgspec_replace
 
 from tokenbudget.core import sizes
+from tokenbudget.core.apis import API_TRAITS
 from tokenbudget.core.columns import (
-    CONFLICTING_FORMATS,
     DEFAULT_COLUMNS,
     Columns,
     FieldError,
@@ -73,7 +76,6 @@ from tokenbudget.core.columns import (
 )
 from tokenbudget.core.config import (
     PROMPT_LENGTH,
-    RAW_TEXT_APIS,
     Dataset,
     DatasetOrder,
     resolve_order,
@@ -81,6 +83,7 @@ from tokenbudget.core.config import (
 )
 from tokenbudget.core.errors import ConfigError, DatasetError
 from tokenbudget.core.extras import require
+from tokenbudget.core.formats import DEFAULT_FORMAT, FORMAT_TRAITS, DatasetFormat, Turns
 from tokenbudget.producers.prompts.order import prompt_length, stratified
 from tokenbudget.producers.templates import config_tokenizer
 from tokenbudget.streams.fields import ChatMessage, ToolCall
@@ -88,8 +91,6 @@ from tokenbudget.streams.fields import ChatMessage, ToolCall
 if TYPE_CHECKING:
     from tokenbudget.core.config import Config
 
-Format = Literal["auto", "prompt", "openai", "sharegpt", "hf"]
-Turns = Literal["first", "all", "regenerate"]
 Template = Callable[[Sequence[ChatMessage]], list[int]]
 
 # ShareGPT speakers -> chat roles. Exports differ in naming; these cover the common ones.
@@ -252,7 +253,11 @@ def _parse_conversations(
 
 
 def parse_row(
-    row: Any, path: str, line: int, format: Format = "auto", columns: Columns = DEFAULT_COLUMNS
+    row: Any,
+    path: str,
+    line: int,
+    format: DatasetFormat = DEFAULT_FORMAT,
+    columns: Columns = DEFAULT_COLUMNS,
 ) -> tuple[str | None, str | None, tuple[ChatMessage, ...] | None]:
     """Validate one row; returns (id, text, messages) or raises DatasetError."""
     if not isinstance(row, dict):
@@ -265,17 +270,60 @@ def parse_row(
     key = None if row_id is None else str(row_id)
     if columns.key:
         return (key, *_mapped_row(row, path, line, format, columns))
+    return (key, *PARSERS[format].row(row, path, line))
+
+
+# A row's prompt: (text, None) or (None, chat messages).
+Parsed = tuple[str | None, tuple[ChatMessage, ...] | None]
+
+
+@dataclass(frozen=True)
+class RowParser:
+    """How one format reads its rows: ``row`` a row's own fields, ``turns`` the chat
+    turns in a field the column mapping names (``messages_field``)."""
+
+    row: Callable[[dict[str, Any], str, int], Parsed]
+    turns: Callable[[Any, str, int, str], tuple[ChatMessage, ...]]
+
+
+def _prompt_text(prompt: Any, path: str, line: int) -> str:
+    if not isinstance(prompt, str):
+        raise DatasetError(
+            path, f"'prompt' must be a string, got {type(prompt).__name__}", line=line
+        )
+    if not prompt.strip():
+        raise DatasetError(path, "'prompt' is empty", line=line)
+    return prompt
+
+
+def _prompt_row(row: dict[str, Any], path: str, line: int) -> Parsed:
     prompt = row.get("prompt")
-    messages = row.get("messages")
-    conversations = row.get("conversations")
-    if format == "prompt" and prompt is None:
+    if prompt is None:
         raise DatasetError(path, "format 'prompt': row has no 'prompt' (a string)", line=line)
-    if format == "openai" and messages is None:
+    return _prompt_text(prompt, path, line), None
+
+
+def _openai_row(row: dict[str, Any], path: str, line: int) -> Parsed:
+    messages = row.get("messages")
+    if messages is None:
         raise DatasetError(path, "format 'openai': row has no 'messages' (a chat list)", line=line)
-    if format == "sharegpt" and conversations is None:
+    return None, _with_content(_parse_messages(messages, path, line), path, line)
+
+
+def _sharegpt_row(row: dict[str, Any], path: str, line: int) -> Parsed:
+    conversations = row.get("conversations")
+    if conversations is None:
         raise DatasetError(
             path, "format 'sharegpt': row has no 'conversations' ({from, value} turns)", line=line
         )
+    return None, _with_content(_parse_conversations(conversations, path, line), path, line)
+
+
+def _any_row(row: dict[str, Any], path: str, line: int) -> Parsed:
+    """A row of any of the formats: a prompt, else messages, else ShareGPT turns."""
+    prompt = row.get("prompt")
+    messages = row.get("messages")
+    conversations = row.get("conversations")
     if prompt is None and messages is None and conversations is None:
         raise DatasetError(
             path,
@@ -283,19 +331,11 @@ def parse_row(
             "nor 'conversations' (ShareGPT turns)",
             line=line,
         )
-    if prompt is not None and format in ("auto", "hf", "prompt"):
-        if not isinstance(prompt, str):
-            raise DatasetError(
-                path, f"'prompt' must be a string, got {type(prompt).__name__}", line=line
-            )
-        if not prompt.strip():
-            raise DatasetError(path, "'prompt' is empty", line=line)
-        return key, prompt, None
-    if messages is not None and format != "sharegpt":
-        parsed = _parse_messages(messages, path, line)
-    else:
-        parsed = _parse_conversations(conversations, path, line)
-    return key, None, _with_content(parsed, path, line)
+    if prompt is not None:
+        return _prompt_text(prompt, path, line), None
+    if messages is not None:
+        return None, _with_content(_parse_messages(messages, path, line), path, line)
+    return None, _with_content(_parse_conversations(conversations, path, line), path, line)
 
 
 def _with_content(
@@ -307,7 +347,7 @@ def _with_content(
 
 
 def _mapped_row(
-    row: dict[str, Any], path: str, line: int, format: Format, columns: Columns
+    row: dict[str, Any], path: str, line: int, format: DatasetFormat, columns: Columns
 ) -> tuple[str | None, tuple[ChatMessage, ...] | None]:
     """(text, messages) of a row read through the dataset's column mapping."""
     try:
@@ -324,10 +364,7 @@ def _mapped_row(
     value = row.get(field)
     if value is None:
         raise DatasetError(path, f"field {field!r} is missing", line=line)
-    # "auto" and "hf" tell ShareGPT turns from chat messages by their shape.
-    if format == "sharegpt" or (format != "openai" and _sharegpt_shaped(value)):
-        return None, _with_content(_parse_conversations(value, path, line, field), path, line)
-    return None, _with_content(_parse_messages(value, path, line, field), path, line)
+    return None, _with_content(PARSERS[format].turns(value, path, line, field), path, line)
 
 
 def _sharegpt_shaped(value: Any) -> bool:
@@ -337,6 +374,23 @@ def _sharegpt_shaped(value: Any) -> bool:
         and isinstance(value[0], dict)
         and ("from" in value[0])
     )
+
+
+def _turns_by_shape(value: Any, path: str, line: int, field: str) -> tuple[ChatMessage, ...]:
+    """Chat turns of either kind, told apart by their shape: ShareGPT's or messages."""
+    parse = _parse_conversations if _sharegpt_shaped(value) else _parse_messages
+    return parse(value, path, line, field)
+
+
+# Each format's parse functions, by its name in tokenbudget.core.formats.FORMAT_TRAITS
+# (which this covers); "auto" and "hf" read any row.
+PARSERS: Mapping[str, RowParser] = {
+    "auto": RowParser(_any_row, _turns_by_shape),
+    "prompt": RowParser(_prompt_row, _turns_by_shape),
+    "openai": RowParser(_openai_row, _parse_messages),
+    "sharegpt": RowParser(_sharegpt_row, _parse_conversations),
+    "hf": RowParser(_any_row, _turns_by_shape),
+}
 
 
 def _chat_shaped(value: Any) -> bool:
@@ -659,8 +713,11 @@ def _is_hf_folder(path: Path) -> bool:
     )
 
 
-def reader_for(path: Path, format: Format = "auto", split: str = "") -> DatasetReader:
-    if format == "hf" or (format == "auto" and _is_hf_folder(path)):
+def reader_for(
+    path: Path, format: DatasetFormat = DEFAULT_FORMAT, split: str = ""
+) -> DatasetReader:
+    folder = FORMAT_TRAITS[format].folder
+    if folder or (folder is None and _is_hf_folder(path)):
         return HFDiskReader(path, split)
     suffix = path.suffix.lower()
     if suffix in (".jsonl", ".json", ".ndjson"):
@@ -715,7 +772,7 @@ def _as_row_error(exc: Exception, name: str, line: int) -> DatasetError:
 def _in_file_order(
     dataset: str,
     reader: DatasetReader,
-    format: Format,
+    format: DatasetFormat,
     turns: Turns,
     on_bad_row: Callable[[DatasetError], None] | None,
     keep_columns: Sequence[str] = (),
@@ -856,7 +913,7 @@ def read_prompts(
     *,
     on_bad_row: Callable[[DatasetError], None] | None = None,
     limit: int | None = None,
-    format: Format = "auto",
+    format: DatasetFormat = DEFAULT_FORMAT,
     turns: Turns = "first",
     shuffle_seed: int | None = None,
     order: DatasetOrder | None = None,
@@ -966,7 +1023,7 @@ PEEK_ROWS = 1000
 
 def first_chat_row(
     path: Path,
-    format: Format = "auto",
+    format: DatasetFormat = DEFAULT_FORMAT,
     split: str = "",
     *,
     peek: int = PEEK_ROWS,
@@ -987,7 +1044,7 @@ def first_chat_row(
     return None
 
 
-def _chat_row(name: str, line: int, row: Any, format: Format, columns: Columns) -> bool:
+def _chat_row(name: str, line: int, row: Any, format: DatasetFormat, columns: Columns) -> bool:
     try:
         return parse_row(row, name, line, format, columns)[2] is not None
     except DatasetError:
@@ -1086,7 +1143,7 @@ def _check_rows(
         )
     api = config.inference.api
     # Explicit chat formats never get here untemplated: config validation refused them.
-    if chat_at and api in RAW_TEXT_APIS and not dataset.template:
+    if chat_at and not API_TRAITS[api].chat and not dataset.template:
         found = f"{chat_at} holds messages"
         raise untemplated_chat(key, dataset.name, api, found, config.source)
     # Rows without an id are identified by their content: a misspelt id_field would
@@ -1138,10 +1195,10 @@ def suggest_mapping(row: dict[str, Any]) -> tuple[str, str] | None:
 
 def _suggestion(dataset: Dataset, row: dict[str, Any]) -> tuple[str, str] | None:
     """What to set for a dataset whose first rows give no prompt, judged from ``row``."""
-    if dataset.format not in ("auto", "hf"):
+    if FORMAT_TRAITS[dataset.format].chat is not None:  # a format of one kind of rows
         try:
-            parse_row(row, "", 0, "auto", dataset.columns)
-            return "format", "auto"  # the rows are fine, the format is not theirs
+            parse_row(row, "", 0, DEFAULT_FORMAT, dataset.columns)
+            return "format", DEFAULT_FORMAT  # the rows are fine, the format is not theirs
         except DatasetError:
             pass
     suggestion = suggest_mapping(row)
@@ -1173,8 +1230,8 @@ def _no_prompts(
         fix = f"set {option} = {json.dumps(value)}"
         if columns.key and option != "format" and columns.key != option:
             fix += f" in place of {columns.key}"
-        if dataset.format in CONFLICTING_FORMATS.get(option, ()):
-            fix += ' and format = "auto"'
+        if option in FORMAT_TRAITS[dataset.format].conflicts:
+            fix += f' and format = "{DEFAULT_FORMAT}"'
     message = f"{message}: {fix} (docs/datasets.md: Column mapping)"
     return ConfigError(f"{key}.{option}", message, source=source)
 
@@ -1207,7 +1264,9 @@ def describe_dataset(path: Path, key: str, source: str, *, peek: int = PEEK_ROWS
     column mapping their fields suggest (:func:`suggest_mapping`). Raises the same
     ConfigError as :func:`check_datasets` (under ``key``) when they give no prompt."""
     # Only the reading matters here: the budget and max_new_tokens are never used.
-    dataset = Dataset(name="new", path=path, budget=1, format="auto", max_new_tokens=1, limit=None)
+    dataset = Dataset(
+        name="new", path=path, budget=1, format=DEFAULT_FORMAT, max_new_tokens=1, limit=None
+    )
     name, rows = _peek(dataset, key, source, peek)
     if not rows:
         raise ConfigError(f"{key}.path", f"{name} has no rows", source=source)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tokenbudget.core import config as config_module
-from tokenbudget.core.config import Api
+from tokenbudget.core.apis import API_TRAITS, Api, openai_api
 from tokenbudget.core.errors import ConfigError, TokenBudgetError
 from tokenbudget.producers.inference.backends import ServerInfo
 from tokenbudget.producers.prompts.datasets import DatasetShape, check_datasets, describe_dataset
@@ -95,17 +95,20 @@ def choose_api(server: ServerInfo, chat: bool, tokenizer: Path | None) -> Choice
     """SGLang's /generate takes text or ids: chat rows need the template applied
     here (``tokenizer``), else its OpenAI chat API applies it. An OpenAI-compatible
     server gets chat rows through its chat API, plain prompts as they are."""
-    if server.kind == "sglang":
+    chat_api = openai_api(chat=True)
+    native = API_TRAITS.get(server.kind)  # the API whose model-info route answered
+    if native is not None:
         if not chat or tokenizer is not None:
-            return Choice("sglang", tokenizer, "SGLang's /generate (GET /get_model_info answered)")
+            why = f"SGLang's /generate (GET {native.model_info_route} answered)"
+            return Choice(server.kind, tokenizer, why)
         named = f" ({server.tokenizer} is not on this machine)" if server.tokenizer else ""
         why = f"SGLang's OpenAI chat API: the server applies the chat template{named}"
-        return Choice("openai-chat", None, why)
+        return Choice(chat_api, None, why)
     if chat:
         why = "OpenAI-compatible chat: the server applies the chat template"
-        return Choice("openai-chat", tokenizer, why)
-    why = "OpenAI-compatible completions: prompts sent as they are (openai-chat: as a user turn)"
-    return Choice("openai-completions", tokenizer, why)
+        return Choice(chat_api, tokenizer, why)
+    why = f"OpenAI-compatible completions: prompts sent as they are ({chat_api}: as a user turn)"
+    return Choice(openai_api(chat=False), tokenizer, why)
 
 
 def _toml(value: str) -> str:
@@ -190,7 +193,7 @@ def config_text(
         'path = "out"  # Parquet, a folder per dataset (relative to this file)',
     ]
     for f in found:
-        template = choice.api != "openai-chat" and choice.tokenizer is not None
+        template = not API_TRAITS[choice.api].chat and choice.tokenizer is not None
         lines += _dataset_lines(f, folder, budget, template)
     return "\n".join(lines) + "\n"
 

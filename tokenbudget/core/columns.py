@@ -24,13 +24,12 @@ from typing import Any
 
 PARAGRAPH_BREAK = "\n\n"
 
-# The [[datasets]] keys that say where the prompt is (at most one is set), and the
-# formats each cannot go with: a plain prompt is not chat turns, nor the reverse.
-CONFLICTING_FORMATS = {
-    "prompt_field": ("openai", "sharegpt"),
-    "prompt_template": ("openai", "sharegpt"),
-    "messages_field": ("prompt",),
-}
+# The [[datasets]] keys that say where the prompt is (at most one is set): those of a
+# plain prompt and those of chat turns. A format of the other kind cannot go with
+# them (tokenbudget.core.formats: FormatTraits.conflicts).
+TEXT_KEYS = ("prompt_field", "prompt_template")
+TURNS_KEYS = ("messages_field",)
+MAPPING_KEYS = TEXT_KEYS + TURNS_KEYS
 
 
 class TemplateError(ValueError):

@@ -27,14 +27,24 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from tokenbudget.core import sizes
+from tokenbudget.core.apis import API_TRAITS, DEFAULT_API, Api, api_doc, openai_api
 from tokenbudget.core.columns import (
-    CONFLICTING_FORMATS,
     DEFAULT_COLUMNS,
+    MAPPING_KEYS,
     Columns,
     PromptTemplate,
     TemplateError,
 )
 from tokenbudget.core.errors import ConfigError
+from tokenbudget.core.formats import (
+    DEFAULT_FORMAT,
+    FORMAT_TRAITS,
+    TEXT_TURNS,
+    DatasetFormat,
+    Turns,
+    format_doc,
+    formats_with,
+)
 from tokenbudget.core.keydoc import doc
 from tokenbudget.core.names import (
     UNNAMED_JOB,
@@ -45,7 +55,6 @@ from tokenbudget.core.names import (
 from tokenbudget.core.roles import Role
 from tokenbudget.core.sampling import SAMPLING_KEYS, Sampling
 
-Api = Literal["sglang", "openai-completions", "openai-chat"]
 # The budget's choices, named once here; what each means is streams/budget.py's tables.
 Unit = Literal["completion_tokens", "total_tokens", "samples"]
 BoundaryPolicy = Literal["truncate", "finish"]
@@ -54,7 +63,6 @@ CutPolicy = Literal["last", "any"]
 ReserveMode = Literal["whole", "grow"]
 # Which server of the fleet a request goes to: producers/inference/placement.py.
 RoutingPolicy = Literal["least_work", "round_robin"]
-DatasetFormat = Literal["auto", "prompt", "openai", "sharegpt", "hf"]
 # The order a dataset's prompts are sent in: producers/prompts/order.py says what each keeps.
 DatasetOrder = Literal["file", "shuffled", "stratified"]
 # stratify_by's default: the prompt's length, not a field of the row.
@@ -286,13 +294,7 @@ class InferenceConfig(_Sampling, frozen=True, forbid_unknown_fields=True, kw_onl
             "load: the peers' way, for comparison)"
         ),
     ] = "least_work"
-    api: Annotated[
-        Api,
-        doc(
-            "`sglang` (native `/generate`), `openai-completions` (`/v1/completions`) or "
-            "`openai-chat` (`/v1/chat/completions`)"
-        ),
-    ] = "sglang"
+    api: Annotated[Api, doc(api_doc())] = DEFAULT_API
     model: Annotated[
         str,
         doc(
@@ -612,11 +614,6 @@ class MetricsConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=T
     ] = 60.0
 
 
-# How a conversation becomes prompts (tokenbudget.producers.prompts.datasets): its first turn, every
-# assistant turn on the dataset's history, or every turn on the model's own answers.
-Turns = Literal["first", "all", "regenerate"]
-
-
 class DatasetConfig(_Sampling, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """One `[[datasets]]` entry per dataset (docs/datasets.md). The sampling keys of
     [inference] may be set here too: the dataset's own win, key by key."""
@@ -636,13 +633,7 @@ class DatasetConfig(_Sampling, frozen=True, forbid_unknown_fields=True, kw_only=
             "(suffixes k, M, G or B), in `budget.unit`"
         ),
     ]
-    format: Annotated[
-        DatasetFormat,
-        doc(
-            "`prompt`, `openai` (`messages`), `sharegpt` (`conversations` of `{from, value}`), "
-            "`hf` (a folder written by `save_to_disk`), or `auto` (per row; a folder is `hf`)"
-        ),
-    ] = "auto"
+    format: Annotated[DatasetFormat, doc(format_doc())] = DEFAULT_FORMAT
     # Where the prompt is when not in prompt/messages/conversations (one of the
     # three), and the id's field: tokenbudget.core.columns.
     prompt_field: Annotated[
@@ -1349,23 +1340,26 @@ def _check_dataset(raw: _RawConfig, d: DatasetConfig, key: str, source: str) -> 
                 "applying a chat template needs [inference] tokenizer (a local tokenizer folder)",
                 source=source,
             )
-        if raw.inference.api == "openai-chat":
+        if API_TRAITS[raw.inference.api].chat:
+            raw_apis = " or ".join(repr(name) for name, t in API_TRAITS.items() if not t.chat)
             raise ConfigError(
                 f"{key}.template",
-                "openai-chat takes messages, not token ids: use api 'sglang' or "
-                "'openai-completions' with a local template, or drop template",
+                f"{raw.inference.api} takes messages, not token ids: use api {raw_apis} "
+                "with a local template, or drop template",
                 source=source,
             )
-    if d.turns != "first" and (d.format == "prompt" or d.prompt_field or d.prompt_template):
+    traits = FORMAT_TRAITS[d.format]
+    text_rows = traits.chat is False or d.prompt_field or d.prompt_template
+    if text_rows and d.turns not in TEXT_TURNS:
         raise ConfigError(
             f"{key}.turns",
-            f"{d.turns!r} needs conversations (format openai, sharegpt, hf or auto, "
+            f"{d.turns!r} needs conversations (format {formats_with(d.turns)}, "
             "without prompt_field or prompt_template)",
             source=source,
         )
     if d.turns == "regenerate":
         _check_regenerate(raw, d, key, source)
-    if d.split and d.format not in ("hf", "auto"):
+    if d.split and not traits.splits:
         raise ConfigError(
             f"{key}.split", "only a Hugging Face dataset (format 'hf') has splits", source=source
         )
@@ -1373,8 +1367,8 @@ def _check_dataset(raw: _RawConfig, d: DatasetConfig, key: str, source: str) -> 
         _check_disable(raw, d, key, source)
     # "auto" and "hf" rows say whether they are chat only when read: run and produce
     # check those before anything starts (tokenbudget.producers.prompts.datasets.check_datasets).
-    if raw.inference.api in RAW_TEXT_APIS and not d.template:
-        if d.format in CHAT_FORMATS:
+    if not API_TRAITS[raw.inference.api].chat and not d.template:
+        if traits.chat:
             found = f"format {d.format!r}"
             raise untemplated_chat(key, d.name, raw.inference.api, found, source)
         if d.messages_field:
@@ -1385,12 +1379,13 @@ def _check_dataset(raw: _RawConfig, d: DatasetConfig, key: str, source: str) -> 
 def _check_regenerate(raw: _RawConfig, d: DatasetConfig, key: str, source: str) -> None:
     """``turns = "regenerate"`` sends each turn's history, the model's own answers and
     tool calls in it, through the chat API; one answer per turn."""
-    if raw.inference.api != "openai-chat":
+    if not API_TRAITS[raw.inference.api].chat:
         raise ConfigError(
             f"{key}.turns",
             f"'regenerate' sends each turn with the model's earlier answers and tool calls "
             f"as chat messages, which api {raw.inference.api!r} does not take: set "
-            '[inference] api = "openai-chat" (a local template is not supported with it)',
+            f'[inference] api = "{openai_api(chat=True)}" (a local template is not '
+            "supported with it)",
             source=source,
         )
     n = d.n if d.n is not None else raw.inference.n
@@ -1407,13 +1402,13 @@ def _check_disable(raw: _RawConfig, d: DatasetConfig, key: str, source: str) -> 
     """``reasoning = "disable"`` works through the chat template: a request with no
     template to read it, or a dataset whose own template switches turn thinking on,
     would think anyway."""
-    if raw.inference.api in RAW_TEXT_APIS and not d.template:
+    if not API_TRAITS[raw.inference.api].chat and not d.template:
         raise ConfigError(
             f"{key}.reasoning",
             f"'disable' is read by the chat template, but api {raw.inference.api!r} sends "
             "this dataset's prompts as raw text without one: set template = true (with "
-            '[inference] tokenizer), use [inference] api = "openai-chat", or write the '
-            "prompts with thinking off",
+            f'[inference] tokenizer), use [inference] api = "{openai_api(chat=True)}", or '
+            "write the prompts with thinking off",
             source=source,
         )
     own = d.chat_template_kwargs or {}
@@ -1430,22 +1425,23 @@ def _check_disable(raw: _RawConfig, d: DatasetConfig, key: str, source: str) -> 
 def _columns(d: DatasetConfig, key: str, source: str) -> Columns:
     """The dataset's column mapping (tokenbudget.core.columns), checked key by key and
     against its format."""
-    chosen = [name for name in CONFLICTING_FORMATS if getattr(d, name)]
+    chosen = [name for name in MAPPING_KEYS if getattr(d, name)]
     if len(chosen) > 1:
         raise ConfigError(
             f"{key}.{chosen[1]}",
-            f"set one of {', '.join(CONFLICTING_FORMATS)}, not both {chosen[0]} and {chosen[1]}",
+            f"set one of {', '.join(MAPPING_KEYS)}, not both {chosen[0]} and {chosen[1]}",
             source=source,
         )
     for name in ("prompt_field", "messages_field", "id_field"):
         value = getattr(d, name)
         if value != value.strip() or (name == "id_field" and not value):
             raise ConfigError(f"{key}.{name}", f"{value!r} is not a field name", source=source)
-    if chosen and d.format in CONFLICTING_FORMATS[chosen[0]]:
+    if chosen and chosen[0] in FORMAT_TRAITS[d.format].conflicts:
         what = "chat turns" if chosen[0] == "messages_field" else "a plain prompt"
         raise ConfigError(
             f"{key}.{chosen[0]}",
-            f'maps {what}, which format {d.format!r} does not read: set format = "auto"',
+            f"maps {what}, which format {d.format!r} does not read: set format = "
+            f'"{DEFAULT_FORMAT}"',
             source=source,
         )
     template = None
@@ -1462,11 +1458,6 @@ def _columns(d: DatasetConfig, key: str, source: str) -> Columns:
     )
 
 
-# APIs that take the prompt as one string: chat turns need a template applied first.
-RAW_TEXT_APIS = frozenset({"sglang", "openai-completions"})
-CHAT_FORMATS = frozenset({"openai", "sharegpt"})
-
-
 def untemplated_chat(
     key: str, dataset: str, api: str, found: str, source: str | None
 ) -> ConfigError:
@@ -1477,7 +1468,7 @@ def untemplated_chat(
         f"dataset {dataset!r} is chat ({found}) but api {api!r} sends raw text, so the"
         " messages would reach the model without its chat template: set template = true"
         ' with [inference] tokenizer = "<local tokenizer folder>", or use'
-        ' [inference] api = "openai-chat"',
+        f' [inference] api = "{openai_api(chat=True)}"',
         source=source,
     )
 

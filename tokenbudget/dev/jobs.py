@@ -23,7 +23,7 @@ import httpx
 
 from tokenbudget.app.children import cli_command
 from tokenbudget.core import lifetime
-from tokenbudget.core.config import RAW_TEXT_APIS
+from tokenbudget.core.apis import API_TRAITS, DEFAULT_API
 from tokenbudget.core.lifetime import PARENT_ENV
 from tokenbudget.dev import tiny_tokenizer
 from tokenbudget.dev.demo import wait_for_simulator
@@ -101,7 +101,7 @@ def write_job(
     settings: dict[str, dict[str, Any]] = {
         "kafka": {"bootstrap": bootstrap, "namespace": namespace},
         "inference": {
-            "api": "sglang",
+            "api": DEFAULT_API,
             "concurrency": 8,
             "max_new_tokens": 4096,
             "backoff_s": 0.1,
@@ -139,7 +139,7 @@ def template_chats(
     """The chat datasets to send templated: a raw-text API refuses them untemplated.
     They get a tiny tokenizer trained on their prompts (distinct prompts, distinct
     ids), set in ``inference`` as [inference] tokenizer."""
-    if inference.get("api", "sglang") not in RAW_TEXT_APIS:
+    if API_TRAITS[inference.get("api", DEFAULT_API)].chat:
         return set()
     chats = {name for name, (path, _) in datasets.items() if first_chat_row(path)}
     if chats and not inference.get("tokenizer"):

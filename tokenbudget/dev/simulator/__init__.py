@@ -36,6 +36,8 @@ Behaviour worth knowing when reading client code against it:
 The server is a few parts composed by ``_SimServer`` (``server``, with the entry points
 ``start`` and ``serve``): the generation engine every API shares (``engine``; the pure
 generation in ``generation``, a request as parsed in ``request``), the routes of each
-API (``routes_sglang``, ``routes_openai``), the injected faults (``faults``) and the
-request log (``log``); what it is told and what it records are in ``config``.
+API (``routes_sglang``, ``routes_openai``; ``server.ROUTES`` says which serves which,
+their differences are the APIs' traits, ``tokenbudget.core.apis``), the injected
+faults (``faults``) and the request log (``log``); what it is told and what it
+records are in ``config``.
 """

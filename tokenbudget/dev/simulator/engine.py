@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from aiohttp import web
 
+from tokenbudget.core.apis import API_TRAITS
 from tokenbudget.dev.simulator.config import PROFILES, THINK_END, RequestRecord, SimulatorConfig
 from tokenbudget.dev.simulator.faults import _Faults
 from tokenbudget.dev.simulator.generation import _crc, _generate, _Output, ids_crc
@@ -117,7 +118,7 @@ class _Engine:
         return job
 
     def _calls_tool(self, api: str, parsed: _Parsed) -> bool:
-        return api == "openai-chat" and self.config.tool_calls and parsed.query is not None
+        return API_TRAITS[api].chat and self.config.tool_calls and parsed.query is not None
 
     async def _decode(self, job: _Job, stream: bool) -> None:
         loop = asyncio.get_running_loop()
@@ -205,7 +206,7 @@ class _Engine:
         thinking = output.thinking_tokens(end) if self.think_end is not None else None
         reasoning: str | None = None
         content = output.text(start, end)
-        if job.api == "openai-chat" and self.config.reasoning_style != "none":
+        if API_TRAITS[job.api].reasoning_fields and self.config.reasoning_style != "none":
             reasoning = output.reasoning(start, end) or None
             content = output.answer(start, end)
         if job.tool is None:

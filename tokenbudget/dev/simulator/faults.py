@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from tokenbudget.core.apis import API_TRAITS
 from tokenbudget.dev.simulator.config import BAD_COUNTS, RequestRecord, SimulatorConfig
 from tokenbudget.dev.simulator.log import _RequestLog
 from tokenbudget.dev.simulator.request import _Parsed, _text_crc
@@ -129,13 +130,13 @@ async def _lying(
     """An answer of one token, whole or streamed in the API's shape, whose counts are
     ``lie`` where it names them (else the true ones)."""
     counts = {"prompt_tokens": parsed.prompt_tokens, "completion_tokens": 1, **lie}
-    if api == "sglang":
+    if not API_TRAITS[api].openai_compatible:
         meta = {"id": parsed.rid, **counts, "finish_reason": {"type": "stop", "matched": None}}
         answer: dict[str, Any] = {"text": " w1", "output_ids": [1], "meta_info": meta}
         chunks = [answer]
     else:
         usage = {**counts, "total_tokens": 0}
-        chat = api == "openai-chat"
+        chat = API_TRAITS[api].chat
         whole = {"message": {"role": "assistant", "content": " w1"}} if chat else {"text": " w1"}
         part = {"delta": {"content": " w1"}} if chat else {"text": " w1"}
         ending = {"index": 0, "finish_reason": "stop", "token_ids": [1]}

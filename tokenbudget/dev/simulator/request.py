@@ -10,6 +10,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenbudget.core.apis import API_TRAITS
 from tokenbudget.core.sampling import SAMPLING_KEYS, VERBATIM_KEY
 from tokenbudget.dev.simulator.config import THINK_END
 from tokenbudget.dev.simulator.generation import (
@@ -126,7 +127,7 @@ _OPENAI_SAMPLING = frozenset(SAMPLING_KEYS) - {VERBATIM_KEY}
 
 def requested_settings(api: str, payload: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """(sampling settings, other fields) of a request, as the request log keeps them."""
-    if api == "sglang":
+    if not API_TRAITS[api].openai_compatible:  # SGLang's own: settings in sampling_params
         params = payload.get("sampling_params") or {}
         sampling = {k: v for k, v in params.items() if k != "max_new_tokens"}
         return sampling, {k: v for k, v in payload.items() if k not in _GENERATE_FIELDS}

@@ -9,7 +9,9 @@ from typing import Any
 
 from aiohttp import web
 
+from tokenbudget.core.apis import API_TRAITS, openai_api
 from tokenbudget.dev.simulator.engine import _Engine
+from tokenbudget.dev.simulator.faults import _Faults
 from tokenbudget.dev.simulator.generation import chat_prompt_text
 from tokenbudget.dev.simulator.request import (
     _Answer,
@@ -36,7 +38,7 @@ class _OpenAIRoutes:
     ``/v1/completions`` and ``/v1/chat/completions`` (a thinking model's reasoning
     field and tool calls included)."""
 
-    def __init__(self, engine: _Engine) -> None:
+    def __init__(self, engine: _Engine, faults: _Faults) -> None:
         self.engine = engine
         self.config = engine.config
 
@@ -49,7 +51,7 @@ class _OpenAIRoutes:
 
     async def handle_models(self, request: web.Request) -> web.Response:
         if not self.engine.authorized(request):
-            return _error("openai", 401, "Unauthorized")
+            return _error(openai_api(chat=False), 401, "Unauthorized")  # any OpenAI API's
         return _json(
             {
                 "object": "list",
@@ -277,7 +279,7 @@ class _OpenAIRoutes:
         if self.config.omit_usage and not always:
             return None
         usage: dict[str, Any] = _usage(job)
-        if job.api == "openai-chat" and self.engine.think_end is not None:
+        if API_TRAITS[job.api].reasoning_fields and self.engine.think_end is not None:
             thinking = job.output.thinking_tokens(job.produced)
             usage["completion_tokens_details"] = {"reasoning_tokens": thinking}
         return usage

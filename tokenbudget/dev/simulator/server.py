@@ -9,6 +9,7 @@ import contextlib
 import logging
 import signal
 import sys
+from collections.abc import Mapping
 
 from aiohttp import web
 
@@ -26,6 +27,15 @@ _log = logging.getLogger(__name__)
 _SHUTDOWN_TIMEOUT = 2.0
 
 
+# The routes that serve each API (tokenbudget.core.apis.API_TRAITS, which this covers):
+# SGLang's own, and the OpenAI-compatible ones its server and vLLM's share.
+ROUTES: Mapping[str, type[_SGLangRoutes | _OpenAIRoutes]] = {
+    "sglang": _SGLangRoutes,
+    "openai-completions": _OpenAIRoutes,
+    "openai-chat": _OpenAIRoutes,
+}
+
+
 class _SimServer:
     """The simulator's parts, composed: the request log, the faults, the generation
     engine and the routes of each API, on one aiohttp application."""
@@ -39,8 +49,11 @@ class _SimServer:
         self.app = web.Application(client_max_size=64 * 1024 * 1024)
         self.app.add_routes(
             [
-                *_SGLangRoutes(self.engine, self.faults).routes(),
-                *_OpenAIRoutes(self.engine).routes(),
+                *(
+                    route
+                    for routes in dict.fromkeys(ROUTES.values())
+                    for route in routes(self.engine, self.faults).routes()
+                ),
                 web.get("/sim/log", keyed(self.engine, self.log.handle_log)),
                 web.post("/sim/outage", keyed(self.engine, self.faults.handle_outage)),
             ]

@@ -8,6 +8,8 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from tokenbudget.core.apis import API_TRAITS
+
 _encode = msgspec.json.Encoder().encode
 _decode = msgspec.json.Decoder().decode
 
@@ -40,7 +42,7 @@ def _sse_response() -> web.StreamResponse:
 def _error(
     api: str, status: int, message: str, headers: dict[str, str] | None = None
 ) -> web.Response:
-    if api == "sglang":
+    if not API_TRAITS[api].openai_compatible:
         # SGLang's native endpoints answer errors as {"error": {"message": ...}}.
         response = _json({"error": {"message": message}}, status)
     else:
