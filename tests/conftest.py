@@ -3,6 +3,8 @@
 It runs in a temporary home on free ports, so it never touches a developer's own
 broker. ``TOKENBUDGET_TEST_BOOTSTRAP=HOST:PORT`` reuses a broker already running.
 Each test gets its own topic namespace, so tests never see each other's events.
+Also the work units ``make test``'s pytest-xdist workers take, and their order (the
+longest first, as ``tests/durations.json`` recorded them).
 """
 
 from __future__ import annotations
