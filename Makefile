@@ -51,8 +51,10 @@ rules: ## promtool check and unit-test the alert rules (needs the prometheus pac
 	promtool check rules infra/prometheus/rules/tokenbudget.yml
 	promtool test rules infra/prometheus/rules_test.yml
 
+# --durations: the log shows where the time went (bench/test_suite_time.py --record
+# keeps it in tests/durations.json, the order the workers take the tests in).
 test: venv jars ## run every test, on TEST_WORKERS processes (each starts its own broker)
-	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadscope $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadscope --durations=25 $(PYTEST_ARGS)
 
 test-fast: venv ## the unit tests only (no broker, no JVM): the edit loop
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not integration" $(PYTEST_ARGS)

@@ -3,6 +3,8 @@
 It runs in a temporary home on free ports, so it never touches a developer's own
 broker. ``TOKENBUDGET_TEST_BOOTSTRAP=HOST:PORT`` reuses a broker already running.
 Each test gets its own topic namespace, so tests never see each other's events.
+Also the work units ``make test``'s pytest-xdist workers take, and their order (the
+longest first, as ``tests/durations.json`` recorded them).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from tests import durations
 from tokenbudget.localkafka import broker
 from tokenbudget.localkafka.settings import BrokerSettings
 
@@ -52,36 +55,10 @@ def namespace() -> str:
     return f"t{uuid.uuid4().hex[:10]}"
 
 
-# The modules whose tests take longest, longest first: ``make test`` runs the tests
-# on several workers (pytest-xdist), which take them in collection order, so these
-# start first and the short ones fill in around them instead of one of these
-# starting last and running alone.
-LONGEST_FIRST = (
-    "test_wheel",
-    "test_cluster",
-    "test_faults",
-    "test_chaos",
-    "test_fleet",
-    "test_unattended",
-    "test_plan",
-    "test_job_identity",
-    "test_backends",
-    "test_observability",
-    "test_reservations",
-    "test_sizes",
-    "test_replay",
-)
-
 # Modules whose tests share a costly module fixture (a three-node cluster, a secured
 # broker, Prometheus with Alertmanager, simulators of every wire format): one worker
 # runs all of a module's tests, one after the other, so the fixture starts once.
 ONE_WORKER = ("test_acls", "test_backends", "test_cluster", "test_observability", "test_security")
-
-
-def _order(item: pytest.Item) -> tuple[int, int]:
-    module = item.path.stem
-    rank = LONGEST_FIRST.index(module) if module in LONGEST_FIRST else len(LONGEST_FIRST)
-    return (0 if item.get_closest_marker("integration") else 1, rank)
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
@@ -96,16 +73,26 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
             path = nodeid.split("::", 1)[0]
             return path if Path(path).stem in ONE_WORKER else nodeid
 
-    config.option.loadscopereorder = False  # keep LONGEST_FIRST's order
+    config.option.loadscopereorder = False  # keep the order of tests/durations.json
     return Units(config, log)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """A test that asks for the session broker is an integration test, marked or not,
     so ``make test-fast`` (``-m "not integration"``) never waits for a JVM. Integration
-    tests run first, the longest modules first (see LONGEST_FIRST); the sort is
-    stable, so a module's tests keep their order."""
+    tests run first, the longest work units first, as ``tests/durations.json``
+    recorded them (:func:`tests.durations.order`): ``make test``'s workers take them
+    in this order, so the long ones start first and the short ones fill in around
+    them instead of one long one starting last and running alone."""
     for item in items:
         if "kafka_bootstrap" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.integration)
-    items.sort(key=_order)
+    tests = [
+        durations.Collected(i.nodeid, i.get_closest_marker("integration") is not None)
+        for i in items
+    ]
+    rank = {
+        nodeid: n
+        for n, nodeid in enumerate(durations.order(tests, durations.Durations.read(), ONE_WORKER))
+    }
+    items.sort(key=lambda item: rank[item.nodeid])
