@@ -3,8 +3,8 @@
 The ledger (:mod:`tokenbudget.streams.ledger`), the admission and the dispatcher
 (:mod:`producers`), ``tokenbudget status``, the run report and the metrics call
 these, so what a budget means is written once. The choices are named in the
-config (:data:`tokenbudget.core.config.Unit`, :data:`~tokenbudget.core.config.BoundaryPolicy`,
-:data:`~tokenbudget.core.config.CutPolicy`, :data:`~tokenbudget.core.config.AdmissionMode`);
+config (:data:`tokenbudget.core.sections.Unit`, :data:`~tokenbudget.core.sections.BoundaryPolicy`,
+:data:`~tokenbudget.core.sections.CutPolicy`, :data:`~tokenbudget.core.sections.AdmissionMode`);
 what each does is a row of a table here. Adding a unit, a policy or a mode means a
 row here and a name there.
 
@@ -61,7 +61,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from tokenbudget.core.config import AdmissionMode, BoundaryPolicy, CutPolicy, Unit
+from tokenbudget.core.sections import AdmissionMode, BoundaryPolicy, CutPolicy, Unit
 
 
 class Counts(Protocol):

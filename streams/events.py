@@ -32,7 +32,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from tokenbudget.core.config import Unit as BudgetUnit
+from tokenbudget.core.sections import Unit as BudgetUnit
 from tokenbudget.streams.fields import (
     MAX_COUNT,
     MAX_TOKENS,

@@ -51,7 +51,7 @@ from typing import Any
 
 from aiokafka import AIOKafkaProducer
 
-from tokenbudget.core.config import BoundaryPolicy, CutPolicy, ReserveMode
+from tokenbudget.core.sections import BoundaryPolicy, CutPolicy, ReserveMode
 from tokenbudget.streams import budget, codec
 from tokenbudget.streams import events as ev
 from tokenbudget.streams.budget_board import BudgetBoard

@@ -54,7 +54,7 @@ from collections.abc import Awaitable, Callable, Collection, Iterable
 from typing import Protocol
 
 from tokenbudget.core import metrics
-from tokenbudget.core.config import Config, RoutingPolicy, check_added_server, in_clear
+from tokenbudget.core.config import Config, check_added_server
 from tokenbudget.core.config import Server as ServerSpec
 from tokenbudget.core.errors import (
     ConfigError,
@@ -62,6 +62,8 @@ from tokenbudget.core.errors import (
     InferenceTransportError,
     ServerOutageError,
 )
+from tokenbudget.core.sections import RoutingPolicy
+from tokenbudget.core.server_urls import in_clear
 from tokenbudget.producers.inference import placement
 from tokenbudget.producers.inference.backends import (
     GenerationRequest,

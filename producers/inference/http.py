@@ -57,7 +57,7 @@ from tokenbudget.core.errors import (
 )
 
 if TYPE_CHECKING:
-    from tokenbudget.core.config import InferenceConfig
+    from tokenbudget.core.request_sections import InferenceConfig
 
 _encode = msgspec.json.Encoder().encode
 # What aiohttp raises for a connection that cannot be made, breaks or stays silent.

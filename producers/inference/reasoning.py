@@ -27,7 +27,8 @@ from tokenbudget.core import metrics
 from tokenbudget.core.apis import API_TRAITS
 
 if TYPE_CHECKING:
-    from tokenbudget.core.config import Config, ReasoningMode
+    from tokenbudget.core.config import Config
+    from tokenbudget.core.sections import ReasoningMode
     from tokenbudget.producers.inference.backends import GenerationResult
     from tokenbudget.streams.events import CompletionEvent
     from tokenbudget.streams.fields import StopReason

@@ -74,16 +74,12 @@ from tokenbudget.core.columns import (
     PromptTemplate,
     field_text,
 )
-from tokenbudget.core.config import (
-    PROMPT_LENGTH,
-    Dataset,
-    DatasetOrder,
-    resolve_order,
-    untemplated_chat,
-)
+from tokenbudget.core.config import Dataset
+from tokenbudget.core.config_checks import resolve_order, untemplated_chat
 from tokenbudget.core.errors import ConfigError, DatasetError
 from tokenbudget.core.extras import require
 from tokenbudget.core.formats import DEFAULT_FORMAT, FORMAT_TRAITS, DatasetFormat, Turns
+from tokenbudget.core.sections import PROMPT_LENGTH, DatasetOrder
 from tokenbudget.producers.prompts.order import prompt_length, stratified
 from tokenbudget.producers.templates import config_tokenizer
 from tokenbudget.streams.fields import ChatMessage, ToolCall

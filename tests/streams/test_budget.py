@@ -6,7 +6,7 @@ from typing import get_args
 
 import pytest
 
-from tokenbudget.core.config import AdmissionMode, BoundaryPolicy, CutPolicy, Unit
+from tokenbudget.core.sections import AdmissionMode, BoundaryPolicy, CutPolicy, Unit
 from tokenbudget.streams import budget
 from tokenbudget.streams.budget import ask, unit_cost, used
 from tokenbudget.streams.events import BudgetUnit, LedgerSnapshot

@@ -18,7 +18,8 @@ from pathlib import Path
 from tokenbudget.app.run_metrics import dispatcher_port_offset, ledger_port_offset
 from tokenbudget.app.supervision import Supervised, SupervisedGroup
 from tokenbudget.core import lifetime, sizes
-from tokenbudget.core.config import ENV_PREFIX, Config, servers_environment
+from tokenbudget.core.config import Config, servers_environment
+from tokenbudget.core.config_file import ENV_PREFIX
 from tokenbudget.core.errors import ConfigError
 from tokenbudget.core.security import subprocess_env
 from tokenbudget.streams.topics import Topics

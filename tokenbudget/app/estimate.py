@@ -42,7 +42,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from tokenbudget.core.config import Unit
+from tokenbudget.core.sections import Unit
 from tokenbudget.streams import budget as policy
 
 # The normal distribution's 90th percentile: m ± Z90·sd spans 10% to 90%.

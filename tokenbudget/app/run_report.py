@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tokenbudget.app.supervision import Restart
-from tokenbudget.core.config import Config, Unit
+from tokenbudget.core.config import Config
+from tokenbudget.core.sections import Unit
 from tokenbudget.producers.dispatch.step import DispatchReport
 from tokenbudget.producers.prompts.producer import ProduceReport
 from tokenbudget.streams import budget

@@ -20,8 +20,8 @@ from tests.producers.dispatch.test_admission import (
     until,
 )
 from tokenbudget.core import config as config_module
-from tokenbudget.core.config import ReserveMode
 from tokenbudget.core.errors import InferenceTransportError
+from tokenbudget.core.sections import ReserveMode
 from tokenbudget.producers.dispatch.admission import Admission, AdmissionSettings
 from tokenbudget.producers.dispatch.dispatcher import Dispatcher
 from tokenbudget.producers.dispatch.slots import Slot

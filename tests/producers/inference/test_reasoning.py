@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from prometheus_client import REGISTRY
 
-from tokenbudget.core.config import ReasoningMode
+from tokenbudget.core.sections import ReasoningMode
 from tokenbudget.producers.dispatch.answers import cut_answer
 from tokenbudget.producers.inference.backends import GenerationResult
 from tokenbudget.producers.inference.reasoning import ReasoningRows, unfinished

@@ -14,16 +14,10 @@ import pytest
 
 from tokenbudget.core import sizes
 from tokenbudget.core.columns import Columns, PromptTemplate
-from tokenbudget.core.config import (
-    _RawConfig,
-    build,
-    in_clear,
-    load,
-    one_server_per_url,
-    parse_budget,
-    with_servers,
-)
+from tokenbudget.core.config import build, load, parse_budget, with_servers
+from tokenbudget.core.config_file import RawConfig
 from tokenbudget.core.errors import ConfigError
+from tokenbudget.core.server_urls import in_clear, one_server_per_url
 
 NO_ENV: dict[str, str] = {}
 
@@ -482,7 +476,7 @@ def literal_keys() -> list[tuple[str, tuple[Any, ...]]]:
     """Every key of the config whose type is a Literal, with its values, as
     ``(section.key, values)``; dataset keys as ``datasets[0].key``."""
     found = []
-    for section, kind in typing.get_type_hints(_RawConfig).items():
+    for section, kind in typing.get_type_hints(RawConfig).items():
         struct = typing.get_args(kind)[0] if section == "datasets" else kind
         prefix = "datasets[0]" if section == "datasets" else section
         for key, hint in typing.get_type_hints(struct).items():
@@ -923,7 +917,7 @@ def keys_of(kind: type) -> list[str]:
             elif inner is kind:
                 found.append(f"{prefix}.{name}" if prefix else name)
 
-    walk(_RawConfig, "")
+    walk(RawConfig, "")
     return found
 
 

@@ -7,7 +7,7 @@ import msgspec
 import pyarrow as pa
 import pytest
 
-from tokenbudget.core.config import DatasetConfig, InferenceConfig
+from tokenbudget.core.request_sections import DatasetConfig, InferenceConfig
 from tokenbudget.core.sampling import SAMPLING_KEYS, VERBATIM_KEY, Sampling
 from tokenbudget.dev.simulator.request import requested_settings
 from tokenbudget.sinks.schema import SAMPLING_TYPE

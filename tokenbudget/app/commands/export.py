@@ -17,6 +17,7 @@ from tokenbudget.app.bootstrap import resolve_bootstrap
 from tokenbudget.app.commands import add_config, examples
 from tokenbudget.core import config as config_module
 from tokenbudget.core.errors import ExportError
+from tokenbudget.core.request_sections import InferenceConfig
 from tokenbudget.core.tokenizer import TRUST_FLAG, load_pretrained
 from tokenbudget.sinks.export import (
     FORMATS,
@@ -140,9 +141,7 @@ def main(args: argparse.Namespace) -> int:
         drop_unfinished=args.drop_unfinished,
         drop_incomplete=args.drop_incomplete,
         per_turn=args.per_turn,
-        reasoning_end=(
-            config.inference if config else config_module.InferenceConfig()
-        ).reasoning_end,
+        reasoning_end=(config.inference if config else InferenceConfig()).reasoning_end,
     )
     if args.from_topic:
         assert config is not None

@@ -9,6 +9,7 @@ from tokenbudget.app import servers
 from tokenbudget.app.bootstrap import resolve_bootstrap
 from tokenbudget.app.commands import add_config, examples
 from tokenbudget.core import config as config_module
+from tokenbudget.core.server_urls import check_url
 from tokenbudget.streams import events as ev
 
 
@@ -89,7 +90,7 @@ def main(args: argparse.Namespace) -> int:
         )
         what = "added: every dispatcher of the job sends to it once it answers its health check"
     else:
-        config_module.check_url(url, "URL")
+        check_url(url, "URL")
         event = servers.drained(url)
         what = "drained: it gets no new prompts and finishes those it has"
     servers.change(config, bootstrap, event)
