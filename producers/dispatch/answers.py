@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from tokenbudget.producers.inference.backends import GenerationResult
+from tokenbudget.producers.inference.generation import GenerationResult
 from tokenbudget.streams.fields import StopReason
 
 # What within_request found wrong with an answer, as the log names it.

@@ -45,7 +45,7 @@ from tokenbudget.producers.dispatch.caps import InFlight
 from tokenbudget.producers.dispatch.outcomes import Publisher
 from tokenbudget.producers.dispatch.slots import Slot
 from tokenbudget.producers.dispatch.step import Dispatched, DispatchReport
-from tokenbudget.producers.inference.backends import (
+from tokenbudget.producers.inference.generation import (
     GenerationRequest,
     GenerationResult,
     InferenceBackend,

@@ -35,7 +35,7 @@ from typing import NamedTuple
 from tokenbudget.core.apis import API_TRAITS
 from tokenbudget.producers.dispatch.admission import Admission, Ticket
 from tokenbudget.producers.dispatch.answers import kept_within
-from tokenbudget.producers.inference.backends import GenerationResult, InferenceBackend
+from tokenbudget.producers.inference.generation import GenerationResult, InferenceBackend
 from tokenbudget.streams import budget
 from tokenbudget.streams import events as ev
 

@@ -65,8 +65,8 @@ from tokenbudget.producers.dispatch.slots import Backlog, Places, Slot
 from tokenbudget.producers.dispatch.step import DispatchReport
 from tokenbudget.producers.dispatch.tries import Tries
 from tokenbudget.producers.dispatch.turns import ConversationTurns
-from tokenbudget.producers.inference.backends import InferenceBackend, RetryPolicy
 from tokenbudget.producers.inference.fleet import Fleet
+from tokenbudget.producers.inference.generation import InferenceBackend, RetryPolicy
 from tokenbudget.producers.inference.http import HttpClient
 from tokenbudget.producers.inference.reasoning import ReasoningRows
 from tokenbudget.producers.prompts import conversations

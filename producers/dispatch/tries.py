@@ -45,8 +45,8 @@ from tokenbudget.producers.dispatch.outcomes import Publisher
 from tokenbudget.producers.dispatch.route import Route
 from tokenbudget.producers.dispatch.slots import Slot
 from tokenbudget.producers.dispatch.step import DispatchReport, about
-from tokenbudget.producers.inference.backends import RetryPolicy
 from tokenbudget.producers.inference.fleet import Fleet
+from tokenbudget.producers.inference.generation import RetryPolicy
 from tokenbudget.producers.prompts.resume import OutcomeView
 from tokenbudget.streams import events as ev
 from tokenbudget.streams.budget_board import BudgetBoard

@@ -65,13 +65,12 @@ from tokenbudget.core.errors import (
 from tokenbudget.core.sections import RoutingPolicy
 from tokenbudget.core.server_urls import in_clear
 from tokenbudget.producers.inference import placement
-from tokenbudget.producers.inference.backends import (
+from tokenbudget.producers.inference.backends import api_key_of, backend_for_server
+from tokenbudget.producers.inference.generation import (
     GenerationRequest,
     GenerationResult,
     InferenceBackend,
     RetryPolicy,
-    api_key_of,
-    backend_for_server,
 )
 from tokenbudget.producers.inference.http import HttpClient, Timeouts
 from tokenbudget.producers.inference.server_gate import GateSettings, ServerGate

@@ -29,7 +29,7 @@ from tokenbudget.core.apis import API_TRAITS
 if TYPE_CHECKING:
     from tokenbudget.core.config import Config
     from tokenbudget.core.sections import ReasoningMode
-    from tokenbudget.producers.inference.backends import GenerationResult
+    from tokenbudget.producers.inference.generation import GenerationResult
     from tokenbudget.streams.events import CompletionEvent
     from tokenbudget.streams.fields import StopReason
 

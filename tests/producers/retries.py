@@ -11,7 +11,7 @@ import asyncio
 from collections.abc import Callable
 
 from tokenbudget.core.errors import InferenceError
-from tokenbudget.producers.inference.backends import (
+from tokenbudget.producers.inference.generation import (
     GenerationRequest,
     GenerationResult,
     InferenceBackend,

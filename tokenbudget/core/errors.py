@@ -21,17 +21,17 @@
     │   │   ├── InferenceTimeLimitError  the answer took longer than its request may
     │   │   │                            ([inference] min_tokens_per_s)
     │   │   └── ServerUnreachableError   the check before a run could not reach the
-    │   │                                server (tokenbudget.producers.inference.backends)
+    │   │                                server (tokenbudget.producers.inference.generation)
     │   ├── InferenceUnavailableError HTTP 429, 408, 502, 503, 504 (server away)
     │   ├── InferenceServerError      another HTTP 5xx (retried)
     │   ├── InferenceRequestError     another HTTP 4xx: the request is wrong (not retried)
     │   │   └── WrongModelError          the server serves another model than
     │   │                                [inference] model
-    │   │                                (tokenbudget.producers.inference.backends)
+    │   │                                (tokenbudget.producers.inference.generation)
     │   └── InferenceProtocolError    the body is not the wire format we expect (retried)
     │       ├── InferenceCountError      neither usage nor token ids, and no tokenizer
     │       │                            to count with (not retried;
-    │       │                            tokenbudget.producers.inference.backends)
+    │       │                            tokenbudget.producers.inference.generation)
     │       ├── InferenceBadCountError   a token count that is negative, not an integer
     │       │                            or absurd: refused, never charged (retried)
     │       └── InferenceReplyTooLargeError  a body or a streamed line over

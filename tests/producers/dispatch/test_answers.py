@@ -9,7 +9,7 @@ from tokenbudget.producers.dispatch.answers import (
     kept_within,
     within_request,
 )
-from tokenbudget.producers.inference.backends import GenerationResult
+from tokenbudget.producers.inference.generation import GenerationResult
 
 
 def answer(tokens: int, finish: str = "stop") -> GenerationResult:

@@ -25,13 +25,13 @@ from tokenbudget.core.sections import ReserveMode
 from tokenbudget.producers.dispatch.admission import Admission, AdmissionSettings
 from tokenbudget.producers.dispatch.dispatcher import Dispatcher
 from tokenbudget.producers.dispatch.slots import Slot
-from tokenbudget.producers.inference.backends import (
+from tokenbudget.producers.inference.fleet import Fleet
+from tokenbudget.producers.inference.generation import (
     GenerationRequest,
     GenerationResult,
     InferenceBackend,
     RetryPolicy,
 )
-from tokenbudget.producers.inference.fleet import Fleet
 from tokenbudget.producers.inference.server_gate import GateSettings
 from tokenbudget.streams import codec
 from tokenbudget.streams import events as ev

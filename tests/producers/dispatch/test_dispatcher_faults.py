@@ -33,12 +33,12 @@ from tokenbudget.core.errors import (
     ServerOutageError,
 )
 from tokenbudget.producers.dispatch.admission import Ticket
-from tokenbudget.producers.inference.backends import (
+from tokenbudget.producers.inference.backends import make_backend
+from tokenbudget.producers.inference.generation import (
     GenerationRequest,
     GenerationResult,
     InferenceBackend,
     RetryPolicy,
-    make_backend,
 )
 from tokenbudget.producers.inference.server_gate import GateSettings
 from tokenbudget.streams import codec, ledger

@@ -18,7 +18,7 @@ from tokenbudget.producers.dispatch.outcomes import Publisher
 from tokenbudget.producers.dispatch.slots import Slot
 from tokenbudget.producers.dispatch.step import DispatchReport
 from tokenbudget.producers.dispatch.tries import UNEXPECTED_ERRORS, Tries, prompt_token_estimate
-from tokenbudget.producers.inference.backends import RetryPolicy
+from tokenbudget.producers.inference.generation import RetryPolicy
 from tokenbudget.streams import events as ev
 from tokenbudget.streams.budget_board import BudgetBoard
 from tokenbudget.streams.fields import ChatMessage

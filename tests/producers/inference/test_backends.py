@@ -30,20 +30,18 @@ from tokenbudget.core.errors import (
 from tokenbudget.dev.simulator import server as sim_server
 from tokenbudget.dev.simulator.config import Faults, SimulatorConfig
 from tokenbudget.dev.simulator.server import RunningSimulator
-from tokenbudget.producers.inference import backends as inference
-from tokenbudget.producers.inference.backends import (
-    RETRY_AFTER_MAX_S,
+from tokenbudget.producers.inference import generation
+from tokenbudget.producers.inference.backends import make_backend
+from tokenbudget.producers.inference.generation import (
     GenerationRequest,
     GenerationResult,
     InferenceBackend,
-    OpenAIChatBackend,
-    OpenAICompletionsBackend,
     RetryPolicy,
-    SGLangBackend,
-    make_backend,
-    parse_retry_after,
 )
 from tokenbudget.producers.inference.http import HttpClient, Timeouts
+from tokenbudget.producers.inference.openai import OpenAIChatBackend, OpenAICompletionsBackend
+from tokenbudget.producers.inference.replies import RETRY_AFTER_MAX_S, parse_retry_after
+from tokenbudget.producers.inference.sglang import SGLangBackend
 from tokenbudget.streams.fields import ChatMessage, ToolCall
 
 FAST = SimulatorConfig(port=0, tokens_per_second=1e6, seed=3)
@@ -283,10 +281,10 @@ def test_generate_with_retries_counts_attempts_on_success() -> None:
 
 def test_retry_delay_grows_and_is_capped(monkeypatch: pytest.MonkeyPatch) -> None:
     policy = RetryPolicy(retries=10, backoff=0.5, backoff_max=10.0)
-    monkeypatch.setattr(inference.random, "random", lambda: 1.0)  # no jitter
+    monkeypatch.setattr(generation.random, "random", lambda: 1.0)  # no jitter
     full = [policy.delay(a) for a in range(1, 9)]
     assert full == [0.5, 1.0, 2.0, 4.0, 8.0, 10.0, 10.0, 10.0]
-    monkeypatch.setattr(inference.random, "random", lambda: 0.0)  # most jitter
+    monkeypatch.setattr(generation.random, "random", lambda: 0.0)  # most jitter
     assert [policy.delay(a) for a in range(1, 9)] == [d / 2 for d in full]
 
 

@@ -13,7 +13,7 @@ from prometheus_client import REGISTRY
 
 from tokenbudget.core.sections import ReasoningMode
 from tokenbudget.producers.dispatch.answers import cut_answer
-from tokenbudget.producers.inference.backends import GenerationResult
+from tokenbudget.producers.inference.generation import GenerationResult
 from tokenbudget.producers.inference.reasoning import ReasoningRows, unfinished
 from tokenbudget.streams import events as ev
 from tokenbudget.streams.fields import StopReason

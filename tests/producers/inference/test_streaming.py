@@ -21,14 +21,12 @@ from tokenbudget.core.errors import (
 from tokenbudget.dev.simulator import server as sim_server
 from tokenbudget.dev.simulator.config import Faults, RequestRecord, SimulatorConfig
 from tokenbudget.dev.simulator.server import RunningSimulator
-from tokenbudget.producers.inference.backends import (
+from tokenbudget.producers.inference.backends import backend_for_config, check_server, make_backend
+from tokenbudget.producers.inference.generation import (
     GenerationRequest,
     InferenceCountError,
     ServerUnreachableError,
     WrongModelError,
-    backend_for_config,
-    check_server,
-    make_backend,
 )
 from tokenbudget.producers.inference.http import HttpClient, Timeouts
 from tokenbudget.producers.templates import load_tokenizer

@@ -24,11 +24,8 @@ from tokenbudget.core.errors import ConfigError, InferenceRequestError, TokenBud
 from tokenbudget.dev.simulator import server as sim_server
 from tokenbudget.dev.simulator.config import SimulatorConfig
 from tokenbudget.dev.tiny_tokenizer import build_tokenizer
-from tokenbudget.producers.inference.backends import (
-    ServerInfo,
-    ServerUnreachableError,
-    probe_server,
-)
+from tokenbudget.producers.inference.backends import ServerInfo, probe_server
+from tokenbudget.producers.inference.generation import ServerUnreachableError
 from tokenbudget.producers.prompts.datasets import describe_dataset
 
 
