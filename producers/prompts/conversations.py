@@ -14,7 +14,7 @@ As events (the completions topic stays the source of truth):
   the model's answer, then the recorded turns up to the next answer), or, when the
   conversation ends early, a skip for each later turn, so every turn of every
   conversation still gets exactly one outcome and the dataset is counted out.
-* Every turn's prompt id is stable (:func:`tokenbudget.producers.prompts.datasets.turn_prompt_id`):
+* Every turn's prompt id is stable (:func:`tokenbudget.producers.prompts.ids.turn_prompt_id`):
   a
   rerun recognises a turn done, or queued, whoever built it. :func:`resume` rebuilds
   the next prompt of a conversation from its last finished turn's completion, as
@@ -49,12 +49,9 @@ from typing import Any, Protocol
 import msgspec
 
 from tokenbudget.core import sizes
-from tokenbudget.producers.prompts.datasets import (
-    PromptRow,
-    prompt_text,
-    turn_positions,
-    turn_prompt_id,
-)
+from tokenbudget.producers.prompts.datasets import prompt_text
+from tokenbudget.producers.prompts.ids import turn_prompt_id
+from tokenbudget.producers.prompts.rows import PromptRow, turn_positions
 from tokenbudget.streams import codec
 from tokenbudget.streams import events as ev
 from tokenbudget.streams.fields import ChatMessage, ToolCall

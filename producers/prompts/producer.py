@@ -34,13 +34,9 @@ from tokenbudget.core.config import Config, Dataset
 from tokenbudget.core.errors import DatasetError
 from tokenbudget.core.kafka import aiokafka_producer_options
 from tokenbudget.producers.prompts import conversations, resume
-from tokenbudget.producers.prompts.datasets import (
-    PromptRow,
-    read_options,
-    read_prompts,
-    row_error,
-    turn_prompt_id,
-)
+from tokenbudget.producers.prompts.datasets import read_options, read_prompts, row_error
+from tokenbudget.producers.prompts.ids import turn_prompt_id
+from tokenbudget.producers.prompts.rows import PromptRow
 from tokenbudget.streams import budget, codec
 from tokenbudget.streams import events as ev
 from tokenbudget.streams.budget_board import BudgetBoard

@@ -34,7 +34,7 @@ from tokenbudget.core.kafka import (
     read_topic,
     wait_for_partitions,
 )
-from tokenbudget.producers.prompts.datasets import PromptRow
+from tokenbudget.producers.prompts.rows import PromptRow
 from tokenbudget.streams.ledger import FENCE_KEY, is_prompt_key, load_outcome
 from tokenbudget.streams.topics import OUTCOME_TABLE, Topics
 

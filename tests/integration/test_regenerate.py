@@ -40,7 +40,8 @@ from tokenbudget.dev.jobs import (
     wait_until,
     write_job,
 )
-from tokenbudget.producers.prompts.datasets import read_prompts, turn_prompt_id
+from tokenbudget.producers.prompts.datasets import read_prompts
+from tokenbudget.producers.prompts.ids import turn_prompt_id
 from tokenbudget.producers.prompts.resume import OutcomeView, outcome_records
 from tokenbudget.sinks.export import ExportOptions, export
 from tokenbudget.sinks.parquet import read_rows

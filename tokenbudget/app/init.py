@@ -4,7 +4,8 @@ The server is asked which API it speaks and what it serves
 (:func:`tokenbudget.producers.inference.backends.probe_server`); each dataset's first rows are read
 as
 ``run`` reads them, and the column mapping their fields need comes from the same
-suggestions ``run``'s checks make (:func:`tokenbudget.producers.prompts.datasets.describe_dataset`).
+suggestions ``run``'s checks make
+(:func:`tokenbudget.producers.prompts.dataset_checks.describe_dataset`).
 Chat rows need a chat template: applied here with the server's tokenizer when the
 server names one that is on this machine, else by the server (``api =
 "openai-chat"``, which SGLang and vLLM both serve). The file is checked as ``run``
@@ -24,7 +25,11 @@ from tokenbudget.core import config as config_module
 from tokenbudget.core.apis import API_TRAITS, Api, openai_api
 from tokenbudget.core.errors import ConfigError, TokenBudgetError
 from tokenbudget.producers.inference.backends import ServerInfo
-from tokenbudget.producers.prompts.datasets import DatasetShape, check_datasets, describe_dataset
+from tokenbudget.producers.prompts.dataset_checks import (
+    DatasetShape,
+    check_datasets,
+    describe_dataset,
+)
 from tokenbudget.producers.templates import load_tokenizer
 
 # The budget written when none is given: a number ``run`` takes, marked to be set.

@@ -37,7 +37,8 @@ from tokenbudget.app.status import format_eta
 from tokenbudget.app.tables import format_table
 from tokenbudget.core.config import Config, Dataset
 from tokenbudget.core.errors import DatasetError
-from tokenbudget.producers.prompts.datasets import check_datasets, read_options, read_prompts
+from tokenbudget.producers.prompts.dataset_checks import check_datasets
+from tokenbudget.producers.prompts.datasets import read_options, read_prompts
 from tokenbudget.producers.prompts.order import prompt_length
 from tokenbudget.producers.templates import config_tokenizer
 from tokenbudget.sinks.parquet import output_files

@@ -41,7 +41,7 @@ from tokenbudget.app.supervision import Child, SinkThread, supervise
 from tokenbudget.core import tasks
 from tokenbudget.core.config import Config
 from tokenbudget.producers.inference.backends import prepare
-from tokenbudget.producers.prompts.datasets import check_datasets
+from tokenbudget.producers.prompts.dataset_checks import check_datasets
 from tokenbudget.producers.prompts.producer import ProduceReport
 from tokenbudget.streams.topics import Topics
 

@@ -226,7 +226,8 @@ def check_dataset(raw: RawConfig, d: DatasetConfig, key: str, source: str) -> No
     if d.reasoning == "disable":
         _check_disable(raw, d, key, source)
     # "auto" and "hf" rows say whether they are chat only when read: run and produce
-    # check those before anything starts (tokenbudget.producers.prompts.datasets.check_datasets).
+    # check those before anything starts
+    # (tokenbudget.producers.prompts.dataset_checks.check_datasets).
     if not API_TRAITS[raw.inference.api].chat and not d.template:
         if traits.chat:
             found = f"format {d.format!r}"

@@ -4,7 +4,7 @@
     ├── ConfigError            a config key is missing, unknown or has a bad value
     ├── DatasetError           a dataset file or row cannot be read
     │   └── SplitError              a saved Hugging Face dataset has no such split,
-    │                               or needs one chosen (tokenbudget.producers.prompts.datasets)
+    │                               or needs one chosen (tokenbudget.producers.prompts.readers)
     ├── TokenizerError         a tokenizer folder is missing or holds no tokenizer
     │   └── TokenizerCodeError      it ships its own tokenizer code, which runs only
     │                               when trusted ([inference] trust_remote_code)

@@ -4,7 +4,7 @@ Every rule that depends on the format reads its row of :data:`FORMAT_TRAITS`, ne
 its name: the config's accepted values and key doc, the column-mapping keys it
 cannot go with, the ``turns`` it allows, whether it has splits, which reader opens
 its path. How a format's rows become prompts is its parse function
-(``tokenbudget.producers.prompts.datasets.PARSERS``, which covers this table);
+(``tokenbudget.producers.prompts.rows.PARSERS``, which covers this table);
 adding a format is a row here and that function (docs/architecture.md, Adding a
 row format).
 """

@@ -28,7 +28,7 @@ from tokenbudget.core.lifetime import PARENT_ENV
 from tokenbudget.dev import tiny_tokenizer
 from tokenbudget.dev.demo import wait_for_simulator
 from tokenbudget.dev.ports import free_port
-from tokenbudget.producers.prompts.datasets import first_chat_row
+from tokenbudget.producers.prompts.dataset_checks import first_chat_row
 from tokenbudget.sinks.reading import read_to_end
 from tokenbudget.streams import events as ev
 from tokenbudget.streams.budget_board import BudgetBoard, BudgetWatcher

@@ -16,12 +16,9 @@ import pytest
 
 from tokenbudget.core import config as config_module
 from tokenbudget.core.errors import DatasetError
-from tokenbudget.producers.prompts.datasets import (
-    PromptRow,
-    read_options,
-    read_prompts,
-    stable_prompt_id,
-)
+from tokenbudget.producers.prompts.datasets import read_options, read_prompts
+from tokenbudget.producers.prompts.ids import stable_prompt_id
+from tokenbudget.producers.prompts.rows import PromptRow
 from tokenbudget.streams.fields import ChatMessage
 
 ALPACA = [

@@ -22,13 +22,11 @@ from tokenbudget.producers.prompts.conversations import (
     next_messages,
     spliced,
 )
-from tokenbudget.producers.prompts.datasets import (
-    PromptRow,
-    check_datasets,
-    read_prompts,
-    turn_prompt_id,
-)
+from tokenbudget.producers.prompts.dataset_checks import check_datasets
+from tokenbudget.producers.prompts.datasets import read_prompts
+from tokenbudget.producers.prompts.ids import turn_prompt_id
 from tokenbudget.producers.prompts.producer import PromptProducer
+from tokenbudget.producers.prompts.rows import PromptRow
 from tokenbudget.streams import events as ev
 from tokenbudget.streams.budget_board import BudgetBoard
 from tokenbudget.streams.fields import ChatMessage, StopReason, ToolCall

@@ -16,8 +16,9 @@ import pytest
 
 from tokenbudget.core import config as config_module
 from tokenbudget.core.errors import ConfigError
-from tokenbudget.producers.prompts import datasets
-from tokenbudget.producers.prompts.datasets import check_datasets, read_options, read_prompts
+from tokenbudget.producers.prompts import dataset_checks, readers
+from tokenbudget.producers.prompts.dataset_checks import check_datasets
+from tokenbudget.producers.prompts.datasets import read_options, read_prompts
 
 ALPACA = {"instruction": "Add the numbers", "input": "1 2 3", "output": "6"}
 METAMATH = {"query": "What is 2+2?", "response": "4", "type": "GSM_AnsAug"}
@@ -146,17 +147,17 @@ def test_a_few_bad_rows_are_left_to_the_reader(tmp_path: Path) -> None:
 
 
 def test_only_the_first_rows_are_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    def endless(self: datasets.JsonlReader) -> Iterator[tuple[int, Any]]:
-        for line in range(1, datasets.PEEK_ROWS + 1):
+    def endless(self: readers.JsonlReader) -> Iterator[tuple[int, Any]]:
+        for line in range(1, dataset_checks.PEEK_ROWS + 1):
             yield line, {"prompt": f"row {line}"}
         raise AssertionError("read past the first rows")
 
-    monkeypatch.setattr(datasets.JsonlReader, "rows", endless)
+    monkeypatch.setattr(readers.JsonlReader, "rows", endless)
     write_jsonl(tmp_path / "d.jsonl", [])
     check_datasets(build(tmp_path))
     # nothing in the first rows: stops, with row PEEK_ROWS + 1 never read
     error = check_error(build(tmp_path, prompt_field="missing"))
-    assert f"no prompt in the first {datasets.PEEK_ROWS} rows" in str(error)
+    assert f"no prompt in the first {dataset_checks.PEEK_ROWS} rows" in str(error)
 
 
 def test_rows_that_prompt_through_parquet_and_hf_are_checked_alike(tmp_path: Path) -> None:

@@ -12,8 +12,10 @@ import pytest
 from tests.producers.tokenizer_fixture import build_tokenizer
 from tokenbudget.core import config as config_module
 from tokenbudget.core.errors import ConfigError, DatasetError
-from tokenbudget.producers.prompts.datasets import PromptRow, read_options, read_prompts, reader_for
+from tokenbudget.producers.prompts.datasets import read_options, read_prompts
+from tokenbudget.producers.prompts.readers import reader_for
 from tokenbudget.producers.prompts.resume import skip_done
+from tokenbudget.producers.prompts.rows import PromptRow
 from tokenbudget.producers.templates import load_tokenizer
 from tokenbudget.streams.fields import ChatMessage
 

@@ -15,14 +15,10 @@ import pytest
 
 from tokenbudget.core import sizes
 from tokenbudget.core.errors import DatasetError
-from tokenbudget.producers.prompts.datasets import (
-    MAX_ROW_DEPTH,
-    ROW_BYTES,
-    PromptRow,
-    read_prompts,
-    reader_for,
-    stable_prompt_id,
-)
+from tokenbudget.producers.prompts.datasets import read_prompts
+from tokenbudget.producers.prompts.ids import stable_prompt_id
+from tokenbudget.producers.prompts.readers import MAX_ROW_DEPTH, ROW_BYTES, reader_for
+from tokenbudget.producers.prompts.rows import PromptRow
 from tokenbudget.streams.fields import ChatMessage
 
 ROWS: list[dict[str, Any]] = [

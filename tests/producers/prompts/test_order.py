@@ -15,8 +15,10 @@ import pytest
 from tokenbudget.app.estimate import ks_distance
 from tokenbudget.core import config as config_module
 from tokenbudget.core.errors import ConfigError
-from tokenbudget.producers.prompts.datasets import PromptRow, check_datasets, read_prompts
+from tokenbudget.producers.prompts.dataset_checks import check_datasets
+from tokenbudget.producers.prompts.datasets import read_prompts
 from tokenbudget.producers.prompts.order import stratified
+from tokenbudget.producers.prompts.rows import PromptRow
 
 ROWS = 2000
 

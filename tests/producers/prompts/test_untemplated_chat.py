@@ -14,7 +14,7 @@ from tests.producers.tokenizer_fixture import build_tokenizer
 from tokenbudget import cli
 from tokenbudget.core import config as config_module
 from tokenbudget.core.errors import ConfigError
-from tokenbudget.producers.prompts.datasets import check_datasets, first_chat_row
+from tokenbudget.producers.prompts.dataset_checks import check_datasets, first_chat_row
 
 RAW_TEXT = ["sglang", "openai-completions"]
 CHAT = {"messages": [{"role": "user", "content": "hello how are you"}]}

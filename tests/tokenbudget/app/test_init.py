@@ -26,7 +26,7 @@ from tokenbudget.dev.simulator.config import SimulatorConfig
 from tokenbudget.dev.tiny_tokenizer import build_tokenizer
 from tokenbudget.producers.inference.backends import ServerInfo, probe_server
 from tokenbudget.producers.inference.generation import ServerUnreachableError
-from tokenbudget.producers.prompts.datasets import describe_dataset
+from tokenbudget.producers.prompts.dataset_checks import describe_dataset
 
 
 def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:

@@ -18,7 +18,7 @@ from tokenbudget.core.formats import (
     format_doc,
     formats_with,
 )
-from tokenbudget.producers.prompts.datasets import PARSERS
+from tokenbudget.producers.prompts.rows import PARSERS
 
 
 def dataset(**extra: typing.Any) -> dict[str, typing.Any]:

@@ -14,7 +14,7 @@ from tokenbudget.app.commands.run import add_resume_changed
 from tokenbudget.app.control import publish_budgets
 from tokenbudget.core import config as config_module
 from tokenbudget.core import roles, tasks
-from tokenbudget.producers.prompts.datasets import check_datasets
+from tokenbudget.producers.prompts.dataset_checks import check_datasets
 from tokenbudget.producers.prompts.producer import ProduceReport
 from tokenbudget.streams.topics import Topics
 

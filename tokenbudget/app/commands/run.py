@@ -9,7 +9,7 @@ import sys
 
 from tokenbudget.app.commands import add_config, add_server, examples
 from tokenbudget.core import config as config_module
-from tokenbudget.producers.prompts.datasets import check_datasets
+from tokenbudget.producers.prompts.dataset_checks import check_datasets
 
 EXIT_PROMPTS_FAILED = 3  # the job ended, but some prompts failed for good
 
