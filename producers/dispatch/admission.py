@@ -23,8 +23,9 @@ settle, so that one last request is sent only when the ledger still has nothing.
 
 Under ``[budget] reserve = "grow"`` a request is sent with its max_new_tokens but
 reserves less (:meth:`tokenbudget.streams.budget.Ask.growing`); its reservation then
-grows from the lease as its answer comes (:class:`Growth`: :meth:`Growth.grow` as it
-streams, :meth:`Growth.cover` once it is in), asking the ledger for more on the way.
+grows from the lease as its answer comes
+(:class:`~tokenbudget.producers.dispatch.growth.Growth`: ``grow`` as it streams,
+``cover`` once it is in), asking the ledger for more on the way.
 What an answer keeps never exceeds what its ticket holds, so nothing is kept beyond
 the budget; an answer that outgrows what is left is cut at the line.
 
@@ -39,178 +40,30 @@ read on the budgets topic until the ledger has applied it, nothing is admitted o
 from __future__ import annotations
 
 import asyncio
-import collections
-import contextlib
 import itertools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass, field
 from typing import Any
 
 from aiokafka import AIOKafkaProducer
 
-from tokenbudget.core.sections import BoundaryPolicy, CutPolicy, ReserveMode
+from tokenbudget.producers.dispatch.growth import Growth
+from tokenbudget.producers.dispatch.leases import (
+    AdmissionSettings,
+    Lease,
+    Ticket,
+    Waits,
+    as_sent,
+    next_change,
+)
 from tokenbudget.streams import budget, codec
 from tokenbudget.streams import events as ev
 from tokenbudget.streams.budget_board import BudgetBoard
 from tokenbudget.streams.topics import Topics
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class AdmissionSettings:
-    unit: ev.BudgetUnit = "completion_tokens"
-    policy: BoundaryPolicy = "truncate"
-    cut: CutPolicy = "last"
-    reserve: ReserveMode = "whole"
-    min_new_tokens: int = 1
-    lease_size: int = 65536  # in the budget's unit
-    lease_ttl_s: float = 30.0
-    idle_release_s: float = 5.0
-
-
-@dataclass(frozen=True)
-class Ticket:
-    """One admitted request: what it reserved and the max_new_tokens to send.
-    ``grows``: it reserved less than max_new_tokens, and its reservation grows as its
-    answer comes (:meth:`Growth.allowance` is what it holds then); ``serial``
-    tells its growth apart from other tickets' on the lease."""
-
-    dataset: str
-    lease_id: str
-    reserved: int
-    max_new_tokens: int
-    prompt_estimate: int = 0
-    grows: bool = False
-    serial: int = 0
-
-
-@dataclass
-class _Lease:
-    dataset: str
-    lease_id: str
-    balance: int = 0
-    in_flight: int = 0
-    spent: int = 0
-    revoked: bool = False
-    # Revoked because it expired at the ledger: its budget may be someone else's now,
-    # so answers in flight on it are claimed anew rather than kept on it.
-    expired: bool = False
-    ledger_short: bool = False  # the ledger granted less than asked, or denied
-    # The same, kept across settles (which clear ledger_short under cut = "last" so that
-    # waiting requests ask again) until a grant covers what was asked: growing requests
-    # keep what is left for the answers in flight until then.
-    dry: bool = False
-    # What the ledger last said the budget still had beyond the leases (None: not said).
-    more: int | None = None
-    asked_want: int = 0
-    asked: asyncio.Future[ev.Event] | None = None
-    # What each request sent on it asked for, oldest first, until its answer comes
-    # (late ones included): the ledger answers each request once, and a grant that
-    # answers none, or gives more than its request asked, is not the ledger's.
-    unanswered: collections.deque[int] = field(default_factory=lambda: collections.deque(maxlen=64))
-    told: bool = False  # that a reply answered none
-    last_used: float = field(default_factory=time.monotonic)
-    changed: asyncio.Event = field(default_factory=asyncio.Event)
-    # Until when (monotonic) the ledger cannot have expired it: the last request or
-    # renewal Kafka took, plus the TTL, less a margin for publishing an answer.
-    valid_until: float = float("inf")
-    publishing: int = 0  # completions settled on it whose send Kafka has not acked
-    published: asyncio.Event = field(default_factory=asyncio.Event)
-    releasing: bool = False
-    grown: dict[int, int] = field(default_factory=dict)  # ticket serial -> tokens added
-    held: int = 0  # what its tickets in flight hold, grown or not
-
-    def holding(self, ticket: Ticket) -> int:
-        """What ``ticket`` of this lease holds: what it reserved and what it grew by."""
-        return ticket.reserved + self.grown.get(ticket.serial, 0)
-
-    def answered_by(self, reply: ev.LeaseGranted | ev.LeaseDenied) -> bool:
-        """Whether ``reply`` answers a request sent on the lease (taking that request
-        off the unanswered ones): the ledger answers each once, and grants no more
-        than it asked. A reply to none, or a bigger grant, is not the ledger's."""
-        if self.unanswered and (
-            not isinstance(reply, ev.LeaseGranted) or reply.granted <= self.unanswered[0]
-        ):
-            self.unanswered.popleft()
-            return True
-        if not self.told:  # said once per lease
-            self.told = True
-            log.warning(
-                "%s: ignoring a %s on lease %s that answers no request of it (asked: %s); "
-                "the budgets topic may be written by others than the ledger: see "
-                "docs/kafka.md, Roles and ACLs",
-                reply.dataset,
-                type(reply).__struct_config__.tag,
-                reply.lease_id,
-                list(self.unanswered) or "nothing",
-            )
-        return False
-
-
-def _next_change(lease: _Lease) -> Awaitable[None]:
-    """Until the lease changes from now on (a settle, a grant, a revocation), or a
-    second passes: its state is then looked at again."""
-    lease.changed.clear()
-    return _at_most(lease.changed.wait(), 1.0)
-
-
-async def _at_most(awaitable: Awaitable[Any], seconds: float) -> None:
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(awaitable, timeout=seconds)
-
-
-class _Waits:
-    """One request's waits for budget, inside ``aside()`` (when given, see
-    :meth:`Admission.admit`) from the first of them until it is about to reserve:
-    between two waits the budget is looked at without the server place. Every answer
-    of a dataset wakes each of its prompts waiting at its budget's end; taking a place
-    back for each look kept the fleet's places taken by prompts that went straight
-    back to waiting."""
-
-    def __init__(self, aside: Callable[[], AbstractAsyncContextManager[Any]] | None) -> None:
-        self._aside = aside
-        self._inside: contextlib.AsyncExitStack | None = None
-        self.waited = False  # it has waited at least once
-
-    @property
-    def away(self) -> bool:
-        """Inside ``aside()``: its place has to be taken back before it reserves."""
-        return self._inside is not None
-
-    async def wait(self, awaitable: Awaitable[Any]) -> Any:
-        """Await ``awaitable`` (aside), and return what it gives."""
-        self.waited = True
-        if self._aside is not None and self._inside is None:
-            inside = contextlib.AsyncExitStack()
-            await inside.enter_async_context(self._aside())
-            self._inside = inside
-        return await awaitable
-
-    async def back(self) -> None:
-        """Out of ``aside()`` (its place taken back), if inside."""
-        inside, self._inside = self._inside, None
-        if inside is not None:
-            await inside.aclose()
-
-
-def _as_sent(
-    whole: budget.Ask,
-    settings: AdmissionSettings,
-    lengths: budget.AnswerLengths | None,
-    exact: bool,
-) -> budget.Ask:
-    """``whole`` as it goes out: under ``[budget] reserve = "grow"`` growing from the
-    dataset's answers seen so far (:meth:`tokenbudget.streams.budget.Ask.growing`),
-    unless ``exact`` (an answer generated already, all of which it must cover)."""
-    if settings.reserve != "grow" or exact:
-        return whole
-    if lengths is None:
-        return whole.growing(None, settings.cut)
-    return whole.growing(lengths.typical(), settings.cut, lengths.spread())
 
 
 class Admission:
@@ -241,8 +94,8 @@ class Admission:
         self.board = board
         self.settings = settings
         self.on_revoke = on_revoke
-        self._leases: dict[str, _Lease] = {}  # the current lease of each dataset
-        self._by_id: dict[str, _Lease] = {}  # every lease not yet handed back
+        self._leases: dict[str, Lease] = {}  # the current lease of each dataset
+        self._by_id: dict[str, Lease] = {}  # every lease not yet handed back
         self._tasks: set[asyncio.Task[None]] = set()
         self._counter = itertools.count(1)
         self._asks: dict[str, asyncio.Future[ev.Event]] = {}
@@ -251,7 +104,7 @@ class Admission:
         self._lengths: dict[str, budget.AnswerLengths] = {}
         board.lease_listeners[holder] = self._on_ledger_event
         self._maintenance: asyncio.Task[None] | None = None
-        self.growth = Growth(self)
+        self.growth = Growth(settings, self._lease_of, self._ask, self._spawn)
 
     # -- the calls a dispatcher makes ------------------------------------------------
 
@@ -279,7 +132,7 @@ class Admission:
         claim an answer anew. Raises what sending to Kafka raises (a request for more
         budget) and a cancellation; a ticket is then not reserved.
         """
-        waits = _Waits(aside)
+        waits = Waits(aside)
         settings = self.settings
         whole = budget.ask(
             settings.unit,
@@ -308,14 +161,14 @@ class Admission:
                     # not ask on it (that would reopen an expired lease id at the
                     # ledger, or spin on denials); a fresh lease is opened once they
                     # have settled.
-                    await waits.wait(_next_change(lease))
+                    await waits.wait(next_change(lease))
                     continue
                 # Anew each time: prompts that came before the dataset's answers were
                 # known would wait for whole max_new_tokens, budget / that in flight.
-                request = _as_sent(whole, self.settings, self._lengths.get(dataset), exact)
+                request = as_sent(whole, self.settings, self._lengths.get(dataset), exact)
                 step = self._step(lease, request, exact)
                 if step.action == "wait":
-                    await waits.wait(_next_change(lease))
+                    await waits.wait(next_change(lease))
                     continue
                 if step.action == "reserve":
                     if waits.away:
@@ -335,7 +188,7 @@ class Admission:
         finally:
             await waits.back()
 
-    def _step(self, lease: _Lease, request: budget.Ask, exact: bool) -> budget.Step:
+    def _step(self, lease: Lease, request: budget.Ask, exact: bool) -> budget.Step:
         """A whole request when the lease covers it; a clamped one only once the
         ledger has said it has no more to give (the budget's last tokens), and then
         as the cut policy says."""
@@ -350,7 +203,7 @@ class Admission:
         )
 
     def _reserve(
-        self, lease: _Lease, request: budget.Ask, step: budget.Step, estimate: int
+        self, lease: Lease, request: budget.Ask, step: budget.Step, estimate: int
     ) -> Ticket:
         lease.balance -= step.amount
         lease.held += step.amount
@@ -364,7 +217,7 @@ class Admission:
 
     async def _after_asking(
         self,
-        lease: _Lease,
+        lease: Lease,
         reply: ev.Event | None,
         floor: int,
         waiting: Callable[[Awaitable[Any]], Awaitable[None]],
@@ -388,7 +241,7 @@ class Admission:
             return True
         if lease.in_flight > 0:
             # Leftovers of requests in flight may still cover this one.
-            await waiting(_next_change(lease))
+            await waiting(next_change(lease))
             return True
         if isinstance(reply, ev.LeaseDenied) and not reply.full:
             # The rest is reserved by other holders: it comes back when they
@@ -490,14 +343,14 @@ class Admission:
 
     # -- lease lifecycle --------------------------------------------------------------
 
-    def _lease_of(self, ticket: Ticket) -> _Lease | None:
+    def _lease_of(self, ticket: Ticket) -> Lease | None:
         lease = self._by_id.get(ticket.lease_id)
         return lease if lease is not None and lease.dataset == ticket.dataset else None
 
-    def _lease(self, dataset: str) -> _Lease:
+    def _lease(self, dataset: str) -> Lease:
         lease = self._leases.get(dataset)
         if lease is None or (lease.revoked and lease.in_flight == 0):
-            lease = _Lease(dataset, f"{self.holder}:{dataset}:{next(self._counter)}")
+            lease = Lease(dataset, f"{self.holder}:{dataset}:{next(self._counter)}")
             lease.published.set()
             self._leases[dataset] = lease
             self._by_id[lease.lease_id] = lease
@@ -508,7 +361,7 @@ class Admission:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _ask(self, lease: _Lease, want: int, min_grant: int) -> ev.Event | None:
+    async def _ask(self, lease: Lease, want: int, min_grant: int) -> ev.Event | None:
         """One request to the ledger per lease at a time; every caller waits for
         its answer. None after a while without one (the ledger may be restarting)."""
         asked = lease.asked
@@ -582,7 +435,7 @@ class Admission:
                     if self.on_revoke is not None:
                         self._spawn(self.on_revoke(event.dataset))
 
-    def _revoke(self, lease: _Lease, expired: bool) -> bool:
+    def _revoke(self, lease: Lease, expired: bool) -> bool:
         """Stop spending a lease (released once its requests in flight settle);
         False if it was revoked already."""
         if lease.revoked:
@@ -595,7 +448,7 @@ class Admission:
             self._spawn(self._release(lease))
         return True
 
-    async def _release(self, lease: _Lease) -> None:
+    async def _release(self, lease: Lease) -> None:
         """Hand a lease back once Kafka has every completion published on it (see
         :meth:`published`); its ``spent`` tells the ledger what is still on its way."""
         if self._leases.get(lease.dataset) is lease:
@@ -620,7 +473,7 @@ class Admission:
             self.topics.reservations, key=codec.event_key(event), value=codec.encode(event)
         )
 
-    async def _send_extending(self, lease: _Lease, event: ev.Event) -> None:
+    async def _send_extending(self, lease: Lease, event: ev.Event) -> None:
         """Send a request or renewal; once Kafka has it, the ledger cannot expire the
         lease before the TTL has passed from the moment it was sent."""
         sent_at = time.monotonic()
@@ -675,98 +528,3 @@ class Admission:
         for lease in list(self._by_id.values()):
             await self._release(lease)
         self.board.lease_listeners.pop(self.holder, None)
-
-
-class Growth:
-    """Growing reservations (``[budget] reserve = "grow"``) of one dispatcher's
-    tickets: what a growing ticket holds, taken from its lease as its answer comes.
-    Part of :class:`Admission` (its leases, its requests to the ledger), reached as
-    ``admission.growth`` by the register of requests in flight, as a streamed answer
-    comes (:meth:`grow`, :meth:`can_grow`), and by the request attempt, once the
-    answer is in (:meth:`cover`); :meth:`Admission.settle` gives back what a ticket
-    held, grown or not."""
-
-    def __init__(self, admission: Admission) -> None:
-        self._admission = admission
-
-    def allowance(self, ticket: Ticket) -> int:
-        """What the ticket holds now: what it reserved and what it grew by."""
-        lease = self._admission._lease_of(ticket)
-        return ticket.reserved if lease is None else lease.holding(ticket)
-
-    def grow(self, ticket: Ticket, need: int) -> int:
-        """Grow a growing ticket's reservation from its lease towards ``need`` (what
-        its answer costs so far, and some room to go on) and return what it holds
-        (:meth:`allowance`). Takes only what the lease holds now; when that falls
-        short, the ledger is asked for more in the background (:meth:`can_grow` tells
-        whether more may still come). Called by the register of requests in flight
-        as a streamed answer comes, and by :meth:`cover`; never raises."""
-        lease = self._admission._lease_of(ticket)
-        if lease is None:
-            return ticket.reserved
-        held = lease.holding(ticket)
-        if not ticket.grows:
-            return held
-        ceiling = budget.unit_cost(
-            self._admission.settings.unit, ticket.prompt_estimate, ticket.max_new_tokens
-        )
-        need = min(need, ceiling)
-        if lease.revoked or need <= held:
-            return held
-        extra = budget.growth(held, need, ticket.reserved, ceiling, lease.balance)
-        if extra:
-            lease.balance -= extra
-            lease.held += extra
-            held += extra
-            lease.grown[ticket.serial] = held - ticket.reserved
-            lease.last_used = time.monotonic()
-        if held < need and not lease.ledger_short and (lease.asked is None or lease.asked.done()):
-            self._admission._spawn(self._ask_more(lease, need - held))
-        return held
-
-    def can_grow(self, ticket: Ticket) -> bool:
-        """Whether a growing ticket may still grow: its lease is in use, and holds
-        more or may get more from the ledger (no denial since the last settle, or an
-        answer on its way)."""
-        lease = self._admission._lease_of(ticket)
-        if lease is None or lease.revoked or not ticket.grows:
-            return False
-        asking = lease.asked is not None and not lease.asked.done()
-        return lease.balance > 0 or asking or not lease.ledger_short
-
-    async def cover(self, ticket: Ticket, cost: int) -> int:
-        """Grow a growing ticket to cover an answer that came in costing ``cost``,
-        asking the ledger for more if the lease falls short, and return what it holds
-        (:meth:`allowance`): the answer is cut to that when it falls short. Called by
-        the request attempt before the answer is kept; raises what sending to Kafka
-        raises, and a cancellation."""
-        held = self.grow(ticket, cost)
-        lease = self._admission._lease_of(ticket)
-        while held < cost and lease is not None and not lease.revoked and ticket.grows:
-            granted = False
-            if lease.balance == 0:
-                if lease.ledger_short:
-                    break
-                reply = await self._admission._ask(lease, self._more(cost - held), 1)
-                granted = isinstance(reply, ev.LeaseGranted)
-                if not granted:
-                    lease.ledger_short = lease.dry = True  # denied, or no answer in time
-            grown = self.grow(ticket, cost)
-            if grown == held and not granted:
-                break  # nothing more to take: the answer is cut to what it holds
-            held = grown
-        return held
-
-    def _more(self, short: int) -> int:
-        return max(self._admission.settings.lease_size, short)
-
-    async def _ask_more(self, lease: _Lease, short: int) -> None:
-        """Ask the ledger for more on the lease for growing answers (a background
-        task of :meth:`grow`); a denial or no answer means they grow no more."""
-        try:
-            reply = await self._admission._ask(lease, self._more(short), 1)
-        except Exception as exc:  # a broker away: the answers are cut, never over
-            log.warning("%s: asking the ledger for more failed: %r", lease.dataset, exc)
-            reply = None
-        if not isinstance(reply, ev.LeaseGranted):
-            lease.ledger_short = lease.dry = True

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import msgspec
 
 from tokenbudget.core import metrics
-from tokenbudget.producers.dispatch.admission import Admission, Ticket
+from tokenbudget.producers.dispatch.admission import Admission
 from tokenbudget.producers.dispatch.answers import (
     PROBLEMS,
     cut_answer,
@@ -42,6 +42,7 @@ from tokenbudget.producers.dispatch.answers import (
     within_request,
 )
 from tokenbudget.producers.dispatch.caps import InFlight
+from tokenbudget.producers.dispatch.leases import Ticket
 from tokenbudget.producers.dispatch.outcomes import Publisher
 from tokenbudget.producers.dispatch.slots import Slot
 from tokenbudget.producers.dispatch.step import Dispatched, DispatchReport
@@ -336,7 +337,7 @@ class Attempt:
 
     async def _grown(self, ticket: Ticket, answer: GenerationResult) -> GenerationResult | None:
         """The answer on a growing ticket, its reservation grown to cover it
-        (:meth:`~tokenbudget.producers.dispatch.admission.Growth.cover`): whole, cut at the
+        (:meth:`~tokenbudget.producers.dispatch.growth.Growth.cover`): whole, cut at the
         line where it has outgrown what the budget had left, or None when it cannot
         be cut (no token ids)."""
         assert self.admission is not None

@@ -19,7 +19,7 @@ Streamed requests on a revoked lease run on while what they generated together f
 and are aborted together the moment it no longer does; without streaming they are
 aborted at once. A streamed request on a growing ticket (``[budget] reserve =
 "grow"``) grows its reservation as its tokens come, a little ahead of them
-(:meth:`~tokenbudget.producers.dispatch.admission.Growth.grow`), and is aborted alone once it
+(:meth:`~tokenbudget.producers.dispatch.growth.Growth.grow`), and is aborted alone once it
 has outgrown what it holds and can grow no more. SGLang is told by rid (a dropped
 connection alone may not stop it decoding); on OpenAI-compatible servers closing the
 stream is the only abort.
@@ -33,8 +33,9 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from tokenbudget.core.apis import API_TRAITS
-from tokenbudget.producers.dispatch.admission import Admission, Ticket
+from tokenbudget.producers.dispatch.admission import Admission
 from tokenbudget.producers.dispatch.answers import kept_within
+from tokenbudget.producers.dispatch.leases import Ticket
 from tokenbudget.producers.inference.generation import GenerationResult, InferenceBackend
 from tokenbudget.streams import budget
 from tokenbudget.streams import events as ev

@@ -55,9 +55,10 @@ from tokenbudget.core.kafka import aiokafka_producer_options, consumer_options
 from tokenbudget.core.retry import retry_until_async
 from tokenbudget.core.tasks import cancel_and_wait
 from tokenbudget.producers.dispatch import intake
-from tokenbudget.producers.dispatch.admission import Admission, AdmissionSettings
+from tokenbudget.producers.dispatch.admission import Admission
 from tokenbudget.producers.dispatch.attempt import Attempt
 from tokenbudget.producers.dispatch.caps import InFlight
+from tokenbudget.producers.dispatch.leases import AdmissionSettings
 from tokenbudget.producers.dispatch.offsets import OffsetTracker
 from tokenbudget.producers.dispatch.outcomes import Publisher
 from tokenbudget.producers.dispatch.route import Route

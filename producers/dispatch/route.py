@@ -14,8 +14,8 @@ error (which may pause the server, cut its window or hold it till its
 from __future__ import annotations
 
 from tokenbudget.core.errors import InferenceError
-from tokenbudget.producers.dispatch.admission import Ticket
 from tokenbudget.producers.dispatch.attempt import Attempt
+from tokenbudget.producers.dispatch.leases import Ticket
 from tokenbudget.producers.dispatch.slots import Slot
 from tokenbudget.producers.inference.fleet import Fleet
 from tokenbudget.streams import events as ev

@@ -40,7 +40,8 @@ from aiokafka.errors import KafkaError
 
 from tokenbudget.core import metrics
 from tokenbudget.core.errors import InferenceError, ServerOutageError
-from tokenbudget.producers.dispatch.admission import Admission, Ticket
+from tokenbudget.producers.dispatch.admission import Admission
+from tokenbudget.producers.dispatch.leases import Ticket
 from tokenbudget.producers.dispatch.outcomes import Publisher
 from tokenbudget.producers.dispatch.route import Route
 from tokenbudget.producers.dispatch.slots import Slot

@@ -26,7 +26,8 @@ from tokenbudget.core import kafka_admin
 from tokenbudget.dev import jobs, oracle
 from tokenbudget.dev.simulator import server as sim_server
 from tokenbudget.dev.simulator.config import SimulatorConfig
-from tokenbudget.producers.dispatch.admission import Admission, AdmissionSettings
+from tokenbudget.producers.dispatch.admission import Admission
+from tokenbudget.producers.dispatch.leases import AdmissionSettings
 from tokenbudget.streams import codec
 from tokenbudget.streams import events as ev
 from tokenbudget.streams.budget_board import BudgetWatcher

@@ -15,7 +15,8 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from tokenbudget.producers.dispatch.admission import Admission, AdmissionSettings, Ticket
+from tokenbudget.producers.dispatch.admission import Admission
+from tokenbudget.producers.dispatch.leases import AdmissionSettings, Ticket
 from tokenbudget.streams import codec, ledger
 from tokenbudget.streams import events as ev
 from tokenbudget.streams.budget import used

@@ -22,8 +22,9 @@ from tests.producers.dispatch.test_admission import (
 from tokenbudget.core import config as config_module
 from tokenbudget.core.errors import InferenceTransportError
 from tokenbudget.core.sections import ReserveMode
-from tokenbudget.producers.dispatch.admission import Admission, AdmissionSettings
+from tokenbudget.producers.dispatch.admission import Admission
 from tokenbudget.producers.dispatch.dispatcher import Dispatcher
+from tokenbudget.producers.dispatch.leases import AdmissionSettings
 from tokenbudget.producers.dispatch.slots import Slot
 from tokenbudget.producers.inference.fleet import Fleet
 from tokenbudget.producers.inference.generation import (

@@ -32,7 +32,7 @@ from tokenbudget.core.errors import (
     InferenceUnavailableError,
     ServerOutageError,
 )
-from tokenbudget.producers.dispatch.admission import Ticket
+from tokenbudget.producers.dispatch.leases import Ticket
 from tokenbudget.producers.inference.backends import make_backend
 from tokenbudget.producers.inference.generation import (
     GenerationRequest,

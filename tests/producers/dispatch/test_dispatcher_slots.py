@@ -15,7 +15,8 @@ from tests.producers.dispatch.test_admission import (
     until,
 )
 from tests.producers.dispatch.test_dispatcher_caps import dispatch, make_dispatcher, prompt
-from tokenbudget.producers.dispatch.admission import Admission, AdmissionSettings
+from tokenbudget.producers.dispatch.admission import Admission
+from tokenbudget.producers.dispatch.leases import AdmissionSettings
 from tokenbudget.producers.dispatch.slots import Slot
 from tokenbudget.streams import events as ev
 

@@ -13,7 +13,7 @@ from aiokafka.errors import KafkaConnectionError
 
 from tests.producers.dispatch.test_admission import DS, TOPICS, run
 from tests.producers.dispatch.test_dispatcher_caps import Recorder, prompt
-from tokenbudget.producers.dispatch.admission import Ticket
+from tokenbudget.producers.dispatch.leases import Ticket
 from tokenbudget.producers.dispatch.outcomes import Publisher
 from tokenbudget.producers.dispatch.slots import Slot
 from tokenbudget.producers.dispatch.step import DispatchReport
