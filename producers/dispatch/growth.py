@@ -24,8 +24,8 @@ class Growth:
     (``lease_of``) and requests to the ledger (``ask``, ``spawn`` for one in the
     background) it is built with; reached as ``admission.growth`` by the register of
     requests in flight, as a streamed answer comes (:meth:`grow`, :meth:`can_grow`),
-    and by the request attempt, once the answer is in (:meth:`cover`); ``Admission.settle`` gives back what a ticket
-    held, grown or not."""
+    and by the request attempt, once the answer is in (:meth:`cover`);
+    ``Admission.settle`` gives back what a ticket held, grown or not."""
 
     def __init__(
         self,
