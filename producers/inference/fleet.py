@@ -2,13 +2,10 @@
 how many each server has at once, and each server's health.
 
     Fleet     the servers, by URL: a place at one of them per request, chosen by the
-              policy of producers/inference/placement.py; the places they offer together; their
-              changes at run time (``tokenbudget servers add|drain``); its outage
-    Server    one server: its backend (and HTTP client), its gate (producers/
-              server_gate.py), its window and pace (producers/inference/placement.py), its
-              requests in flight and the tokens reserved for them
-    Visit     one request's place at a server, and the backend the request attempt
-              sends through: freed the moment the server answers
+              policy of producers/inference/placement.py; the places they offer
+              together; their changes at run time (``tokenbudget servers add|drain``); its outage
+    Server    one server, and Visit, one request's place at it
+              (producers/inference/server.py)
 
 A server is ``up``; ``paused`` while it is away (its gate closed after
 ``[inference] pause_after_failures`` away-failures in a row: it is polled and comes
@@ -30,8 +27,8 @@ Contract, for the steps of a prompt's path:
 * :meth:`Fleet.visit` gives a place at the server the policy picks (a turn of a
   conversation goes back to the server that answered its previous turn), waiting
   while none has room; it raises as :meth:`Fleet.wait_ready` does. The route step
-  reports how the request went (:meth:`Visit.failed`, :meth:`Visit.succeeded`) and
-  frees the place on every path (:meth:`Visit.done`, which the answer calls first);
+  reports how the request went (``Visit.failed``, ``Visit.succeeded``) and
+  frees the place on every path (``Visit.done``, which the answer calls first);
 * :meth:`Fleet.apply` takes a change read on the budgets topic (every dispatcher of
   the namespace reads the same changes, so they drive the same fleet); a server
   added that the config does not take is refused with one line, the fleet as it
@@ -53,7 +50,6 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Collection, Iterable
 from typing import Protocol
 
-from tokenbudget.core import metrics
 from tokenbudget.core.config import Config, check_added_server
 from tokenbudget.core.config import Server as ServerSpec
 from tokenbudget.core.errors import (
@@ -67,23 +63,19 @@ from tokenbudget.core.server_urls import in_clear
 from tokenbudget.producers.inference import placement
 from tokenbudget.producers.inference.backends import api_key_of, backend_for_server
 from tokenbudget.producers.inference.generation import (
-    GenerationRequest,
-    GenerationResult,
     InferenceBackend,
     RetryPolicy,
 )
 from tokenbudget.producers.inference.http import HttpClient, Timeouts
-from tokenbudget.producers.inference.server_gate import GateSettings, ServerGate
+from tokenbudget.producers.inference.server import DEFAULT_BACKOFF, DEFAULT_GATE, Server, Visit
+from tokenbudget.producers.inference.server_gate import GateSettings
 from tokenbudget.streams import events as ev
-from tokenbudget.streams.fields import ServerReport, ServerState
 
 log = logging.getLogger(__name__)
 
-STATES: tuple[ServerState, ...] = ("up", "paused", "dropped", "draining", "drained")
+
 # Conversations whose last server is remembered, the oldest forgotten first.
 AFFINITY_ENTRIES = 100_000
-DEFAULT_GATE = GateSettings()
-DEFAULT_BACKOFF = RetryPolicy()
 
 
 class Policy(Protocol):
@@ -121,260 +113,6 @@ POLICIES: dict[RoutingPolicy, Callable[[], Policy]] = {
     "least_work": lambda: placement.pick,
     "round_robin": round_robin_policy,
 }
-
-
-class Visit(InferenceBackend):
-    """One request's place at a server, and the backend the request attempt sends it
-    through: it frees the place as soon as the server answers, tells the server how
-    the answer went, and turns its cancellation by a move into an away error."""
-
-    def __init__(self, server: Server, tokens: int) -> None:
-        # Not InferenceBackend.__init__: the server's own backend holds the client.
-        backend = server.backend
-        self.server = server
-        self.url = server.url
-        self.tokens = tokens
-        self.api = backend.api
-        self.base_url = backend.base_url
-        self.model = backend.model
-        self.stream = backend.stream
-        self.tokenizer = backend.tokenizer
-        self.moved = False
-        self._task: asyncio.Task[object] | None = None
-        self._left = False
-
-    async def generate(self, request: GenerationRequest) -> GenerationResult:
-        server = self.server
-        self._task = asyncio.current_task()
-        sent, wall = time.monotonic(), time.time()
-        try:
-            result = await server.backend.generate(request)
-        except asyncio.CancelledError:
-            if not self.moved:
-                raise
-            raise InferenceTransportError(
-                f"{server.url} went away with this request in flight: sent to another server"
-            ) from None
-        finally:
-            self._task = None
-            self.done()
-        server.answered(result, time.monotonic() - sent, wall)
-        return result
-
-    async def abort(self, rid: str) -> None:
-        await self.server.backend.abort(rid)
-
-    async def health(self) -> None:
-        await self.server.backend.health()
-
-    def move(self) -> None:
-        """Give the request up (its server is away): its attempt fails as away."""
-        if self._task is not None:
-            self.moved = True
-            self._task.cancel()
-
-    def done(self) -> None:
-        """Free the place (once; every later call does nothing)."""
-        if not self._left:
-            self._left = True
-            self.server.left(self)
-
-    def failed(self, error: InferenceError) -> None:
-        """The request failed with ``error``: the server hears it, unless the request
-        was moved (the server is known to be away already)."""
-        self.server.failed(error, moved=self.moved)
-
-    def succeeded(self) -> None:
-        self.server.succeeded()
-
-
-class Server:
-    """One server of the fleet (see the module's docstring). ``on_change`` hears every
-    change routing depends on: its state, its window, its places."""
-
-    def __init__(
-        self,
-        spec: ServerSpec,
-        backend: InferenceBackend,
-        gate: GateSettings,
-        *,
-        backoff: RetryPolicy = DEFAULT_BACKOFF,
-        client: HttpClient | None = None,
-        on_change: Callable[[], None] = lambda: None,
-    ) -> None:
-        self.spec = spec
-        self.url = spec.url
-        self.backend = backend
-        self.client = client
-        self.window = placement.Window.full(spec.concurrency)
-        self.pace = placement.Pace()
-        self.in_flight = 0
-        self.outstanding = 0  # tokens reserved for its requests in flight
-        self.not_before = 0.0  # monotonic: held back till then (Retry-After, backoff)
-        self.backoff = backoff
-        self.away_in_row = 0  # away-failures since its last answer
-        self.draining = False
-        self.requests = self.tokens = self.errors = 0
-        self.visits: set[Visit] = set()
-        self._on_change = on_change
-        self._moving = False  # its last away-failure was a connection's
-        self._room: list[asyncio.Future[None]] = []  # round robin: waiting for its room
-        self.gate = ServerGate(backend.health, gate, url=spec.url, on_change=self._gate_changed)
-        self._shown: str | None = None
-        self._metrics = (
-            metrics.SERVER_REQUESTS.labels(server=self.url),
-            metrics.SERVER_TOKENS.labels(server=self.url),
-            metrics.SERVER_IN_FLIGHT.labels(server=self.url),
-            metrics.SERVER_LIMIT.labels(server=self.url),
-        )
-        self._metrics[3].set(self.window.size)
-        self._show()
-
-    @property
-    def state(self) -> ServerState:
-        if self.gate.outage is not None:
-            return "dropped"
-        if not self.gate.is_open:
-            return "paused"
-        if self.draining:
-            return "draining" if self.in_flight else "drained"
-        return "up"
-
-    def candidate(self, now: float) -> placement.Candidate:
-        return placement.Candidate(
-            url=self.url,
-            weight=self.spec.weight,
-            speed=self.pace.recent,
-            in_flight=self.in_flight,
-            limit=self.window.size,
-            outstanding=self.outstanding,
-            ready=self.state == "up" and now >= self.not_before,
-        )
-
-    def visit(self, tokens: int) -> Visit:
-        """A place for a request reserving ``tokens``."""
-        visit = Visit(self, tokens)
-        self.visits.add(visit)
-        self.in_flight += 1
-        self.outstanding += tokens
-        self.requests += 1
-        self._metrics[0].inc()
-        self._metrics[2].set(self.in_flight)
-        return visit
-
-    def left(self, visit: Visit) -> None:
-        self.visits.discard(visit)
-        self.in_flight -= 1
-        self.outstanding -= visit.tokens
-        self._metrics[2].set(self.in_flight)
-        self._wake_room(everyone=False)
-        self._on_change()
-
-    async def room(self) -> None:
-        """Until a request of this server ends (round robin waits here for its turn's
-        server)."""
-        waiter = asyncio.get_running_loop().create_future()
-        self._room.append(waiter)
-        await waiter
-
-    def answered(self, result: GenerationResult, seconds: float, sent_at: float) -> None:
-        """An answer came back after ``seconds`` (sent at ``sent_at``, wall clock)."""
-        self.tokens += result.completion_tokens
-        self._metrics[1].inc(result.completion_tokens)
-        if result.first_token_at is not None:
-            metrics.SERVER_TTFT.labels(server=self.url).observe(
-                max(0.0, result.first_token_at - sent_at)
-            )
-        self.pace = self.pace.observed(result.completion_tokens, seconds)
-        window = self.window.grown(self.in_flight + 1)
-        if self.pace.slow:
-            window = window.cut(time.monotonic())
-        self._set_window(window)
-
-    def failed(self, error: InferenceError, *, moved: bool = False) -> None:
-        self.errors += 1
-        kind = "moved" if moved else type(error).__name__
-        metrics.SERVER_ERRORS.labels(server=self.url, kind=kind).inc()
-        if moved:
-            return
-        now = time.monotonic()
-        if error.busy:
-            self._set_window(self.window.cut(now))
-        if error.server_away:
-            # Held back, not the prompt: it may go to another server at once.
-            self.away_in_row += 1
-            hold = self.backoff.delay(min(self.away_in_row, 8), error.retry_after)
-            self.not_before = max(self.not_before, now + hold)
-            self._moving = isinstance(error, InferenceTransportError)
-        self.gate.failed(error)
-        self._on_change()
-
-    def succeeded(self) -> None:
-        """A request was answered: its away-failures in a row start again."""
-        self.away_in_row = 0
-        self.gate.succeeded()
-
-    def drain(self) -> None:
-        self.draining = True
-        self._wake_room(everyone=True)
-        self._show()
-        self._on_change()
-
-    def restore(self, spec: ServerSpec) -> None:
-        """Added again: back in the fleet, with ``spec``'s concurrency and weight."""
-        self.spec = spec
-        self.draining = False
-        self._set_window(self.window.resized(spec.concurrency))
-        self._show()
-        self._on_change()
-
-    def report(self) -> ServerReport:
-        return ServerReport(
-            url=self.url,
-            state=self.state,
-            in_flight=self.in_flight,
-            limit=self.window.size,
-            concurrency=self.spec.concurrency,
-            requests=self.requests,
-            tokens=self.tokens,
-            errors=self.errors,
-        )
-
-    async def close(self) -> None:
-        await self.gate.close()
-        if self.client is not None:
-            with contextlib.suppress(Exception):
-                await self.client.aclose()
-
-    def _set_window(self, window: placement.Window) -> None:
-        if window.size != self.window.size:
-            self._metrics[3].set(window.size)
-        self.window = window
-
-    def _gate_changed(self) -> None:
-        if not self.gate.is_open and self._moving:
-            # It stopped taking connections: what it has in flight is as good as lost
-            # (SIGKILL resets it at once, a frozen host holds it till read_timeout_s).
-            for visit in list(self.visits):
-                visit.move()
-        self._wake_room(everyone=True)
-        self._show()
-        self._on_change()
-
-    def _wake_room(self, *, everyone: bool) -> None:
-        while self._room:
-            waiter = self._room.pop(0)
-            if not waiter.done():
-                waiter.set_result(None)
-                if not everyone:
-                    return
-
-    def _show(self) -> None:
-        state = self.state
-        if state != self._shown:
-            for name in STATES:
-                metrics.SERVER_STATE.labels(server=self.url, state=name).set(name == state)
-            self._shown = state
 
 
 def say_key_in_clear(spec: ServerSpec, warned: set[str]) -> None:

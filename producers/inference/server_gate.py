@@ -1,6 +1,6 @@
 """The server gate: a server of the fleet gets no requests while it is away.
 
-One gate per server (:class:`tokenbudget.producers.inference.fleet.Server`), shared by all its
+One gate per server (:class:`tokenbudget.producers.inference.server.Server`), shared by all its
 requests.
 Contract:
 

@@ -34,8 +34,9 @@ from tokenbudget.core.errors import (
     InferenceUnavailableError,
     ServerOutageError,
 )
-from tokenbudget.producers.inference.fleet import Fleet, Server, say_key_in_clear
+from tokenbudget.producers.inference.fleet import Fleet, say_key_in_clear
 from tokenbudget.producers.inference.http import Timeouts
+from tokenbudget.producers.inference.server import Server
 from tokenbudget.producers.inference.server_gate import GateSettings
 from tokenbudget.streams import events as ev
 
