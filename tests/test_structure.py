@@ -2,7 +2,9 @@
 ``MAX_METHODS`` methods (a class that grows past it holds more than one concern:
 split it into parts it composes, as the dispatcher and the simulator are), and no
 function is longer than ``MAX_FUNCTION_LINES`` lines, from its ``def`` to its last
-line, docstring and nested functions included."""
+line, docstring and nested functions included; no module is longer than
+``MAX_MODULE_LINES`` lines (a room a newcomer reads in one sitting), and each opens
+with a docstring saying what it owns."""
 
 from __future__ import annotations
 
@@ -14,15 +16,20 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("tokenbudget", "streams", "producers", "sinks")
 MAX_METHODS = 25
 MAX_FUNCTION_LINES = 80
+MAX_MODULE_LINES = 600
 
 Function = ast.FunctionDef | ast.AsyncFunctionDef
 
 
-def modules() -> Iterator[tuple[str, ast.Module]]:
+def sources() -> Iterator[tuple[str, str]]:
     for package in PACKAGES:
         for path in sorted((ROOT / package).rglob("*.py")):
-            name = str(path.relative_to(ROOT))
-            yield name, ast.parse(path.read_text(encoding="utf-8"), filename=name)
+            yield str(path.relative_to(ROOT)), path.read_text(encoding="utf-8")
+
+
+def modules() -> Iterator[tuple[str, ast.Module]]:
+    for name, text in sources():
+        yield name, ast.parse(text, filename=name)
 
 
 def method_counts() -> dict[str, int]:
@@ -59,3 +66,17 @@ def test_no_function_is_longer_than_max_lines() -> None:
     assert lengths, "no functions found: wrong root?"
     too_long = {where: n for where, n in lengths.items() if n > MAX_FUNCTION_LINES}
     assert too_long == {}, f"functions over {MAX_FUNCTION_LINES} lines: {too_long}"
+
+
+def test_no_module_is_longer_than_max_lines() -> None:
+    lines = {name: len(text.splitlines()) for name, text in sources()}
+    assert len(lines) > 100, "too few modules found: wrong root?"
+    too_long = {name: n for name, n in lines.items() if n > MAX_MODULE_LINES}
+    assert too_long == {}, f"modules over {MAX_MODULE_LINES} lines: {too_long}"
+
+
+def test_every_module_opens_with_what_it_owns() -> None:
+    found = list(modules())
+    assert found, "no modules found: wrong root?"
+    silent = [name for name, tree in found if not ast.get_docstring(tree)]
+    assert silent == [], f"modules without a docstring: {silent}"
