@@ -2,7 +2,8 @@
 
 It runs in a temporary home on free ports, so it never touches a developer's own
 broker. ``TOKENBUDGET_TEST_BOOTSTRAP=HOST:PORT`` reuses a broker already running.
-Each test gets its own topic namespace, so tests never see each other's events.
+Each test gets its own topic namespace, so tests never see each other's events, and
+may ask for ``sim``, a fast simulator of its own.
 Also the work units ``make test``'s pytest-xdist workers take, and their order (the
 longest first, as ``tests/durations.json`` recorded them).
 """
@@ -19,6 +20,7 @@ from typing import Any
 import pytest
 
 from tests import durations
+from tokenbudget.dev.jobs import Simulator, start_simulator
 from tokenbudget.localkafka import broker
 from tokenbudget.localkafka.settings import BrokerSettings
 
@@ -53,6 +55,17 @@ def kafka_bootstrap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 @pytest.fixture
 def namespace() -> str:
     return f"t{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def sim(tmp_path: Path) -> Iterator[Simulator]:
+    """A simulator for this test alone, fast enough (50,000 tokens/s) that its
+    answers never set the test's pace; stopped after the test."""
+    server = start_simulator(tmp_path, "--tokens-per-second", "50000")
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 # Modules whose tests share a costly module fixture (a three-node cluster, a secured

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,20 +16,11 @@ import pytest
 from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
 
 from tokenbudget import cli
-from tokenbudget.dev.jobs import Simulator, start_simulator, write_job
+from tokenbudget.dev.jobs import Simulator, write_job
 from tokenbudget.dev.oracle import read_server_log, valid_prompt_ids
 from tokenbudget.streams.topics import Topics
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-def sim(tmp_path: Path) -> Iterator[Simulator]:
-    server = start_simulator(tmp_path, "--tokens-per-second", "50000")
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def prompts(path: Path, marker: str, ids: range) -> Path:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,19 +17,10 @@ import pytest
 from tokenbudget import cli
 from tokenbudget.app import identity
 from tokenbudget.dev import oracle
-from tokenbudget.dev.jobs import Simulator, start_simulator, write_job
+from tokenbudget.dev.jobs import Simulator, write_job
 from tokenbudget.sinks.parquet import read_rows
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-def sim(tmp_path: Path) -> Iterator[Simulator]:
-    server = start_simulator(tmp_path, "--tokens-per-second", "50000")
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def unnamed_job(folder: Path, bootstrap: str, url: str, marker: str, budget: int) -> Path:
