@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import zlib
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ from prometheus_client import REGISTRY
 from tests.integration.test_backends import make_config, run_with_simulator
 from tests.producers.tokenizer_fixture import build_tokenizer
 from tokenbudget.app.commands.export import export_from_topic
+from tokenbudget.dev.oracle import text_crc
 from tokenbudget.dev.simulator.config import RequestRecord, SimulatorConfig
 from tokenbudget.dev.simulator.generation import ids_crc
 from tokenbudget.producers.templates import load_tokenizer
@@ -32,10 +32,6 @@ from tokenbudget.streams.fields import ChatMessage
 pytestmark = pytest.mark.integration
 
 OFF = {"enable_thinking": False, "thinking": False}
-
-
-def crc(text: str | None) -> int:
-    return zlib.crc32(text.encode()) if text else 0
 
 
 def write(folder: Path, name: str, rows: int, *, chat: bool = True) -> None:
@@ -101,8 +97,8 @@ def test_chat_rows_and_exports_hold_the_reasoning_the_server_sent(
         assert row["completion_tokens"] == record.completion_tokens
         assert ids_crc(row["output_ids"]) == record.output_crc
         assert row["reasoning_tokens"] == record.reasoning_tokens
-        assert crc(row["reasoning"]) == record.reasoning_crc
-        assert crc(row["text"]) == record.content_crc
+        assert text_crc(row["reasoning"]) == record.reasoning_crc
+        assert text_crc(row["text"]) == record.content_crc
         assert row["unfinished"] is cut_while_thinking(record), row
         # thinking off goes out as the template's switches, for that dataset only
         switches = record.sampling.get("chat_template_kwargs")
@@ -206,7 +202,7 @@ def test_generate_with_a_local_template_keeps_the_thinking_markers_in_the_ids(
         assert ids_crc(row["output_ids"]) == record.output_crc
         # /generate reports no split: the thinking is in the text and ids, as generated
         assert row["reasoning"] is None and row["reasoning_tokens"] is None
-        assert crc(row["text"]) == record.content_crc
+        assert text_crc(row["text"]) == record.content_crc
         thinking = record.reasoning_tokens
         assert thinking is not None  # a thinking server always says
         if 0 < thinking < row["completion_tokens"]:  # thought, then answered

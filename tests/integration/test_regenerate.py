@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import zlib
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ from tokenbudget.core import kafka_admin
 from tokenbudget.core.kafka import consumer_options
 from tokenbudget.dev.jobs import (
     Watch,
+    conversations,
     end_run,
     kill_tree_root,
     run_output,
@@ -40,6 +40,7 @@ from tokenbudget.dev.jobs import (
     wait_until,
     write_job,
 )
+from tokenbudget.dev.oracle import text_crc
 from tokenbudget.producers.prompts.datasets import read_prompts
 from tokenbudget.producers.prompts.ids import turn_prompt_id
 from tokenbudget.producers.prompts.resume import OutcomeView, outcome_records
@@ -57,22 +58,6 @@ TURNS = 4
 CHAT_BUDGET = 7_000  # about half of what the twelve conversations' turns take
 SEARCH = {"type": "function", "function": {"name": "search", "parameters": {}}}
 LOOKUP = {"type": "function", "function": {"name": "lookup", "parameters": {}}}
-
-
-def crc(text: str) -> int:
-    return zlib.crc32(text.encode()) if text else 0
-
-
-def chat_rows(path: Path) -> Path:
-    rows = []
-    for i in range(CONVERSATIONS):
-        messages = []
-        for k in range(TURNS):
-            messages.append({"role": "user", "content": f"#short conversation {i}, question {k}"})
-            messages.append({"role": "assistant", "content": f"recorded answer {k} of {i}"})
-        rows.append({"id": f"c{i}", "messages": messages})
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
 
 
 def tool_rows(path: Path) -> Path:
@@ -118,7 +103,7 @@ def test_conversations_go_on_from_the_models_own_answers_across_a_killed_run(
     data = tmp_path / "data"
     data.mkdir()
     jobs = {
-        "chat": (chat_rows(data / "chat.jsonl"), CHAT_BUDGET),
+        "chat": (conversations(data / "chat.jsonl", CONVERSATIONS, TURNS), CHAT_BUDGET),
         "tools": (tool_rows(data / "tools.jsonl"), 1_000_000),
     }
     sim = start_simulator(
@@ -168,7 +153,7 @@ def test_conversations_go_on_from_the_models_own_answers_across_a_killed_run(
     for name, (path, _) in jobs.items():
         for line in path.read_text().splitlines():
             row = json.loads(line)
-            owner[crc(row["messages"][0]["content"])] = (name, row["id"])
+            owner[text_crc(row["messages"][0]["content"])] = (name, row["id"])
     requests: dict[tuple[str, str], dict[int, list[dict[str, Any]]]] = {}
     for record in served:
         turns = requests.setdefault(owner[first_user(record)], {})
@@ -214,7 +199,7 @@ def test_conversations_go_on_from_the_models_own_answers_across_a_killed_run(
     history = by_rid[match[1]["request_id"]]["messages"]
     assert history[1] == {"role": "assistant", "crc": 0, "calls": [regenerated]}
     assert history[2] == {
-        "role": "tool", "crc": crc("sunny in matchville"), "tool_call_id": regenerated
+        "role": "tool", "crc": text_crc("sunny in matchville"), "tool_call_id": regenerated
     }  # fmt: skip
     assert match[1]["text"] and not match[1]["tool_calls"]
     assert list(mismatch) == [0] and mismatch[0]["tool_mismatch"] is True

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import zlib
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +22,8 @@ from tests.producers.tokenizer_fixture import build_tokenizer
 from tests.sinks import trainer_loaders as loaders
 from tokenbudget.cli import main
 from tokenbudget.core.tokenizer import load_pretrained
+from tokenbudget.dev.jobs import conversations
+from tokenbudget.dev.oracle import text_crc
 from tokenbudget.dev.simulator.config import RequestRecord, SimulatorConfig
 from tokenbudget.dev.simulator.generation import ids_crc
 
@@ -32,19 +33,8 @@ CONVERSATIONS, TURNS = 4, 3
 SEARCH = {"type": "function", "function": {"name": "search", "parameters": {}}}
 
 
-def crc(text: str | None) -> int:
-    return zlib.crc32(text.encode()) if text else 0
-
-
 def conversation_files(folder: Path) -> None:
-    rows = []
-    for i in range(CONVERSATIONS):
-        messages = []
-        for k in range(TURNS):
-            messages.append({"role": "user", "content": f"#short conversation {i} question {k}"})
-            messages.append({"role": "assistant", "content": f"recorded answer {k}"})
-        rows.append({"id": f"c{i}", "messages": messages})
-    (folder / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    conversations(folder / "chat.jsonl", CONVERSATIONS, TURNS)
     question = "#short weather in paris"
     call = {"id": "rec_1", "type": "function",
             "function": {"name": "search", "arguments": {"query": question}}}  # fmt: skip
@@ -148,8 +138,10 @@ def check_texts(
         loaders.modelopt_record(record)
         said = [m for m in record["messages"] if m["role"] == "assistant"]
         logged = [by_rid[rid_of[(record["conversation_id"], k)]] for k in range(len(said))]
-        assert [crc(m["content"]) for m in said] == [r.content_crc for r in logged]
-        assert [crc(m.get("reasoning_content")) for m in said] == [r.reasoning_crc for r in logged]
+        assert [text_crc(m["content"]) for m in said] == [r.content_crc for r in logged]
+        assert [text_crc(m.get("reasoning_content")) for m in said] == [
+            r.reasoning_crc for r in logged
+        ]
     code, turns = export(folder, "specforge", "--per-turn")
     assert code == 0 and len(turns) == len(rid_of)
     for record in turns:
@@ -157,10 +149,10 @@ def check_texts(
         unit, _, turn = record["id"].rpartition("#turn")
         logged = by_rid[rid_of[(unit, int(turn))]]
         *history, answer = record["conversations"]
-        assert [(t["role"], crc(t["content"])) for t in history] == [
+        assert [(t["role"], text_crc(t["content"])) for t in history] == [
             (m["role"], m["crc"]) for m in logged.messages
         ]
-        assert (crc(answer["content"]), crc(answer.get("reasoning_content"))) == (
+        assert (text_crc(answer["content"]), text_crc(answer.get("reasoning_content"))) == (
             logged.content_crc, logged.reasoning_crc
         )  # fmt: skip
 
@@ -201,7 +193,7 @@ def test_the_seed_jobs_text_prompts_take_their_ids_from_the_local_tokenizer(
         prompt, answer = split_ids(row)
         source = prompts[int(row["metadata"]["row_id"][1:])]
         assert prompt == encode(source, add_special_tokens=True)
-        assert len(prompt) == logged.prompt_tokens and crc(source) == logged.text_crc
+        assert len(prompt) == logged.prompt_tokens and text_crc(source) == logged.text_crc
         assert ids_crc(answer) == logged.output_crc
     # without the tokenizer: refused in one line naming the flag and the key
     assert export(tmp_path, "speculators")[0] == 2

@@ -84,6 +84,21 @@ def rows(path: Path, marker: str, count: int, chat: bool = False) -> Path:
     return path
 
 
+def conversations(path: Path, count: int, turns: int) -> Path:
+    """``count`` recorded conversations of ``turns`` user turns each, every one
+    answered, ids ``c0``, ``c1``...: for jobs that regenerate them (short answers:
+    the simulator reads the ``#short`` marker)."""
+    with path.open("w") as handle:
+        for i in range(count):
+            messages = []
+            for k in range(turns):
+                question = f"#short conversation {i}, question {k}"
+                messages.append({"role": "user", "content": question})
+                messages.append({"role": "assistant", "content": f"recorded answer {k} of {i}"})
+            handle.write(json.dumps({"id": f"c{i}", "messages": messages}) + "\n")
+    return path
+
+
 def write_job(
     workdir: Path,
     bootstrap: str,

@@ -116,6 +116,12 @@ def peak_in_flight(path: Path, marker: str = "") -> int:
     return peak
 
 
+def text_crc(text: str | None) -> int:
+    """The crc32 of a text's UTF-8, as the simulator logs a prompt, an answer or a
+    reasoning (0 for none)."""
+    return zlib.crc32(text.encode("utf-8", "surrogatepass")) if text else 0
+
+
 def ids_crc(ids: Any) -> int:
     array = np.asarray(ids, dtype="<i4")
     return zlib.crc32(array.tobytes()) if array.size else 0
