@@ -28,8 +28,8 @@ from tokenbudget.producers.inference.http import HttpClient, Reply
 from tokenbudget.producers.inference.replies import (
     AWAY_STATUSES,
     BUSY_STATUSES,
-    _stream_event,
     parse_retry_after,
+    stream_event,
 )
 from tokenbudget.streams.fields import ChatMessage, CountSource, FinishReason, ToolCall
 
@@ -188,7 +188,7 @@ class InferenceBackend(ABC):
         completes, until ``data: [DONE]`` or the end of the body."""
         url = self.base_url + path
         async for batch in self._data(path, body, tokens):
-            yield [_stream_event(url, data) for data in batch]
+            yield [stream_event(url, data) for data in batch]
 
     async def _data(
         self, path: str, body: dict[str, Any], tokens: int

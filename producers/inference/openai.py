@@ -28,12 +28,12 @@ from tokenbudget.producers.inference.generation import (
     InferenceBackend,
 )
 from tokenbudget.producers.inference.replies import (
-    _as_finish,
-    _calls_end,
-    _field,
-    _int_list,
-    _model,
+    as_finish,
+    calls_end,
     count_of,
+    field_at,
+    int_list,
+    model_of,
     reasoning_of,
     reasoning_tokens_of,
     token_ids_of,
@@ -87,18 +87,18 @@ class _OpenAIBackend(InferenceBackend):
         if self.stream:
             return await self._generate_streaming(request, body)
         data = await self._request("POST", self.path, body, request.max_new_tokens)
-        choice = _field(data, "choices", 0)
+        choice = field_at(data, "choices", 0)
         usage = data.get("usage")
-        prompt_ids = _int_list(choice.get("prompt_token_ids", data.get("prompt_token_ids")))
+        prompt_ids = int_list(choice.get("prompt_token_ids", data.get("prompt_token_ids")))
         return self._result(
             request,
             usage=usage,
-            output_ids=_int_list(choice.get("token_ids")),
+            output_ids=int_list(choice.get("token_ids")),
             prompt_ids=prompt_ids,
             text=self._text(choice),
             finish=choice.get("finish_reason"),
             first_token_at=None,
-            model=_model(data),
+            model=model_of(data),
             reasoning=self._reasoning(choice),
             tool_calls=self._calls(choice),
         )
@@ -126,15 +126,15 @@ class _OpenAIBackend(InferenceBackend):
                     )
                 if chunk.get("usage"):  # llama.cpp: in the chunk that has finish_reason
                     usage = chunk["usage"]
-                model = model or _model(chunk)
-                prompt_ids = _int_list(chunk.get("prompt_token_ids")) or prompt_ids
+                model = model or model_of(chunk)
+                prompt_ids = int_list(chunk.get("prompt_token_ids")) or prompt_ids
                 for choice in chunk.get("choices") or ():
                     if not isinstance(choice, dict) or choice.get("index", 0) != 0:
                         continue
-                    prompt_ids = _int_list(choice.get("prompt_token_ids")) or prompt_ids
+                    prompt_ids = int_list(choice.get("prompt_token_ids")) or prompt_ids
                     delta = self._delta(choice)
                     thought = self._delta_reasoning(choice)
-                    new_ids = _int_list(choice.get("token_ids"))
+                    new_ids = int_list(choice.get("token_ids"))
                     call_parts = self._delta_calls(choice)
                     calls.add(call_parts)
                     if new_ids is not None:
@@ -192,9 +192,9 @@ class _OpenAIBackend(InferenceBackend):
         output_ids = token_ids_of(output_ids, "token_ids", where)
         prompt_ids = token_ids_of(prompt_ids, "prompt_token_ids", where)
         if usage:  # present: it must be whole
-            prompt_tokens = count_of(_field(usage, "prompt_tokens"), "usage.prompt_tokens", where)
+            prompt_tokens = count_of(field_at(usage, "prompt_tokens"), "usage.prompt_tokens", where)
             completion_tokens = count_of(
-                _field(usage, "completion_tokens"), "usage.completion_tokens", where
+                field_at(usage, "completion_tokens"), "usage.completion_tokens", where
             )
         prompt, completion, source = self._counts(
             request,
@@ -210,7 +210,7 @@ class _OpenAIBackend(InferenceBackend):
             completion_tokens=completion,
             output_ids=output_ids,
             text=text,
-            finish_reason=_as_finish(_calls_end(finish)),
+            finish_reason=as_finish(calls_end(finish)),
             first_token_at=first_token_at,
             count_source="usage" if source == "server" and output_ids is None else source,
             model=model,

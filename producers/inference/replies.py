@@ -123,11 +123,11 @@ def reasoning_tokens_of(usage: Any, completion_tokens: int, where: str) -> int |
 _CALLS_FINISH = frozenset({"tool_calls", "function_call"})
 
 
-def _calls_end(finish: Any) -> Any:
+def calls_end(finish: Any) -> Any:
     return "stop" if isinstance(finish, str) and finish in _CALLS_FINISH else finish
 
 
-def _as_finish(value: Any) -> FinishReason:
+def as_finish(value: Any) -> FinishReason:
     kind = value.get("type") if isinstance(value, dict) else value
     if kind in ("stop", "length", "abort"):
         return kind  # type: ignore[no-any-return]
@@ -136,7 +136,7 @@ def _as_finish(value: Any) -> FinishReason:
     raise InferenceProtocolError(f"unknown finish_reason {value!r}")
 
 
-def _field(body: Any, *path: str | int) -> Any:
+def field_at(body: Any, *path: str | int) -> Any:
     node = body
     for part in path:
         try:
@@ -147,19 +147,19 @@ def _field(body: Any, *path: str | int) -> Any:
     return node
 
 
-def _int_list(value: Any) -> list[Any] | None:
+def int_list(value: Any) -> list[Any] | None:
     """A list the server sent as ids, as it is (checked once the answer is whole:
     :func:`token_ids_of`), or None."""
     return value if isinstance(value, list) else None
 
 
-def _model(body: Any) -> str:
+def model_of(body: Any) -> str:
     """The model an OpenAI-compatible response names ("" when it names none)."""
     model = body.get("model") if isinstance(body, dict) else None
     return model if isinstance(model, str) else ""
 
 
-def _stream_event(url: str, data: bytes) -> Any:
+def stream_event(url: str, data: bytes) -> Any:
     """A server-sent event's data, decoded: data that is not JSON is a protocol error,
     an error the server sends in the stream is the server's."""
     try:
@@ -170,19 +170,19 @@ def _stream_event(url: str, data: bytes) -> Any:
         try:
             event = json.loads(data.decode("utf-8", "replace"))
         except (json.JSONDecodeError, RecursionError) as exc:
-            raise _not_json(url, data) from exc
+            raise not_json(url, data) from exc
     if isinstance(event, dict) and ("error" in event or event.get("object") == "error"):
-        raise _error_in_stream(url, data)
+        raise error_in_stream(url, data)
     return event
 
 
-def _not_json(url: str, data: bytes) -> InferenceProtocolError:
+def not_json(url: str, data: bytes) -> InferenceProtocolError:
     return InferenceProtocolError(
         f"POST {url}: stream chunk is not JSON: {data[:120].decode('utf-8', 'replace')!r}"
     )
 
 
-def _error_in_stream(url: str, data: bytes) -> InferenceServerError:
+def error_in_stream(url: str, data: bytes) -> InferenceServerError:
     return InferenceServerError(
         f"POST {url}: error in stream: {data[:200].decode('utf-8', 'replace')}"
     )

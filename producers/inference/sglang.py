@@ -28,13 +28,13 @@ from tokenbudget.producers.inference.generation import (
     InferenceBackend,
 )
 from tokenbudget.producers.inference.replies import (
-    _as_finish,
-    _error_in_stream,
-    _field,
-    _int_list,
-    _not_json,
-    _stream_event,
+    as_finish,
     count_of,
+    error_in_stream,
+    field_at,
+    int_list,
+    not_json,
+    stream_event,
     token_ids_of,
 )
 
@@ -97,7 +97,7 @@ class _SGLangStream:
         meta = chunk.get("meta_info")
         if isinstance(meta, dict):
             self.meta = meta
-        ids = _int_list(chunk.get("output_ids", chunk.get("token_ids")))
+        ids = int_list(chunk.get("output_ids", chunk.get("token_ids")))
         text = chunk.get("text")
         text = text if isinstance(text, str) else ""
         total = self.meta.get("completion_tokens") if isinstance(meta, dict) else None
@@ -114,7 +114,7 @@ class _SGLangStream:
         try:
             last = _read_last(data)
         except (msgspec.DecodeError, RecursionError):
-            self.add(_stream_event(url, data))
+            self.add(stream_event(url, data))
             return
         if last.meta_info is not None:
             self.meta = last.meta_info
@@ -181,7 +181,7 @@ class SGLangBackend(InferenceBackend):
         first_token_at: float | None = None
         if not self.stream:
             data = await self._request("POST", "/generate", body, request.max_new_tokens)
-            meta = _field(data, "meta_info")
+            meta = field_at(data, "meta_info")
             output_ids = data.get("output_ids") if isinstance(data, dict) else None
             if output_ids is None:
                 output_ids = data.get("token_ids") if isinstance(data, dict) else None  # old
@@ -198,14 +198,14 @@ class SGLangBackend(InferenceBackend):
                         try:
                             head = _head(data)
                         except (msgspec.DecodeError, RecursionError) as exc:
-                            raise _not_json(url, data) from exc
+                            raise not_json(url, data) from exc
                         if head.error is not None or head.object == "error":
-                            raise _error_in_stream(url, data)
+                            raise error_in_stream(url, data)
                         if isinstance(head.meta_info, dict):
                             acc.meta = head.meta_info
                         last = data
                     else:
-                        acc.add(_stream_event(url, data))
+                        acc.add(stream_event(url, data))
                 if first_token_at is None and (acc.tokens > 0 or acc.text or last):
                     first_token_at = time.time()
                 self._progress(request, acc.tokens)
@@ -226,13 +226,15 @@ class SGLangBackend(InferenceBackend):
             )
         return GenerationResult(
             rid=request.rid,
-            prompt_tokens=count_of(_field(meta, "prompt_tokens"), "meta_info.prompt_tokens", where),
+            prompt_tokens=count_of(
+                field_at(meta, "prompt_tokens"), "meta_info.prompt_tokens", where
+            ),
             completion_tokens=count_of(
-                _field(meta, "completion_tokens"), "meta_info.completion_tokens", where
+                field_at(meta, "completion_tokens"), "meta_info.completion_tokens", where
             ),
             output_ids=output_ids,
             text=text,
-            finish_reason=_as_finish(meta.get("finish_reason")),
+            finish_reason=as_finish(meta.get("finish_reason")),
             first_token_at=first_token_at,
             model=await self._served_model(),
         )

@@ -33,7 +33,7 @@ from tokenbudget.producers.prompts.readers import (
     SplitError,
     reader_for,
 )
-from tokenbudget.producers.prompts.rows import _chat_shaped, parse_row
+from tokenbudget.producers.prompts.rows import chat_shaped, parse_row
 
 if TYPE_CHECKING:
     from tokenbudget.core.config import Config
@@ -205,7 +205,7 @@ def suggest_mapping(row: dict[str, Any]) -> tuple[str, str] | None:
     if isinstance(row.get("instruction"), str) and "input" in row:
         return "prompt_template", ALPACA_TEMPLATE
     for name, value in row.items():
-        if name not in ("messages", "conversations") and _chat_shaped(value):
+        if name not in ("messages", "conversations") and chat_shaped(value):
             return "messages_field", name
     for name in PROMPT_FIELD_GUESSES:
         if isinstance(row.get(name), str):

@@ -37,7 +37,7 @@ from tokenbudget.core.config_checks import resolve_order
 from tokenbudget.core.errors import ConfigError, DatasetError
 from tokenbudget.core.formats import DEFAULT_FORMAT, DatasetFormat, Turns
 from tokenbudget.core.sections import PROMPT_LENGTH, DatasetOrder
-from tokenbudget.producers.prompts.ids import _content_identity, stable_prompt_id, turn_prompt_id
+from tokenbudget.producers.prompts.ids import content_identity, stable_prompt_id, turn_prompt_id
 from tokenbudget.producers.prompts.order import prompt_length, stratified
 from tokenbudget.producers.prompts.readers import DatasetReader, as_row_error, reader_for
 from tokenbudget.producers.prompts.rows import (
@@ -90,7 +90,7 @@ def _in_file_order(
                 raise error from (None if error is exc else exc)
             on_bad_row(error)
             continue
-        identity = f"id:{row_id}" if row_id is not None else _content_identity(text, messages)
+        identity = f"id:{row_id}" if row_id is not None else content_identity(text, messages)
         seen = occurrences.get(identity, 0)
         occurrences[identity] = seen + 1
         if seen and row_id is not None:

@@ -24,7 +24,7 @@ def turn_prompt_id(dataset: str, conversation_id: str, turn: int) -> str:
     return stable_prompt_id(dataset, f"{conversation_id}@turn{turn}")
 
 
-def _content_identity(text: str | None, messages: tuple[ChatMessage, ...] | None) -> str:
+def content_identity(text: str | None, messages: tuple[ChatMessage, ...] | None) -> str:
     content = (
         text if text is not None else json.dumps([[m.role, m.content] for m in messages or ()])
     )

@@ -337,7 +337,7 @@ PARSERS: Mapping[str, RowParser] = {
 }
 
 
-def _chat_shaped(value: Any) -> bool:
+def chat_shaped(value: Any) -> bool:
     if not isinstance(value, list) or not value or not isinstance(value[0], dict):
         return False
     return {"role", "content"} <= value[0].keys() or {"from", "value"} <= value[0].keys()
