@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import zlib
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ import pytest
 from tokenbudget.app.run_report import RunReport
 from tokenbudget.app.runner import run_async
 from tokenbudget.core import config as config_module
+from tokenbudget.dev.oracle import text_crc
 from tokenbudget.dev.simulator import server as sim_server
 from tokenbudget.dev.simulator.config import SimulatorConfig
 
@@ -100,7 +100,7 @@ def test_mapped_rows_reach_the_server_as_their_templated_text(
     assert all(record["fault"] == "" for record in served)
     # every prompt once, each exactly the text its row gives (a crc of the whole text)
     assert sorted(record["text_crc"] for record in served) == sorted(
-        zlib.crc32(text.encode()) for text in expected
+        text_crc(text) for text in expected
     )
     assert sorted(record["text_head"] for record in served) == sorted(t[:80] for t in expected)
     assert report.datasets["alpaca"].status == "exhausted"

@@ -6,7 +6,6 @@ import asyncio
 import dataclasses
 import json
 import socket
-import zlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -27,6 +26,7 @@ from tokenbudget.core.errors import (
     InferenceTransportError,
     InferenceUnavailableError,
 )
+from tokenbudget.dev.oracle import text_crc
 from tokenbudget.dev.simulator import server as sim_server
 from tokenbudget.dev.simulator.config import Faults, SimulatorConfig
 from tokenbudget.dev.simulator.server import RunningSimulator
@@ -512,10 +512,6 @@ def test_every_answer_names_the_model_the_server_reports(api: str) -> None:
 # --- a thinking model's reasoning ---------------------------------------------------------
 
 
-def _crc(text: str | None) -> int:
-    return zlib.crc32(text.encode()) if text else 0
-
-
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
 @pytest.mark.parametrize("style", ["reasoning_content", "reasoning"])
 def test_chat_keeps_the_reasoning_the_server_sent_in_either_field(style: str, stream: bool) -> None:
@@ -536,8 +532,8 @@ def test_chat_keeps_the_reasoning_the_server_sent_in_either_field(style: str, st
         record = logged[result.rid]
         assert result.completion_tokens == record.completion_tokens
         assert result.reasoning_tokens == record.reasoning_tokens
-        assert _crc(result.reasoning) == record.reasoning_crc != 0
-        assert _crc(result.text) == record.content_crc
+        assert text_crc(result.reasoning) == record.reasoning_crc != 0
+        assert text_crc(result.text) == record.content_crc
     *whole, cut = results
     assert all(0 < r.reasoning_tokens < r.completion_tokens and r.text for r in whole)
     # cut by the limit while still thinking: all of it is thinking, no answer
@@ -624,7 +620,7 @@ def test_raw_apis_keep_the_thinking_inline(api: str) -> None:
 
     result, record = with_simulator(body, thinking)
     assert result.reasoning is None and result.reasoning_tokens is None
-    assert "</think>" in result.text and _crc(result.text) == record.content_crc
+    assert "</think>" in result.text and text_crc(result.text) == record.content_crc
     assert 0 < record.reasoning_tokens < result.completion_tokens
 
 
@@ -662,10 +658,10 @@ def test_chat_sends_tool_use_and_reads_the_calls_the_model_answers_with(stream: 
     assert result.completion_tokens == record.completion_tokens > 0
     assert record.extra["tools"] == SEARCH
     assert record.messages == [
-        {"role": "user", "crc": _crc("#short q")},
+        {"role": "user", "crc": text_crc("#short q")},
         {"role": "assistant", "crc": 0, "calls": ["call_7"]},
-        {"role": "tool", "crc": _crc("sunny"), "tool_call_id": "call_7"},
-        {"role": "user", "crc": _crc("#short and tomorrow?")},
+        {"role": "tool", "crc": text_crc("sunny"), "tool_call_id": "call_7"},
+        {"role": "user", "crc": text_crc("#short and tomorrow?")},
     ]
 
 
