@@ -1,15 +1,20 @@
-"""How long the local Kafka broker takes to start, fresh and on restart.
+"""How long the local Kafka broker takes to start, fresh and on restart, and the CPU
+it spends doing so, with the server JIT (a job's broker, the baseline) against
+``quick_start`` (C1 alone, the serial collector: the brokers of tests and dev clusters).
 
-    .venv/bin/python bench/broker_start.py [--version 4.1.1] [--runs 3]
+    .venv/bin/python bench/broker_start.py [--version 4.1.1] [--runs 3] [--idle 30]
 
-Prints, per run, seconds from `broker.up()` to a successful metadata call (jars
-already cached), for a freshly formatted home and for a restart of the same home.
-Uses a temporary home on free ports; leaves nothing running.
+Prints, per profile, seconds from `broker.up()` to a successful metadata call (jars
+already cached) for a freshly formatted home and for a restart of the same home; the
+CPU seconds of the broker JVM when it is ready (from /proc, the storage format's JVM
+apart) and over ``--idle`` seconds after. Uses a temporary home on free ports;
+leaves nothing running.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -17,24 +22,32 @@ from pathlib import Path
 
 from tokenbudget.dev.ports import free_ports
 from tokenbudget.localkafka import broker
+from tokenbudget.localkafka.process import running_pid
 from tokenbudget.localkafka.settings import BrokerSettings
 from tokenbudget.localkafka.storage import ensure_jars
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--version", default=BrokerSettings.from_env().kafka_version)
-    parser.add_argument("--runs", type=int, default=3)
-    args = parser.parse_args()
-    fresh, restart = [], []
-    for _ in range(args.runs):
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process so far (/proc/<pid>/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def median(values: list[float]) -> str:
+    return f"median {statistics.median(values):.2f}, min {min(values):.2f}, max {max(values):.2f}"
+
+
+def profile(version: str, quick: bool, runs: int, idle_s: float) -> None:
+    fresh, restart, ready_cpu, idle_cpu = [], [], [], []
+    for _ in range(runs):
         with tempfile.TemporaryDirectory() as home:
             port, controller_port = free_ports(2)
             settings = BrokerSettings(
                 home=Path(home) / "broker",
                 port=port,
                 controller_port=controller_port,
-                kafka_version=args.version,
+                kafka_version=version,
+                quick_start=quick,
             )
             ensure_jars(settings)
             t0 = time.monotonic()
@@ -44,12 +57,28 @@ def main() -> None:
             t0 = time.monotonic()
             broker.up(settings, [])
             restart.append(time.monotonic() - t0)
+            pid = running_pid(settings)
+            assert pid is not None
+            ready_cpu.append(cpu_seconds(pid))
+            time.sleep(idle_s)
+            idle_cpu.append(cpu_seconds(pid) - ready_cpu[-1])
             broker.down(settings)
-    for name, values in (("fresh (format + start)", fresh), ("restart", restart)):
-        print(
-            f"kafka {args.version} {name}: median {statistics.median(values):.2f} s, "
-            f"min {min(values):.2f} s, max {max(values):.2f} s over {len(values)} runs"
-        )
+    name = "quick_start (C1, serial GC)" if quick else "server JIT, G1 (baseline)"
+    print(f"kafka {version} {name}, {runs} runs:")
+    print(f"  fresh (format + start) s: {median(fresh)}")
+    print(f"  restart s:                {median(restart)}")
+    print(f"  broker CPU s when ready:  {median(ready_cpu)}")
+    print(f"  broker CPU s over {idle_s:g} s idle: {median(idle_cpu)}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--version", default=BrokerSettings.from_env().kafka_version)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--idle", type=float, default=30.0)
+    args = parser.parse_args()
+    for quick in (False, True):
+        profile(args.version, quick, args.runs, args.idle)
 
 
 if __name__ == "__main__":

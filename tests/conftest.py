@@ -44,6 +44,7 @@ def kafka_bootstrap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         controller_port=_free_port(),
         kafka_version=defaults.kafka_version,
         jars_root=defaults.jars_root,
+        quick_start=True,
     )
     bootstrap = broker.up(settings, [])
     try:

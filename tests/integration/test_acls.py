@@ -110,6 +110,7 @@ def acl_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AclBroker]:
         port=port,
         controller_port=controller_port,
         heap_mb=512,
+        quick_start=True,
         kafka_version=defaults.kafka_version,
         jars_root=defaults.jars_root,
         sasl_plaintext=SaslPlaintextListener(sasl_port, passwords),

@@ -111,6 +111,7 @@ def secure_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureBr
         port=port,
         controller_port=controller_port,
         heap_mb=512,
+        quick_start=True,
         kafka_version=defaults.kafka_version,
         jars_root=defaults.jars_root,
         sasl_ssl=SaslSslListener(

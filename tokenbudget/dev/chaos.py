@@ -270,6 +270,7 @@ class Chaos:
             controller_port=controller_port,
             kafka_version=defaults.kafka_version,
             jars_root=defaults.jars_root,
+            quick_start=True,
         )
         self.bootstrap = ""
         self.report = ChaosReport()

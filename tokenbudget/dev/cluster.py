@@ -57,6 +57,7 @@ class LocalCluster:
                 port=port,
                 controller_port=controller,
                 heap_mb=NODE_HEAP_MB,
+                quick_start=True,
                 node_id=i + 1,
                 quorum_voters=voters,
                 replication_factor=size,

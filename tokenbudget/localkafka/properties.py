@@ -194,6 +194,17 @@ def _mask(text: str, secrets: Sequence[str]) -> str:
     return text
 
 
+_SERVER_JVM_FLAGS = (
+    "-XX:+UseG1GC",
+    "-XX:MaxGCPauseMillis=20",
+    "-XX:InitiatingHeapOccupancyPercent=35",
+    "-XX:+ExplicitGCInvokesConcurrent",
+)
+# Most of a JVM's first seconds go to C2 compiling code it will barely run again: a
+# one-shot tool (the storage format) or a broker that lives minutes does with C1.
+QUICK_JVM_FLAGS = ("-XX:TieredStopAtLevel=1", "-XX:+UseSerialGC", "-XX:-UsePerfData")
+
+
 def _jvm_logging_flags(settings: BrokerSettings) -> list[str]:
     return [f"-Dlog4j2.configurationFile={settings.home.resolve() / _LOG4J_FILE}"]
 
@@ -205,10 +216,7 @@ def broker_command(settings: BrokerSettings, java: str = "java") -> list[str]:
         java,
         f"-Xmx{settings.heap_mb}m",
         f"-Xms{settings.heap_mb}m",
-        "-XX:+UseG1GC",
-        "-XX:MaxGCPauseMillis=20",
-        "-XX:InitiatingHeapOccupancyPercent=35",
-        "-XX:+ExplicitGCInvokesConcurrent",
+        *(QUICK_JVM_FLAGS if settings.quick_start else _SERVER_JVM_FLAGS),
         "-Djava.awt.headless=true",
         *_jvm_logging_flags(settings),
         "-cp",

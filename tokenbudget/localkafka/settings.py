@@ -164,6 +164,10 @@ class BrokerSettings:
     controller_port: int = 9093
     kafka_version: str = DEFAULT_KAFKA_VERSION
     heap_mb: int = 768
+    # A broker that lives minutes (tests, benches, dev clusters) starts on about half
+    # the CPU with the client JIT alone (C1) and the serial collector; a job's broker,
+    # up for hours, keeps the server JIT and G1 (bench/broker_start.py).
+    quick_start: bool = False
     jars_root: Path = field(default_factory=_default_jars_root)
     sasl_ssl: SaslSslListener | None = None  # None: PLAINTEXT only
     sasl_plaintext: SaslPlaintextListener | None = None

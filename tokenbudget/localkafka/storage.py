@@ -17,7 +17,13 @@ from pathlib import Path
 from tokenbudget.core.errors import BrokerError
 from tokenbudget.core.files import locked, write_atomic
 from tokenbudget.localkafka import jars as kafka_jars
-from tokenbudget.localkafka.properties import _jvm_logging_flags, _mask, _scram_arguments, pom_path
+from tokenbudget.localkafka.properties import (
+    QUICK_JVM_FLAGS,
+    _jvm_logging_flags,
+    _mask,
+    _scram_arguments,
+    pom_path,
+)
 from tokenbudget.localkafka.settings import (
     _CLUSTER_ID_FILE,
     _DATA_DIR,
@@ -175,6 +181,7 @@ def _format_storage(settings: BrokerSettings, java: str) -> None:
     cmd = [
         java,
         "-Xmx256m",
+        *QUICK_JVM_FLAGS,
         *_jvm_logging_flags(settings),
         "-cp",
         f"{settings.libs_dir.resolve()}/*",
