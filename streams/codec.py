@@ -40,6 +40,7 @@ from tokenbudget.streams.events import (
     PromptSkipped,
     ServerAdded,
     ServerDrained,
+    SnapshotAsked,
     _Event,
 )
 from tokenbudget.streams.fields import TokenIds, _token_ids_from_wire
@@ -122,7 +123,7 @@ ON_TOPIC: dict[str, tuple[type[_Event], ...]] = {
         LeaseDenied,
         LeaseRevoked,
     ),
-    "outcomes": (PromptSkipped, PromptFailed, ProducerDone),
+    "outcomes": (PromptSkipped, PromptFailed, ProducerDone, SnapshotAsked),
     "reservations": (LeaseRequested, LeaseRenewed, LeaseReleased, LeaseExpired, FleetReport),
     "deadletter": (DeadLetter,),
 }

@@ -438,6 +438,16 @@ class ProducerDone(_Event, tag="producer_done", frozen=True):
     at: At = 0.0
 
 
+class SnapshotAsked(_Event, tag="snapshot_asked", frozen=True):
+    """``run`` asks the owner of the dataset's ledger state for a snapshot now: its
+    drain waits for one newer than the moment it saw the ledger caught up, which the
+    ledger would otherwise send only with its round of every dataset, seconds later.
+    The ledger changes nothing for it; it announces the dataset on its next tick."""
+
+    dataset: DatasetName
+    at: At = 0.0
+
+
 class DeadLetter(_Event, tag="dead_letter", frozen=True):
     """An event that could not be used, with why and where it came from; or a
     dataset row that never became one (:func:`bad_row_letter`: ``source_topic`` is
@@ -471,6 +481,7 @@ Event = (
     | PromptSkipped
     | PromptFailed
     | ProducerDone
+    | SnapshotAsked
     | DeadLetter
     | LeaseRequested
     | LeaseGranted

@@ -386,6 +386,10 @@ class LedgerWorker:
                 return ledger.apply_budget_set(state, event, at), []
             case ev.ProducerDone():
                 return ledger.apply_producer_done(state, event), []
+            case ev.SnapshotAsked():
+                # Nothing changes but the offset applied: the state is written, so the
+                # dataset is announced on the next tick (publish_snapshots).
+                return ledger.Transition(state), []
             case ev.LeaseRequested():
                 fenced = self.recorded(ledger.FENCE_KEY + event.lease_id, pending) is not None
                 return ledger.apply_lease_request(state, event, at, fenced=fenced), []

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import msgspec
 import pytest
 from faust.types import Message
 
@@ -146,6 +147,21 @@ def test_a_batch_is_applied_in_memory_with_offsets_and_outcomes_nothing_written(
     assert [(e.message.offset, reason) for e, reason in letters] == [
         (5, "a 'ledger_snapshot' event does not travel on unit.control: only on unit.budgets")
     ]
+
+
+def test_a_snapshot_asked_changes_nothing_but_puts_the_dataset_among_the_written() -> None:
+    """Written states are the ones announced on the next tick: an ask that changed
+    nothing must still be among them, or the drain waits for the round."""
+    worker = _worker()
+    budget = _delivered(worker, "unit.control", 4, ev.BudgetSet(dataset="d0", budget=1000))
+    first = asyncio.run(worker.apply_batch([budget]))
+    worker.datasets.data["d0"] = ledger.dump_ledger(first.states["d0"])  # as written
+    asked = _delivered(worker, "unit.outcomes", 3, ev.SnapshotAsked(dataset="d0", at=1.0))
+    changes = asyncio.run(worker.apply_batch([asked]))
+    state = changes.states["d0"]
+    assert state.budget == 1000 and state.completion_tokens == 0
+    assert state.applied == {"unit.control:1": 4, "unit.outcomes:1": 3}
+    assert msgspec.structs.replace(state, applied=first.states["d0"].applied) == first.states["d0"]
 
 
 def test_events_applied_before_a_restart_are_skipped_by_offset() -> None:
