@@ -260,8 +260,9 @@ def test_a_server_added_without_a_key_variable_is_sent_no_key_and_one_naming_ano
     monkeypatch.setenv("TOKENBUDGET_API_KEY", "the-jobs-main-key")  # run inherits it
     monkeypatch.setenv("OTHER_SECRET", "not-for-servers")
     jobs = {"code": (rows(tmp_path / "code.jsonl", "#code", 60), 30_000)}
-    configured = start_simulator(tmp_path, "--tokens-per-second", "150", name="configured")
-    added = start_simulator(tmp_path, "--tokens-per-second", "150", name="added")
+    # Slow enough that the job is still running after two CLI calls at 6k kept.
+    configured = start_simulator(tmp_path, "--tokens-per-second", "300", name="configured")
+    added = start_simulator(tmp_path, "--tokens-per-second", "300", name="added")
     config = write_job(
         tmp_path,
         kafka_bootstrap,
