@@ -226,7 +226,7 @@ def test_budget_lowered_then_raised_while_running(
     topics = Topics(namespace)
     write_prompts(tmp_path / "d.jsonl", "#long-code", 200)
     write_prompts(tmp_path / "other.jsonl", "#long-code", 200)
-    raised_budget = 60_000
+    raised_budget = 40_000
 
     async def scenario() -> tuple:
         # An answer lasts ~3.8 s (3,793 tokens at 1,000 a second): the budget lowered
@@ -242,7 +242,7 @@ def test_budget_lowered_then_raised_while_running(
                 [
                     {"name": "d", "path": "d.jsonl", "budget": "400k"},
                     # keeps the job running while "d" is halted and raised again
-                    {"name": "other", "path": "other.jsonl", "budget": "120k"},
+                    {"name": "other", "path": "other.jsonl", "budget": "60k"},
                 ],
             ),
             environ={},
