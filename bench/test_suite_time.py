@@ -4,8 +4,8 @@ TEST_WORKERS --dist loadscope``), in one run, on this machine; and where the tim
 goes: the slowest modules (their tests' seconds summed) and tests of a run.
 
     .venv/bin/python bench/test_suite_time.py [--workers 1,3] [-- PYTEST ARGS]
-    .venv/bin/python bench/test_suite_time.py --slowest [--workers 3] [-- PYTEST ARGS]
-    .venv/bin/python bench/test_suite_time.py --record [--workers 3] [-- PYTEST ARGS]
+    .venv/bin/python bench/test_suite_time.py --slowest [--workers 4] [-- PYTEST ARGS]
+    .venv/bin/python bench/test_suite_time.py --record [--workers 4] [-- PYTEST ARGS]
 
 Each variant runs the same selection (by default the whole suite; after ``--``,
 anything pytest takes, e.g. ``-m integration`` or a few files) in a fresh pytest
@@ -109,14 +109,14 @@ def main() -> None:
     parser.add_argument(
         "--workers",
         help="comma-separated; 1 is the baseline (default 1,3; with --slowest or --record "
-        "TEST_WORKERS, 3)",
+        "TEST_WORKERS, 4)",
     )
     parser.add_argument("--slowest", action="store_true", help="print the slowest modules, tests")
     parser.add_argument("--record", action="store_true", help=f"write {DURATIONS.name}")
     parser.add_argument("--top", type=int, default=25, help="how many slowest to print")
     parser.add_argument("pytest_args", nargs="*", help="after --: what pytest runs")
     args = parser.parse_args()
-    one_run = os.environ.get("TEST_WORKERS", "3")
+    one_run = os.environ.get("TEST_WORKERS", "4")
     counts = [
         int(n)
         for n in (args.workers or (one_run if args.record or args.slowest else "1,3")).split(",")
