@@ -9,11 +9,13 @@ outlasts a broker restarting (Kafka not answering is waited out)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
 
 from aiokafka import AIOKafkaProducer
+from aiokafka.errors import KafkaError as AIOKafkaError
 from kafka.errors import KafkaError
 
 from tokenbudget.core.config import Config
@@ -101,22 +103,29 @@ async def _snapshots_since(
     config: Config, bootstrap: str, watcher: BudgetWatcher, names: list[str], since: float
 ) -> None:
     """Wait until the ledger has published a snapshot of each dataset after ``since``,
-    having asked for them (:func:`ask_snapshots`)."""
+    having asked for them (:func:`ask_snapshots`). The ask runs beside the wait: a
+    broker that does not take it (restarting, gone) holds up only the ask, and the
+    ledger's round of every dataset, every few seconds, still ends the wait."""
 
     def fresh() -> bool:
         return all((s := watcher.board.snapshot(n)) is not None and s.at > since for n in names)
 
-    if not fresh():
-        await ask_snapshots(config, bootstrap, names)
-    while not fresh():
-        await asyncio.sleep(0.1)
+    if fresh():
+        return
+    asking = asyncio.create_task(ask_snapshots(config, bootstrap, names))
+    try:
+        while not fresh():
+            await asyncio.sleep(0.1)
+    finally:
+        asking.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asking
 
 
 async def ask_snapshots(config: Config, bootstrap: str, names: list[str]) -> None:
     """Ask each dataset's ledger owner for a snapshot (``SnapshotAsked`` on the
     outcomes topic, keyed as the dataset's outcomes are, so it reaches the worker
-    that owns it). Only a shortcut: when Kafka does not take it, the ledger's round
-    of every dataset still comes."""
+    that owns it). Only a shortcut: an ask Kafka refuses is logged and dropped."""
     topics = Topics(config.kafka.namespace)
     producer = AIOKafkaProducer(**aiokafka_producer_options(bootstrap, config.kafka.compression))
     try:
@@ -125,7 +134,7 @@ async def ask_snapshots(config: Config, bootstrap: str, names: list[str]) -> Non
             asked = ev.SnapshotAsked(dataset=name, at=time.time())
             await producer.send(topics.outcomes, codec.encode(asked), key=name.encode())
         await producer.flush()
-    except KafkaError as exc:
+    except AIOKafkaError as exc:
         log.warning("asking the ledger for snapshots failed (%r); waiting for its round", exc)
     finally:
         await producer.stop()
