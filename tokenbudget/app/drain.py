@@ -18,6 +18,7 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError as AIOKafkaError
 from kafka.errors import KafkaError
 
+from tokenbudget.core import roles
 from tokenbudget.core.config import Config
 from tokenbudget.core.errors import WorkerFailedError
 from tokenbudget.core.kafka import GroupLag, aiokafka_producer_options
@@ -125,15 +126,21 @@ async def _snapshots_since(
 async def ask_snapshots(config: Config, bootstrap: str, names: list[str]) -> None:
     """Ask each dataset's ledger owner for a snapshot (``SnapshotAsked`` on the
     outcomes topic, keyed as the dataset's outcomes are, so it reaches the worker
-    that owns it). Only a shortcut: an ask Kafka refuses is logged and dropped."""
+    that owns it), logged in as the producer, the role that writes outcomes. Only a
+    shortcut: an ask Kafka refuses is logged and dropped."""
     topics = Topics(config.kafka.namespace)
-    producer = AIOKafkaProducer(**aiokafka_producer_options(bootstrap, config.kafka.compression))
+    with roles.acting_as("producer"):
+        options = aiokafka_producer_options(bootstrap, config.kafka.compression)
+    producer = AIOKafkaProducer(**options)
     try:
         await producer.start()
+        sent = []
         for name in names:
             asked = ev.SnapshotAsked(dataset=name, at=time.time())
-            await producer.send(topics.outcomes, codec.encode(asked), key=name.encode())
-        await producer.flush()
+            sent.append(
+                await producer.send(topics.outcomes, codec.encode(asked), key=name.encode())
+            )
+        await asyncio.gather(*sent)  # a refused write raises here, not in a lost future
     except AIOKafkaError as exc:
         log.warning("asking the ledger for snapshots failed (%r); waiting for its round", exc)
     finally:
