@@ -212,7 +212,9 @@ def test_every_server_away_past_the_timeout_ends_the_run_in_one_line_and_a_rerun
 ) -> None:
     kafka_admin.ensure_topics(kafka_bootstrap, Topics(namespace).specs())
     jobs = {"code": datasets(tmp_path)["code"]}
-    sims = [start_simulator(tmp_path, "--tokens-per-second", "150", name=f"s{i}") for i in range(2)]
+    # An answer of "#code" (~3.8k tokens) takes ~9 s: the first ones are kept with
+    # more still in flight when both servers go.
+    sims = [start_simulator(tmp_path, "--tokens-per-second", "400", name=f"s{i}") for i in range(2)]
     config = write_job(
         tmp_path,
         kafka_bootstrap,
