@@ -14,23 +14,17 @@ leaves nothing running.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
+from tokenbudget.dev.jobs import cpu_seconds
 from tokenbudget.dev.ports import free_ports
 from tokenbudget.localkafka import broker
 from tokenbudget.localkafka.process import running_pid
 from tokenbudget.localkafka.settings import BrokerSettings
 from tokenbudget.localkafka.storage import ensure_jars
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process so far (/proc/<pid>/stat)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def median(values: list[float]) -> str:
@@ -58,10 +52,12 @@ def profile(version: str, quick: bool, runs: int, idle_s: float) -> None:
             broker.up(settings, [])
             restart.append(time.monotonic() - t0)
             pid = running_pid(settings)
-            assert pid is not None
-            ready_cpu.append(cpu_seconds(pid))
+            ready = cpu_seconds(pid) if pid else None
             time.sleep(idle_s)
-            idle_cpu.append(cpu_seconds(pid) - ready_cpu[-1])
+            later = cpu_seconds(pid) if pid else None
+            assert ready is not None and later is not None, "the broker is not running"
+            ready_cpu.append(ready)
+            idle_cpu.append(later - ready)
             broker.down(settings)
     name = "quick_start (C1, serial GC)" if quick else "server JIT, G1 (baseline)"
     print(f"kafka {version} {name}, {runs} runs:")

@@ -100,6 +100,7 @@ from tokenbudget.app.tables import format_table
 from tokenbudget.core import kafka_admin, lifetime
 from tokenbudget.dev import jobs, oracle
 from tokenbudget.dev.demo import wait_for_simulator
+from tokenbudget.dev.jobs import cpu_seconds
 from tokenbudget.dev.ports import free_ports
 from tokenbudget.localkafka import broker
 from tokenbudget.localkafka.settings import BrokerSettings
@@ -135,15 +136,6 @@ SEED_SHAPE = (
 
 
 # ---- processes ------------------------------------------------------------------------
-
-
-def cpu_seconds(pid: int) -> float | None:
-    """User + system CPU of a live process (every thread), None once it is gone."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / TICK
 
 
 def machine_busy() -> tuple[float, float]:

@@ -228,6 +228,15 @@ def survivors(children: dict[int, str], grace: float = 40) -> dict[int, str]:
     return alive
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU of a live process (every thread), None once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _running(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().split(") ")[-1][0]
