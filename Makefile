@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 # Most of an integration test is waiting (for a broker, a simulated server, a
 # drain), so more workers than cores pay: bench/test_suite_time.py measures it
-# (--workers 3,4: four took three quarters of three's time on 2 cores).
+# (--workers 4,5 on 2 cores: five were no faster than four).
 TEST_WORKERS ?= 4
 
 .DEFAULT_GOAL := help
